@@ -1,0 +1,162 @@
+//! The Backend trait: physical device memory, its mapping, exports, imports, events.
+//!
+//! The pool above knows only this trait, never a driver type. Each backend keeps every raw
+//! driver call in one module (`sim`, `cuda::driver`, `hip::driver`), one small function per
+//! call returning [`Result`], each `unsafe` block with a `// SAFETY:` line.
+//!
+//! Addresses are plain `u64` device virtual addresses. On `sim` they are host addresses of
+//! memfd mappings (so tests can read and write them); on `cuda` they are `CUdeviceptr`s.
+
+use std::fmt;
+use std::os::fd::{BorrowedFd, OwnedFd};
+
+use crate::error::Result;
+
+pub mod sim;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+/// A device index as the C API and PyTorch pass it (`int device`).
+pub type DeviceId = i32;
+
+/// A raw stream handle (`cudaStream_t` / `hipStream_t` as an integer). `StreamId(0)` is the
+/// legacy default stream.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamId(pub u64);
+
+impl StreamId {
+    /// The legacy default stream.
+    pub const DEFAULT: StreamId = StreamId(0);
+}
+
+/// One block of physical device memory, mapped at `base` for `bytes` bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArenaMem {
+    /// Device the memory lives on.
+    pub device: DeviceId,
+    /// Device virtual address of the first byte.
+    pub base: u64,
+    /// Size in bytes (a multiple of the backend's granularity).
+    pub bytes: u64,
+    /// The backend's own handle (a `CUmemGenericAllocationHandle`, a sim arena id, ...).
+    pub handle: u64,
+}
+
+/// Whether an export can be ended.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum ExportKind {
+    /// Closing the export (the fd) ends it: the memory can be freed afterwards.
+    Releasable,
+    /// The export pins the memory for the life of the process (ROCm 7.2 legacy IPC, sim
+    /// `legacy_pin`): the arena must never be handed back to the driver, only recycled.
+    Pinning,
+}
+
+/// What an export hands to other processes.
+#[derive(Debug)]
+pub enum ExportPayload {
+    /// A POSIX file descriptor (CUDA/HIP VMM, sim memfd). Sent with SCM_RIGHTS.
+    Fd(OwnedFd),
+    /// An opaque byte handle (legacy `cuIpcGetMemHandle` / `hipIpcGetMemHandle`).
+    Bytes(Vec<u8>),
+}
+
+/// A live export of one arena.
+#[derive(Debug)]
+pub struct Export {
+    /// The handle the importer needs.
+    pub payload: ExportPayload,
+    /// Whether closing the export ends it.
+    pub kind: ExportKind,
+}
+
+impl Export {
+    /// The export's fd, when it is fd-based.
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        match &self.payload {
+            ExportPayload::Fd(fd) => Some(fd.as_fd()),
+            ExportPayload::Bytes(_) => None,
+        }
+    }
+}
+
+/// What a consumer imports: a borrowed fd received over SCM_RIGHTS, or legacy bytes.
+#[derive(Debug, Clone, Copy)]
+pub enum ImportSource<'a> {
+    /// A shareable-handle fd (the importer does not take ownership).
+    Fd(BorrowedFd<'a>),
+    /// A legacy IPC handle.
+    Bytes(&'a [u8]),
+}
+
+/// An imported arena, mapped into this process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mapping {
+    /// Device the mapping is accessible from.
+    pub device: DeviceId,
+    /// Address of the first byte of the imported arena in this process.
+    pub base: u64,
+    /// Size in bytes.
+    pub bytes: u64,
+    /// The backend's own handle for the mapping.
+    pub handle: u64,
+}
+
+/// A recorded event: completes when all work enqueued on its stream before it has finished.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    /// Device of the stream.
+    pub device: DeviceId,
+    /// The backend's handle (`CUevent` as an integer, sim event id).
+    pub raw: u64,
+}
+
+/// Free and total device memory in bytes, as the driver reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct MemInfo {
+    /// Free bytes on the device.
+    pub free: u64,
+    /// Total bytes on the device.
+    pub total: u64,
+}
+
+/// Physical device memory and its mapping, exports, imports, events, device info.
+///
+/// Implementations are thread-safe; the pool never holds its own locks across these calls
+/// where it can avoid it.
+pub trait Backend: Send + Sync + fmt::Debug {
+    /// Short name: `sim`, `cuda`, `hip`.
+    fn name(&self) -> &'static str;
+    /// Number of devices.
+    fn device_count(&self) -> Result<usize>;
+    /// Allocation granularity in bytes: arena sizes are multiples of it.
+    fn granularity(&self, device: DeviceId) -> Result<u64>;
+    /// Free and total bytes on the device.
+    fn mem_info(&self, device: DeviceId) -> Result<MemInfo>;
+    /// Create physical memory of `bytes` (a granularity multiple), exportable, mapped and
+    /// accessible from `device`.
+    fn create_arena(&self, device: DeviceId, bytes: u64) -> Result<ArenaMem>;
+    /// Unmap and release an arena. The caller synchronized the device and closed every
+    /// export first. Memory stays held by the driver while exports or importers hold it.
+    fn destroy_arena(&self, arena: ArenaMem) -> Result<()>;
+    /// Export the arena for other processes (once per arena at a time; the pool ensures it).
+    fn export(&self, arena: &ArenaMem) -> Result<Export>;
+    /// End an export: close its fd. For [`ExportKind::Pinning`] exports this closes what can
+    /// be closed; the memory stays pinned.
+    fn close_export(&self, arena: &ArenaMem, export: Export) -> Result<()>;
+    /// Import another process's export of `bytes` bytes and map it on `device`. The source fd
+    /// stays owned by the caller (close it after this returns).
+    fn import(&self, device: DeviceId, source: ImportSource<'_>, bytes: u64) -> Result<Mapping>;
+    /// Unmap an import. Once every mapping and export is gone the memory is freed.
+    fn unmap_import(&self, mapping: Mapping) -> Result<()>;
+    /// Record an event on `stream` (timing disabled).
+    fn record_event(&self, device: DeviceId, stream: StreamId) -> Result<Event>;
+    /// Whether the event completed (non-blocking).
+    fn event_done(&self, event: &Event) -> Result<bool>;
+    /// Destroy an event.
+    fn destroy_event(&self, event: Event) -> Result<()>;
+    /// Wait for all work on the device to finish.
+    fn synchronize(&self, device: DeviceId) -> Result<()>;
+}

@@ -1,0 +1,2 @@
+//! Pure offset sub-allocator (stub).
+#![forbid(unsafe_code)]

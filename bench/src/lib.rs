@@ -1,0 +1,1 @@
+//! KV-cache trace generation and replay (stub).
