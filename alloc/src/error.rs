@@ -50,6 +50,19 @@ pub enum Error {
         /// The driver's own description of the error.
         message: String,
     },
+    /// The driver (or the sim's capacity) refused memory: the pool answers this by releasing
+    /// cached arenas and retrying once, then reports [`Error::OutOfMemory`].
+    #[error("{backend} backend: {call} out of device memory ({bytes} bytes on device {device})")]
+    DriverOutOfMemory {
+        /// Backend name.
+        backend: &'static str,
+        /// The driver call.
+        call: &'static str,
+        /// The device.
+        device: DeviceId,
+        /// Bytes asked of the driver.
+        bytes: u64,
+    },
     /// No usable device or driver for the requested backend.
     #[error("backend unavailable: {0}")]
     Unavailable(String),
