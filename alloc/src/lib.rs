@@ -2,8 +2,16 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod backend;
+pub mod config;
 pub mod error;
+pub mod pool;
 pub mod range;
+pub mod share;
+pub mod stats;
 
 pub use backend::{Backend, DeviceId, StreamId};
+pub use config::{BackendChoice, Config};
 pub use error::{Error, Result};
+pub use pool::{Allocation, Pool, PoolConfig};
+pub use share::{LeaseGrant, ShareInfo};
+pub use stats::PoolStats;

@@ -231,6 +231,12 @@ impl RangeAllocator {
         }
     }
 
+    /// The allocated range containing `offset`, as `(start, len)`.
+    pub fn allocated_containing(&self, offset: u64) -> Option<(u64, u64)> {
+        let (&start, b) = self.blocks.range(..=offset).next_back()?;
+        (b.state == State::Used && offset < start + b.len).then_some((start, b.len))
+    }
+
     /// Free the allocation starting at `offset`, tagging the range `tag`, and merge it with
     /// free neighbours of the same tag in its region. Returns the freed length.
     pub fn free(&mut self, offset: u64, tag: u64) -> Result<u64, RangeError> {

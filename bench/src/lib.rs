@@ -1,1 +1,21 @@
-//! KV-cache trace generation and replay (stub).
+//! KV-cache allocation benchmarks for gpu-arena.
+//!
+//! - [`trace`]: a seeded, deterministic, vLLM-like KV-cache allocation trace.
+//! - [`replay`]: replaying a trace through any [`replay::TraceAllocator`], and the two
+//!   baselines a user would otherwise write over a [`gpu_arena::Backend`]: one arena per
+//!   allocation ([`replay::PerAllocationBackend`]) and one big first-fit arena
+//!   ([`replay::FirstFitArena`]).
+//! - [`pool_adapter`]: the real [`gpu_arena::Pool`] as a [`replay::TraceAllocator`].
+//! - [`suite`]: the whole comparison (and the arena-size sweep) as the criterion bench
+//!   `kv_cache` and the `kv_replay` binary run it; [`report`] renders it as markdown.
+
+pub mod pool_adapter;
+pub mod replay;
+pub mod report;
+pub mod suite;
+pub mod trace;
+
+pub use pool_adapter::PoolAllocator;
+pub use replay::{replay, FirstFitArena, PerAllocationBackend, ReplayResult, TraceAllocator};
+pub use suite::{run_suite, SuiteConfig, SuiteReport};
+pub use trace::{generate, Op, Trace, TraceConfig};

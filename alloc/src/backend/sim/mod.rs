@@ -1,0 +1,790 @@
+//! The simulated device: host memory backed by memfd, with the driver's lifetime rules.
+//!
+//! `SimBackend` is the device that CI, the tests and the default demo run on. It keeps the
+//! parts of a real GPU driver that gpu-arena's design depends on and replaces the rest with
+//! host memory:
+//!
+//! - **Memory is real.** An arena is a `memfd` of `bytes` bytes (sized with `ftruncate`,
+//!   so pages are only touched when written) mapped `MAP_SHARED` read/write.
+//!   [`ArenaMem::base`] is the host address of that mapping, so tests can read and write it.
+//! - **Exports are real fds.** [`Backend::export`] hands out a `dup` of the memfd (with
+//!   `CLOEXEC`), which can cross processes over `SCM_RIGHTS`; [`Backend::import`] `mmap`s
+//!   such an fd, in this process or another one, so a consumer sees the producer's bytes.
+//! - **The ledger follows the driver, not the kernel.** The kernel frees a memfd when its
+//!   last fd and mapping go; the sim additionally keeps a per-device ledger of *held* bytes
+//!   that reproduces what we measured on an H200 with the CUDA VMM API (2026-11-29):
+//!   1. an exported POSIX fd left open keeps the physical memory after `cuMemRelease`
+//!      (8.00 GiB stayed held until `close(fd)`);
+//!   2. an importer's mapping keeps the memory after the exporter released it *and* closed
+//!      its fd, until the importer unmaps;
+//!   3. ROCm 7.2's legacy IPC (`hsa_amd_ipc_memory_create`) pins the allocation for the life
+//!      of the process, with no call to undo it.
+//!
+//!   So an arena's bytes count as held until the owner destroyed it **and** every export fd
+//!   it handed out was closed through [`Backend::close_export`] **and** every in-process
+//!   mapping of it (an import of its own export) was unmapped. With
+//!   [`SimConfig::legacy_pin`] every export is [`ExportKind::Pinning`] and pins its arena:
+//!   the bytes stay held for the life of the `SimBackend`, as rule 3 says. `mem_info`
+//!   reports `free = capacity - held`, and `create_arena` fails with
+//!   [`Error::DriverOutOfMemory`] when the request does not fit, so the pool's
+//!   release-and-retry path and leak bugs show up exactly as they would on a GPU.
+//! - **What the ledger cannot see.** Each `SimBackend` is one process's view of its devices.
+//!   A mapping made by *another* process (or another `SimBackend`) keeps the memfd's pages
+//!   alive in the kernel but is not in this ledger; the importing side tracks it as a
+//!   *foreign import* (count and bytes), which does not use its capacity. An export whose
+//!   [`Export`] is dropped without `close_export` stays counted as open: like a leaked fd on
+//!   a real driver, the bytes never come back.
+//! - **Streams and events** have no work behind them: an event is complete when recorded,
+//!   unless its stream was blocked with [`SimBackend::block_stream`]; then it stays pending
+//!   until [`SimBackend::unblock_stream`] or [`Backend::synchronize`] (which completes the
+//!   device's pending events but leaves the stream blocked for later ones). Tests use this
+//!   to exercise stream-ordered reuse.
+//! - **Fault injection**: [`SimBackend::fail_nth`] / [`SimBackend::fail_always`] make calls
+//!   fail with [`Error::Backend`] (`message: "injected fault"`) before they touch anything,
+//!   and [`SimBackend::calls`] counts the calls of each kind (tests count driver exports).
+//!
+//! # Failed calls change nothing
+//!
+//! Every failing call, injected or not, leaves the ledger and the resources as they were.
+//! The three calls that take ownership (`destroy_arena`, `unmap_import`, `close_export`)
+//! behave like a driver call that failed before doing its work (`cuMemRelease` or
+//! `cuMemUnmap` returning an error leaves the handle or mapping valid):
+//!
+//! - a failed `destroy_arena` leaves the arena live and mapped; [`ArenaMem`] is `Clone`, so
+//!   the caller may retry with a copy;
+//! - a failed `unmap_import` leaves the mapping mapped and registered; [`Mapping`] is
+//!   `Clone`, so the caller may retry;
+//! - a failed `close_export` cannot hand the [`Export`] back (it was moved in), so the sim
+//!   keeps its fd open and *still counted* as an open export: the sim is deliberately
+//!   stricter than `close(2)` (which frees the descriptor even when it fails), modelling the
+//!   worst case in which the pool must not assume the memory came back. Such *stranded*
+//!   fds are closed (and uncounted) by [`SimBackend::close_stranded_exports`], or closed by
+//!   `Drop`. The same applies when `close_export` rejects an export that belongs to one of
+//!   this backend's arenas (for example paired with the wrong [`ArenaMem`]); an fd that is
+//!   not one of this backend's exports is simply closed.
+//!
+//! Whatever is still owned when the `SimBackend` is dropped (arena mappings and memfds,
+//! imported mappings, stranded export fds) is unmapped and closed, with a `tracing` warning
+//! for each device whose ledger is not clean, so the process leaks neither fds nor mappings.
+//!
+//! # Layout
+//!
+//! `types` holds the public configuration, call-kind and ledger types; `sys` holds every
+//! system call (memfd, ftruncate, mmap, munmap, fstat, dup), one small function each, and
+//! all of the backend's `unsafe`; this module keeps the ledger behind one mutex. Arena,
+//! mapping and event handles come from one counter, so they are unique across kinds and
+//! never reused.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+use super::{
+    ArenaMem, Backend, DeviceId, Event, Export, ExportKind, ExportPayload, ImportSource, Mapping,
+    MemInfo, StreamId,
+};
+use crate::error::{Error, Result};
+
+mod sys;
+#[cfg(test)]
+mod tests;
+mod types;
+
+use sys::{file_info, map_shared, sys_err, unmap, Region};
+pub use types::{SimCall, SimConfig, SimLedger};
+
+/// The backend name in errors and [`Backend::name`].
+const NAME: &str = "sim";
+
+/// Gives each `SimBackend` a distinct memfd name prefix (tests find their own fds by it).
+static NEXT_SERIAL: AtomicU64 = AtomicU64::new(1);
+
+fn injected(call: SimCall) -> Error {
+    Error::Backend {
+        backend: NAME,
+        call: call.name(),
+        message: "injected fault".to_owned(),
+    }
+}
+
+/// The owner's side of a live arena: its memfd and its mapping at `base`.
+#[derive(Debug)]
+struct Owner {
+    memfd: OwnedFd,
+    region: Region,
+}
+
+/// One arena in the ledger, from `create_arena` until its bytes are released.
+#[derive(Debug)]
+struct ArenaEntry {
+    device: DeviceId,
+    base: u64,
+    bytes: u64,
+    /// `(st_dev, st_ino)` of the memfd: how imports recognise this backend's own exports.
+    inode: (u64, u64),
+    /// `None` once the owner destroyed the arena.
+    owner: Option<Owner>,
+    open_exports: usize,
+    mappings: usize,
+    pinned: bool,
+}
+
+impl ArenaEntry {
+    /// Whether nothing holds the bytes any more (the entry can leave the ledger).
+    fn released(&self) -> bool {
+        self.owner.is_none() && self.open_exports == 0 && self.mappings == 0 && !self.pinned
+    }
+
+    fn check(&self, arena: &ArenaMem, call: &str) -> Result<()> {
+        if self.device != arena.device || self.base != arena.base || self.bytes != arena.bytes {
+            return Err(Error::invalid(format!(
+                "sim {call}: arena {} is {} bytes at {:#x} on device {}, not {} bytes at \
+                 {:#x} on device {}",
+                arena.handle,
+                self.bytes,
+                self.base,
+                self.device,
+                arena.bytes,
+                arena.base,
+                arena.device
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A mapping made by `import`.
+#[derive(Debug)]
+struct ImportEntry {
+    device: DeviceId,
+    bytes: u64,
+    region: Region,
+    /// The arena of this backend it maps, or `None` for foreign memory.
+    arena: Option<u64>,
+}
+
+#[derive(Debug)]
+struct EventEntry {
+    device: DeviceId,
+    stream: StreamId,
+    done: bool,
+}
+
+/// Counts and scheduled faults of one [`SimCall`].
+#[derive(Debug, Default)]
+struct FaultPlan {
+    calls: u64,
+    /// Absolute call numbers (1-based) that fail.
+    fail_at: BTreeSet<u64>,
+    always: bool,
+}
+
+#[derive(Debug)]
+struct Inner {
+    arenas: BTreeMap<u64, ArenaEntry>,
+    by_inode: HashMap<(u64, u64), u64>,
+    imports: BTreeMap<u64, ImportEntry>,
+    events: HashMap<u64, EventEntry>,
+    blocked: HashSet<(DeviceId, StreamId)>,
+    /// Export fds kept by failed `close_export` calls (see the module docs).
+    stranded: Vec<OwnedFd>,
+    /// Next arena, mapping or event id: one counter, so ids are unique across kinds.
+    next_id: u64,
+    faults: [FaultPlan; SimCall::ALL.len()],
+}
+
+impl Inner {
+    /// Count a call and fail it if a fault is scheduled for it.
+    fn enter(&mut self, call: SimCall) -> Result<()> {
+        let plan = &mut self.faults[call.index()];
+        plan.calls += 1;
+        let n = plan.calls;
+        if plan.always || plan.fail_at.remove(&n) {
+            return Err(injected(call));
+        }
+        Ok(())
+    }
+
+    fn take_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    fn held_bytes(&self, device: DeviceId) -> u64 {
+        self.arenas
+            .values()
+            .filter(|a| a.device == device)
+            .map(|a| a.bytes)
+            .sum()
+    }
+
+    fn arena_mut(&mut self, arena: &ArenaMem, call: &str) -> Result<&mut ArenaEntry> {
+        let entry = self.arenas.get_mut(&arena.handle).ok_or_else(|| {
+            Error::invalid(format!(
+                "sim {call}: unknown sim arena {} (never created, or already released)",
+                arena.handle
+            ))
+        })?;
+        entry.check(arena, call)?;
+        Ok(entry)
+    }
+
+    /// Drop the arena's entry if nothing holds its bytes any more.
+    fn retire_if_released(&mut self, id: u64) {
+        if !self.arenas.get(&id).is_some_and(ArenaEntry::released) {
+            return;
+        }
+        if let Some(entry) = self.arenas.remove(&id) {
+            if self.by_inode.get(&entry.inode) == Some(&id) {
+                self.by_inode.remove(&entry.inode);
+            }
+        }
+    }
+
+    /// Uncount one open export of the arena whose memfd inode is `key`; returns the arena's
+    /// id, or `None` when `key` is not a counted export of one of our arenas.
+    fn uncount_export(&mut self, key: (u64, u64)) -> Option<u64> {
+        let id = *self.by_inode.get(&key)?;
+        let entry = self.arenas.get_mut(&id)?;
+        if entry.open_exports == 0 {
+            return None;
+        }
+        entry.open_exports -= 1;
+        Some(id)
+    }
+
+    /// Whether `key` is the inode of one of our arenas with a counted open export.
+    fn is_counted_export(&self, key: (u64, u64)) -> bool {
+        self.by_inode
+            .get(&key)
+            .and_then(|id| self.arenas.get(id))
+            .is_some_and(|a| a.open_exports > 0)
+    }
+
+    fn ledger(&self, device: DeviceId) -> SimLedger {
+        let mut l = SimLedger::default();
+        for a in self.arenas.values().filter(|a| a.device == device) {
+            l.held_bytes += a.bytes;
+            if a.owner.is_some() {
+                l.live_arenas += 1;
+            } else {
+                l.destroyed_but_held += 1;
+            }
+            l.open_exports += a.open_exports;
+            l.own_mappings += a.mappings;
+            if a.pinned {
+                l.pinned_bytes += a.bytes;
+            }
+        }
+        for m in self
+            .imports
+            .values()
+            .filter(|m| m.arena.is_none() && m.device == device)
+        {
+            l.foreign_imports += 1;
+            l.foreign_import_bytes += m.bytes;
+        }
+        l
+    }
+}
+
+/// The simulated device backend: memfd-backed host memory with the driver's ledger.
+///
+/// Thread-safe (one mutex inside); share it as `Arc<dyn Backend>`. See the module docs for
+/// what it models.
+#[derive(Debug)]
+pub struct SimBackend {
+    config: SimConfig,
+    serial: u64,
+    inner: Mutex<Inner>,
+}
+
+impl SimBackend {
+    /// A sim with `config.devices` devices; fails with [`Error::InvalidArgument`] when the
+    /// configuration is invalid (see [`SimConfig::validate`]).
+    pub fn new(config: SimConfig) -> Result<SimBackend> {
+        config.validate()?;
+        Ok(SimBackend {
+            config,
+            serial: NEXT_SERIAL.fetch_add(1, Ordering::Relaxed),
+            inner: Mutex::new(Inner {
+                arenas: BTreeMap::new(),
+                by_inode: HashMap::new(),
+                imports: BTreeMap::new(),
+                events: HashMap::new(),
+                blocked: HashSet::new(),
+                stranded: Vec::new(),
+                next_id: 1,
+                faults: Default::default(),
+            }),
+        })
+    }
+
+    /// The configuration it was built with.
+    pub fn config(&self) -> &SimConfig {
+        &self.config
+    }
+
+    /// Make events recorded on `stream` of `device` from now on stay pending, as if the
+    /// stream had work queued that does not finish. Events recorded before stay as they are.
+    pub fn block_stream(&self, device: DeviceId, stream: StreamId) {
+        self.inner.lock().blocked.insert((device, stream));
+    }
+
+    /// Let `stream` of `device` finish: every pending event recorded on it completes, and
+    /// later events complete at once.
+    pub fn unblock_stream(&self, device: DeviceId, stream: StreamId) {
+        let mut inner = self.inner.lock();
+        inner.blocked.remove(&(device, stream));
+        for e in inner.events.values_mut() {
+            if e.device == device && e.stream == stream {
+                e.done = true;
+            }
+        }
+    }
+
+    /// Number of recorded, not yet destroyed events of `device` that are still pending.
+    pub fn pending_events(&self, device: DeviceId) -> usize {
+        self.inner
+            .lock()
+            .events
+            .values()
+            .filter(|e| e.device == device && !e.done)
+            .count()
+    }
+
+    /// Make the `n`-th future call of kind `call` fail (`1` = the next one) with
+    /// [`Error::Backend`] `{ backend: "sim", call: call.name(), message: "injected fault" }`,
+    /// changing nothing. Several can be scheduled; `n == 0` cancels every scheduled
+    /// `fail_nth` of that kind.
+    pub fn fail_nth(&self, call: SimCall, n: u64) {
+        let mut inner = self.inner.lock();
+        let plan = &mut inner.faults[call.index()];
+        if n == 0 {
+            plan.fail_at.clear();
+        } else {
+            let at = plan.calls.saturating_add(n);
+            plan.fail_at.insert(at);
+        }
+    }
+
+    /// Make every call of kind `call` fail (`true`) or stop doing so (`false`).
+    pub fn fail_always(&self, call: SimCall, on: bool) {
+        self.inner.lock().faults[call.index()].always = on;
+    }
+
+    /// How many calls of kind `call` were made so far, successful or not.
+    pub fn calls(&self, call: SimCall) -> u64 {
+        self.inner.lock().faults[call.index()].calls
+    }
+
+    /// The ledger of `device` (all zero for a device the sim does not have).
+    pub fn ledger(&self, device: DeviceId) -> SimLedger {
+        self.inner.lock().ledger(device)
+    }
+
+    /// Whether `device` holds nothing, has no open export and no import
+    /// ([`SimLedger::is_clean`]).
+    pub fn is_clean(&self, device: DeviceId) -> bool {
+        self.ledger(device).is_clean()
+    }
+
+    /// Close the export fds that failed `close_export` calls left with the backend (see the
+    /// module docs), uncounting them from the ledger; returns how many were closed.
+    pub fn close_stranded_exports(&self) -> usize {
+        let mut inner = self.inner.lock();
+        let fds = std::mem::take(&mut inner.stranded);
+        let n = fds.len();
+        for fd in fds {
+            if let Ok(info) = file_info(fd.as_fd()) {
+                if let Some(id) = inner.uncount_export(info.key) {
+                    inner.retire_if_released(id);
+                }
+            }
+            drop(fd);
+        }
+        n
+    }
+
+    /// The memfd name prefix of this backend's arenas (`/proc/self/fd` and
+    /// `/proc/self/maps` show it).
+    fn memfd_tag(&self) -> String {
+        format!("gpu-arena-sim.b{}.", self.serial)
+    }
+
+    fn check_device(&self, device: DeviceId) -> Result<()> {
+        match usize::try_from(device) {
+            Ok(d) if d < self.config.devices => Ok(()),
+            _ => Err(Error::InvalidDevice {
+                device,
+                count: self.config.devices,
+            }),
+        }
+    }
+}
+
+impl Backend for SimBackend {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn device_count(&self) -> Result<usize> {
+        Ok(self.config.devices)
+    }
+
+    fn granularity(&self, device: DeviceId) -> Result<u64> {
+        self.check_device(device)?;
+        Ok(self.config.granularity)
+    }
+
+    fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
+        let mut inner = self.inner.lock();
+        inner.enter(SimCall::MemInfo)?;
+        self.check_device(device)?;
+        let held = inner.held_bytes(device);
+        Ok(MemInfo {
+            free: self.config.capacity.saturating_sub(held),
+            total: self.config.capacity,
+        })
+    }
+
+    fn create_arena(&self, device: DeviceId, bytes: u64) -> Result<ArenaMem> {
+        let mut inner = self.inner.lock();
+        inner.enter(SimCall::CreateArena)?;
+        self.check_device(device)?;
+        let g = self.config.granularity;
+        if bytes == 0 || bytes % g != 0 {
+            return Err(Error::invalid(format!(
+                "sim create_arena: {bytes} bytes is not a non-zero multiple of the \
+                 granularity {g}"
+            )));
+        }
+        let held = inner.held_bytes(device);
+        if held.saturating_add(bytes) > self.config.capacity {
+            return Err(Error::DriverOutOfMemory {
+                backend: NAME,
+                call: "create_arena",
+                device,
+                bytes,
+            });
+        }
+        let len = usize::try_from(bytes).map_err(|_| {
+            Error::invalid(format!(
+                "sim create_arena: {bytes} bytes do not fit the address space"
+            ))
+        })?;
+        let id = inner.next_id;
+        let name = format!("{}a{id}", self.memfd_tag());
+        let memfd = sys::create_memfd(&name, bytes)?;
+        let info = file_info(memfd.as_fd()).map_err(|e| sys_err("fstat", e))?;
+        // Last fallible step: on failure `memfd` drops (closes) and nothing was recorded.
+        let region = map_shared(memfd.as_fd(), len)?;
+        let base = region.base();
+        inner.take_id();
+        // A stale key can only belong to an entry whose memfd the kernel already freed
+        // (inode numbers are reused only then): the new arena owns the inode now.
+        inner.by_inode.insert(info.key, id);
+        inner.arenas.insert(
+            id,
+            ArenaEntry {
+                device,
+                base,
+                bytes,
+                inode: info.key,
+                owner: Some(Owner { memfd, region }),
+                open_exports: 0,
+                mappings: 0,
+                pinned: false,
+            },
+        );
+        Ok(ArenaMem {
+            device,
+            base,
+            bytes,
+            handle: id,
+        })
+    }
+
+    fn destroy_arena(&self, arena: ArenaMem) -> Result<()> {
+        let mut inner = self.inner.lock();
+        inner.enter(SimCall::DestroyArena)?;
+        let entry = inner.arena_mut(&arena, "destroy_arena")?;
+        let owner = entry.owner.as_ref().ok_or_else(|| {
+            Error::invalid(format!(
+                "sim destroy_arena: arena {} was already destroyed",
+                arena.handle
+            ))
+        })?;
+        unmap(&owner.region)?;
+        // Closes the owner's memfd; exports and mappings keep the kernel object alive.
+        entry.owner = None;
+        inner.retire_if_released(arena.handle);
+        Ok(())
+    }
+
+    fn export(&self, arena: &ArenaMem) -> Result<Export> {
+        let mut inner = self.inner.lock();
+        inner.enter(SimCall::Export)?;
+        let legacy_pin = self.config.legacy_pin;
+        let entry = inner.arena_mut(arena, "export")?;
+        let owner = entry.owner.as_ref().ok_or_else(|| {
+            Error::invalid(format!("sim export: arena {} was destroyed", arena.handle))
+        })?;
+        let fd = sys::dup_cloexec(owner.memfd.as_fd())?;
+        entry.open_exports += 1;
+        let kind = if legacy_pin {
+            entry.pinned = true;
+            ExportKind::Pinning
+        } else {
+            ExportKind::Releasable
+        };
+        Ok(Export {
+            payload: ExportPayload::Fd(fd),
+            kind,
+        })
+    }
+
+    fn close_export(&self, arena: &ArenaMem, export: Export) -> Result<()> {
+        let mut inner = self.inner.lock();
+        let fd = match (inner.enter(SimCall::CloseExport), export.payload) {
+            (Err(e), ExportPayload::Fd(fd)) => {
+                // Failed before doing anything: the export stays open, kept by the sim.
+                inner.stranded.push(fd);
+                return Err(e);
+            }
+            (Err(e), ExportPayload::Bytes(_)) => return Err(e),
+            (Ok(()), ExportPayload::Bytes(_)) => {
+                return Err(Error::invalid(
+                    "sim close_export: sim exports are fds, this export carries bytes",
+                ))
+            }
+            (Ok(()), ExportPayload::Fd(fd)) => fd,
+        };
+        let info = match file_info(fd.as_fd()) {
+            Ok(info) => info,
+            Err(e) => {
+                return Err(Error::invalid(format!(
+                    "sim close_export: fstat of the export fd failed: {e}"
+                )))
+            }
+        };
+        let ours = inner.is_counted_export(info.key);
+        let reject = |inner: &mut Inner, fd: OwnedFd, err: Error| {
+            if ours {
+                inner.stranded.push(fd);
+            }
+            Err(err)
+        };
+        let entry = match inner.arena_mut(arena, "close_export") {
+            Ok(entry) => entry,
+            Err(e) => return reject(&mut inner, fd, e),
+        };
+        if entry.inode != info.key {
+            let err = Error::invalid(format!(
+                "sim close_export: the export is not an export of arena {}",
+                arena.handle
+            ));
+            return reject(&mut inner, fd, err);
+        }
+        if entry.open_exports == 0 {
+            let err = Error::InvalidState(format!(
+                "sim close_export: arena {} has no open export",
+                arena.handle
+            ));
+            return reject(&mut inner, fd, err);
+        }
+        entry.open_exports -= 1;
+        drop(fd);
+        inner.retire_if_released(arena.handle);
+        Ok(())
+    }
+
+    fn import(&self, device: DeviceId, source: ImportSource<'_>, bytes: u64) -> Result<Mapping> {
+        let mut inner = self.inner.lock();
+        inner.enter(SimCall::Import)?;
+        self.check_device(device)?;
+        let fd = match source {
+            ImportSource::Fd(fd) => fd,
+            ImportSource::Bytes(_) => return Err(Error::invalid("sim imports fds only")),
+        };
+        if bytes == 0 {
+            return Err(Error::invalid("sim import: 0 bytes"));
+        }
+        let len = usize::try_from(bytes).map_err(|_| {
+            Error::invalid(format!(
+                "sim import: {bytes} bytes do not fit the address space"
+            ))
+        })?;
+        let info = file_info(fd)
+            .map_err(|e| Error::Ipc(format!("sim import: fstat of the fd failed: {e}")))?;
+        if !info.regular {
+            return Err(Error::Ipc(
+                "sim import: the fd is not a memfd (not a regular file)".to_owned(),
+            ));
+        }
+        if info.size < bytes {
+            return Err(Error::invalid(format!(
+                "sim import: {bytes} bytes asked but the fd holds only {}",
+                info.size
+            )));
+        }
+        let region = map_shared(fd, len)?;
+        let arena = inner
+            .by_inode
+            .get(&info.key)
+            .copied()
+            .filter(|id| inner.arenas.contains_key(id));
+        if let Some(entry) = arena.and_then(|id| inner.arenas.get_mut(&id)) {
+            entry.mappings += 1;
+        }
+        let id = inner.take_id();
+        let base = region.base();
+        inner.imports.insert(
+            id,
+            ImportEntry {
+                device,
+                bytes,
+                region,
+                arena,
+            },
+        );
+        Ok(Mapping {
+            device,
+            base,
+            bytes,
+            handle: id,
+        })
+    }
+
+    fn unmap_import(&self, mapping: Mapping) -> Result<()> {
+        let mut inner = self.inner.lock();
+        inner.enter(SimCall::UnmapImport)?;
+        let entry = inner.imports.get(&mapping.handle).ok_or_else(|| {
+            Error::invalid(format!(
+                "sim unmap_import: unknown mapping {} (never imported, or already unmapped)",
+                mapping.handle
+            ))
+        })?;
+        if entry.device != mapping.device
+            || entry.region.base() != mapping.base
+            || entry.bytes != mapping.bytes
+        {
+            return Err(Error::invalid(format!(
+                "sim unmap_import: mapping {} is {} bytes at {:#x} on device {}, not {} \
+                 bytes at {:#x} on device {}",
+                mapping.handle,
+                entry.bytes,
+                entry.region.base(),
+                entry.device,
+                mapping.bytes,
+                mapping.base,
+                mapping.device
+            )));
+        }
+        unmap(&entry.region)?;
+        let arena = inner.imports.remove(&mapping.handle).and_then(|m| m.arena);
+        if let Some(id) = arena {
+            if let Some(a) = inner.arenas.get_mut(&id) {
+                a.mappings = a.mappings.saturating_sub(1);
+            }
+            inner.retire_if_released(id);
+        }
+        Ok(())
+    }
+
+    fn record_event(&self, device: DeviceId, stream: StreamId) -> Result<Event> {
+        let mut inner = self.inner.lock();
+        inner.enter(SimCall::RecordEvent)?;
+        self.check_device(device)?;
+        let done = !inner.blocked.contains(&(device, stream));
+        let id = inner.take_id();
+        inner.events.insert(
+            id,
+            EventEntry {
+                device,
+                stream,
+                done,
+            },
+        );
+        Ok(Event { device, raw: id })
+    }
+
+    fn event_done(&self, event: &Event) -> Result<bool> {
+        let mut inner = self.inner.lock();
+        inner.enter(SimCall::EventQuery)?;
+        match inner.events.get(&event.raw) {
+            Some(e) if e.device == event.device => Ok(e.done),
+            _ => Err(Error::invalid(format!(
+                "sim event_done: unknown event {} on device {}",
+                event.raw, event.device
+            ))),
+        }
+    }
+
+    fn destroy_event(&self, event: Event) -> Result<()> {
+        let mut inner = self.inner.lock();
+        match inner.events.get(&event.raw) {
+            Some(e) if e.device == event.device => {
+                inner.events.remove(&event.raw);
+                Ok(())
+            }
+            _ => Err(Error::invalid(format!(
+                "sim destroy_event: unknown event {} on device {}",
+                event.raw, event.device
+            ))),
+        }
+    }
+
+    fn synchronize(&self, device: DeviceId) -> Result<()> {
+        let mut inner = self.inner.lock();
+        inner.enter(SimCall::Synchronize)?;
+        self.check_device(device)?;
+        for e in inner.events.values_mut().filter(|e| e.device == device) {
+            e.done = true;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SimBackend {
+    fn drop(&mut self) {
+        let inner = self.inner.get_mut();
+        for device in 0..self.config.devices {
+            let Ok(device) = DeviceId::try_from(device) else {
+                continue;
+            };
+            let ledger = inner.ledger(device);
+            if !ledger.is_clean() {
+                tracing::warn!(
+                    device,
+                    ?ledger,
+                    "sim backend dropped with device memory still held, exported or imported"
+                );
+            }
+        }
+        if !inner.stranded.is_empty() {
+            tracing::warn!(
+                count = inner.stranded.len(),
+                "sim backend dropped: closing export fds left by failed close_export calls"
+            );
+            inner.stranded.clear();
+        }
+        for (id, m) in std::mem::take(&mut inner.imports) {
+            if let Err(e) = unmap(&m.region) {
+                tracing::warn!(mapping = id, error = %e, "sim backend drop: munmap of an import failed");
+            }
+        }
+        for (id, a) in std::mem::take(&mut inner.arenas) {
+            if let Some(owner) = a.owner {
+                if let Err(e) = unmap(&owner.region) {
+                    tracing::warn!(arena = id, error = %e, "sim backend drop: munmap of an arena failed");
+                }
+                drop(owner.memfd);
+            }
+        }
+        inner.by_inode.clear();
+    }
+}

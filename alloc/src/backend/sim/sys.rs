@@ -1,0 +1,105 @@
+//! Every system call of the sim, one small function each: memfd, ftruncate, mmap, munmap,
+//! fstat, dup. The only `unsafe` code of the backend lives here.
+
+use std::ffi::c_void;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use rustix::fs::{FileType, MemfdFlags};
+use rustix::mm::{MapFlags, ProtFlags};
+
+use super::NAME;
+use crate::error::{Error, Result};
+
+/// A live `mmap` made by [`map_shared`]. Only this module creates one (its fields are
+/// private), and every `Region` is unmapped at most once: the backend drops it from its
+/// state right after a successful [`unmap`].
+#[derive(Debug)]
+pub(super) struct Region {
+    addr: usize,
+    len: usize,
+}
+
+impl Region {
+    /// The address of the first byte.
+    pub(super) fn base(&self) -> u64 {
+        self.addr as u64
+    }
+}
+
+/// A failed system call as [`Error::Backend`].
+pub(super) fn sys_err(call: &'static str, err: rustix::io::Errno) -> Error {
+    Error::Backend {
+        backend: NAME,
+        call,
+        message: err.to_string(),
+    }
+}
+
+/// `mmap(NULL, len, READ | WRITE, MAP_SHARED, fd, 0)`.
+pub(super) fn map_shared(fd: BorrowedFd<'_>, len: usize) -> Result<Region> {
+    // SAFETY: with a null address hint the kernel picks a range that no existing mapping
+    // uses, so no memory the process relies on is replaced; `fd` is open for the whole
+    // call; the new range is reached only through raw addresses, never Rust references.
+    let ptr = unsafe {
+        rustix::mm::mmap(
+            std::ptr::null_mut(),
+            len,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::SHARED,
+            fd,
+            0,
+        )
+    }
+    .map_err(|e| sys_err("mmap", e))?;
+    Ok(Region {
+        addr: ptr as usize,
+        len,
+    })
+}
+
+/// `munmap` a region made by [`map_shared`]. The caller removes the region from the state
+/// after this succeeds, so it is never unmapped twice.
+pub(super) fn unmap(region: &Region) -> Result<()> {
+    // SAFETY: `region` came from `map_shared` (only this module builds one) and is still
+    // mapped: a region leaves the backend's state right after its one successful unmap.
+    // The sim never creates Rust references into it; callers hold only the raw address
+    // (`ArenaMem::base`, `Mapping::base`), whose validity the Backend contract ends with
+    // this very call (`destroy_arena`, `unmap_import`) or with the backend's drop.
+    unsafe { rustix::mm::munmap(region.addr as *mut c_void, region.len) }
+        .map_err(|e| sys_err("munmap", e))
+}
+
+/// What `fstat` says about an fd: its inode key `(st_dev, st_ino)`, size, whether it is a
+/// regular file (a memfd is one).
+pub(super) struct FileInfo {
+    /// `(st_dev, st_ino)`: identifies the memfd across fds, dups and processes.
+    pub(super) key: (u64, u64),
+    /// `st_size` in bytes.
+    pub(super) size: u64,
+    /// Whether it is a regular file (memfds are).
+    pub(super) regular: bool,
+}
+
+/// `fstat(fd)`, reduced to what the sim needs.
+pub(super) fn file_info(fd: BorrowedFd<'_>) -> rustix::io::Result<FileInfo> {
+    let st = rustix::fs::fstat(fd)?;
+    Ok(FileInfo {
+        key: (st.st_dev, st.st_ino),
+        size: u64::try_from(st.st_size).unwrap_or(0),
+        regular: FileType::from_raw_mode(st.st_mode) == FileType::RegularFile,
+    })
+}
+
+/// `memfd_create(name, MFD_CLOEXEC)` + `ftruncate(bytes)`: a memfd whose pages are only
+/// allocated when written.
+pub(super) fn create_memfd(name: &str, bytes: u64) -> Result<OwnedFd> {
+    let memfd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC)
+        .map_err(|e| sys_err("memfd_create", e))?;
+    rustix::fs::ftruncate(&memfd, bytes).map_err(|e| sys_err("ftruncate", e))?;
+    Ok(memfd)
+}
+
+/// `fcntl(fd, F_DUPFD_CLOEXEC, 0)`: a new fd for the same open file.
+pub(super) fn dup_cloexec(fd: BorrowedFd<'_>) -> Result<OwnedFd> {
+    rustix::io::fcntl_dupfd_cloexec(fd.as_fd(), 0).map_err(|e| sys_err("fcntl_dupfd_cloexec", e))
+}

@@ -1,0 +1,106 @@
+//! Statistics in layers: cheap counters per device ([`PoolStats`]), `metrics` gauges fed
+//! from them, and a JSON snapshot of every arena and range (`Pool::snapshot_json`).
+//!
+//! Metric names (all labelled `device`):
+//!
+//! | name | kind | meaning |
+//! |---|---|---|
+//! | `gpu_arena_reserved_bytes` | gauge | bytes in arenas held from the backend |
+//! | `gpu_arena_allocated_bytes` | gauge | bytes in live allocations (rounded to 512 B) |
+//! | `gpu_arena_arenas` | gauge | arenas held |
+//! | `gpu_arena_pinned_bytes` | gauge | bytes in arenas pinned by a non-releasable export |
+//! | `gpu_arena_exports_live` | gauge | arenas exported right now |
+//! | `gpu_arena_backend_creates_total` | counter | arenas created through the backend |
+//! | `gpu_arena_backend_destroys_total` | counter | arenas handed back to the backend |
+//! | `gpu_arena_exports_total` | counter | driver exports made |
+//! | `gpu_arena_oom_total` | counter | allocations that failed for lack of memory |
+
+use crate::backend::DeviceId;
+
+/// Counters of one device's pool. All sizes in bytes. Field names match the C API's
+/// `gpu_arena_stats_t`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PoolStats {
+    /// Bytes in arenas held from the backend.
+    pub reserved_bytes: u64,
+    /// Bytes in live allocations, rounded to 512 B (freed-but-shared ranges included).
+    pub allocated_bytes: u64,
+    /// Highest `reserved_bytes` seen.
+    pub peak_reserved_bytes: u64,
+    /// Highest `allocated_bytes` seen.
+    pub peak_allocated_bytes: u64,
+    /// Arenas held.
+    pub arenas: u64,
+    /// Arenas created through the backend, ever.
+    pub backend_creates: u64,
+    /// Arenas handed back to the backend, ever.
+    pub backend_destroys: u64,
+    /// Arenas exported right now.
+    pub exports_live: u64,
+    /// Driver exports made, ever.
+    pub exports_total: u64,
+    /// Shares handed out and not yet unshared.
+    pub shares_live: u64,
+    /// Consumer leases (imports by other processes) on this pool's memory, live now.
+    pub imports_live: u64,
+    /// Bytes in arenas pinned by a non-releasable export (recycled, never destroyed).
+    pub pinned_bytes: u64,
+    /// Live allocations.
+    pub allocations: u64,
+    /// Allocations served, ever.
+    pub alloc_count: u64,
+    /// Frees, ever.
+    pub free_count: u64,
+    /// Allocations that failed for lack of memory.
+    pub oom_count: u64,
+    /// Bytes freed by the producer but still shared (reused once the shares end).
+    pub deferred_free_bytes: u64,
+    /// Bytes freed with `record_stream` streams, waiting for their events.
+    pub pending_free_bytes: u64,
+}
+
+/// `metrics` handles for one device, registered once so the hot path does not format labels.
+#[derive(Clone)]
+pub(crate) struct DeviceMetrics {
+    reserved: metrics::Gauge,
+    allocated: metrics::Gauge,
+    arenas: metrics::Gauge,
+    pinned: metrics::Gauge,
+    exports_live: metrics::Gauge,
+    pub(crate) creates: metrics::Counter,
+    pub(crate) destroys: metrics::Counter,
+    pub(crate) exports: metrics::Counter,
+    pub(crate) ooms: metrics::Counter,
+}
+
+impl DeviceMetrics {
+    pub(crate) fn new(device: DeviceId) -> Self {
+        let d = device.to_string();
+        DeviceMetrics {
+            reserved: metrics::gauge!("gpu_arena_reserved_bytes", "device" => d.clone()),
+            allocated: metrics::gauge!("gpu_arena_allocated_bytes", "device" => d.clone()),
+            arenas: metrics::gauge!("gpu_arena_arenas", "device" => d.clone()),
+            pinned: metrics::gauge!("gpu_arena_pinned_bytes", "device" => d.clone()),
+            exports_live: metrics::gauge!("gpu_arena_exports_live", "device" => d.clone()),
+            creates: metrics::counter!("gpu_arena_backend_creates_total", "device" => d.clone()),
+            destroys: metrics::counter!("gpu_arena_backend_destroys_total", "device" => d.clone()),
+            exports: metrics::counter!("gpu_arena_exports_total", "device" => d.clone()),
+            ooms: metrics::counter!("gpu_arena_oom_total", "device" => d),
+        }
+    }
+
+    /// Publish the gauges from the counters.
+    pub(crate) fn publish(&self, s: &PoolStats) {
+        self.reserved.set(s.reserved_bytes as f64);
+        self.allocated.set(s.allocated_bytes as f64);
+        self.arenas.set(s.arenas as f64);
+        self.pinned.set(s.pinned_bytes as f64);
+        self.exports_live.set(s.exports_live as f64);
+    }
+}
+
+impl std::fmt::Debug for DeviceMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DeviceMetrics")
+    }
+}

@@ -1,0 +1,292 @@
+//! The pool over the sim backend: sizes, stream-ordered reuse, record_stream, OOM retry,
+//! empty_cache, bad input, several devices.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+
+use gpu_arena::backend::sim::{SimBackend, SimCall, SimConfig};
+use gpu_arena::{Error, Pool, PoolConfig, StreamId};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+const S1: StreamId = StreamId(0x1000);
+const S2: StreamId = StreamId(0x2000);
+
+fn pool_with(sim: SimConfig, arena_size: u64) -> (Arc<SimBackend>, Pool) {
+    let backend = Arc::new(SimBackend::new(sim).unwrap());
+    let pool = Pool::new(
+        backend.clone(),
+        PoolConfig {
+            arena_size,
+            validate: true,
+            ..PoolConfig::default()
+        },
+    )
+    .unwrap();
+    (backend, pool)
+}
+
+fn pool() -> (Arc<SimBackend>, Pool) {
+    pool_with(SimConfig::default(), 64 * MIB)
+}
+
+#[test]
+fn alloc_write_read_free_and_empty_cache() {
+    let (sim, pool) = pool();
+    let a = pool.alloc(0, 1000, S1).unwrap();
+    assert_eq!(a.bytes, 1024, "rounded to 512");
+    assert_eq!(a.ptr % 512, 0);
+    let b = pool.alloc(0, 3 * MIB, S1).unwrap();
+    // SAFETY: sim device pointers are host addresses of live mappings of `bytes` bytes.
+    unsafe {
+        std::ptr::write_bytes(b.ptr as *mut u8, 0xAB, b.bytes as usize);
+        assert_eq!(*((b.ptr + b.bytes - 1) as *const u8), 0xAB);
+    }
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.arenas, 1);
+    assert_eq!(s.reserved_bytes, 64 * MIB);
+    assert_eq!(s.allocated_bytes, 1024 + 3 * MIB);
+    pool.free(a.ptr).unwrap();
+    pool.free(b.ptr).unwrap();
+    pool.validate(0).unwrap();
+    assert_eq!(pool.stats(0).unwrap().allocated_bytes, 0);
+    assert_eq!(
+        sim.ledger(0).held_bytes,
+        64 * MIB,
+        "cached until empty_cache"
+    );
+    assert_eq!(pool.empty_cache(None).unwrap(), 64 * MIB);
+    assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.arenas, s.backend_creates, s.backend_destroys), (0, 1, 1));
+}
+
+#[test]
+fn large_requests_get_a_dedicated_arena_rounded_to_granularity() {
+    let (_sim, pool) = pool();
+    let a = pool.alloc(0, 100 * MIB + 1, S1).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.reserved_bytes, 102 * MIB, "rounded up to 2 MiB granules");
+    assert_eq!(s.arenas, 1);
+    pool.free(a.ptr).unwrap();
+    // The freed dedicated arena serves later requests until empty_cache.
+    let b = pool.alloc(0, 10 * MIB, S1).unwrap();
+    assert_eq!(b.ptr, a.ptr);
+    assert_eq!(pool.stats(0).unwrap().arenas, 1);
+}
+
+#[test]
+fn same_stream_reuses_at_once_other_stream_waits_for_the_event() {
+    let (sim, pool) = pool();
+    let a = pool.alloc(0, 8 * MIB, S1).unwrap();
+    let filler = pool.alloc(0, 56 * MIB, S1).unwrap(); // the arena is now full
+    sim.block_stream(0, S1); // work on S1 has not finished
+    pool.free(a.ptr).unwrap();
+    let again = pool.alloc(0, 8 * MIB, S1).unwrap();
+    assert_eq!(again.ptr, a.ptr, "same stream: reused at once");
+    pool.free(again.ptr).unwrap();
+    let other = pool.alloc(0, 64 * MIB, S2).unwrap();
+    assert_ne!(other.ptr, a.ptr, "S1 still busy: S2 must not get its block");
+    assert_eq!(pool.stats(0).unwrap().arenas, 2);
+    sim.unblock_stream(0, S1);
+    let later = pool.alloc(0, 8 * MIB, S2).unwrap();
+    assert_eq!(later.ptr, a.ptr, "S1's event completed: S2 may reuse");
+    for p in [filler.ptr, other.ptr, later.ptr] {
+        pool.free(p).unwrap();
+    }
+    pool.validate(0).unwrap();
+}
+
+#[test]
+fn record_stream_delays_reuse_until_that_stream_is_done() {
+    let (sim, pool) = pool();
+    let a = pool.alloc(0, 8 * MIB, S1).unwrap();
+    let _filler = pool.alloc(0, 56 * MIB, S1).unwrap();
+    pool.record_stream(a.ptr, S2).unwrap();
+    sim.block_stream(0, S2);
+    pool.free(a.ptr).unwrap();
+    assert_eq!(pool.stats(0).unwrap().pending_free_bytes, 8 * MIB);
+    let b = pool.alloc(0, 64 * MIB, S1).unwrap();
+    assert_ne!(
+        b.ptr, a.ptr,
+        "S2 may still use it: not even S1 may reuse it"
+    );
+    sim.unblock_stream(0, S2);
+    let c = pool.alloc(0, 8 * MIB, S1).unwrap();
+    assert_eq!(c.ptr, a.ptr, "released once S2's event completed");
+    assert_eq!(pool.stats(0).unwrap().pending_free_bytes, 0);
+    assert!(pool.record_stream(0xdead_0000, S2).is_err());
+}
+
+#[test]
+fn out_of_memory_releases_cached_arenas_retries_then_fails_cleanly() {
+    let sim = SimConfig {
+        capacity: 4 * GIB,
+        ..SimConfig::default()
+    };
+    let (backend, pool) = pool_with(sim, GIB);
+    let blocks: Vec<_> = (0..4).map(|_| pool.alloc(0, GIB, S1).unwrap()).collect();
+    for b in &blocks {
+        pool.free(b.ptr).unwrap();
+    }
+    // Four cached 1 GiB arenas fill the device; a 2 GiB request needs two of them released.
+    let big = pool.alloc(0, 2 * GIB, S1).unwrap();
+    assert_eq!(pool.stats(0).unwrap().backend_destroys, 4);
+    let e = pool.alloc(0, 3 * GIB, S1).unwrap_err();
+    assert!(matches!(e, Error::OutOfMemory { device: 0, .. }), "{e}");
+    assert!(e.to_string().contains("out of memory"), "{e}");
+    assert_eq!(pool.stats(0).unwrap().oom_count, 1);
+    pool.validate(0).unwrap();
+    pool.free(big.ptr).unwrap();
+    pool.empty_cache(Some(0)).unwrap();
+    assert!(backend.is_clean(0));
+}
+
+#[test]
+fn max_reserved_caps_the_pool() {
+    let backend = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+    let pool = Pool::new(
+        backend,
+        PoolConfig {
+            arena_size: 64 * MIB,
+            max_reserved_bytes: Some(128 * MIB),
+            validate: true,
+        },
+    )
+    .unwrap();
+    let _a = pool.alloc(0, 64 * MIB, S1).unwrap();
+    let _b = pool.alloc(0, 64 * MIB, S1).unwrap();
+    assert!(matches!(
+        pool.alloc(0, MIB, S1),
+        Err(Error::OutOfMemory { .. })
+    ));
+}
+
+#[test]
+fn bad_input_is_refused_and_changes_nothing() {
+    let (_sim, pool) = pool();
+    let a = pool.alloc(0, 4096, S1).unwrap();
+    let before = pool.snapshot_json();
+    let cases: Vec<(&str, Error)> = vec![
+        ("unknown pointer", pool.free(0x1234_5000).unwrap_err()),
+        ("interior pointer", pool.free(a.ptr + 512).unwrap_err()),
+        ("wrong size", pool.free_checked(a.ptr, 4095, 0).unwrap_err()),
+        (
+            "wrong device",
+            pool.free_checked(a.ptr, 4096, 1).unwrap_err(),
+        ),
+        ("zero size", pool.alloc(0, 0, S1).unwrap_err()),
+        ("absurd size", pool.alloc(0, u64::MAX, S1).unwrap_err()),
+        ("device out of range", pool.alloc(7, 4096, S1).unwrap_err()),
+        ("negative device", pool.alloc(-1, 4096, S1).unwrap_err()),
+    ];
+    for (what, e) in &cases {
+        assert!(!e.to_string().is_empty(), "{what}");
+    }
+    assert!(matches!(cases[0].1, Error::UnknownPointer { .. }));
+    assert!(
+        cases[1].1.to_string().contains("not the start"),
+        "{}",
+        cases[1].1
+    );
+    assert!(matches!(cases[2].1, Error::InvalidArgument(_)));
+    assert!(matches!(cases[3].1, Error::InvalidDevice { .. }));
+    assert!(matches!(
+        cases[6].1,
+        Error::InvalidDevice {
+            device: 7,
+            count: 1
+        }
+    ));
+    assert_eq!(
+        pool.snapshot_json(),
+        before,
+        "refused calls changed nothing"
+    );
+    pool.free(a.ptr).unwrap();
+    let e = pool.free(a.ptr).unwrap_err();
+    assert!(
+        matches!(e, Error::UnknownPointer { .. }),
+        "double free: {e}"
+    );
+    pool.validate(0).unwrap();
+}
+
+#[test]
+fn devices_are_independent() {
+    let sim = SimConfig {
+        devices: 3,
+        ..SimConfig::default()
+    };
+    let (backend, pool) = pool_with(sim, 64 * MIB);
+    assert_eq!(pool.device_count(), 3);
+    let a = pool.alloc(2, MIB, S1).unwrap();
+    assert_eq!(a.device, 2);
+    assert_eq!(pool.stats(0).unwrap().arenas, 0);
+    assert_eq!(pool.stats(2).unwrap().arenas, 1);
+    assert_eq!(backend.ledger(2).live_arenas, 1);
+    assert!(pool.free_checked(a.ptr, MIB, 1).is_err(), "wrong device");
+    pool.free(a.ptr).unwrap();
+    pool.empty_cache(Some(2)).unwrap();
+    assert!(backend.is_clean(2));
+}
+
+#[test]
+fn backend_failures_surface_and_leave_the_pool_valid() {
+    let (sim, pool) = pool();
+    sim.fail_nth(SimCall::CreateArena, 1);
+    let e = pool.alloc(0, MIB, S1).unwrap_err();
+    assert!(matches!(e, Error::Backend { .. }), "{e}");
+    pool.validate(0).unwrap();
+    let a = pool.alloc(0, MIB, S1).unwrap();
+    pool.free(a.ptr).unwrap();
+    sim.fail_nth(SimCall::Synchronize, 1);
+    assert!(pool.empty_cache(None).is_err());
+    pool.validate(0).unwrap();
+    assert_eq!(pool.empty_cache(None).unwrap(), 64 * MIB);
+    assert!(sim.is_clean(0));
+}
+
+#[test]
+fn snapshot_is_json_with_arenas_and_ranges() {
+    let (_sim, pool) = pool();
+    let _a = pool.alloc(0, MIB, S1).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&pool.snapshot_json()).unwrap();
+    assert_eq!(v["backend"], "sim");
+    let arena = &v["devices"][0]["arenas"][0];
+    assert_eq!(arena["bytes"], 64 * MIB);
+    assert_eq!(arena["ranges"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn many_threads_share_one_pool() {
+    let backend = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+    let config = PoolConfig {
+        arena_size: 256 * MIB,
+        validate: false, // a full walk per operation would dominate; checked at the end
+        ..PoolConfig::default()
+    };
+    let pool = Pool::new(backend, config).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..8u64 {
+            let pool = &pool;
+            s.spawn(move || {
+                let stream = StreamId(0x100 + t);
+                let mut live = Vec::new();
+                for i in 0..1000u64 {
+                    let size = 512 * (1 + (i * 7919 + t * 104_729) % 4096);
+                    live.push(pool.alloc(0, size, stream).unwrap().ptr);
+                    if i % 3 != 0 {
+                        let idx = (i as usize * 31) % live.len();
+                        pool.free(live.swap_remove(idx)).unwrap();
+                    }
+                }
+                for p in live {
+                    pool.free(p).unwrap();
+                }
+            });
+        }
+    });
+    pool.validate(0).unwrap();
+    assert_eq!(pool.stats(0).unwrap().allocated_bytes, 0);
+}

@@ -1,0 +1,1 @@
+//! The IPC part of the C API (share, unshare, import, close).
