@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod ipc;
 pub mod pool;
 pub mod range;
 pub mod share;

@@ -109,9 +109,10 @@ mod tests {
 
     #[test]
     fn pool_replays_a_small_trace() {
+        // The pool validates itself after every op in debug builds: keep the trace small.
         let t = generate(&TraceConfig {
-            requests: 60,
-            max_running: 16,
+            requests: 25,
+            max_running: 8,
             ..TraceConfig::default()
         });
         let mut a = PoolAllocator::new(

@@ -234,6 +234,8 @@ pub struct FirstFitArena {
     free: BTreeMap<u64, u64>,
     /// Allocated ranges: offset -> length.
     used: HashMap<u64, u64>,
+    /// Longest the free list has been.
+    peak_free_ranges: usize,
 }
 
 /// Granule of [`FirstFitArena`] sizes.
@@ -259,6 +261,7 @@ impl FirstFitArena {
             arena: Some(arena),
             free,
             used: HashMap::new(),
+            peak_free_ranges: 1,
         })
     }
 
@@ -288,6 +291,7 @@ impl TraceAllocator for FirstFitArena {
         if len > need {
             self.free.insert(off + need, len - need);
         }
+        self.peak_free_ranges = self.peak_free_ranges.max(self.free.len());
         self.used.insert(off, need);
         Ok(base + off)
     }
@@ -310,6 +314,7 @@ impl TraceAllocator for FirstFitArena {
             len += n_len;
         }
         self.free.insert(off, len);
+        self.peak_free_ranges = self.peak_free_ranges.max(self.free.len());
         Ok(())
     }
 
@@ -325,7 +330,10 @@ impl TraceAllocator for FirstFitArena {
     }
 
     fn notes(&self) -> Vec<(String, String)> {
-        vec![("free ranges".to_string(), self.free.len().to_string())]
+        vec![(
+            "longest free list".to_string(),
+            self.peak_free_ranges.to_string(),
+        )]
     }
 }
 

@@ -10,7 +10,7 @@ use gpu_arena::{Backend, DeviceId, PoolConfig};
 
 use crate::pool_adapter::PoolAllocator;
 use crate::replay::{replay, FirstFitArena, PerAllocationBackend, ReplayResult, TraceAllocator};
-use crate::report::{fmt_bytes, replay_table, sweep_table, SweepRow};
+use crate::report::{replay_table, sweep_table, SweepRow};
 use crate::trace::{generate, Trace, TraceConfig};
 
 const MIB: u64 = 1 << 20;
@@ -26,8 +26,9 @@ pub struct SuiteConfig {
     pub trace: TraceConfig,
     /// The pool's arena size for the main table (default: [`PoolConfig`]'s default).
     pub arena_size: u64,
-    /// Size of the first-fit baseline's arena; `None` searches: 1.10 x peak live, grown by
-    /// 10% until the trace fits (first fit fragments, so peak live alone is not enough).
+    /// Size of the first-fit baseline's arena; `None` searches: the smallest of peak live x
+    /// 1.00, 1.01, 1.02, ... that the trace fits in (first fit fragments, so peak live alone
+    /// may not be enough). That is the best a user who knew the trace could do.
     pub first_fit_bytes: Option<u64>,
     /// Run the per-allocation baseline (one backend arena per allocation).
     pub per_allocation: bool,
@@ -144,22 +145,28 @@ fn first_fit(
         let mut a = FirstFitArena::new(backend.clone(), cfg.device, bytes)?;
         return replay_logged(cfg, trace, &mut a);
     }
-    let mut factor = 1.10f64;
+    // Failing tries stop at the first op that does not fit, so they are cheap.
     let mut last_err = String::new();
-    for tries in 1..=30 {
+    for tries in 1..=100u32 {
+        let factor = 1.0 + 0.01 * f64::from(tries - 1);
         let bytes = (trace.peak_live_bytes as f64 * factor) as u64;
         let mut a = FirstFitArena::new(backend.clone(), cfg.device, bytes)?;
-        match replay_logged(cfg, trace, &mut a) {
+        match replay(trace, &mut a) {
             Ok(mut r) => {
-                r.notes
-                    .push(("size search tries".to_string(), tries.to_string()));
+                log(
+                    cfg,
+                    format!(
+                        "{}: {:.0} ns/op, reserved/live {:.3} (after {tries} sizes)",
+                        r.allocator, r.ns_per_op, r.ratio_reserved_to_live
+                    ),
+                );
+                r.notes.push((
+                    "sized to fit".to_string(),
+                    format!("smallest 1% step over peak live, try {tries}"),
+                ));
                 return Ok(r);
             }
-            Err(e) => {
-                log(cfg, format!("first-fit with {}: {e}", fmt_bytes(bytes)));
-                last_err = e;
-                factor *= 1.10;
-            }
+            Err(e) => last_err = e,
         }
     }
     Err(format!("first-fit never fit the trace: {last_err}"))
@@ -238,5 +245,32 @@ mod tests {
         assert!(md.contains("| 64 MiB |"), "{md}");
         assert!(md.contains("per-allocation"), "{md}");
         assert!(md.contains(", warm"), "{md}");
+    }
+
+    #[test]
+    fn small_suite_on_the_sim_backend_leaves_it_clean() {
+        use gpu_arena::backend::sim::{SimBackend, SimConfig};
+        let sim = Arc::new(
+            SimBackend::new(SimConfig {
+                capacity: 64 * GIB,
+                ..SimConfig::default()
+            })
+            .unwrap(),
+        );
+        let cfg = SuiteConfig {
+            trace: TraceConfig {
+                requests: 30,
+                max_running: 8,
+                ..TraceConfig::default()
+            },
+            sweep: vec![256 * MIB],
+            ..SuiteConfig::default()
+        };
+        let rep = run_suite(sim.clone(), &cfg).unwrap();
+        for r in &rep.results {
+            assert!(r.ratio_reserved_to_live >= 1.0, "{r:?}");
+        }
+        // Every allocator was dropped: the sim holds nothing.
+        assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
     }
 }

@@ -301,8 +301,11 @@ impl CudaBackend {
                 "CUDA device {device} cannot export memory as POSIX file descriptors"
             )));
         }
+        // As PyTorch's expandable segments: RDMA-capable arenas where the device allows it (for
+        // UCX/NIXL transfers); an older driver that does not know the attribute means no.
         let rdma_capable =
-            attribute(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)? != 0;
+            attribute(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)
+                .is_ok_and(|flag| flag != 0);
         let ctx = driver::primary_ctx_retain(cu_device).map_err(|e| e.into_error(device, 0))?;
         let granularity = {
             // SAFETY: `ctx` was just retained.

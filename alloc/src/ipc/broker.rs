@@ -1,0 +1,423 @@
+//! The producer's broker: a thread on a Unix socket in the abstract namespace that serves
+//! consumers' lease requests, sending the arena's export fd with SCM_RIGHTS.
+//!
+//! - Peers are checked with `SO_PEERCRED`: by default only the broker's own effective uid is
+//!   accepted; [`BrokerConfig::allowed_uids`] widens that. A refused peer gets an error reply
+//!   and is disconnected.
+//! - One thread per connection. A connection's leases end when it closes, so a consumer
+//!   that crashes or is killed (SIGKILL) gives its memory back within the time the kernel
+//!   takes to close its socket.
+//! - A connection that holds no lease and says nothing for [`BrokerConfig::idle_timeout`]
+//!   is closed, so a peer that connects and never speaks does not keep a thread forever.
+//! - Malformed requests get an error reply; they never take the broker down.
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+
+use crate::backend::DeviceId;
+use crate::error::{Error, Result};
+use crate::ipc::handle::{ShareHandle, MAX_SOCKET_NAME};
+use crate::ipc::wire::{self, Op, Received, Reply, Request};
+use crate::pool::Pool;
+
+/// Broker settings.
+#[derive(Debug, Clone)]
+pub struct BrokerConfig {
+    /// Uids allowed besides the broker's own effective uid.
+    pub allowed_uids: Vec<u32>,
+    /// Socket name in the abstract namespace; default `gpu-arena.<pid>.<random>`.
+    pub socket_name: Option<String>,
+    /// Close connections that hold no lease and send nothing for this long.
+    pub idle_timeout: Duration,
+    /// Most connections served at once.
+    pub max_connections: usize,
+}
+
+impl Default for BrokerConfig {
+    fn default() -> Self {
+        BrokerConfig {
+            allowed_uids: Vec::new(),
+            socket_name: None,
+            idle_timeout: Duration::from_secs(30),
+            max_connections: 1024,
+        }
+    }
+}
+
+/// Counters of the broker.
+#[derive(Debug, Default)]
+struct BrokerCounters {
+    connections_live: AtomicU64,
+    refused_peers: AtomicU64,
+    bad_requests: AtomicU64,
+    leases_dropped_on_disconnect: AtomicU64,
+}
+
+/// A snapshot of the broker's counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct BrokerStats {
+    /// Connections open now.
+    pub connections_live: u64,
+    /// Peers refused by the uid check.
+    pub refused_peers: u64,
+    /// Malformed or refused requests.
+    pub bad_requests: u64,
+    /// Leases closed because their connection ended (crashed or killed consumers).
+    pub leases_dropped_on_disconnect: u64,
+}
+
+struct Shared {
+    pool: Arc<Pool>,
+    config: BrokerConfig,
+    own_uid: u32,
+    stop: AtomicBool,
+    counters: BrokerCounters,
+    /// Live connections, so `Drop` can shut them down.
+    conns: Mutex<HashMap<u64, Arc<OwnedFd>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// The producer's broker. Dropping it stops the threads and closes every lease.
+pub struct Broker {
+    shared: Arc<Shared>,
+    listener: Arc<OwnedFd>,
+    name: String,
+    accept_thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Broker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Broker")
+            .field("socket", &self.name)
+            .finish()
+    }
+}
+
+fn random_suffix() -> String {
+    let mut b = [0u8; 8];
+    let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+impl Broker {
+    /// Bind the socket and start serving `pool`'s shares.
+    pub fn start(pool: Arc<Pool>, config: BrokerConfig) -> Result<Broker> {
+        let pid = rustix::process::getpid().as_raw_nonzero().get() as u32;
+        let name = config
+            .socket_name
+            .clone()
+            .unwrap_or_else(|| format!("gpu-arena.{pid}.{}", random_suffix()));
+        if name.is_empty()
+            || name.len() > MAX_SOCKET_NAME
+            || !name.chars().all(|c| c.is_ascii_graphic())
+        {
+            return Err(Error::invalid(format!(
+                "broker socket name `{name}`: 1..{MAX_SOCKET_NAME} printable ASCII characters"
+            )));
+        }
+        let ipc =
+            |what: &str, e: rustix::io::Errno| Error::Ipc(format!("broker {what} `{name}`: {e}"));
+        let listener = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .map_err(|e| ipc("socket", e))?;
+        let addr =
+            SocketAddrUnix::new_abstract_name(name.as_bytes()).map_err(|e| ipc("address", e))?;
+        rustix::net::bind(&listener, &addr).map_err(|e| ipc("bind", e))?;
+        rustix::net::listen(&listener, 128).map_err(|e| ipc("listen", e))?;
+        let listener = Arc::new(listener);
+        let shared = Arc::new(Shared {
+            pool,
+            config,
+            own_uid: rustix::process::geteuid().as_raw(),
+            stop: AtomicBool::new(false),
+            counters: BrokerCounters::default(),
+            conns: Mutex::new(HashMap::new()),
+            threads: Mutex::new(Vec::new()),
+        });
+        let (s, l) = (shared.clone(), listener.clone());
+        let accept_thread = std::thread::Builder::new()
+            .name("gpu-arena-broker".into())
+            .spawn(move || accept_loop(&s, &l))
+            .map_err(|e| Error::Ipc(format!("spawning the broker thread failed: {e}")))?;
+        tracing::info!(socket = %name, "gpu-arena broker listening");
+        Ok(Broker {
+            shared,
+            listener,
+            name,
+            accept_thread: Some(accept_thread),
+        })
+    }
+
+    /// The socket name (abstract namespace).
+    pub fn socket_name(&self) -> &str {
+        &self.name
+    }
+
+    /// The pool served.
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.shared.pool
+    }
+
+    /// Share `len` bytes at `ptr` and wrap the grant in a handle naming this broker.
+    pub fn share(&self, ptr: u64, len: u64) -> Result<ShareHandle> {
+        let info = self.shared.pool.share(ptr, len)?;
+        Ok(ShareHandle {
+            producer_pid: rustix::process::getpid().as_raw_nonzero().get() as u32,
+            socket_name: self.name.clone(),
+            info,
+        })
+    }
+
+    /// Revoke a share made by this broker.
+    pub fn unshare(&self, handle: &ShareHandle) -> Result<()> {
+        if handle.socket_name != self.name {
+            return Err(Error::Ipc(format!(
+                "unshare of a handle from another producer (socket `{}`)",
+                handle.socket_name
+            )));
+        }
+        self.shared.pool.unshare(
+            handle.info.device,
+            handle.info.share_key,
+            &handle.info.token,
+        )
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> BrokerStats {
+        let c = &self.shared.counters;
+        BrokerStats {
+            connections_live: c.connections_live.load(Ordering::Relaxed),
+            refused_peers: c.refused_peers.load(Ordering::Relaxed),
+            bad_requests: c.bad_requests.load(Ordering::Relaxed),
+            leases_dropped_on_disconnect: c.leases_dropped_on_disconnect.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        // Shutting a socket down wakes the thread blocked on it.
+        let _ = rustix::net::shutdown(&*self.listener, rustix::net::Shutdown::Both);
+        for c in self.shared.conns.lock().values() {
+            let _ = rustix::net::shutdown(&**c, rustix::net::Shutdown::Both);
+        }
+        if let Some(t) = self.accept_thread.take() {
+            let _ = t.join();
+        }
+        let threads = std::mem::take(&mut *self.shared.threads.lock());
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+}
+
+fn accept_loop(shared: &Arc<Shared>, listener: &OwnedFd) {
+    let mut next_id = 0u64;
+    loop {
+        let conn = match rustix::net::accept_with(listener, SocketFlags::CLOEXEC) {
+            Ok(c) => c,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => {
+                if !shared.stop.load(Ordering::SeqCst) {
+                    tracing::error!(error = %e, "broker accept failed; broker stops");
+                }
+                return;
+            }
+        };
+        if shared.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        // Reap finished connection threads.
+        shared.threads.lock().retain(|t| !t.is_finished());
+        let peer_uid = match rustix::net::sockopt::socket_peercred(&conn) {
+            Ok(cred) => cred.uid.as_raw(),
+            Err(e) => {
+                tracing::warn!(error = %e, "SO_PEERCRED failed; connection refused");
+                continue;
+            }
+        };
+        let allowed = peer_uid == shared.own_uid || shared.config.allowed_uids.contains(&peer_uid);
+        if !allowed {
+            shared
+                .counters
+                .refused_peers
+                .fetch_add(1, Ordering::Relaxed);
+            let msg = format!(
+                "uid {peer_uid} is not allowed by this producer (uid {})",
+                shared.own_uid
+            );
+            refuse(&conn, &msg);
+            continue;
+        }
+        if shared.conns.lock().len() >= shared.config.max_connections {
+            refuse(&conn, "too many connections");
+            continue;
+        }
+        let conn = Arc::new(conn);
+        next_id += 1;
+        let id = next_id;
+        shared.conns.lock().insert(id, conn.clone());
+        shared
+            .counters
+            .connections_live
+            .fetch_add(1, Ordering::Relaxed);
+        let s = shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name("gpu-arena-peer".into())
+            .spawn(move || {
+                serve(&s, &conn);
+                s.conns.lock().remove(&id);
+                s.counters.connections_live.fetch_sub(1, Ordering::Relaxed);
+            });
+        match spawned {
+            Ok(t) => shared.threads.lock().push(t),
+            Err(e) => {
+                tracing::error!(error = %e, "spawning a connection thread failed");
+                shared.conns.lock().remove(&id);
+                shared
+                    .counters
+                    .connections_live
+                    .fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Tell a peer why it is refused, then hang up. The peer's first request is read (briefly
+/// waited for) before closing: closing a Unix socket with unread data makes the peer see a
+/// reset instead of our reply.
+fn refuse(conn: &OwnedFd, why: &str) {
+    let _ = wire::send(conn.as_fd(), &Reply::error(why).encode(), None);
+    if wire::set_recv_timeout(conn, Duration::from_millis(200)).is_ok() {
+        let _ = wire::recv(conn.as_fd());
+    }
+}
+
+/// Serve one consumer until it disconnects; then close every lease it still holds.
+fn serve(shared: &Shared, conn: &OwnedFd) {
+    let mut leases: HashMap<u32, DeviceId> = HashMap::new();
+    let tick = shared
+        .config
+        .idle_timeout
+        .min(Duration::from_secs(1))
+        .max(Duration::from_millis(10));
+    if let Err(e) = wire::set_recv_timeout(conn, tick) {
+        tracing::warn!(error = %e, "broker connection without receive timeout");
+    }
+    let mut last_heard = Instant::now();
+    while !shared.stop.load(Ordering::SeqCst) {
+        let packet = match wire::recv(conn.as_fd()) {
+            Ok(Received::Packet(p, fds)) => {
+                drop(fds); // consumers send none; close any they did
+                p
+            }
+            Ok(Received::TimedOut) => {
+                if leases.is_empty() && last_heard.elapsed() >= shared.config.idle_timeout {
+                    break;
+                }
+                continue;
+            }
+            Ok(Received::Closed) | Err(_) => break,
+        };
+        last_heard = Instant::now();
+        let (reply, fd) = match Request::decode(&packet) {
+            Ok(req) => handle(shared, &req, &mut leases),
+            Err(e) => (Reply::error(e.to_string()), None),
+        };
+        if !reply.ok {
+            shared.counters.bad_requests.fetch_add(1, Ordering::Relaxed);
+        }
+        if wire::send(
+            conn.as_fd(),
+            &reply.encode(),
+            fd.as_ref().map(|f| f.as_fd()),
+        )
+        .is_err()
+        {
+            break;
+        }
+    }
+    let dropped = leases.len() as u64;
+    for (lease, device) in leases {
+        if let Err(e) = shared.pool.close_lease(device, lease) {
+            tracing::error!(error = %e, "closing a lease of a departed consumer failed");
+        }
+    }
+    if dropped > 0 {
+        shared
+            .counters
+            .leases_dropped_on_disconnect
+            .fetch_add(dropped, Ordering::Relaxed);
+        tracing::info!(
+            leases = dropped,
+            "consumer disconnected holding leases; dropped them"
+        );
+    }
+}
+
+fn handle(
+    shared: &Shared,
+    req: &Request,
+    leases: &mut HashMap<u32, DeviceId>,
+) -> (Reply, Option<OwnedFd>) {
+    match req.op {
+        Op::Open => match shared.pool.open_lease(req.device, req.key, &req.token) {
+            Ok(grant) if grant.share.arena_id != req.arena_id => {
+                let _ = shared.pool.close_lease(req.device, grant.lease_key);
+                (
+                    Reply::error("share names another arena (stale handle)"),
+                    None,
+                )
+            }
+            Ok(grant) => {
+                leases.insert(grant.lease_key, req.device);
+                let reply = Reply {
+                    ok: true,
+                    pinning: grant.kind == crate::backend::ExportKind::Pinning,
+                    lease_key: grant.lease_key,
+                    arena_bytes: grant.share.arena_bytes,
+                    message: String::new(),
+                };
+                (reply, req.want_fd.then_some(grant.fd))
+            }
+            Err(e) => (Reply::error(e.to_string()), None),
+        },
+        Op::Close => {
+            if leases.get(&req.key) != Some(&req.device) {
+                return (
+                    Reply::error(format!("lease {} is not held by this connection", req.key)),
+                    None,
+                );
+            }
+            match shared.pool.close_lease(req.device, req.key) {
+                Ok(()) => {
+                    leases.remove(&req.key);
+                    (
+                        Reply {
+                            ok: true,
+                            pinning: false,
+                            lease_key: req.key,
+                            arena_bytes: 0,
+                            message: String::new(),
+                        },
+                        None,
+                    )
+                }
+                Err(e) => (Reply::error(e.to_string()), None),
+            }
+        }
+    }
+}

@@ -1,0 +1,331 @@
+//! The consumer's importer: one connection per producer, one mapping per arena, a lease per
+//! import.
+//!
+//! `import(handle)` connects to the producer's broker (or reuses the connection), checks
+//! that the socket is served by the pid the handle names, opens a lease, and maps the
+//! arena's export once: later imports of shares in the same arena reuse the mapping (no
+//! driver call, no fd). `close(ptr)` ends the lease; when the last lease on an arena ends,
+//! the arena is unmapped and the broker told. A producer that died leaves the mappings
+//! valid (the mapping holds the memory): closing them still succeeds and releases it.
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+
+use crate::backend::{Backend, DeviceId, ImportSource, Mapping};
+use crate::error::{Error, Result};
+use crate::ipc::handle::ShareHandle;
+use crate::ipc::wire::{self, Op, Received, Reply, Request};
+
+/// How long a consumer waits for a producer's reply.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// (producer pid, socket name): one broker.
+type ProducerKey = (u32, String);
+/// (producer, device, arena id): one mapped arena.
+type ArenaKey = (ProducerKey, DeviceId, u64);
+
+#[derive(Debug)]
+struct MappedArena {
+    mapping: Mapping,
+    imports: u64,
+}
+
+#[derive(Debug, Clone)]
+struct ImportRecord {
+    arena: ArenaKey,
+    lease_key: u32,
+    device: DeviceId,
+    len: u64,
+}
+
+#[derive(Debug, Default)]
+struct ImporterState {
+    conns: HashMap<ProducerKey, OwnedFd>,
+    arenas: HashMap<ArenaKey, MappedArena>,
+    /// Imported pointer -> its imports (the same range can be imported more than once).
+    imports: HashMap<u64, Vec<ImportRecord>>,
+}
+
+/// Counters of an importer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ImporterStats {
+    /// Live imports (leases held).
+    pub imports_live: u64,
+    /// Arenas mapped.
+    pub arenas_mapped: u64,
+    /// Producers connected.
+    pub producers: u64,
+}
+
+/// The consumer side of sharing.
+#[derive(Debug)]
+pub struct Importer {
+    backend: Arc<dyn Backend>,
+    state: Mutex<ImporterState>,
+}
+
+impl Importer {
+    /// An importer mapping through `backend`.
+    pub fn new(backend: Arc<dyn Backend>) -> Importer {
+        Importer {
+            backend,
+            state: Mutex::new(ImporterState::default()),
+        }
+    }
+
+    /// Import a share: returns the address of its first byte in this process.
+    pub fn import(&self, handle: &ShareHandle) -> Result<u64> {
+        let info = &handle.info;
+        let count = self.backend.device_count()?;
+        if usize::try_from(info.device).map_or(true, |d| d >= count) {
+            return Err(Error::InvalidDevice {
+                device: info.device,
+                count,
+            });
+        }
+        let producer: ProducerKey = (handle.producer_pid, handle.socket_name.clone());
+        let arena_key: ArenaKey = (producer.clone(), info.device, info.arena_id);
+        let mut st = self.state.lock();
+        if !st.conns.contains_key(&producer) {
+            let conn = connect(handle)?;
+            st.conns.insert(producer.clone(), conn);
+        }
+        let mapped = st.arenas.contains_key(&arena_key);
+        let req = Request {
+            op: Op::Open,
+            want_fd: !mapped,
+            device: info.device,
+            key: info.share_key,
+            arena_id: info.arena_id,
+            token: info.token,
+        };
+        let (reply, fd) = match st.conns.get(&producer) {
+            Some(conn) => round_trip(conn, &req),
+            None => Err(Error::Internal("connection vanished".into())),
+        }
+        .inspect_err(|_| {
+            st.conns.remove(&producer);
+        })?;
+        if !reply.ok {
+            return Err(Error::Ipc(format!(
+                "producer pid {} refused the import: {}",
+                handle.producer_pid, reply.message
+            )));
+        }
+        if reply.arena_bytes != info.arena_bytes {
+            self.close_lease_quietly(&st, &producer, info.device, reply.lease_key);
+            return Err(Error::Ipc(format!(
+                "producer says the arena is {} bytes, the handle says {}",
+                reply.arena_bytes, info.arena_bytes
+            )));
+        }
+        if !mapped {
+            let Some(fd) = fd else {
+                self.close_lease_quietly(&st, &producer, info.device, reply.lease_key);
+                return Err(Error::Ipc("producer sent no fd".into()));
+            };
+            // The mapping holds the memory; the fd is closed when `fd` drops below.
+            let mapping =
+                self.backend
+                    .import(info.device, ImportSource::Fd(fd.as_fd()), info.arena_bytes);
+            let mapping = match mapping {
+                Ok(m) => m,
+                Err(e) => {
+                    self.close_lease_quietly(&st, &producer, info.device, reply.lease_key);
+                    return Err(e);
+                }
+            };
+            st.arenas.insert(
+                arena_key.clone(),
+                MappedArena {
+                    mapping,
+                    imports: 0,
+                },
+            );
+        }
+        let Some(arena) = st.arenas.get_mut(&arena_key) else {
+            return Err(Error::Internal("mapping vanished".into()));
+        };
+        arena.imports += 1;
+        let ptr = arena.mapping.base + info.offset;
+        st.imports.entry(ptr).or_default().push(ImportRecord {
+            arena: arena_key,
+            lease_key: reply.lease_key,
+            device: info.device,
+            len: info.len,
+        });
+        Ok(ptr)
+    }
+
+    /// Close one import of `ptr`. The last import of an arena unmaps it.
+    pub fn close(&self, ptr: u64) -> Result<()> {
+        let mut st = self.state.lock();
+        let rec = match st.imports.get_mut(&ptr) {
+            Some(list) => list.pop(),
+            None => None,
+        }
+        .ok_or_else(|| Error::UnknownPointer {
+            ptr,
+            why: "not an imported pointer (never imported, or already closed)".into(),
+        })?;
+        if st.imports.get(&ptr).is_some_and(Vec::is_empty) {
+            st.imports.remove(&ptr);
+        }
+        let producer = rec.arena.0.clone();
+        // Tell the broker first; a dead producer is fine (its side is gone already).
+        let req = Request {
+            op: Op::Close,
+            want_fd: false,
+            device: rec.device,
+            key: rec.lease_key,
+            arena_id: rec.arena.2,
+            token: [0; 16],
+        };
+        if let Some(conn) = st.conns.get(&producer) {
+            match round_trip(conn, &req) {
+                Ok((reply, _)) if !reply.ok => {
+                    tracing::warn!(message = %reply.message, "producer refused a lease close");
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::debug!(error = %e, "producer unreachable at close; dropping the connection");
+                    st.conns.remove(&producer);
+                }
+            }
+        }
+        let last = match st.arenas.get_mut(&rec.arena) {
+            Some(a) => {
+                a.imports -= 1;
+                a.imports == 0
+            }
+            None => false,
+        };
+        if last {
+            if let Some(a) = st.arenas.remove(&rec.arena) {
+                // Unmapping waits for nothing: the consumer owns the ordering of its work.
+                self.backend.unmap_import(a.mapping)?;
+            }
+            let still_used = st.arenas.keys().any(|k| k.0 == producer);
+            if !still_used {
+                st.conns.remove(&producer);
+            }
+        }
+        Ok(())
+    }
+
+    /// The length of the most recent import of `ptr`, if it is imported.
+    pub fn imported_len(&self, ptr: u64) -> Option<u64> {
+        self.state.lock().imports.get(&ptr)?.last().map(|r| r.len)
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ImporterStats {
+        let st = self.state.lock();
+        ImporterStats {
+            imports_live: st.imports.values().map(|v| v.len() as u64).sum(),
+            arenas_mapped: st.arenas.len() as u64,
+            producers: st.conns.len() as u64,
+        }
+    }
+
+    fn close_lease_quietly(
+        &self,
+        st: &ImporterState,
+        producer: &ProducerKey,
+        device: DeviceId,
+        lease: u32,
+    ) {
+        if let Some(conn) = st.conns.get(producer) {
+            let req = Request {
+                op: Op::Close,
+                want_fd: false,
+                device,
+                key: lease,
+                arena_id: 0,
+                token: [0; 16],
+            };
+            let _ = round_trip(conn, &req);
+        }
+    }
+}
+
+impl Drop for Importer {
+    fn drop(&mut self) {
+        let st = self.state.get_mut();
+        if !st.imports.is_empty() {
+            tracing::warn!(
+                imports = st.imports.len(),
+                "importer dropped with live imports: unmapping them"
+            );
+        }
+        for (_, a) in st.arenas.drain() {
+            if let Err(e) = self.backend.unmap_import(a.mapping) {
+                tracing::error!(error = %e, "unmapping an import at teardown failed");
+            }
+        }
+    }
+}
+
+/// Connect to the producer's broker and check the socket belongs to the pid in the handle.
+fn connect(handle: &ShareHandle) -> Result<OwnedFd> {
+    let unreachable = |e: &dyn std::fmt::Display| {
+        Error::Ipc(format!(
+            "producer pid {} (socket `{}`) unreachable: {e}",
+            handle.producer_pid, handle.socket_name
+        ))
+    };
+    let sock = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(|e| unreachable(&e))?;
+    let addr = SocketAddrUnix::new_abstract_name(handle.socket_name.as_bytes())
+        .map_err(|e| unreachable(&e))?;
+    rustix::net::connect(&sock, &addr).map_err(|e| unreachable(&e))?;
+    let cred = rustix::net::sockopt::socket_peercred(&sock).map_err(|e| unreachable(&e))?;
+    let pid = cred.pid.as_raw_nonzero().get() as u32;
+    if pid != handle.producer_pid {
+        return Err(Error::Ipc(format!(
+            "socket `{}` is served by pid {pid}, the handle names pid {}: refusing",
+            handle.socket_name, handle.producer_pid
+        )));
+    }
+    wire::set_recv_timeout(&sock, REPLY_TIMEOUT)?;
+    Ok(sock)
+}
+
+/// Send a request and wait for its reply (and fd).
+fn round_trip(conn: &OwnedFd, req: &Request) -> Result<(Reply, Option<OwnedFd>)> {
+    let sent = wire::send(conn.as_fd(), &req.encode(), None);
+    // A broker that refused us (uid check) replied and hung up before our request: its
+    // reply is still queued and says why, so read it even when the send failed.
+    let received = wire::recv(conn.as_fd());
+    if let Err(e) = sent {
+        if let Ok(Received::Packet(bytes, _)) = &received {
+            if let Ok(reply) = Reply::decode(bytes) {
+                return Ok((reply, None));
+            }
+        }
+        return Err(e);
+    }
+    match received? {
+        Received::Packet(bytes, fds) => {
+            let reply = Reply::decode(&bytes)?;
+            Ok((reply, fds.into_iter().next()))
+        }
+        Received::Closed => Err(Error::Ipc(
+            "the producer closed the connection (did it exit?)".into(),
+        )),
+        Received::TimedOut => Err(Error::Ipc(format!(
+            "the producer did not answer within {} s",
+            REPLY_TIMEOUT.as_secs()
+        ))),
+    }
+}

@@ -1,0 +1,251 @@
+//! The broker's wire protocol: fixed-layout messages over a `SOCK_SEQPACKET` Unix socket
+//! (message boundaries kept by the kernel), the export fd riding along with SCM_RIGHTS.
+//!
+//! Request (consumer → broker), 40 bytes: `op u8 | want_fd u8 | 0 0 | device i32 |
+//! key u32 | 0 u32 | arena_id u64 | token [16]`. `op` 1 = open a lease on share `key`,
+//! 2 = close lease `key`.
+//!
+//! Reply (broker → consumer): `ok u8 | pinning u8 | 0 0 | lease_key u32 | arena_bytes u64 |
+//! message (UTF-8, rest of the packet)`, plus one fd for an open with `want_fd`.
+
+use std::io::IoSliceMut;
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+
+use crate::backend::DeviceId;
+use crate::error::{Error, Result};
+
+/// Largest packet either side sends.
+pub(crate) const MAX_PACKET: usize = 512;
+pub(crate) const REQUEST_BYTES: usize = 40;
+
+/// Request kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Op {
+    Open = 1,
+    Close = 2,
+}
+
+/// A consumer's request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Request {
+    pub op: Op,
+    pub want_fd: bool,
+    pub device: DeviceId,
+    /// Share key for `Open`, lease key for `Close`.
+    pub key: u32,
+    pub arena_id: u64,
+    pub token: [u8; 16],
+}
+
+impl Request {
+    pub(crate) fn encode(&self) -> [u8; REQUEST_BYTES] {
+        let mut b = [0u8; REQUEST_BYTES];
+        b[0] = self.op as u8;
+        b[1] = u8::from(self.want_fd);
+        b[4..8].copy_from_slice(&self.device.to_le_bytes());
+        b[8..12].copy_from_slice(&self.key.to_le_bytes());
+        b[16..24].copy_from_slice(&self.arena_id.to_le_bytes());
+        b[24..40].copy_from_slice(&self.token);
+        b
+    }
+
+    pub(crate) fn decode(b: &[u8]) -> Result<Request> {
+        if b.len() != REQUEST_BYTES {
+            return Err(Error::Ipc(format!(
+                "request of {} bytes, expected {REQUEST_BYTES}",
+                b.len()
+            )));
+        }
+        let op = match b[0] {
+            1 => Op::Open,
+            2 => Op::Close,
+            x => return Err(Error::Ipc(format!("unknown request op {x}"))),
+        };
+        if b[1] > 1 || b[2..4] != [0, 0] || b[12..16] != [0; 4] {
+            return Err(Error::Ipc("malformed request".into()));
+        }
+        let mut token = [0u8; 16];
+        token.copy_from_slice(&b[24..40]);
+        let mut a8 = [0u8; 8];
+        a8.copy_from_slice(&b[16..24]);
+        Ok(Request {
+            op,
+            want_fd: b[1] == 1,
+            device: i32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+            key: u32::from_le_bytes([b[8], b[9], b[10], b[11]]),
+            arena_id: u64::from_le_bytes(a8),
+            token,
+        })
+    }
+}
+
+/// The broker's answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Reply {
+    pub ok: bool,
+    pub pinning: bool,
+    pub lease_key: u32,
+    pub arena_bytes: u64,
+    pub message: String,
+}
+
+impl Reply {
+    pub(crate) fn error(message: impl Into<String>) -> Reply {
+        Reply {
+            ok: false,
+            pinning: false,
+            lease_key: 0,
+            arena_bytes: 0,
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut b = vec![0u8; 16];
+        b[0] = u8::from(self.ok);
+        b[1] = u8::from(self.pinning);
+        b[4..8].copy_from_slice(&self.lease_key.to_le_bytes());
+        b[8..16].copy_from_slice(&self.arena_bytes.to_le_bytes());
+        let msg = self.message.as_bytes();
+        let mut n = msg.len().min(MAX_PACKET - 16);
+        while n > 0 && !self.message.is_char_boundary(n) {
+            n -= 1;
+        }
+        b.extend_from_slice(&msg[..n]);
+        b
+    }
+
+    pub(crate) fn decode(b: &[u8]) -> Result<Reply> {
+        if b.len() < 16 || b[0] > 1 || b[1] > 1 {
+            return Err(Error::Ipc("malformed reply from the producer".into()));
+        }
+        let mut a8 = [0u8; 8];
+        a8.copy_from_slice(&b[8..16]);
+        Ok(Reply {
+            ok: b[0] == 1,
+            pinning: b[1] == 1,
+            lease_key: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+            arena_bytes: u64::from_le_bytes(a8),
+            message: String::from_utf8_lossy(&b[16..]).into_owned(),
+        })
+    }
+}
+
+/// Send one packet, with `fd` attached when given. Never raises SIGPIPE.
+pub(crate) fn send(sock: BorrowedFd<'_>, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> Result<()> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    let fds;
+    if let Some(fd) = fd {
+        fds = [fd];
+        if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+            return Err(Error::Internal("SCM_RIGHTS buffer too small".into()));
+        }
+    }
+    let sent = rustix::net::sendmsg(
+        sock,
+        &[std::io::IoSlice::new(bytes)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )
+    .map_err(|e| Error::Ipc(format!("send failed: {e}")))?;
+    if sent != bytes.len() {
+        return Err(Error::Ipc(format!(
+            "short send: {sent} of {} bytes",
+            bytes.len()
+        )));
+    }
+    Ok(())
+}
+
+/// What `recv` got.
+pub(crate) enum Received {
+    /// A packet and the fds that came with it.
+    Packet(Vec<u8>, Vec<OwnedFd>),
+    /// The peer closed the connection.
+    Closed,
+    /// The receive timeout passed with nothing received.
+    TimedOut,
+}
+
+/// Receive one packet (and any fds, which are owned by the caller from here on).
+pub(crate) fn recv(sock: BorrowedFd<'_>) -> Result<Received> {
+    let mut buf = [0u8; MAX_PACKET];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let msg = loop {
+        match rustix::net::recvmsg(
+            sock,
+            &mut [IoSliceMut::new(&mut buf)],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        ) {
+            Ok(m) => break m,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(rustix::io::Errno::AGAIN) => return Ok(Received::TimedOut),
+            Err(rustix::io::Errno::CONNRESET) => return Ok(Received::Closed),
+            Err(e) => return Err(Error::Ipc(format!("receive failed: {e}"))),
+        }
+    };
+    let mut fds = Vec::new();
+    for m in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(rights) = m {
+            fds.extend(rights);
+        }
+    }
+    if msg.bytes == 0 && fds.is_empty() {
+        return Ok(Received::Closed);
+    }
+    if msg.flags.contains(rustix::net::ReturnFlags::TRUNC) {
+        return Err(Error::Ipc("oversized packet".into()));
+    }
+    Ok(Received::Packet(buf[..msg.bytes].to_vec(), fds))
+}
+
+/// Set the socket's receive timeout.
+pub(crate) fn set_recv_timeout(sock: impl AsFd, timeout: std::time::Duration) -> Result<()> {
+    rustix::net::sockopt::set_socket_timeout(
+        &sock,
+        rustix::net::sockopt::Timeout::Recv,
+        Some(timeout),
+    )
+    .map_err(|e| Error::Ipc(format!("setting the receive timeout failed: {e}")))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_and_reply_round_trip() {
+        let r = Request {
+            op: Op::Open,
+            want_fd: true,
+            device: 3,
+            key: 99,
+            arena_id: 12,
+            token: [7; 16],
+        };
+        assert_eq!(Request::decode(&r.encode()).unwrap(), r);
+        let mut bad = r.encode();
+        bad[0] = 9;
+        assert!(Request::decode(&bad).is_err());
+        assert!(Request::decode(&bad[..10]).is_err());
+        let rep = Reply {
+            ok: true,
+            pinning: false,
+            lease_key: 5,
+            arena_bytes: 1 << 30,
+            message: "fine".into(),
+        };
+        assert_eq!(Reply::decode(&rep.encode()).unwrap(), rep);
+        assert!(Reply::decode(&[2; 16]).is_err());
+    }
+}

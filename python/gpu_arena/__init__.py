@@ -1,0 +1,210 @@
+"""gpu-arena from Python: a ctypes binding of ``libgpu_arena.so``.
+
+Without PyTorch::
+
+    import gpu_arena
+    gpu_arena.configure("backend=sim,arena_size=64MiB")   # optional, before init
+    gpu_arena.init()
+    p = gpu_arena.malloc(1 << 20)
+    gpu_arena.free(p, 1 << 20)
+    gpu_arena.stats()["reserved_bytes"]
+
+With PyTorch, see :mod:`gpu_arena.torch` (``install()`` / ``mem_pool()``).
+
+Every failure raises :class:`GpuArenaError` (``.code`` is the ``GPU_ARENA_ERR_*`` code,
+the message names the call), or the subclass of its code: ``OutOfMemoryError`` (also a
+``MemoryError``), ``InvalidArgumentError`` (also a ``ValueError``), ``UnknownPointerError``,
+``InvalidStateError``, ``NotInitializedError``...
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import operator
+from typing import Any, Dict
+
+from . import _lib
+from ._lib import (  # noqa: F401  (re-exported)
+    GPU_ARENA_ERR_BACKEND,
+    GPU_ARENA_ERR_INTERNAL,
+    GPU_ARENA_ERR_INVALID_ARGUMENT,
+    GPU_ARENA_ERR_INVALID_DEVICE,
+    GPU_ARENA_ERR_INVALID_STATE,
+    GPU_ARENA_ERR_IPC,
+    GPU_ARENA_ERR_NOT_INITIALIZED,
+    GPU_ARENA_ERR_OUT_OF_MEMORY,
+    GPU_ARENA_ERR_UNAVAILABLE,
+    GPU_ARENA_ERR_UNKNOWN_POINTER,
+    GPU_ARENA_OK,
+    BackendError,
+    GpuArenaError,
+    GpuArenaStats,
+    InternalError,
+    InvalidArgumentError,
+    InvalidDeviceError,
+    InvalidStateError,
+    IpcError,
+    LibraryNotFoundError,
+    NotInitializedError,
+    OutOfMemoryError,
+    UnavailableError,
+    UnknownPointerError,
+    last_error,
+    lib_path,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "configure",
+    "init",
+    "is_initialized",
+    "stats",
+    "empty_cache",
+    "snapshot",
+    "validate",
+    "backend_name",
+    "device_count",
+    "lib_path",
+    "last_error",
+    "malloc",
+    "free",
+    "record_stream",
+    "GpuArenaError",
+    "GpuArenaStats",
+    "InvalidArgumentError",
+    "OutOfMemoryError",
+    "UnknownPointerError",
+    "BackendError",
+    "InvalidDeviceError",
+    "NotInitializedError",
+    "InvalidStateError",
+    "UnavailableError",
+    "IpcError",
+    "InternalError",
+    "LibraryNotFoundError",
+]
+
+
+def _int(value: Any, what: str) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}") from None
+
+
+def configure(conf: str) -> None:
+    """Configure before first use, e.g. ``"backend=sim,arena_size=1GiB"`` (keys: backend,
+    arena_size, max_reserved, validate, sim_devices, sim_capacity, sim_granularity,
+    legacy_pin). Several calls accumulate. After :func:`init`: ``InvalidStateError``."""
+    if not isinstance(conf, str):
+        raise TypeError(f"conf must be a str, not {type(conf).__name__}")
+    if "\0" in conf:
+        raise ValueError("conf must not contain NUL characters")
+    _lib.check(_lib.lib().gpu_arena_configure(conf.encode("utf-8")), "gpu_arena_configure")
+
+
+def init(device_count: int = -1) -> None:
+    """Initialize gpu-arena (idempotent): ``gpu_arena_init`` then ``gpu_arena_init_status``.
+
+    ``device_count`` is the caller's device count, checked against the backend's (-1: do not
+    check). Raises the error of a failed init (e.g. ``UnavailableError`` for a backend that
+    is not there, ``InvalidArgumentError`` for a bad ``GPU_ARENA_CONF``)."""
+    lib = _lib.lib()
+    lib.gpu_arena_init(_int(device_count, "device_count"))
+    code = lib.gpu_arena_init_status()
+    if code < 0:
+        msg = _lib.last_error() or "gpu_arena_init failed"
+        if code == GPU_ARENA_ERR_NOT_INITIALIZED:
+            # gpu_arena_init_status answers NOT_INITIALIZED for every failed init; the
+            # message carries the real error, whose code is more useful.
+            code = _lib._cause_code(msg, code)
+        raise GpuArenaError(code, msg)
+
+
+def is_initialized() -> bool:
+    """Whether gpu-arena is initialized and usable (never raises for a missing init)."""
+    return _lib.lib().gpu_arena_init_status() == GPU_ARENA_OK
+
+
+def stats(device: int = 0) -> Dict[str, int]:
+    """The counters of ``device``'s pool (``gpu_arena_stats_t``) as a dict of ints."""
+    out = GpuArenaStats()
+    _lib.check(
+        _lib.lib().gpu_arena_stats(_int(device, "device"), ctypes.byref(out)), "gpu_arena_stats"
+    )
+    return out.to_dict()
+
+
+def empty_cache(device: int = -1) -> None:
+    """Synchronize and release every arena of ``device`` (-1: all) that holds no live
+    allocation and no share."""
+    _lib.check(_lib.lib().gpu_arena_empty_cache(_int(device, "device")), "gpu_arena_empty_cache")
+
+
+def snapshot() -> Dict[str, Any]:
+    """A snapshot of every device, arena and range (parsed ``gpu_arena_snapshot_json``)."""
+    lib = _lib.lib()
+    ptr = lib.gpu_arena_snapshot_json()
+    if not ptr:
+        raise _lib.error_from_last("gpu_arena_snapshot_json")
+    try:
+        text = ctypes.string_at(ptr).decode("utf-8")
+    finally:
+        lib.gpu_arena_string_free(ptr)
+    return json.loads(text)
+
+
+def validate(device: int = 0) -> None:
+    """Check every invariant of ``device``'s pool; raises (``InternalError``) on the first
+    violation."""
+    _lib.check(_lib.lib().gpu_arena_validate(_int(device, "device")), "gpu_arena_validate")
+
+
+def backend_name() -> str:
+    """``"sim"``, ``"cuda"``, ``"hip"``, or ``""`` before init."""
+    name = _lib.lib().gpu_arena_backend_name()
+    return name.decode("ascii", "replace") if name else ""
+
+
+def device_count() -> int:
+    """Number of devices of the backend (needs init)."""
+    return _lib.check(_lib.lib().gpu_arena_device_count(), "gpu_arena_device_count")
+
+
+def malloc(size: int, device: int = 0, stream: int = 0) -> int:
+    """Allocate ``size`` bytes on ``device`` for use on ``stream`` (a ``cudaStream_t`` as an
+    int; 0 is the default stream). Returns the device pointer as an int; ``size == 0``
+    returns 0. Free it with :func:`free` and the same size and device."""
+    size = _int(size, "size")
+    device = _int(device, "device")
+    stream = _int(stream, "stream")
+    ptr = _lib.lib().gpu_arena_malloc(size, device, stream or None)
+    if ptr:
+        return int(ptr)
+    if size == 0:
+        return 0
+    raise _lib.error_from_last("gpu_arena_malloc")
+
+
+def free(ptr: int, size: int, device: int = 0) -> None:
+    """Free a pointer from :func:`malloc`; ``size`` and ``device`` must be the allocation's.
+    A double free, an unknown pointer or a wrong size raises and changes nothing. Freeing 0
+    does nothing."""
+    ptr = _int(ptr, "ptr")
+    _lib.check(
+        _lib.lib().gpu_arena_free_checked(ptr or None, _int(size, "size"), _int(device, "device")),
+        "gpu_arena_free",
+    )
+
+
+def record_stream(ptr: int, stream: int) -> None:
+    """Mark the live allocation ``ptr`` as used on ``stream`` too: after its free, its
+    memory is reused only once the work queued on ``stream`` has completed."""
+    _lib.check(
+        _lib.lib().gpu_arena_record_stream_checked(
+            _int(ptr, "ptr") or None, _int(stream, "stream") or None
+        ),
+        "gpu_arena_record_stream",
+    )

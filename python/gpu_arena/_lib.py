@@ -1,0 +1,425 @@
+"""ctypes binding of ``libgpu_arena.so`` (the C API in ``ffi/src/lib.rs``).
+
+The library is found at run time (pip never builds Rust), searched in this order:
+
+1. the environment variable ``GPU_ARENA_LIB`` (a path to the ``.so``; if it is set, it must
+   exist: a wrong path is an error, not a silent fall-through);
+2. beside the package: ``gpu_arena/libgpu_arena.so``;
+3. ``$CARGO_TARGET_DIR/release`` then ``$CARGO_TARGET_DIR/debug`` when that variable is set;
+4. the cargo target dir of the repository this package sits in (when it runs from a checkout
+   or an editable install): ``<repo>/target/release`` then ``<repo>/target/debug``
+   (``<repo>`` is ``python/..``).
+
+The library is loaded lazily, on the first call that needs it: ``import gpu_arena`` works
+without it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import threading
+from pathlib import Path
+from typing import List, Optional
+
+LIB_NAME = "libgpu_arena.so"
+
+# Error codes: keep in step with `GPU_ARENA_ERR_*` in ffi/src/lib.rs (a test checks).
+GPU_ARENA_OK = 0
+GPU_ARENA_ERR_INVALID_ARGUMENT = -1
+GPU_ARENA_ERR_OUT_OF_MEMORY = -2
+GPU_ARENA_ERR_UNKNOWN_POINTER = -3
+GPU_ARENA_ERR_BACKEND = -4
+GPU_ARENA_ERR_INVALID_DEVICE = -5
+GPU_ARENA_ERR_NOT_INITIALIZED = -6
+GPU_ARENA_ERR_INVALID_STATE = -7
+GPU_ARENA_ERR_UNAVAILABLE = -8
+GPU_ARENA_ERR_IPC = -9
+GPU_ARENA_ERR_INTERNAL = -10
+
+ERROR_NAMES = {
+    GPU_ARENA_ERR_INVALID_ARGUMENT: "GPU_ARENA_ERR_INVALID_ARGUMENT",
+    GPU_ARENA_ERR_OUT_OF_MEMORY: "GPU_ARENA_ERR_OUT_OF_MEMORY",
+    GPU_ARENA_ERR_UNKNOWN_POINTER: "GPU_ARENA_ERR_UNKNOWN_POINTER",
+    GPU_ARENA_ERR_BACKEND: "GPU_ARENA_ERR_BACKEND",
+    GPU_ARENA_ERR_INVALID_DEVICE: "GPU_ARENA_ERR_INVALID_DEVICE",
+    GPU_ARENA_ERR_NOT_INITIALIZED: "GPU_ARENA_ERR_NOT_INITIALIZED",
+    GPU_ARENA_ERR_INVALID_STATE: "GPU_ARENA_ERR_INVALID_STATE",
+    GPU_ARENA_ERR_UNAVAILABLE: "GPU_ARENA_ERR_UNAVAILABLE",
+    GPU_ARENA_ERR_IPC: "GPU_ARENA_ERR_IPC",
+    GPU_ARENA_ERR_INTERNAL: "GPU_ARENA_ERR_INTERNAL",
+}
+
+
+# --------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------
+
+
+class LibraryNotFoundError(OSError):
+    """``libgpu_arena.so`` was not found (or could not be loaded)."""
+
+
+class GpuArenaError(Exception):
+    """A gpu-arena call failed.
+
+    ``code`` is the negative ``GPU_ARENA_ERR_*`` code, ``message`` the text of
+    ``gpu_arena_last_error()`` (it names the call, the value and the reason).
+    ``GpuArenaError(code, message)`` builds the subclass that matches ``code``.
+    """
+
+    code: int = GPU_ARENA_ERR_INTERNAL
+
+    def __new__(cls, code: int = GPU_ARENA_ERR_INTERNAL, message: str = "", *args):
+        if cls is GpuArenaError:
+            cls = _CLASS_OF_CODE.get(code, GpuArenaError)
+        # Exception.__new__, not super(): MemoryError.__new__ refuses subclasses that also
+        # derive from another Exception subclass.
+        return Exception.__new__(cls, code, message, *args)
+
+    def __init__(self, code: int = GPU_ARENA_ERR_INTERNAL, message: str = "", *args):
+        super().__init__(code, message, *args)
+        self.code = code
+        self.message = message
+
+    @property
+    def code_name(self) -> str:
+        return ERROR_NAMES.get(self.code, f"code {self.code}")
+
+    def __str__(self) -> str:
+        return f"{self.message} [{self.code_name}]" if self.message else self.code_name
+
+    def __reduce__(self):
+        return (GpuArenaError, (self.code, self.message))
+
+
+class InvalidArgumentError(GpuArenaError, ValueError):
+    """A bad argument: size, pointer, configuration string, NULL out-parameter."""
+
+    code = GPU_ARENA_ERR_INVALID_ARGUMENT
+
+
+class OutOfMemoryError(GpuArenaError, MemoryError):
+    """Out of device memory (after gpu-arena released its cached arenas and retried)."""
+
+    code = GPU_ARENA_ERR_OUT_OF_MEMORY
+
+
+class UnknownPointerError(GpuArenaError):
+    """A pointer gpu-arena did not allocate, or one already freed."""
+
+    code = GPU_ARENA_ERR_UNKNOWN_POINTER
+
+
+class BackendError(GpuArenaError):
+    """A driver call failed."""
+
+    code = GPU_ARENA_ERR_BACKEND
+
+
+class InvalidDeviceError(GpuArenaError, ValueError):
+    """Device index out of range."""
+
+    code = GPU_ARENA_ERR_INVALID_DEVICE
+
+
+class NotInitializedError(GpuArenaError):
+    """Called before ``init()``, or init failed."""
+
+    code = GPU_ARENA_ERR_NOT_INITIALIZED
+
+
+class InvalidStateError(GpuArenaError):
+    """Not valid now (e.g. configure after init)."""
+
+    code = GPU_ARENA_ERR_INVALID_STATE
+
+
+class UnavailableError(GpuArenaError):
+    """The requested backend is not available here."""
+
+    code = GPU_ARENA_ERR_UNAVAILABLE
+
+
+class IpcError(GpuArenaError):
+    """Sharing/import failure: bad handle, wrong token, dead peer."""
+
+    code = GPU_ARENA_ERR_IPC
+
+
+class InternalError(GpuArenaError):
+    """A gpu-arena bug (an invariant broke, or a panic was caught)."""
+
+    code = GPU_ARENA_ERR_INTERNAL
+
+
+_CLASS_OF_CODE = {
+    GPU_ARENA_ERR_INVALID_ARGUMENT: InvalidArgumentError,
+    GPU_ARENA_ERR_OUT_OF_MEMORY: OutOfMemoryError,
+    GPU_ARENA_ERR_UNKNOWN_POINTER: UnknownPointerError,
+    GPU_ARENA_ERR_BACKEND: BackendError,
+    GPU_ARENA_ERR_INVALID_DEVICE: InvalidDeviceError,
+    GPU_ARENA_ERR_NOT_INITIALIZED: NotInitializedError,
+    GPU_ARENA_ERR_INVALID_STATE: InvalidStateError,
+    GPU_ARENA_ERR_UNAVAILABLE: UnavailableError,
+    GPU_ARENA_ERR_IPC: IpcError,
+    GPU_ARENA_ERR_INTERNAL: InternalError,
+}
+
+# Calls that report failure only as NULL (gpu_arena_malloc, gpu_arena_snapshot_json) give no
+# code: it is recovered from the message, whose text after "call: " is the Display of the
+# Rust `gpu_arena::Error` variant (alloc/src/error.rs) or the `pool()` helper's wording.
+_CODE_PATTERNS = [
+    (re.compile(r"called before gpu_arena_init|failed to initialize"), GPU_ARENA_ERR_NOT_INITIALIZED),
+    (re.compile(r"internal panic|internal error"), GPU_ARENA_ERR_INTERNAL),
+    (re.compile(r"out of memory|out of device memory"), GPU_ARENA_ERR_OUT_OF_MEMORY),
+    (re.compile(r"unknown pointer"), GPU_ARENA_ERR_UNKNOWN_POINTER),
+    (re.compile(r"device -?\d+ out of range"), GPU_ARENA_ERR_INVALID_DEVICE),
+    (re.compile(r"invalid argument"), GPU_ARENA_ERR_INVALID_ARGUMENT),
+    (re.compile(r"invalid state"), GPU_ARENA_ERR_INVALID_STATE),
+    (re.compile(r"backend unavailable"), GPU_ARENA_ERR_UNAVAILABLE),
+    (re.compile(r": ipc: "), GPU_ARENA_ERR_IPC),
+    (re.compile(r"backend: \S+ failed"), GPU_ARENA_ERR_BACKEND),
+]
+
+
+def code_from_message(message: str, default: int = GPU_ARENA_ERR_INTERNAL) -> int:
+    """Best guess of the error code behind a ``gpu_arena_last_error()`` message."""
+    for pattern, code in _CODE_PATTERNS:
+        if pattern.search(message):
+            return code
+    return default
+
+
+def _cause_code(message: str, default: int) -> int:
+    """The code of the error a "failed to initialize: <error>" message wraps."""
+    _, sep, cause = message.partition("failed to initialize: ")
+    if not sep:
+        return default
+    return code_from_message(": " + cause, default)
+
+
+# --------------------------------------------------------------------------------------
+# The stats struct
+# --------------------------------------------------------------------------------------
+
+
+class GpuArenaStats(ctypes.Structure):
+    """``gpu_arena_stats_t``: counters of one device's pool, all ``uint64_t``, all sizes in
+    bytes. Field for field as in ffi/src/lib.rs (a test checks the names and the order)."""
+
+    _fields_ = [
+        ("reserved_bytes", ctypes.c_uint64),
+        ("allocated_bytes", ctypes.c_uint64),
+        ("peak_reserved_bytes", ctypes.c_uint64),
+        ("peak_allocated_bytes", ctypes.c_uint64),
+        ("arenas", ctypes.c_uint64),
+        ("backend_creates", ctypes.c_uint64),
+        ("backend_destroys", ctypes.c_uint64),
+        ("exports_live", ctypes.c_uint64),
+        ("exports_total", ctypes.c_uint64),
+        ("shares_live", ctypes.c_uint64),
+        ("imports_live", ctypes.c_uint64),
+        ("pinned_bytes", ctypes.c_uint64),
+        ("allocations", ctypes.c_uint64),
+        ("alloc_count", ctypes.c_uint64),
+        ("free_count", ctypes.c_uint64),
+        ("oom_count", ctypes.c_uint64),
+        ("deferred_free_bytes", ctypes.c_uint64),
+    ]
+
+    def to_dict(self) -> dict:
+        return {name: int(getattr(self, name)) for name, _ in self._fields_}
+
+
+SHARE_BYTES = 128
+
+
+class GpuArenaShare(ctypes.Structure):
+    """``gpu_arena_share_t``: ``typedef struct { uint8_t bytes[128]; }``."""
+
+    _fields_ = [("bytes", ctypes.c_uint8 * SHARE_BYTES)]
+
+
+# --------------------------------------------------------------------------------------
+# Finding and loading the library
+# --------------------------------------------------------------------------------------
+
+_PKG_DIR = Path(__file__).resolve().parent
+# python/gpu_arena/_lib.py -> python/ -> the repository root
+_REPO_DIR = _PKG_DIR.parent.parent
+
+
+def candidate_paths() -> List[Path]:
+    """The places searched, in order (``GPU_ARENA_LIB`` excluded)."""
+    places = [_PKG_DIR / LIB_NAME]
+    target = os.environ.get("CARGO_TARGET_DIR")
+    if target:
+        t = Path(target)
+        if not t.is_absolute():
+            t = _REPO_DIR / t
+        places += [t / "release" / LIB_NAME, t / "debug" / LIB_NAME]
+    if in_checkout():
+        places += [
+            _REPO_DIR / "target" / "release" / LIB_NAME,
+            _REPO_DIR / "target" / "debug" / LIB_NAME,
+        ]
+    return places
+
+
+def in_checkout() -> bool:
+    """Whether the package runs from the gpu-arena repository (python/ beside Cargo.toml),
+    as in a checkout or an editable install, rather than from site-packages."""
+    return (_REPO_DIR / "Cargo.toml").is_file() and (_PKG_DIR.parent / "pyproject.toml").is_file()
+
+
+def find_library() -> Path:
+    """The path of ``libgpu_arena.so`` per the search order above, or LibraryNotFoundError."""
+    env = os.environ.get("GPU_ARENA_LIB")
+    if env:
+        p = Path(env).expanduser()
+        if p.is_dir():
+            p = p / LIB_NAME
+        if p.is_file():
+            return p.resolve()
+        raise LibraryNotFoundError(
+            f"GPU_ARENA_LIB={env!r} does not name an existing file ({p}). Unset it to search "
+            "the default places: " + ", ".join(str(c) for c in candidate_paths())
+        )
+    places = candidate_paths()
+    for p in places:
+        if p.is_file():
+            return p.resolve()
+    raise LibraryNotFoundError(
+        f"{LIB_NAME} not found. Searched, in order:\n"
+        "  - $GPU_ARENA_LIB (not set)\n"
+        + "".join(f"  - {p}\n" for p in places)
+        + ("" if in_checkout() else "  (the repository's target/ is searched only when the package "
+           "runs from a checkout or an editable install)\n")
+        + "Build it with `cargo build -p gpu-arena-ffi` (or --release) in the repository, "
+        "copy it beside the package, or set GPU_ARENA_LIB=/path/to/libgpu_arena.so."
+    )
+
+
+c_int, c_ssize_t, c_void_p, c_char_p = ctypes.c_int, ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_char_p
+
+# name: (restype, argtypes). Every exported function of ffi/src/lib.rs.
+_SIGNATURES = {
+    "gpu_arena_malloc": (c_void_p, [c_ssize_t, c_int, c_void_p]),
+    "gpu_arena_free": (None, [c_void_p, c_ssize_t, c_int, c_void_p]),
+    "gpu_arena_free_checked": (c_int, [c_void_p, c_ssize_t, c_int]),
+    "gpu_arena_init": (None, [c_int]),
+    "gpu_arena_init_status": (c_int, []),
+    "gpu_arena_reset": (None, []),
+    "gpu_arena_record_stream": (None, [c_void_p, c_void_p]),
+    "gpu_arena_record_stream_checked": (c_int, [c_void_p, c_void_p]),
+    "gpu_arena_configure": (c_int, [c_char_p]),
+    "gpu_arena_empty_cache": (c_int, [c_int]),
+    "gpu_arena_stats": (c_int, [c_int, ctypes.POINTER(GpuArenaStats)]),
+    "gpu_arena_validate": (c_int, [c_int]),
+    "gpu_arena_device_count": (c_int, []),
+    "gpu_arena_backend_name": (c_char_p, []),
+    # c_void_p, not c_char_p: the string must be handed back to gpu_arena_string_free.
+    "gpu_arena_snapshot_json": (c_void_p, []),
+    "gpu_arena_string_free": (None, [c_void_p]),
+    "gpu_arena_last_error": (c_char_p, []),
+}
+
+# The IPC part (ffi/src/ipc_api.rs); declared when the library has it.
+_IPC_SIGNATURES = {
+    "gpu_arena_share": (c_int, [c_void_p, ctypes.c_size_t, ctypes.POINTER(GpuArenaShare)]),
+    "gpu_arena_unshare": (c_int, [ctypes.POINTER(GpuArenaShare)]),
+    "gpu_arena_import": (c_int, [ctypes.POINTER(GpuArenaShare), ctypes.POINTER(c_void_p)]),
+    "gpu_arena_close": (c_int, [c_void_p]),
+}
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_path: Optional[Path] = None
+_has_ipc = False
+
+
+def _declare(lib: ctypes.CDLL, sigs: dict, required: bool) -> bool:
+    ok = True
+    for name, (restype, argtypes) in sigs.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            if required:
+                raise LibraryNotFoundError(
+                    f"{_path} has no symbol {name}: it is not a (current) gpu-arena library; "
+                    "rebuild it with `cargo build -p gpu-arena-ffi`"
+                ) from None
+            ok = False
+            continue
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return ok
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library (loading it on first use)."""
+    global _lib, _path, _has_ipc
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is None:
+            path = find_library()
+            try:
+                handle = ctypes.CDLL(str(path))
+            except OSError as e:
+                raise LibraryNotFoundError(f"found {path} but could not load it: {e}") from e
+            _path = path
+            _declare(handle, _SIGNATURES, required=True)
+            _has_ipc = _declare(handle, _IPC_SIGNATURES, required=False)
+            _lib = handle
+    return _lib
+
+
+def lib_path() -> str:
+    """The path of the loaded library (loading it if needed)."""
+    lib()
+    return str(_path)
+
+
+def has_ipc() -> bool:
+    """Whether the loaded library exports the IPC functions."""
+    lib()
+    return _has_ipc
+
+
+def last_error() -> str:
+    """The calling thread's last error message ("" if none)."""
+    msg = lib().gpu_arena_last_error()
+    return msg.decode("utf-8", "replace") if msg else ""
+
+
+def error(code: int, call: str = "") -> GpuArenaError:
+    """The exception for a failed call that returned `code`."""
+    msg = last_error()
+    if not msg:
+        msg = f"{call} failed" if call else "gpu-arena call failed"
+    return GpuArenaError(code, msg)
+
+
+def check(code: int, call: str = "") -> int:
+    """Raise the matching GpuArenaError when `code` is negative; return it otherwise."""
+    if code < 0:
+        raise error(code, call)
+    return code
+
+
+def error_from_last(call: str, default: int = GPU_ARENA_ERR_INTERNAL) -> GpuArenaError:
+    """The exception for a failed call that returns no code (NULL), code inferred from the
+    message."""
+    msg = last_error() or f"{call} failed"
+    return GpuArenaError(code_from_message(msg, default), msg)
+
+
+def fn_address(name: str) -> int:
+    """The address of an exported C function, for PyTorch's hook setters."""
+    addr = ctypes.cast(getattr(lib(), name), ctypes.c_void_p).value
+    if not addr:
+        raise LibraryNotFoundError(f"{name} has no address in {_path}")
+    return int(addr)

@@ -1,0 +1,244 @@
+"""gpu-arena as PyTorch's CUDA allocator.
+
+Two ways in:
+
+* :func:`install` makes gpu-arena the allocator of every CUDA tensor of the process
+  (``torch.cuda.memory.CUDAPluggableAllocator`` + ``change_current_allocator``). It must run
+  before PyTorch initializes CUDA, i.e. before the first CUDA tensor::
+
+      import gpu_arena.torch
+      gpu_arena.torch.install("arena_size=1GiB")
+      x = torch.empty(1 << 20, device="cuda")      # served by gpu-arena
+
+* :func:`mem_pool` returns a ``torch.cuda.MemPool`` backed by gpu-arena, for
+  ``torch.cuda.use_mem_pool`` (vLLM's way in); it works after CUDA is initialized::
+
+      pool = gpu_arena.torch.mem_pool()
+      with torch.cuda.use_mem_pool(pool):
+          kv = torch.empty(..., device="cuda")     # served by gpu-arena
+
+The hooks ``set_init_fn`` (``gpu_arena_init``), ``set_reset_fn`` (``gpu_arena_reset``, run by
+``torch.cuda.empty_cache()``) and ``set_record_stream_fn`` (``gpu_arena_record_stream``) are
+wired. PyTorch's own ``memory_stats``, ``memory_snapshot`` and CUDA IPC do not work with a
+pluggable allocator: use ``gpu_arena.stats()`` / ``gpu_arena.snapshot()``.
+
+PyTorch is imported lazily: this module imports without it. Targets torch 2.11; older
+versions get a clear error for what they lack (CUDAPluggableAllocator needs >= 2.0, MemPool
+with an allocator >= 2.6).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Optional
+
+from . import _lib
+
+__all__ = [
+    "install",
+    "installed",
+    "mem_pool",
+    "empty_cache",
+    "TorchIntegrationError",
+    "AlreadyInitializedError",
+]
+
+
+class TorchIntegrationError(RuntimeError):
+    """gpu-arena cannot be plugged into this PyTorch (missing feature, no CUDA, wrong
+    backend)."""
+
+
+class AlreadyInitializedError(TorchIntegrationError):
+    """``install()`` came after PyTorch initialized CUDA (and its own allocator)."""
+
+
+_lock = threading.RLock()
+_pluggable: Any = None  # the CUDAPluggableAllocator wrapping libgpu_arena.so (one per process)
+_installed = False
+
+_HOOKS = (
+    ("set_init_fn", "gpu_arena_init"),
+    ("set_reset_fn", "gpu_arena_reset"),
+    ("set_record_stream_fn", "gpu_arena_record_stream"),
+)
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError(
+            "gpu_arena.torch needs PyTorch (`pip install torch`); the rest of gpu_arena "
+            "(gpu_arena.malloc/free/stats...) works without it"
+        ) from e
+    memory = getattr(getattr(torch, "cuda", None), "memory", None)
+    if memory is None or not hasattr(memory, "CUDAPluggableAllocator"):
+        raise TorchIntegrationError(
+            f"torch {torch.__version__} has no torch.cuda.memory.CUDAPluggableAllocator "
+            "(PyTorch >= 2.0 with CUDA is needed; 2.11 is the target)"
+        )
+    return torch
+
+
+def _api():
+    import gpu_arena
+
+    return gpu_arena
+
+
+def _already_initialized_message(torch) -> str:
+    try:
+        reserved = torch.cuda.memory_reserved()
+        detail = f" (its caching allocator has {reserved} bytes reserved)"
+    except Exception:  # noqa: BLE001 - only for the message
+        detail = ""
+    return (
+        "gpu_arena.torch.install(): PyTorch has already initialized CUDA in this process"
+        f"{detail}, and its allocator cannot be swapped any more: call install() before the "
+        "first CUDA allocation (before any tensor on 'cuda', torch.cuda.init(), "
+        "torch.cuda.mem_get_info(), torch.cuda.set_device()...). After that point, "
+        "gpu_arena.torch.mem_pool() with torch.cuda.use_mem_pool() can still route chosen "
+        "allocations to gpu-arena."
+    )
+
+
+def _init_backend(allow_sim: bool, device_count: int = -1) -> None:
+    api = _api()
+    api.init(device_count)
+    name = api.backend_name()
+    if name == "sim" and not allow_sim:
+        raise TorchIntegrationError(
+            "gpu-arena initialized its 'sim' backend (host memory posing as a device: "
+            "backend=sim / GPU_ARENA_BACKEND=sim was set, or backend=auto found no usable CUDA "
+            "driver; see the log). PyTorch would crash using that memory, so it is not "
+            "installed. Configure backend=cuda (or hip) to see why the device is unavailable."
+        )
+
+
+def _get_pluggable(torch):
+    """The process's CUDAPluggableAllocator over libgpu_arena.so, hooks wired."""
+    global _pluggable
+    if _pluggable is not None:
+        return _pluggable
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(
+        _lib.lib_path(), "gpu_arena_malloc", "gpu_arena_free"
+    )
+    native = alloc.allocator() if hasattr(alloc, "allocator") else alloc._allocator
+    missing = []
+    for setter, fn_name in _HOOKS:
+        set_fn = getattr(native, setter, None)
+        if set_fn is None:
+            missing.append(setter)
+            continue
+        set_fn(_lib.fn_address(fn_name))
+    if missing:
+        warnings.warn(
+            f"torch {torch.__version__}: the pluggable allocator has no {', '.join(missing)}; "
+            "gpu-arena runs without those hooks (without set_record_stream_fn, "
+            "Tensor.record_stream() does nothing and a tensor used on a side stream may be "
+            "reused too early; without set_reset_fn, call gpu_arena.empty_cache() yourself)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    _pluggable = alloc
+    return alloc
+
+
+def install(conf: Optional[str] = None, *, allow_sim: bool = False):
+    """Make gpu-arena PyTorch's CUDA allocator for this process.
+
+    ``conf`` (optional) is passed to ``gpu_arena.configure`` first, e.g.
+    ``"arena_size=1GiB,max_reserved=60GiB"``. gpu-arena is initialized at once so that a
+    bad configuration or a missing driver raises here, not at the first tensor. Calling it
+    again returns the same allocator (a ``conf`` then raises ``InvalidStateError``).
+
+    Raises ``AlreadyInitializedError`` when PyTorch already initialized CUDA (call install()
+    before the first CUDA allocation), ``TorchIntegrationError`` when CUDA is not available
+    or gpu-arena fell back to its sim backend (``allow_sim=True`` skips that check: only for
+    tests that never touch the memory).
+
+    Returns the ``torch.cuda.memory.CUDAPluggableAllocator``.
+    """
+    global _installed
+    torch = _import_torch()
+    api = _api()
+    with _lock:
+        if _installed:
+            if conf is not None:
+                api.configure(conf)  # raises InvalidStateError: gpu-arena is initialized
+            return _pluggable
+        if not torch.cuda.is_available():
+            raise TorchIntegrationError(
+                "gpu_arena.torch.install(): torch.cuda.is_available() is False (no CUDA "
+                f"device, or a CPU-only torch {torch.__version__})"
+            )
+        if torch.cuda.is_initialized():
+            raise AlreadyInitializedError(_already_initialized_message(torch))
+        if conf is not None:
+            api.configure(conf)
+        # torch.cuda.device_count() does not initialize CUDA in PyTorch.
+        _init_backend(allow_sim, torch.cuda.device_count())
+        alloc = _get_pluggable(torch)
+        try:
+            torch.cuda.memory.change_current_allocator(alloc)
+        except RuntimeError as e:
+            if "initialized" in str(e).lower():
+                raise AlreadyInitializedError(_already_initialized_message(torch)) from e
+            raise
+        _installed = True
+        return alloc
+
+
+def installed() -> bool:
+    """Whether :func:`install` succeeded in this process."""
+    return _installed
+
+
+def mem_pool(*, allow_sim: bool = False, **kwargs):
+    """A ``torch.cuda.MemPool`` whose memory comes from gpu-arena, for
+    ``torch.cuda.use_mem_pool(pool)``. ``kwargs`` go to ``MemPool`` (``use_on_oom``,
+    ``no_split`` in recent PyTorch). Initializes gpu-arena if needed (configure first if
+    you want a non-default configuration).
+
+    PyTorch's caching allocator manages the pool's blocks and asks gpu-arena for segments:
+    to give memory back, drop the tensors and the pool, then call :func:`empty_cache`
+    (``torch.cuda.empty_cache()`` alone does not reach gpu-arena for a MemPool).
+    """
+    torch = _import_torch()
+    MemPool = getattr(torch.cuda, "MemPool", None) or getattr(torch.cuda.memory, "MemPool", None)
+    if MemPool is None or not hasattr(torch.cuda, "use_mem_pool"):
+        raise TorchIntegrationError(
+            f"torch {torch.__version__} has no torch.cuda.MemPool / torch.cuda.use_mem_pool "
+            "(PyTorch >= 2.6 is needed for a MemPool over a pluggable allocator; 2.11 is the "
+            "target); use gpu_arena.torch.install() instead"
+        )
+    if not torch.cuda.is_available():
+        raise TorchIntegrationError(
+            "gpu_arena.torch.mem_pool(): torch.cuda.is_available() is False"
+        )
+    with _lock:
+        dc = torch.cuda.device_count()
+        _init_backend(allow_sim, dc)
+        alloc = _get_pluggable(torch)
+    native = alloc.allocator() if hasattr(alloc, "allocator") else alloc._allocator
+    try:
+        return MemPool(native, **kwargs)
+    except TypeError as e:
+        raise TorchIntegrationError(
+            f"torch {torch.__version__}: torch.cuda.MemPool({', '.join(kwargs)}) failed: {e}"
+        ) from e
+
+
+def empty_cache() -> None:
+    """``torch.cuda.empty_cache()`` (which hands PyTorch's unused MemPool segments back to
+    gpu-arena) then ``gpu_arena.empty_cache()`` (which hands gpu-arena's empty arenas back
+    to the driver)."""
+    torch = _import_torch()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    api = _api()
+    if api.is_initialized():
+        api.empty_cache(-1)

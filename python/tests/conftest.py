@@ -1,0 +1,49 @@
+"""Shared helpers: the package is imported from this checkout (no install needed), and
+tests that need a fresh process (gpu-arena's init is process-global) run a snippet in
+``sys.executable``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+PYTHON_DIR = Path(__file__).resolve().parent.parent
+REPO_DIR = PYTHON_DIR.parent
+
+if str(PYTHON_DIR) not in sys.path:
+    sys.path.insert(0, str(PYTHON_DIR))
+
+
+def run_python(code: str, env: dict | None = None, drop=(), timeout: float = 300):
+    """Run `code` in a fresh interpreter with this checkout's package importable.
+
+    `env` entries are added to (a copy of) os.environ, names in `drop` removed. Returns the
+    CompletedProcess; a snippet reports results by printing one JSON line prefixed with
+    ``RESULT=``, which `result_of` parses."""
+    e = dict(os.environ)
+    for name in drop:
+        e.pop(name, None)
+    e.update(env or {})
+    e["PYTHONPATH"] = str(PYTHON_DIR) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def result_of(proc) -> dict:
+    """The RESULT= JSON a snippet printed; fails the test with its output otherwise."""
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT="):
+            return json.loads(line[len("RESULT="):])
+    raise AssertionError(
+        f"subprocess exited {proc.returncode} without RESULT=\n"
+        f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+    )
