@@ -290,11 +290,8 @@ fn consumer_process_reads_writes_and_closes_cleanly() {
     assert_eq!(f[2], "clean=true");
     for i in 0..10 {
         // SAFETY: inside the allocation.
-        assert_eq!(
-            unsafe { *((a.ptr + i * MIB + 1) as *const u8) },
-            0xC0,
-            "the consumer's write"
-        );
+        let byte = unsafe { *((a.ptr + i * MIB + 1) as *const u8) };
+        assert_eq!(byte, 0xC0, "the consumer's write");
     }
     assert_eq!(pool.stats(0).unwrap().imports_live, 0);
     drop(broker);

@@ -189,7 +189,8 @@ mod tests {
     #[test]
     fn every_corruption_is_refused() {
         let good = sample().to_bytes();
-        let cases: Vec<(&str, Box<dyn Fn(&mut [u8; HANDLE_BYTES])>)> = vec![
+        type Corrupt = Box<dyn Fn(&mut [u8; HANDLE_BYTES])>;
+        let cases: Vec<(&str, Corrupt)> = vec![
             ("magic", Box::new(|b| b[0] = b'X')),
             ("version", Box::new(|b| b[8] = 2)),
             ("reserved", Box::new(|b| b[37] = 1)),
