@@ -11,6 +11,7 @@
 //! | `sim_capacity` | simulated memory per device | `16GiB` |
 //! | `sim_granularity` | simulated granularity | `2MiB` |
 //! | `legacy_pin` | `0`/`1`: sim exports pin for the process's life (ROCm 7.2) | `0` |
+//! | `allowed_uids` | `:`-separated uids allowed to import, besides our own | (none) |
 //!
 //! `auto` picks cuda if libcuda loads and has a device, else hip if built in and a device
 //! exists, else sim; the choice and the reasons are logged.
@@ -60,6 +61,8 @@ pub struct Config {
     pub pool: PoolConfig,
     /// Settings of the sim backend (used when it is chosen).
     pub sim: SimConfig,
+    /// Uids besides our own whose processes may import our shares.
+    pub allowed_uids: Vec<u32>,
 }
 
 /// Parse a size: a number with an optional unit `B`, `K`/`KiB`/`KB`, `M`/`MiB`/`MB`,
@@ -142,9 +145,20 @@ impl Config {
                 "sim_capacity" => next.sim.capacity = parse_size(value)?,
                 "sim_granularity" => next.sim.granularity = parse_size(value)?,
                 "legacy_pin" => next.sim.legacy_pin = parse_bool(key, value)?,
+                "allowed_uids" => {
+                    next.allowed_uids = value
+                        .split(':')
+                        .filter(|u| !u.is_empty())
+                        .map(|u| {
+                            u.parse::<u32>().map_err(|_| {
+                                Error::invalid(format!("allowed_uids: `{u}` is not a uid"))
+                            })
+                        })
+                        .collect::<Result<_>>()?
+                }
                 _ => {
                     return Err(Error::invalid(format!(
-                        "unknown key `{key}` (known: backend, arena_size, max_reserved, validate, sim_devices, sim_capacity, sim_granularity, legacy_pin)"
+                        "unknown key `{key}` (known: backend, arena_size, max_reserved, validate, sim_devices, sim_capacity, sim_granularity, legacy_pin, allowed_uids)"
                     )))
                 }
             }

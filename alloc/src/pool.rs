@@ -29,6 +29,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
+use rustc_hash::FxHashMap;
+
 use parking_lot::Mutex;
 use slab::Slab;
 
@@ -45,6 +47,9 @@ pub const ANY_STREAM: u64 = u64::MAX;
 pub const MAX_REQUEST_BYTES: u64 = 1 << 48;
 
 const MIB: u64 = 1 << 20;
+
+/// Freed blocks up to this size are kept whole for exact-size reuse on their stream.
+pub const CACHE_MAX_BLOCK: u64 = 64 * MIB;
 
 /// Pool settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,7 +127,12 @@ pub(crate) struct DeviceState {
     pub(crate) arenas: Slab<Arena>,
     /// Arena base address -> arena key.
     pub(crate) arena_at: rangemap::RangeMap<u64, usize>,
-    pub(crate) allocs: HashMap<u64, Live>,
+    pub(crate) allocs: FxHashMap<u64, Live>,
+    /// Freed blocks kept whole, by (stream, length): an exact-size reuse on the same stream
+    /// costs two hash operations. They stay allocated in `ranges` until flushed (on a miss
+    /// that would otherwise grow the pool, and before `empty_cache`).
+    cache: FxHashMap<(u64, u64), Vec<(u64, usize)>>,
+    cached_bytes: u64,
     pending: Vec<PendingFree>,
     /// Event recorded on a stream to release its free ranges to other streams.
     stream_events: HashMap<u64, Event>,
@@ -228,9 +238,14 @@ impl Pool {
             )));
         }
         let len = range::round_up(bytes).ok_or_else(|| Error::invalid("size overflows"))?;
-        // Fast path: reuse a cached range under the lock, no driver call.
+        // Fast path: an exact-size block freed on this stream, else a best-fit range; all
+        // under the lock, no driver call.
         {
             let mut st = dp.state.lock();
+            if let Some((ptr, arena)) = st.cache.get_mut(&(stream.0, len)).and_then(Vec::pop) {
+                st.cached_bytes -= len;
+                return Ok(self.finish_alloc_in(dp, &mut st, ptr, arena, len, bytes, stream));
+            }
             if let Some(ptr) = st.take_range(len, stream, self.backend.as_ref(), device) {
                 return Ok(self.finish_alloc(dp, &mut st, ptr, len, bytes, stream));
             }
@@ -325,6 +340,20 @@ impl Pool {
         stream: StreamId,
     ) -> Allocation {
         let arena = st.arena_of(ptr).unwrap_or(usize::MAX);
+        self.finish_alloc_in(dp, st, ptr, arena, len, requested, stream)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn finish_alloc_in(
+        &self,
+        dp: &DevicePool,
+        st: &mut DeviceState,
+        ptr: u64,
+        arena: usize,
+        len: u64,
+        requested: u64,
+        stream: StreamId,
+    ) -> Allocation {
         if let Some(a) = st.arenas.get_mut(arena) {
             a.live_allocs += 1;
         }
@@ -435,6 +464,10 @@ impl Pool {
                 stream,
                 events,
             });
+        } else if live.bytes <= CACHE_MAX_BLOCK
+            && st.cached_bytes + live.bytes <= st.stats.reserved_bytes / 4
+        {
+            st.cache_block(ptr)?;
         } else {
             st.release_range(ptr, stream.0)?;
         }
@@ -577,7 +610,18 @@ impl DeviceState {
         if let Some(p) = self.ranges.alloc(len, ANY_STREAM) {
             return Some(p);
         }
-        // Miss: release other streams' ranges whose work has completed.
+        // Miss: give cached blocks back to the ranges (they coalesce there) and retry.
+        if self.cached_bytes > 0 {
+            self.flush_cache();
+            if let Some(p) = self
+                .ranges
+                .alloc(len, stream.0)
+                .or_else(|| self.ranges.alloc(len, ANY_STREAM))
+            {
+                return Some(p);
+            }
+        }
+        // Still a miss: release other streams' ranges whose work has completed.
         self.settle(backend, device, Some(stream.0));
         self.ranges
             .alloc(len, stream.0)
@@ -616,6 +660,7 @@ impl DeviceState {
     /// After a device synchronize: every event is complete, so every range is free for any
     /// stream.
     fn settle_all(&mut self, backend: &dyn Backend) {
+        self.flush_cache();
         for p in std::mem::take(&mut self.pending) {
             for ev in p.events {
                 let _ = backend.destroy_event(ev);
@@ -655,6 +700,37 @@ impl DeviceState {
         if let Err(e) = self.release_range(ptr, stream.0) {
             tracing::error!(error = %e, "releasing a pending free failed");
         }
+    }
+
+    /// Move a freed allocation (no shares, no other streams) into the exact-size cache.
+    fn cache_block(&mut self, ptr: u64) -> Result<()> {
+        let live = self
+            .allocs
+            .remove(&ptr)
+            .ok_or_else(|| Error::Internal(format!("cache of unknown range {ptr:#x}")))?;
+        if let Some(a) = self.arenas.get_mut(live.arena) {
+            a.live_allocs -= 1;
+        }
+        self.stats.allocated_bytes -= live.bytes;
+        self.stats.allocations -= 1;
+        self.cached_bytes += live.bytes;
+        self.cache
+            .entry((live.stream.0, live.bytes))
+            .or_default()
+            .push((ptr, live.arena));
+        Ok(())
+    }
+
+    /// Return every cached block to the sub-allocator, tagged with its stream.
+    fn flush_cache(&mut self) {
+        for ((stream, _len), blocks) in self.cache.drain() {
+            for (ptr, _) in blocks {
+                if let Err(e) = self.ranges.free(ptr, stream) {
+                    tracing::error!(error = %e, "flushing a cached block failed");
+                }
+            }
+        }
+        self.cached_bytes = 0;
     }
 
     /// Give an allocation's range back to the sub-allocator under `tag` and drop its record.
@@ -772,7 +848,21 @@ impl DeviceState {
             ));
         }
         let used: u64 = self.allocs.values().map(|l| l.bytes).sum();
-        if used != rs.used_bytes || used != self.stats.allocated_bytes {
+        let cached: u64 = self.cache.iter().map(|(k, v)| k.1 * v.len() as u64).sum();
+        if cached != self.cached_bytes {
+            return Err(format!(
+                "cache holds {cached} bytes, counter says {}",
+                self.cached_bytes
+            ));
+        }
+        for (&(_, len), blocks) in &self.cache {
+            for &(ptr, _) in blocks {
+                if self.ranges.allocated_len(ptr) != Some(len) || self.allocs.contains_key(&ptr) {
+                    return Err(format!("cached block {ptr:#x} is not a whole free block"));
+                }
+            }
+        }
+        if used + cached != rs.used_bytes || used != self.stats.allocated_bytes {
             return Err(format!(
                 "allocated {} in stats, {used} in records, {} in ranges",
                 self.stats.allocated_bytes, rs.used_bytes

@@ -345,6 +345,9 @@ fn sigkilled_consumer_holding_100_shares_gives_everything_back_within_1s() {
         },
     );
     eprintln!("leases dropped and export closed {took:?} after SIGKILL");
+    wait_until("connection gone", Duration::from_secs(1), || {
+        broker.stats().connections_live == 0
+    });
     assert_eq!(broker.stats().leases_dropped_on_disconnect, 100);
     assert_eq!(
         pool.empty_cache(None).unwrap(),

@@ -1,1 +1,174 @@
-//! The IPC part of the C API (share, unshare, import, close).
+//! The IPC part of the C API: share, unshare, import, close.
+//!
+//! The broker starts on the first `gpu_arena_share` of the process; the importer on the
+//! first `gpu_arena_import`. A share handle is 128 plain bytes: copy it anywhere.
+
+use std::ffi::{c_int, c_void};
+use std::sync::OnceLock;
+
+use gpu_arena::ipc::{Broker, BrokerConfig, Importer, ShareHandle, HANDLE_BYTES};
+use gpu_arena::Error;
+
+use crate::{fail, guard, pool, GPU_ARENA_OK};
+
+/// Size of a share handle in bytes.
+pub const GPU_ARENA_SHARE_BYTES: usize = 128;
+
+const _: () = assert!(GPU_ARENA_SHARE_BYTES == HANDLE_BYTES);
+
+/// A share handle: plain bytes, no pointers, no fds. Send it to the consumer any way you like.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct gpu_arena_share_t {
+    /// The encoded handle.
+    pub bytes: [u8; GPU_ARENA_SHARE_BYTES],
+}
+
+static BROKER: OnceLock<std::result::Result<Broker, Error>> = OnceLock::new();
+static IMPORTER: OnceLock<Importer> = OnceLock::new();
+
+fn broker(call: &str) -> std::result::Result<&'static Broker, c_int> {
+    let p = pool(call)?;
+    let b = BROKER.get_or_init(|| {
+        let config = BrokerConfig {
+            allowed_uids: crate::CONFIG
+                .get()
+                .map(|c| c.allowed_uids.clone())
+                .unwrap_or_default(),
+            ..BrokerConfig::default()
+        };
+        Broker::start(p.clone(), config)
+    });
+    b.as_ref().map_err(|e| fail(call, e.clone()))
+}
+
+fn importer(call: &str) -> std::result::Result<&'static Importer, c_int> {
+    let p = pool(call)?;
+    Ok(IMPORTER.get_or_init(|| Importer::new(p.backend().clone())))
+}
+
+fn read_handle(
+    call: &str,
+    share: *const gpu_arena_share_t,
+) -> std::result::Result<ShareHandle, c_int> {
+    if share.is_null() {
+        return Err(fail(call, Error::invalid("share is NULL")));
+    }
+    // SAFETY: non-null, and per the header it points to a readable gpu_arena_share_t (plain
+    // bytes: any bit pattern is a valid value).
+    let bytes = unsafe { (*share).bytes };
+    ShareHandle::from_bytes(&bytes).map_err(|e| fail(call, e))
+}
+
+/// Share `len` bytes at `ptr` (inside one live gpu-arena allocation) with other processes.
+/// The arena is exported on its first share; the handle goes to `*out`.
+#[no_mangle]
+pub extern "C" fn gpu_arena_share(
+    ptr: *const c_void,
+    len: usize,
+    out: *mut gpu_arena_share_t,
+) -> c_int {
+    guard("gpu_arena_share", || {
+        let call = format!("gpu_arena_share(ptr={ptr:p}, len={len})");
+        if out.is_null() {
+            return fail(&call, Error::invalid("out is NULL"));
+        }
+        let b = match broker(&call) {
+            Ok(b) => b,
+            Err(c) => return c,
+        };
+        match b.share(ptr as u64, len as u64) {
+            Ok(h) => {
+                // SAFETY: `out` is non-null and points to a writable gpu_arena_share_t.
+                unsafe {
+                    out.write(gpu_arena_share_t {
+                        bytes: h.to_bytes(),
+                    })
+                };
+                GPU_ARENA_OK
+            }
+            Err(e) => fail(&call, e),
+        }
+    })
+}
+
+/// Revoke a share made by this process: no new import succeeds. Imports already made stay
+/// valid until their consumers close them; the memory is reused only after that.
+#[no_mangle]
+pub extern "C" fn gpu_arena_unshare(share: *const gpu_arena_share_t) -> c_int {
+    guard("gpu_arena_unshare", || {
+        let h = match read_handle("gpu_arena_unshare", share) {
+            Ok(h) => h,
+            Err(c) => return c,
+        };
+        let b = match broker("gpu_arena_unshare") {
+            Ok(b) => b,
+            Err(c) => return c,
+        };
+        match b.unshare(&h) {
+            Ok(()) => GPU_ARENA_OK,
+            Err(e) => fail("gpu_arena_unshare", e),
+        }
+    })
+}
+
+/// Import a share made by another process (or this one): `*out_ptr` receives the address
+/// of its first byte, valid until `gpu_arena_close`.
+#[no_mangle]
+pub extern "C" fn gpu_arena_import(
+    share: *const gpu_arena_share_t,
+    out_ptr: *mut *mut c_void,
+) -> c_int {
+    guard("gpu_arena_import", || {
+        if out_ptr.is_null() {
+            return fail("gpu_arena_import", Error::invalid("out_ptr is NULL"));
+        }
+        let h = match read_handle("gpu_arena_import", share) {
+            Ok(h) => h,
+            Err(c) => return c,
+        };
+        let imp = match importer("gpu_arena_import") {
+            Ok(i) => i,
+            Err(c) => return c,
+        };
+        match imp.import(&h) {
+            Ok(p) => {
+                // SAFETY: `out_ptr` is non-null and points to a writable `void*`.
+                unsafe { out_ptr.write(p as *mut c_void) };
+                GPU_ARENA_OK
+            }
+            Err(e) => fail(
+                &format!(
+                    "gpu_arena_import(producer pid {}, share {})",
+                    h.producer_pid, h.info.share_key
+                ),
+                e,
+            ),
+        }
+    })
+}
+
+/// Close an import. The last import of an arena unmaps it; the producer is told (a producer
+/// that exited is fine).
+#[no_mangle]
+pub extern "C" fn gpu_arena_close(imported_ptr: *mut c_void) -> c_int {
+    guard("gpu_arena_close", || {
+        let imp = match importer("gpu_arena_close") {
+            Ok(i) => i,
+            Err(c) => return c,
+        };
+        match imp.close(imported_ptr as u64) {
+            Ok(()) => GPU_ARENA_OK,
+            Err(e) => fail(&format!("gpu_arena_close(ptr={imported_ptr:p})"), e),
+        }
+    })
+}
+
+/// Imports live in this process (as a consumer).
+#[no_mangle]
+pub extern "C" fn gpu_arena_imports_live() -> c_int {
+    guard("gpu_arena_imports_live", || match IMPORTER.get() {
+        Some(i) => c_int::try_from(i.stats().imports_live).unwrap_or(c_int::MAX),
+        None => 0,
+    })
+}

@@ -18,7 +18,7 @@
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use gpu_arena::{Config, Error, Pool, PoolStats, StreamId};
 use parking_lot::Mutex;
@@ -88,6 +88,8 @@ pub struct gpu_arena_stats_t {
     pub oom_count: u64,
     /// Bytes freed by this process but still shared.
     pub deferred_free_bytes: u64,
+    /// Bytes freed with record_stream streams, waiting for their work to complete.
+    pub pending_free_bytes: u64,
 }
 
 impl From<PoolStats> for gpu_arena_stats_t {
@@ -110,22 +112,40 @@ impl From<PoolStats> for gpu_arena_stats_t {
             free_count: s.free_count,
             oom_count: s.oom_count,
             deferred_free_bytes: s.deferred_free_bytes,
+            pending_free_bytes: s.pending_free_bytes,
         }
     }
 }
 
 /// The process-wide pool, built once by `gpu_arena_init`.
-static POOL: OnceLock<std::result::Result<Pool, Error>> = OnceLock::new();
-/// Configuration set by `gpu_arena_configure` before init.
-static PENDING_CONF: Mutex<Option<Config>> = Mutex::new(None);
+static POOL: OnceLock<std::result::Result<Arc<Pool>, Error>> = OnceLock::new();
+
+/// The configuration the pool was built with.
+pub(crate) static CONFIG: OnceLock<Config> = OnceLock::new();
+
+/// Configuration set by `gpu_arena_configure`, and whether init already took it.
+struct PendingConf {
+    conf: Option<Config>,
+    consumed: bool,
+}
+static PENDING_CONF: Mutex<PendingConf> = Mutex::new(PendingConf {
+    conf: None,
+    consumed: false,
+});
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    static LAST_CODE: std::cell::Cell<c_int> = const { std::cell::Cell::new(0) };
+}
+
+pub(crate) fn set_error_code(msg: String, code: c_int) {
+    let c = CString::new(msg.replace('\0', "\\0")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+    LAST_CODE.with(|c| c.set(code));
 }
 
 pub(crate) fn set_error(msg: String) {
-    let c = CString::new(msg.replace('\0', "\\0")).unwrap_or_default();
-    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+    set_error_code(msg, GPU_ARENA_ERR_INTERNAL);
 }
 
 pub(crate) fn code_of(e: &Error) -> c_int {
@@ -146,8 +166,9 @@ pub(crate) fn code_of(e: &Error) -> c_int {
 
 /// Record `call: error` as the last error and return its code.
 pub(crate) fn fail(call: &str, e: Error) -> c_int {
-    set_error(format!("{call}: {e}"));
-    code_of(&e)
+    let code = code_of(&e);
+    set_error_code(format!("{call}: {e}"), code);
+    code
 }
 
 /// Run `f` with panics caught: a panic becomes `GPU_ARENA_ERR_INTERNAL`.
@@ -162,29 +183,41 @@ pub(crate) fn guard(call: &str, f: impl FnOnce() -> c_int) -> c_int {
 }
 
 /// The pool, or the reason there is none.
-pub(crate) fn pool(call: &str) -> std::result::Result<&'static Pool, c_int> {
+pub(crate) fn pool(call: &str) -> std::result::Result<&'static Arc<Pool>, c_int> {
     match POOL.get() {
         Some(Ok(p)) => Ok(p),
         Some(Err(e)) => {
-            set_error(format!("{call}: gpu-arena failed to initialize: {e}"));
+            set_error_code(
+                format!("{call}: gpu-arena failed to initialize: {e}"),
+                GPU_ARENA_ERR_NOT_INITIALIZED,
+            );
             Err(GPU_ARENA_ERR_NOT_INITIALIZED)
         }
         None => {
-            set_error(format!(
-                "{call}: called before gpu_arena_init (install the allocator first)"
-            ));
+            set_error_code(
+                format!("{call}: called before gpu_arena_init (install the allocator first)"),
+                GPU_ARENA_ERR_NOT_INITIALIZED,
+            );
             Err(GPU_ARENA_ERR_NOT_INITIALIZED)
         }
     }
 }
 
-fn init_pool() -> &'static std::result::Result<Pool, Error> {
+fn init_pool() -> &'static std::result::Result<Arc<Pool>, Error> {
     POOL.get_or_init(|| {
-        let conf = match PENDING_CONF.lock().take() {
-            Some(c) => Ok(c),
-            None => Config::from_env(),
+        let conf = {
+            let mut pending = PENDING_CONF.lock();
+            pending.consumed = true;
+            match pending.conf.take() {
+                Some(c) => Ok(c),
+                None => Config::from_env(),
+            }
         };
-        let pool = conf.and_then(|c| c.build_pool());
+        let pool = conf.and_then(|c| {
+            let pool = c.build_pool().map(Arc::new);
+            let _ = CONFIG.set(c);
+            pool
+        });
         match &pool {
             Ok(p) => tracing::info!(
                 backend = p.backend().name(),
@@ -255,7 +288,15 @@ pub extern "C" fn gpu_arena_configure(conf: *const c_char) -> c_int {
             return fail("gpu_arena_configure", Error::invalid("conf is not UTF-8"));
         };
         let mut pending = PENDING_CONF.lock();
-        let mut c = match pending.clone() {
+        if pending.consumed {
+            return fail(
+                "gpu_arena_configure",
+                Error::InvalidState(
+                    "configure after first use (gpu_arena_init already ran)".into(),
+                ),
+            );
+        }
+        let mut c = match pending.conf.clone() {
             Some(c) => c,
             None => match Config::from_env() {
                 Ok(c) => c,
@@ -264,7 +305,7 @@ pub extern "C" fn gpu_arena_configure(conf: *const c_char) -> c_int {
         };
         match c.apply(text) {
             Ok(()) => {
-                *pending = Some(c);
+                pending.conf = Some(c);
                 GPU_ARENA_OK
             }
             Err(e) => fail(
@@ -495,6 +536,12 @@ pub extern "C" fn gpu_arena_string_free(s: *mut c_char) {
         // (the header says so); ownership returns to Rust exactly once.
         drop(unsafe { CString::from_raw(s) });
     });
+}
+
+/// The code of the calling thread's last error (0 if none): useful after a NULL return.
+#[no_mangle]
+pub extern "C" fn gpu_arena_last_error_code() -> c_int {
+    LAST_CODE.with(|c| c.get())
 }
 
 /// The calling thread's last error message ("" if none). Never NULL; valid until the next
