@@ -11,6 +11,7 @@
 //! | `sim_capacity` | simulated memory per device | `16GiB` |
 //! | `sim_granularity` | simulated granularity | `2MiB` |
 //! | `legacy_pin` | `0`/`1`: sim exports pin for the process's life (ROCm 7.2) | `0` |
+//! | `unsafe_ignore_streams` | `0`/`1`: demonstration only, disables the stream rules | `0` |
 //! | `allowed_uids` | `:`-separated uids allowed to import, besides our own | (none) |
 //!
 //! `auto` picks cuda if libcuda loads and has a device, else hip if built in and a device
@@ -135,6 +136,12 @@ impl Config {
                     }
                 }
                 "validate" => next.pool.validate = parse_bool(key, value)?,
+                "unsafe_ignore_streams" => {
+                    next.pool.unsafe_ignore_streams = parse_bool(key, value)?;
+                    if next.pool.unsafe_ignore_streams {
+                        tracing::warn!("unsafe_ignore_streams=1: cross-stream reuse races are NOT prevented");
+                    }
+                }
                 "sim_devices" => {
                     next.sim.devices = value
                         .parse()
@@ -158,7 +165,7 @@ impl Config {
                 }
                 _ => {
                     return Err(Error::invalid(format!(
-                        "unknown key `{key}` (known: backend, arena_size, max_reserved, validate, sim_devices, sim_capacity, sim_granularity, legacy_pin, allowed_uids)"
+                        "unknown key `{key}` (known: backend, arena_size, max_reserved, validate, sim_devices, sim_capacity, sim_granularity, legacy_pin, allowed_uids, unsafe_ignore_streams)"
                     )))
                 }
             }

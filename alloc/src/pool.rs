@@ -63,6 +63,10 @@ pub struct PoolConfig {
     pub max_reserved_bytes: Option<u64>,
     /// Run `validate()` after every operation (default: on in debug builds).
     pub validate: bool,
+    /// UNSAFE, for demonstrations only: ignore streams (every free range is reusable by
+    /// every stream at once, `record_stream` is ignored). Shows what the stream rules
+    /// prevent; never enable it for real work.
+    pub unsafe_ignore_streams: bool,
 }
 
 impl Default for PoolConfig {
@@ -71,6 +75,7 @@ impl Default for PoolConfig {
             arena_size: 1024 * MIB,
             max_reserved_bytes: None,
             validate: cfg!(debug_assertions),
+            unsafe_ignore_streams: false,
         }
     }
 }
@@ -238,6 +243,11 @@ impl Pool {
             )));
         }
         let len = range::round_up(bytes).ok_or_else(|| Error::invalid("size overflows"))?;
+        let stream = if self.config.unsafe_ignore_streams {
+            StreamId(ANY_STREAM)
+        } else {
+            stream
+        };
         // Fast path: an exact-size block freed on this stream, else a best-fit range; all
         // under the lock, no driver call.
         {
@@ -491,7 +501,10 @@ impl Pool {
                 ptr,
                 why: "record_stream on a pointer that is not a live allocation".into(),
             })?;
-        if live.stream != stream && !live.extra_streams.contains(&stream) {
+        if live.stream != stream
+            && !live.extra_streams.contains(&stream)
+            && !self.config.unsafe_ignore_streams
+        {
             live.extra_streams.push(stream);
         }
         Ok(())

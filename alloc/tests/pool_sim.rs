@@ -151,6 +151,7 @@ fn max_reserved_caps_the_pool() {
             arena_size: 64 * MIB,
             max_reserved_bytes: Some(128 * MIB),
             validate: true,
+            ..PoolConfig::default()
         },
     )
     .unwrap();

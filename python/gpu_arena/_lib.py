@@ -227,6 +227,7 @@ class GpuArenaStats(ctypes.Structure):
         ("free_count", ctypes.c_uint64),
         ("oom_count", ctypes.c_uint64),
         ("deferred_free_bytes", ctypes.c_uint64),
+        ("pending_free_bytes", ctypes.c_uint64),
     ]
 
     def to_dict(self) -> dict:

@@ -184,6 +184,7 @@ base_free = settle()
 base_stats = gpu_arena.stats(dev)
 res = workload()
 torch.save(res, {str(got_file)!r})
+del res                         # its tensors would keep an arena alive
 big = [torch.empty(256 << 20, dtype=torch.uint8, device="cuda") for _ in range(4)]
 big[0].fill_(7)
 torch.cuda.synchronize()

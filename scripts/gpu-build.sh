@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Build everything the GPU check needs on a development machine (cargo lives here, not on
+# the GPU machine) and stage it, stripped, in .gpu/ (git-ignored; carried to the GPU).
+# Usage: scripts/gpu-build.sh && then on the GPU machine: bash scripts/gpu-check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release -p gpu-arena-ffi --lib
+cargo build --release -p gpu-arena-bench --bins
+cargo test --release --no-run -p gpu-arena --test cuda_backend --test pool_sim --test ipc_sim 2>&1 \
+  | tee /tmp/gpu-build.log
+rm -rf .gpu && mkdir -p .gpu/bin
+cp target/release/libgpu_arena.so .gpu/
+for b in kv_replay; do cp "target/release/$b" .gpu/bin/; done
+for t in cuda_backend pool_sim ipc_sim; do
+  exe=$(grep -oE "target/release/deps/${t}-[0-9a-f]+" /tmp/gpu-build.log | tail -1)
+  cp "$exe" ".gpu/bin/$t"
+done
+for f in .gpu/libgpu_arena.so .gpu/bin/*; do strip "$f"; done
+cp ffi/include/gpu_arena.h .gpu/ 2>/dev/null || true
+du -sh .gpu

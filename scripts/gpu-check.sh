@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Run on the GPU machine from the repo root, after scripts/gpu-build.sh staged .gpu/.
+# Every step's full log goes to $OUT (or ./gpu-out); a short table is printed last.
+# Usage: bash scripts/gpu-check.sh [step ...]   (default: all steps)
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+export GPU_ARENA_LIB=$PWD/.gpu/libgpu_arena.so PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
+export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(info backend torch kv ipc)
+declare -A status
+run() { # name, command...
+  local name=$1; shift
+  echo "=== $name: $*" | tee -a "$OUT/summary.log"
+  local t0=$SECONDS
+  ( "$@" ) >"$OUT/$name.log" 2>&1; local rc=$?
+  status[$name]="rc=$rc $((SECONDS - t0))s"
+  tail -n 5 "$OUT/$name.log" | sed 's/^/    /'
+}
+for s in "${steps[@]}"; do case $s in
+  info) run info bash -c 'nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; date -u' ;;
+  backend) run backend .gpu/bin/cuda_backend --ignored --test-threads=1 --nocapture ;;
+  torch) run torch python3 -m pytest -q -rs python/tests ;;
+  kv) run kv .gpu/bin/kv_replay --backend cuda --no-per-allocation ;;
+  ipc) [ -f scripts/gpu_ipc_check.py ] && run ipc python3 scripts/gpu_ipc_check.py ;;
+  *) [ -f "scripts/gpu_$s.py" ] && run "$s" python3 "scripts/gpu_$s.py" ;;
+esac; done
+echo; echo "step | status"; for k in "${!status[@]}"; do echo "$k | ${status[$k]}"; done | sort
