@@ -649,18 +649,19 @@ impl DeviceState {
             if tag == ANY_STREAM || Some(tag) == skip {
                 continue;
             }
-            let done = match self.stream_events.get(&tag) {
-                Some(ev) => backend.event_done(ev).unwrap_or(false),
-                None => {
-                    match backend.record_event(device, StreamId(tag)) {
-                        Ok(ev) => {
-                            self.stream_events.insert(tag, ev);
-                        }
-                        Err(e) => tracing::warn!(error = %e, "record_event failed"),
+            if !self.stream_events.contains_key(&tag) {
+                match backend.record_event(device, StreamId(tag)) {
+                    Ok(ev) => {
+                        self.stream_events.insert(tag, ev);
                     }
-                    false
+                    Err(e) => tracing::warn!(error = %e, "record_event failed"),
                 }
-            };
+            }
+            // An idle stream's fresh event is complete at once: ask right away.
+            let done = self
+                .stream_events
+                .get(&tag)
+                .is_some_and(|ev| backend.event_done(ev).unwrap_or(false));
             if done {
                 if let Some(ev) = self.stream_events.remove(&tag) {
                     let _ = backend.destroy_event(ev);
