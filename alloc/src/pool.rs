@@ -80,6 +80,11 @@ impl Default for PoolConfig {
     }
 }
 
+/// The tag a plain free uses: the allocation's own stream.
+fn live_tag(live: &Live) -> u64 {
+    live.stream.0
+}
+
 /// A live allocation, as handed to the caller. Plain data: free it with [`Pool::free`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Allocation {
@@ -429,6 +434,30 @@ impl Pool {
 
     fn free_on(&self, dp: &DevicePool, ptr: u64, requested: Option<u64>) -> Result<()> {
         let mut st = dp.state.lock();
+        // Fast path: not shared, no other streams, size as recorded — one hash removal.
+        let plain = st.allocs.get(&ptr).is_some_and(|l| {
+            !l.freed
+                && l.refs == 0
+                && l.extra_streams.is_empty()
+                && requested.is_none_or(|r| r == l.requested)
+        });
+        if plain {
+            if let Some(live) = st.allocs.remove(&ptr) {
+                st.stats.free_count += 1;
+                let cacheable = live.bytes <= CACHE_MAX_BLOCK
+                    && st.cached_bytes + live.bytes <= st.stats.reserved_bytes / 4;
+                if cacheable {
+                    st.cache_live(ptr, live);
+                } else {
+                    let tag = live_tag(&live);
+                    st.release_live(ptr, live, tag)?;
+                }
+                if self.config.validate {
+                    st.validate_or_log();
+                }
+                return Ok(());
+            }
+        }
         let live = st.check_live(ptr, dp.device)?;
         if let Some(req) = requested {
             if req != live.requested {
@@ -474,10 +503,6 @@ impl Pool {
                 stream,
                 events,
             });
-        } else if live.bytes <= CACHE_MAX_BLOCK
-            && st.cached_bytes + live.bytes <= st.stats.reserved_bytes / 4
-        {
-            st.cache_block(ptr)?;
         } else {
             st.release_range(ptr, stream.0)?;
         }
@@ -716,12 +741,9 @@ impl DeviceState {
         }
     }
 
-    /// Move a freed allocation (no shares, no other streams) into the exact-size cache.
-    fn cache_block(&mut self, ptr: u64) -> Result<()> {
-        let live = self
-            .allocs
-            .remove(&ptr)
-            .ok_or_else(|| Error::Internal(format!("cache of unknown range {ptr:#x}")))?;
+    /// Put a freed allocation (no shares, no other streams; its record already removed)
+    /// into the exact-size cache.
+    fn cache_live(&mut self, ptr: u64, live: Live) {
         if let Some(a) = self.arenas.get_mut(live.arena) {
             a.live_allocs -= 1;
         }
@@ -732,7 +754,6 @@ impl DeviceState {
             .entry((live.stream.0, live.bytes))
             .or_default()
             .push((ptr, live.arena));
-        Ok(())
     }
 
     /// Return every cached block to the sub-allocator, tagged with its stream.
@@ -753,6 +774,11 @@ impl DeviceState {
             .allocs
             .remove(&ptr)
             .ok_or_else(|| Error::Internal(format!("release of unknown range {ptr:#x}")))?;
+        self.release_live(ptr, live, tag)
+    }
+
+    /// Give a removed record's range back to the sub-allocator under `tag`.
+    fn release_live(&mut self, ptr: u64, live: Live, tag: u64) -> Result<()> {
         self.ranges
             .free(ptr, tag)
             .map_err(|e| Error::Internal(format!("range allocator refused a free: {e}")))?;

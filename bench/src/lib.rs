@@ -14,6 +14,7 @@ pub mod replay;
 pub mod report;
 pub mod suite;
 pub mod trace;
+pub mod trace_file;
 
 pub use pool_adapter::PoolAllocator;
 pub use replay::{replay, FirstFitArena, PerAllocationBackend, ReplayResult, TraceAllocator};

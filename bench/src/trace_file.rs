@@ -378,12 +378,28 @@ mod tests {
         for (a, b) in t.ops.iter().zip(&f.ops) {
             match *a {
                 Op::Alloc { id, bytes, stream } => {
-                    assert_eq!(*b, FileOp { kind: KIND_ALLOC, id, bytes, stream: stream - 1 });
+                    assert_eq!(
+                        *b,
+                        FileOp {
+                            kind: KIND_ALLOC,
+                            id,
+                            bytes,
+                            stream: stream - 1
+                        }
+                    );
                     sizes.insert(id, (bytes, stream - 1));
                 }
                 Op::Free { id } => {
                     let (bytes, stream) = sizes[&id];
-                    assert_eq!(*b, FileOp { kind: KIND_FREE, id, bytes, stream });
+                    assert_eq!(
+                        *b,
+                        FileOp {
+                            kind: KIND_FREE,
+                            id,
+                            bytes,
+                            stream
+                        }
+                    );
                 }
             }
         }
@@ -417,8 +433,18 @@ mod tests {
             requests: 10,
         };
         let ops = [
-            FileOp { kind: KIND_ALLOC, id: 0, bytes: 0x0102_0304_0506_0708, stream: 2 },
-            FileOp { kind: KIND_FREE, id: 0, bytes: 0x0102_0304_0506_0708, stream: 2 },
+            FileOp {
+                kind: KIND_ALLOC,
+                id: 0,
+                bytes: 0x0102_0304_0506_0708,
+                stream: 2,
+            },
+            FileOp {
+                kind: KIND_FREE,
+                id: 0,
+                bytes: 0x0102_0304_0506_0708,
+                stream: 2,
+            },
         ];
         let mut buf = Vec::new();
         write_parts(&mut buf, &header, &ops).unwrap();
