@@ -178,13 +178,16 @@ impl Config {
     pub fn from_env() -> Result<Config> {
         let mut c = Config::default();
         if let Ok(conf) = std::env::var("GPU_ARENA_CONF") {
-            c.apply(&conf)
-                .map_err(|e| Error::invalid(format!("GPU_ARENA_CONF: {e}")))?;
+            c.apply(&conf).map_err(|e| match e {
+                Error::InvalidArgument(m) => Error::invalid(format!("GPU_ARENA_CONF: {m}")),
+                e => e,
+            })?;
         }
         if let Ok(b) = std::env::var("GPU_ARENA_BACKEND") {
-            c.backend = b
-                .parse()
-                .map_err(|e| Error::invalid(format!("GPU_ARENA_BACKEND: {e}")))?;
+            c.backend = b.parse().map_err(|e| match e {
+                Error::InvalidArgument(m) => Error::invalid(format!("GPU_ARENA_BACKEND: {m}")),
+                e => e,
+            })?;
         }
         Ok(c)
     }

@@ -73,6 +73,11 @@
 #define GPU_ARENA_ERR_INTERNAL -10
 
 /**
+ * Size of a share handle in bytes.
+ */
+#define GPU_ARENA_SHARE_BYTES 128
+
+/**
  * Counters of one device's pool; all sizes in bytes.
  */
 typedef struct gpu_arena_stats_t {
@@ -144,7 +149,21 @@ typedef struct gpu_arena_stats_t {
      * Bytes freed by this process but still shared.
      */
     uint64_t deferred_free_bytes;
+    /**
+     * Bytes freed with record_stream streams, waiting for their work to complete.
+     */
+    uint64_t pending_free_bytes;
 } gpu_arena_stats_t;
+
+/**
+ * A share handle: plain bytes, no pointers, no fds. Send it to the consumer any way you like.
+ */
+typedef struct gpu_arena_share_t {
+    /**
+     * The encoded handle.
+     */
+    uint8_t bytes[GPU_ARENA_SHARE_BYTES];
+} gpu_arena_share_t;
 
 #ifdef __cplusplus
 extern "C" {
@@ -243,10 +262,44 @@ char *gpu_arena_snapshot_json(void);
 void gpu_arena_string_free(char *s);
 
 /**
+ * The code of the calling thread's last error (0 if none): useful after a NULL return.
+ */
+int gpu_arena_last_error_code(void);
+
+/**
  * The calling thread's last error message ("" if none). Never NULL; valid until the next
  * gpu-arena call on this thread.
  */
 const char *gpu_arena_last_error(void);
+
+/**
+ * Share `len` bytes at `ptr` (inside one live gpu-arena allocation) with other processes.
+ * The arena is exported on its first share; the handle goes to `*out`.
+ */
+int gpu_arena_share(const void *ptr, size_t len, struct gpu_arena_share_t *out);
+
+/**
+ * Revoke a share made by this process: no new import succeeds. Imports already made stay
+ * valid until their consumers close them; the memory is reused only after that.
+ */
+int gpu_arena_unshare(const struct gpu_arena_share_t *share);
+
+/**
+ * Import a share made by another process (or this one): `*out_ptr` receives the address
+ * of its first byte, valid until `gpu_arena_close`.
+ */
+int gpu_arena_import(const struct gpu_arena_share_t *share, void **out_ptr);
+
+/**
+ * Close an import. The last import of an arena unmaps it; the producer is told (a producer
+ * that exited is fine).
+ */
+int gpu_arena_close(void *imported_ptr);
+
+/**
+ * Imports live in this process (as a consumer).
+ */
+int gpu_arena_imports_live(void);
 
 #ifdef __cplusplus
 }  // extern "C"

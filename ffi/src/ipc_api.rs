@@ -6,15 +6,13 @@
 use std::ffi::{c_int, c_void};
 use std::sync::OnceLock;
 
-use gpu_arena::ipc::{Broker, BrokerConfig, Importer, ShareHandle, HANDLE_BYTES};
+use gpu_arena::ipc::{Broker, BrokerConfig, Importer, ShareHandle};
 use gpu_arena::Error;
 
 use crate::{fail, guard, pool, GPU_ARENA_OK};
 
 /// Size of a share handle in bytes.
 pub const GPU_ARENA_SHARE_BYTES: usize = 128;
-
-const _: () = assert!(GPU_ARENA_SHARE_BYTES == HANDLE_BYTES);
 
 /// A share handle: plain bytes, no pointers, no fds. Send it to the consumer any way you like.
 #[repr(C)]
@@ -171,4 +169,12 @@ pub extern "C" fn gpu_arena_imports_live() -> c_int {
         Some(i) => c_int::try_from(i.stats().imports_live).unwrap_or(c_int::MAX),
         None => 0,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn share_size_matches_the_handle() {
+        assert_eq!(super::GPU_ARENA_SHARE_BYTES, gpu_arena::ipc::HANDLE_BYTES);
+    }
 }

@@ -324,15 +324,20 @@ fn check_size(call: &str, size: isize) -> std::result::Result<u64, c_int> {
 /// Returns NULL on failure (see `gpu_arena_last_error()`); `size == 0` returns NULL and is
 /// not an error.
 #[no_mangle]
-pub extern "C" fn gpu_arena_malloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
+pub extern "C" fn gpu_arena_malloc(
+    size: libc::ssize_t,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
     let mut out: *mut c_void = std::ptr::null_mut();
     guard("gpu_arena_malloc", || {
-        let size = match check_size("gpu_arena_malloc", size) {
+        let call = format!("gpu_arena_malloc(size={size}, device={device})");
+        let size = match check_size(&call, size) {
             Ok(0) => return GPU_ARENA_OK,
             Ok(s) => s,
             Err(c) => return c,
         };
-        let p = match pool("gpu_arena_malloc") {
+        let p = match pool(&call) {
             Ok(p) => p,
             Err(c) => return c,
         };
@@ -356,7 +361,7 @@ pub extern "C" fn gpu_arena_malloc(size: isize, device: c_int, stream: *mut c_vo
 #[no_mangle]
 pub extern "C" fn gpu_arena_free(
     ptr: *mut c_void,
-    size: isize,
+    size: libc::ssize_t,
     device: c_int,
     stream: *mut c_void,
 ) {
@@ -366,16 +371,21 @@ pub extern "C" fn gpu_arena_free(
 
 /// `gpu_arena_free` returning its status: 0, or a negative error code.
 #[no_mangle]
-pub extern "C" fn gpu_arena_free_checked(ptr: *mut c_void, size: isize, device: c_int) -> c_int {
+pub extern "C" fn gpu_arena_free_checked(
+    ptr: *mut c_void,
+    size: libc::ssize_t,
+    device: c_int,
+) -> c_int {
     guard("gpu_arena_free", || {
         if ptr.is_null() {
             return GPU_ARENA_OK;
         }
-        let size = match check_size("gpu_arena_free", size) {
+        let call = format!("gpu_arena_free(ptr={ptr:p}, size={size}, device={device})");
+        let size = match check_size(&call, size) {
             Ok(s) => s,
             Err(c) => return c,
         };
-        let p = match pool("gpu_arena_free") {
+        let p = match pool(&call) {
             Ok(p) => p,
             Err(c) => return c,
         };
