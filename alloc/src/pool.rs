@@ -674,10 +674,10 @@ impl DeviceState {
             if tag == ANY_STREAM || Some(tag) == skip {
                 continue;
             }
-            if !self.stream_events.contains_key(&tag) {
+            if let std::collections::hash_map::Entry::Vacant(slot) = self.stream_events.entry(tag) {
                 match backend.record_event(device, StreamId(tag)) {
                     Ok(ev) => {
-                        self.stream_events.insert(tag, ev);
+                        slot.insert(ev);
                     }
                     Err(e) => tracing::warn!(error = %e, "record_event failed"),
                 }
