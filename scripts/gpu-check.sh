@@ -20,6 +20,8 @@ for s in "${steps[@]}"; do case $s in
   info) run info bash -c 'nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; date -u' ;;
   backend) run backend .gpu/bin/cuda_backend --ignored --test-threads=1 --nocapture ;;
   torch) run torch python3 -m pytest -q -rs python/tests ;;
+  torch_check) run torch_check python3 scripts/gpu_torch_check.py ;;
+  kvsim) run kvsim .gpu/bin/kv_replay --backend sim --no-per-allocation --no-sweep ;;
   kv) run kv .gpu/bin/kv_replay --backend cuda --no-per-allocation ;;
   ipc) [ -f scripts/gpu_ipc_check.py ] && run ipc python3 scripts/gpu_ipc_check.py ;;
   *) [ -f "scripts/gpu_$s.py" ] && run "$s" python3 "scripts/gpu_$s.py" ;;

@@ -11,6 +11,10 @@ Without PyTorch::
 
 With PyTorch, see :mod:`gpu_arena.torch` (``install()`` / ``mem_pool()``).
 
+Sharing memory with other processes (:mod:`gpu_arena.ipc`): ``share_ptr`` / ``unshare`` /
+``import_handle`` / ``close_import`` / ``imports_live`` for pointers, ``share(tensor)`` ->
+``Share`` / ``open(share)`` -> tensor / ``close(tensor_or_share)`` for PyTorch tensors.
+
 Every failure raises :class:`GpuArenaError` (``.code`` is the ``GPU_ARENA_ERR_*`` code,
 the message names the call), or the subclass of its code: ``OutOfMemoryError`` (also a
 ``MemoryError``), ``InvalidArgumentError`` (also a ``ValueError``), ``UnknownPointerError``,
@@ -54,6 +58,19 @@ from ._lib import (  # noqa: F401  (re-exported)
     lib_path,
 )
 
+from .ipc import (  # noqa: E402,F401  (re-exported; `open` shadows the builtin only here)
+    Share,
+    ShareHandle,
+    close,
+    close_import,
+    import_handle,
+    imports_live,
+    open,
+    share,
+    share_ptr,
+    unshare,
+)
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -71,6 +88,16 @@ __all__ = [
     "malloc",
     "free",
     "record_stream",
+    "share_ptr",
+    "unshare",
+    "import_handle",
+    "close_import",
+    "imports_live",
+    "ShareHandle",
+    "Share",
+    "share",
+    "open",
+    "close",
     "GpuArenaError",
     "GpuArenaStats",
     "InvalidArgumentError",

@@ -327,12 +327,15 @@ _SIGNATURES = {
     "gpu_arena_last_error": (c_char_p, []),
 }
 
-# The IPC part (ffi/src/ipc_api.rs); declared when the library has it.
+# The IPC part (ffi/src/ipc_api.rs) and gpu_arena_last_error_code, which came with it;
+# declared when the library has them (has_ipc() says whether all are there).
 _IPC_SIGNATURES = {
     "gpu_arena_share": (c_int, [c_void_p, ctypes.c_size_t, ctypes.POINTER(GpuArenaShare)]),
     "gpu_arena_unshare": (c_int, [ctypes.POINTER(GpuArenaShare)]),
     "gpu_arena_import": (c_int, [ctypes.POINTER(GpuArenaShare), ctypes.POINTER(c_void_p)]),
     "gpu_arena_close": (c_int, [c_void_p]),
+    "gpu_arena_imports_live": (c_int, []),
+    "gpu_arena_last_error_code": (c_int, []),
 }
 
 _lock = threading.Lock()

@@ -18,6 +18,22 @@ if str(PYTHON_DIR) not in sys.path:
     sys.path.insert(0, str(PYTHON_DIR))
 
 
+def _newest_build() -> None:
+    """Without GPU_ARENA_LIB the package prefers target/release over target/debug, so a
+    stale release build would shadow the debug build just made: test the newest build that
+    exists instead (subprocesses inherit the choice)."""
+    if os.environ.get("GPU_ARENA_LIB"):
+        return
+    from gpu_arena import _lib
+
+    builds = [p for p in _lib.candidate_paths() if p.is_file()]
+    if builds:
+        os.environ["GPU_ARENA_LIB"] = str(max(builds, key=lambda p: p.stat().st_mtime))
+
+
+_newest_build()
+
+
 def run_python(code: str, env: dict | None = None, drop=(), timeout: float = 300):
     """Run `code` in a fresh interpreter with this checkout's package importable.
 

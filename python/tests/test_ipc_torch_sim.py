@@ -1,0 +1,198 @@
+"""gpu_arena.share / open / close with PyTorch on the sim backend: CPU tensors over sim
+memory (host memory), so the whole tensor-level path (Share pickling and bytes, DLPack
+wrapping, views, explicit close, close on garbage collection, torch.multiprocessing) runs
+without a GPU. Needs torch (CPU is enough); skipped without it. Every test runs in a fresh
+interpreter (gpu-arena's init is process-global).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from conftest import result_of, run_python
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None, reason="torch is not installed")
+
+ENV = {"GPU_ARENA_BACKEND": "sim", "GPU_ARENA_TESTS": str(Path(__file__).resolve().parent)}
+
+PRELUDE = r'''
+import ctypes, gc, json, os, pickle, subprocess, sys
+import torch
+import gpu_arena
+gpu_arena.configure("backend=sim,arena_size=64MiB")
+gpu_arena.init()
+
+def gpu_arena_tensor(n, dtype=torch.float32):
+    """A CPU tensor over a gpu-arena (sim) allocation of n elements."""
+    nbytes = n * torch.tensor([], dtype=dtype).element_size()
+    p = gpu_arena.malloc(nbytes)
+    buf = (ctypes.c_uint8 * nbytes).from_address(p)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype), p, nbytes
+'''
+
+
+def run(code: str, timeout: float = 120):
+    return result_of(run_python(PRELUDE + code, env=ENV, timeout=timeout))
+
+
+def test_open_views_gc_and_explicit_close_in_process():
+    r = run(r'''
+out = {}
+base, p, nbytes = gpu_arena_tensor(1 << 18)
+base.copy_(torch.arange(1 << 18, dtype=torch.float32))
+v = base.view(512, 512)[3:7, 100:110]            # a strided view with a storage offset
+s = gpu_arena.share(v)
+out["owner"] = s.owner
+out["meta"] = [s.dtype, list(s.shape), list(s.stride), s.storage_offset, s.nbytes]
+for how, s2 in (("pickle", pickle.loads(pickle.dumps(s))),
+                ("bytes", gpu_arena.Share.from_bytes(s.to_bytes()))):
+    t = gpu_arena.open(s2)
+    out[how + "_equal"] = torch.equal(t, v)
+    out[how + "_meta"] = [list(t.shape), list(t.stride()), t.storage_offset()]
+    out[how + "_other_mapping"] = t.untyped_storage().data_ptr() != p
+    out[how + "_storage"] = t.untyped_storage().nbytes()
+    del t; gc.collect()
+# Writes go both ways.
+t = gpu_arena.open(s)
+t[0, 0] = -1.0
+base[3 * 512 + 101] = -2.0
+out["writes"] = [v[0, 0].item(), t[0, 1].item()]
+# A view keeps the import; the last tensor's collection closes it.
+w = t[1:2]
+del t; gc.collect()
+out["live_with_view"] = gpu_arena.imports_live()
+del w; gc.collect()
+out["live_after_gc"] = gpu_arena.imports_live()
+# Explicit close, then idempotent; close through a view of another open.
+t = gpu_arena.open(s)
+out["close"] = [gpu_arena.close(t), gpu_arena.close(t), gpu_arena.imports_live()]
+del t; gc.collect()
+t = gpu_arena.open(s); u = t[2]
+out["close_view"] = [gpu_arena.close(u), gpu_arena.imports_live()]
+del t, u; gc.collect()
+# Closing a consumer's copy of the Share closes this process's imports of it.
+c = pickle.loads(pickle.dumps(s))
+t1 = gpu_arena.open(c); t2 = gpu_arena.open(c)
+out["share_close"] = [gpu_arena.imports_live(), gpu_arena.close(c), gpu_arena.imports_live()]
+del t1, t2; gc.collect()
+out["stats_imports"] = gpu_arena.stats()["imports_live"]
+s.close(); s.close()
+out["closed"] = s.closed
+try:
+    gpu_arena.open(s)
+except gpu_arena.IpcError as e:
+    out["after_unshare"] = e.code
+del v, base
+gpu_arena.free(p, nbytes)
+gpu_arena.empty_cache()
+st = gpu_arena.stats()
+out["end"] = [st["reserved_bytes"], st["shares_live"], st["exports_live"]]
+print("RESULT=" + json.dumps(out))
+''')
+    assert r["owner"] is True
+    assert r["meta"] == ["float32", [4, 10], [512, 1], 3 * 512 + 100, 4 << 18]
+    for how in ("pickle", "bytes"):
+        assert r[how + "_equal"] is True
+        assert r[how + "_meta"] == [[4, 10], [512, 1], 3 * 512 + 100]
+        assert r[how + "_other_mapping"] is True
+        assert r[how + "_storage"] == 4 << 18, "the whole storage is shared"
+    assert r["writes"] == [-1.0, -2.0]
+    assert r["live_with_view"] == 1
+    assert r["live_after_gc"] == 0
+    assert r["close"] == [1, 0, 0]
+    assert r["close_view"] == [1, 0]
+    assert r["share_close"] == [2, 2, 0]
+    assert r["stats_imports"] == 0
+    assert r["closed"] is True
+    assert r["after_unshare"] == -9
+    assert r["end"] == [0, 0, 0]
+
+
+def test_dtypes_and_errors():
+    r = run(r'''
+out = {}
+for name in ("bfloat16", "float16", "int8", "int64", "bool", "complex64"):
+    dt = getattr(torch, name)
+    base, p, nbytes = gpu_arena_tensor(4096, dt)
+    base.copy_(torch.arange(4096).to(dt))
+    s = gpu_arena.share(base[17:])
+    t = gpu_arena.open(gpu_arena.Share.from_bytes(s.to_bytes()))
+    out[name] = [t.dtype == dt, torch.equal(t, base[17:])]
+    del t; gc.collect()
+    s.close(); del base; gpu_arena.free(p, nbytes)
+try:
+    gpu_arena.share(torch.zeros(10))                  # torch's memory, not gpu-arena's
+except gpu_arena.UnknownPointerError as e:
+    out["foreign"] = e.code
+try:
+    gpu_arena.share([1, 2])
+except TypeError:
+    out["not_tensor"] = True
+try:
+    gpu_arena.close(torch.zeros(3))
+except ValueError:
+    out["close_foreign"] = True
+try:
+    gpu_arena.close("x")
+except TypeError:
+    out["close_type"] = True
+base, p, nbytes = gpu_arena_tensor(1024)
+s = gpu_arena.share(base)
+bad = gpu_arena.Share(s.handle, "not_a_dtype", s.shape, s.stride, 0, 0, s.nbytes)
+try:
+    gpu_arena.open(bad)
+except ValueError:
+    out["bad_dtype"] = True
+bad = gpu_arena.Share(s.handle, "float32", (2048,), (1,), 0, 0, s.nbytes)   # past the storage
+try:
+    gpu_arena.open(bad)
+except RuntimeError:
+    out["bad_view"] = gpu_arena.imports_live()
+s.close(); del base; gpu_arena.free(p, nbytes); gpu_arena.empty_cache()
+out["reserved"] = gpu_arena.stats()["reserved_bytes"]
+print("RESULT=" + json.dumps(out))
+''')
+    for name in ("bfloat16", "float16", "int8", "int64", "bool", "complex64"):
+        assert r[name] == [True, True], name
+    assert r["foreign"] == -3
+    assert r["not_tensor"] and r["close_foreign"] and r["close_type"] and r["bad_dtype"]
+    assert r["bad_view"] == 0, "a failed open closes its import"
+    assert r["reserved"] == 0
+
+
+def test_torch_multiprocessing_spawn_pickles_the_share():
+    r = run(r'''
+import torch.multiprocessing as mp
+sys.path.insert(0, os.environ["GPU_ARENA_TESTS"])
+import ipc_torch_helpers
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=ipc_torch_helpers.consumer, args=(q_in, q_out))
+    proc.start()
+    out = {}
+    base, p, nbytes = gpu_arena_tensor(64)
+    base.copy_(torch.arange(64, dtype=torch.float32))
+    for how in ("close", "gc"):
+        s = gpu_arena.share(base[8:12])
+        q_in.put((s, how))
+        values, live_open, live_after = q_out.get(timeout=60)
+        out[how] = [values, live_open, live_after, base[8:12].tolist()]
+        base[8:12] = torch.arange(8, 12, dtype=torch.float32)
+        s.close()
+    q_in.put(None)
+    proc.join(60)
+    out["exitcode"] = proc.exitcode
+    out["imports_live"] = gpu_arena.stats()["imports_live"]
+    print("RESULT=" + json.dumps(out))
+''')
+    for how in ("close", "gc"):
+        values, live_open, live_after, seen = r[how]
+        assert values == [8.0, 9.0, 10.0, 11.0]
+        assert (live_open, live_after) == (1, 0), how
+        assert seen == [-7.0] * 4, "the consumer's writes reach the producer"
+    assert r["exitcode"] == 0
+    assert r["imports_live"] == 0
