@@ -43,6 +43,10 @@ use crate::stats::{DeviceMetrics, PoolStats};
 /// Tag of free ranges that any stream may reuse.
 pub const ANY_STREAM: u64 = u64::MAX;
 
+/// Tags from here up (below [`ANY_STREAM`]) are limbo tags: free ranges of a stream that
+/// wait for an event. Stream handles are user-space pointers or small constants, far below.
+const LIMBO_BASE: u64 = 0xFFFF_0000_0000_0000;
+
 /// Requests above this many bytes are rejected as absurd (256 TiB).
 pub const MAX_REQUEST_BYTES: u64 = 1 << 48;
 
@@ -144,8 +148,11 @@ pub(crate) struct DeviceState {
     cache: FxHashMap<(u64, u64), Vec<(u64, usize)>>,
     cached_bytes: u64,
     pending: Vec<PendingFree>,
-    /// Event recorded on a stream to release its free ranges to other streams.
-    stream_events: HashMap<u64, Event>,
+    /// Per stream: an event recorded on it, and the limbo tag its free ranges were moved
+    /// to when the event was recorded. Those ranges (and only those: later frees may have
+    /// later work) go to [`ANY_STREAM`] once the event completed.
+    stream_events: HashMap<u64, (Event, u64)>,
+    next_limbo: u64,
     pub(crate) stats: PoolStats,
     pub(crate) next_arena_id: u64,
     /// Shares and leases (share.rs).
@@ -642,7 +649,15 @@ impl DeviceState {
         backend: &dyn Backend,
         device: DeviceId,
     ) -> Option<u64> {
+        // The stream's own frees first (safe at once, and it keeps shared space for others),
+        // then ranges any stream may use.
         if let Some(p) = self.ranges.alloc(len, stream.0) {
+            return Some(p);
+        }
+        if let Some(p) = self
+            .limbo_of(stream.0)
+            .and_then(|l| self.ranges.alloc(len, l))
+        {
             return Some(p);
         }
         if let Some(p) = self.ranges.alloc(len, ANY_STREAM) {
@@ -664,36 +679,51 @@ impl DeviceState {
         self.ranges
             .alloc(len, stream.0)
             .or_else(|| self.ranges.alloc(len, ANY_STREAM))
+            .or_else(|| {
+                self.limbo_of(stream.0)
+                    .and_then(|l| self.ranges.alloc(len, l))
+            })
     }
 
     /// Poll pending frees and per-stream events (recording events where none is pending);
     /// ranges whose streams are done become reusable by any stream. `skip`: a tag to leave.
     fn settle(&mut self, backend: &dyn Backend, device: DeviceId, skip: Option<u64>) {
         self.poll_pending(backend);
+        // Streams with free ranges and no event yet: record one, and move exactly the ranges
+        // it covers (those freed so far) to a limbo tag of their own.
         for (tag, _) in self.ranges.free_tags() {
-            if tag == ANY_STREAM || Some(tag) == skip {
+            if tag >= LIMBO_BASE || Some(tag) == skip || self.stream_events.contains_key(&tag) {
                 continue;
             }
-            if let std::collections::hash_map::Entry::Vacant(slot) = self.stream_events.entry(tag) {
-                match backend.record_event(device, StreamId(tag)) {
-                    Ok(ev) => {
-                        slot.insert(ev);
-                    }
-                    Err(e) => tracing::warn!(error = %e, "record_event failed"),
+            match backend.record_event(device, StreamId(tag)) {
+                Ok(ev) => {
+                    let limbo = LIMBO_BASE + self.next_limbo;
+                    self.next_limbo = (self.next_limbo + 1) % (ANY_STREAM - LIMBO_BASE);
+                    self.ranges.retag(tag, limbo);
+                    self.stream_events.insert(tag, (ev, limbo));
                 }
-            }
-            // An idle stream's fresh event is complete at once: ask right away.
-            let done = self
-                .stream_events
-                .get(&tag)
-                .is_some_and(|ev| backend.event_done(ev).unwrap_or(false));
-            if done {
-                if let Some(ev) = self.stream_events.remove(&tag) {
-                    let _ = backend.destroy_event(ev);
-                }
-                self.ranges.retag(tag, ANY_STREAM);
+                Err(e) => tracing::warn!(error = %e, "record_event failed"),
             }
         }
+        // Events that completed (an idle stream's fresh event completes at once): their
+        // limbo ranges are safe for every stream.
+        let done: Vec<u64> = self
+            .stream_events
+            .iter()
+            .filter(|(_, (ev, _))| backend.event_done(ev).unwrap_or(false))
+            .map(|(&tag, _)| tag)
+            .collect();
+        for tag in done {
+            if let Some((ev, limbo)) = self.stream_events.remove(&tag) {
+                let _ = backend.destroy_event(ev);
+                self.ranges.retag(limbo, ANY_STREAM);
+            }
+        }
+    }
+
+    /// The limbo tag holding `stream`'s own earlier frees (reusable by that stream at once).
+    fn limbo_of(&self, stream: u64) -> Option<u64> {
+        self.stream_events.get(&stream).map(|(_, limbo)| *limbo)
     }
 
     /// After a device synchronize: every event is complete, so every range is free for any
@@ -706,7 +736,7 @@ impl DeviceState {
             }
             self.finish_pending(p.ptr, p.stream);
         }
-        for (_, ev) in self.stream_events.drain() {
+        for (_, (ev, _)) in self.stream_events.drain() {
             let _ = backend.destroy_event(ev);
         }
         for (tag, _) in self.ranges.free_tags() {

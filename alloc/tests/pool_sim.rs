@@ -291,3 +291,29 @@ fn many_threads_share_one_pool() {
     pool.validate(0).unwrap();
     assert_eq!(pool.stats(0).unwrap().allocated_bytes, 0);
 }
+
+#[test]
+fn an_event_releases_only_the_frees_made_before_it_was_recorded() {
+    let (sim, pool) = pool();
+    let a = pool.alloc(0, 8 * MIB, S1).unwrap();
+    let b = pool.alloc(0, 8 * MIB, S1).unwrap();
+    let _fill1 = pool.alloc(0, 48 * MIB, S1).unwrap(); // arena 1 full
+    sim.block_stream(0, S1);
+    pool.free(a.ptr).unwrap(); // S1 still works on `a`
+    let x = pool.alloc(0, 8 * MIB, S2).unwrap(); // miss: an event E1 is recorded on S1
+    assert_ne!(x.ptr, a.ptr);
+    let _fill2 = pool.alloc(0, 56 * MIB, S2).unwrap(); // arena 2 full
+    sim.unblock_stream(0, S1); // E1 completes: `a` is free for everyone
+    sim.block_stream(0, S1); // S1 gets new work, on `b`
+    pool.free(b.ptr).unwrap(); // freed after E1 was recorded: E1 says nothing about it
+    let y = pool.alloc(0, 8 * MIB, S2).unwrap();
+    assert_eq!(y.ptr, a.ptr, "covered by E1");
+    let z = pool.alloc(0, 8 * MIB, S2).unwrap();
+    assert_ne!(
+        z.ptr, b.ptr,
+        "S1 may still be using `b`: E1 must not release it"
+    );
+    let again = pool.alloc(0, 8 * MIB, S1).unwrap();
+    assert_eq!(again.ptr, b.ptr, "but S1 itself may reuse it at once");
+    pool.validate(0).unwrap();
+}

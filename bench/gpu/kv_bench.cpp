@@ -284,7 +284,7 @@ GpuArenaApi load_gpu_arena(int device_count, const std::string& conf) {
     a.error = strf("gpu_arena_init: %s", a.last_error());
     return a;
   }
-  if (std::strcmp(a.backend_name(), "cuda") != 0) {
+  if (conf.find("backend=cuda") != std::string::npos && std::strcmp(a.backend_name(), "cuda") != 0) {
     a.error = strf("backend is \"%s\", not cuda", a.backend_name());
     return a;
   }
@@ -446,10 +446,11 @@ struct Row {
 // Runs one allocator's phase: prepare (runtime initialized, cache emptied again), cold
 // replay, warm replay, checks, teardown. Hooks are plain lambdas.
 template <class A, class Prepare, class Peak, class Check, class Teardown>
-Row run_phase(const char* name, A& a, const Trace& t, size_t baseline_free, Prepare prepare,
+Row run_phase(const std::string& label, A& a, const Trace& t, size_t baseline_free, Prepare prepare,
               Peak peak, Check check, Teardown teardown) {
   Row row;
-  row.name = name;
+  row.name = label;
+  const char* name = label.c_str();
   std::vector<void*> ptrs(t.allocs, nullptr);
   make_current();
   const size_t free0 = mem_free();
@@ -723,6 +724,8 @@ int main(int argc, char** argv) {
   }
 #endif
 
+  const std::string ga_label =
+      std::string("gpu-arena (C API, ") + (ga_skip.empty() ? g_ga.backend_name() : "cuda") + ")";
   std::vector<Row> rows;
   const size_t ns = static_cast<size_t>(trace.streams);
 
@@ -732,7 +735,7 @@ int main(int argc, char** argv) {
       GpuArenaAdapter a;
       gpu_arena_stats_t before{};
       rows.push_back(run_phase(
-          "gpu-arena (C API, cuda)", a, trace, baseline_free,
+          ga_label, a, trace, baseline_free,
           [&](Row&) {
             for (CUstream s : make_streams(ns)) a.streams.push_back(reinterpret_cast<void*>(s));
             void* p = g_ga.malloc(4096, g_dev.ordinal, a.streams[0]);
@@ -776,7 +779,7 @@ int main(int argc, char** argv) {
           }));
     } else {
       Row r;
-      r.name = "gpu-arena (C API, cuda)";
+      r.name = ga_label;
       r.why_not = ga_skip;
       rows.push_back(r);
     }
@@ -896,7 +899,7 @@ int main(int argc, char** argv) {
     };
     {
       PairRow r;
-      r.name = "gpu-arena (C API, cuda)";
+      r.name = ga_label;
       if (ga_skip.empty()) {
         both(r, opt.pairs, opt.thread_pairs, no_init,
              [](size_t b, CUstream s) { return g_ga.malloc(static_cast<ssize_t>(b), g_dev.ordinal, s); },
