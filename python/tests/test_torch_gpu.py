@@ -196,6 +196,7 @@ arenas = [a for d in snap["devices"] if d["device"] == dev for a in d["arenas"]]
 out["ptrs_in_arenas"] = all(any(a["base"] <= p < a["base"] + a["bytes"] for a in arenas) for p in ptrs)
 del big
 torch.cuda.synchronize()
+getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()  # torch keeps these live
 torch.cuda.empty_cache()        # the reset hook alone (set_reset_fn -> gpu_arena_reset)
 out["stats_after_torch_empty_cache"] = gpu_arena.stats(dev)
 out["free_after"] = settle()
