@@ -10,11 +10,13 @@ cargo test --release --no-run -p gpu-arena --test cuda_backend --test pool_sim -
   | tee /tmp/gpu-build.log
 rm -rf .gpu && mkdir -p .gpu/bin
 cp target/release/libgpu_arena.so .gpu/
-for b in kv_replay; do cp "target/release/$b" .gpu/bin/; done
+for b in kv_replay kv_trace_dump; do cp "target/release/$b" .gpu/bin/; done
 for t in cuda_backend pool_sim ipc_sim; do
   exe=$(grep -oE "target/release/deps/${t}-[0-9a-f]+" /tmp/gpu-build.log | tail -1)
   cp "$exe" ".gpu/bin/$t"
 done
 for f in .gpu/libgpu_arena.so .gpu/bin/*; do strip "$f"; done
 cp ffi/include/gpu_arena.h .gpu/ 2>/dev/null || true
+# The seeded KV trace for bench/gpu/kv_bench.cpp (built on the GPU machine).
+target/release/kv_trace_dump --out .gpu/kv_trace.bin
 du -sh .gpu

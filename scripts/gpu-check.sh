@@ -21,6 +21,7 @@ for s in "${steps[@]}"; do case $s in
   backend) run backend .gpu/bin/cuda_backend --ignored --test-threads=1 --nocapture ;;
   torch) run torch python3 -m pytest -q -rs python/tests ;;
   torch_check) run torch_check python3 scripts/gpu_torch_check.py ;;
+  kvbench) run kvbench bash bench/gpu/run.sh .gpu/kv_trace.bin "$OUT/kv_bench.md" ;;
   kvsim) run kvsim .gpu/bin/kv_replay --backend sim --no-per-allocation --no-sweep ;;
   kv) run kv .gpu/bin/kv_replay --backend cuda --no-per-allocation ;;
   ipc) [ -f scripts/gpu_ipc_check.py ] && run ipc python3 scripts/gpu_ipc_check.py ;;
