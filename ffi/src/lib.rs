@@ -316,8 +316,19 @@ pub extern "C" fn gpu_arena_configure(conf: *const c_char) -> c_int {
     })
 }
 
-fn check_size(call: &str, size: isize) -> std::result::Result<u64, c_int> {
-    u64::try_from(size).map_err(|_| fail(call, Error::invalid(format!("size {size} is negative"))))
+/// The size as u64, or the error recorded under the call's name (built only on error: the
+/// hot path formats nothing).
+fn check_size(call: impl Fn() -> String, size: isize) -> std::result::Result<u64, c_int> {
+    u64::try_from(size)
+        .map_err(|_| fail(&call(), Error::invalid(format!("size {size} is negative"))))
+}
+
+/// The pool, fast when initialized; the call's name is built only on error.
+fn pool_for(call: impl Fn() -> String) -> std::result::Result<&'static Arc<Pool>, c_int> {
+    match POOL.get() {
+        Some(Ok(p)) => Ok(p),
+        _ => pool(&call()),
+    }
 }
 
 /// Allocate `size` bytes on `device` for use on `stream` (PyTorch's pluggable `alloc`).
@@ -331,13 +342,13 @@ pub extern "C" fn gpu_arena_malloc(
 ) -> *mut c_void {
     let mut out: *mut c_void = std::ptr::null_mut();
     guard("gpu_arena_malloc", || {
-        let call = format!("gpu_arena_malloc(size={size}, device={device})");
-        let size = match check_size(&call, size) {
+        let call = || format!("gpu_arena_malloc(size={size}, device={device})");
+        let size = match check_size(call, size) {
             Ok(0) => return GPU_ARENA_OK,
             Ok(s) => s,
             Err(c) => return c,
         };
-        let p = match pool(&call) {
+        let p = match pool_for(call) {
             Ok(p) => p,
             Err(c) => return c,
         };
@@ -346,10 +357,7 @@ pub extern "C" fn gpu_arena_malloc(
                 out = a.ptr as *mut c_void;
                 GPU_ARENA_OK
             }
-            Err(e) => fail(
-                &format!("gpu_arena_malloc(size={size}, device={device})"),
-                e,
-            ),
+            Err(e) => fail(&call(), e),
         }
     });
     out
@@ -380,21 +388,18 @@ pub extern "C" fn gpu_arena_free_checked(
         if ptr.is_null() {
             return GPU_ARENA_OK;
         }
-        let call = format!("gpu_arena_free(ptr={ptr:p}, size={size}, device={device})");
-        let size = match check_size(&call, size) {
+        let call = || format!("gpu_arena_free(ptr={ptr:p}, size={size}, device={device})");
+        let size = match check_size(call, size) {
             Ok(s) => s,
             Err(c) => return c,
         };
-        let p = match pool(&call) {
+        let p = match pool_for(call) {
             Ok(p) => p,
             Err(c) => return c,
         };
         match p.free_checked(ptr as u64, size, device) {
             Ok(()) => GPU_ARENA_OK,
-            Err(e) => fail(
-                &format!("gpu_arena_free(ptr={ptr:p}, size={size}, device={device})"),
-                e,
-            ),
+            Err(e) => fail(&call(), e),
         }
     })
 }

@@ -69,7 +69,7 @@ import struct
 import sys
 import threading
 import warnings
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Tuple, Union
 
 from . import _lib
 from ._lib import (
@@ -417,9 +417,15 @@ def share(tensor, *, synchronize: bool = True) -> Share:
 
     ``synchronize`` (default) waits for the work queued on the tensor's device first, so a
     consumer sees everything written before ``share()``; later writes are the caller's to
-    order. Freeing the tensor while it is shared is fine: gpu-arena keeps the memory until
-    the share is closed and every consumer closed its import. Close the returned object
-    when consumers no longer need to import (``Share.close()`` or ``with``)."""
+    order. Close the returned object when consumers no longer need to import
+    (``Share.close()`` or ``with``).
+
+    Freeing the tensor while it is shared: with ``gpu_arena.torch.install()`` every tensor
+    is its own gpu-arena allocation, and gpu-arena keeps the memory until the share is
+    closed and every consumer closed its import, so ``del tensor`` is safe. With a
+    ``gpu_arena.torch.mem_pool()`` the tensor is a block of PyTorch's caching allocator
+    inside a gpu-arena segment, and PyTorch reuses a freed block without telling gpu-arena:
+    keep the tensor alive while it is shared there."""
     torch = _torch()
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"share() takes a torch.Tensor, not {type(tensor).__name__}")
@@ -438,8 +444,7 @@ def share(tensor, *, synchronize: bool = True) -> Share:
         torch.cuda.synchronize(dev)
     h = share_ptr(ptr, nbytes)
     s = Share(h, str(tensor.dtype), tuple(tensor.shape), tuple(tensor.stride()),
-              tensor.storage_offset(), dev.index if dev.type == "cuda" else h.device, nbytes,
-              dev.type)
+              tensor.storage_offset(), h.device, nbytes, dev.type)
     s._owner = True
     return s
 
@@ -494,20 +499,32 @@ class _Import:
     """One open() of a share: one import (one gpu_arena_close to make), plus the DLPack
     structures torch points to until its deleter runs."""
 
-    __slots__ = ("key", "ptr", "nbytes", "device", "kind", "handle", "closed", "lock", "keep")
+    __slots__ = ("key", "ptr", "nbytes", "device", "kind", "handle", "closed", "freed", "lock",
+                 "keep")
 
     def __init__(self, key: int, ptr: int, nbytes: int, device: int, kind: str,
                  handle: ShareHandle):
         self.key, self.ptr, self.nbytes, self.device, self.kind = key, ptr, nbytes, device, kind
         self.handle = handle
-        self.closed = False
+        self.closed = False  # gpu_arena_close made (or being made)
+        self.freed = False   # torch's deleter ran: the DLPack structures may go
         self.lock = threading.Lock()
         self.keep: Tuple[Any, ...] = ()
 
 
-_registry_lock = threading.Lock()
-_registry: Dict[int, _Import] = {}  # key -> import, until torch's deleter runs
+# key -> import. Only open() and close() change the dict (under the lock); torch's deleter,
+# which may run from the garbage collector inside any of them, only reads it (dict.get is
+# atomic), so it can neither deadlock on the lock nor change the dict under an iteration.
+_registry_lock = threading.RLock()
+_registry: Dict[int, _Import] = {}
 _keys = itertools.count(1)
+
+
+def _prune() -> None:
+    """Forget imports whose tensors are gone (their deleter ran)."""
+    with _registry_lock:
+        for key in [k for k, r in list(_registry.items()) if r.freed]:
+            _registry.pop(key, None)
 
 
 def _synchronize(rec: _Import) -> None:
@@ -519,26 +536,29 @@ def _synchronize(rec: _Import) -> None:
 
 
 def _close_record(rec: _Import, *, synchronize: bool = True) -> bool:
-    """Close `rec`'s import once. Returns whether this call closed it."""
+    """Close `rec`'s import once (no lock held while it synchronizes and closes). Returns
+    whether this call closed it."""
     with rec.lock:
         if rec.closed:
             return False
-        if synchronize:
-            _synchronize(rec)
-        close_import(rec.ptr)
         rec.closed = True
-        return True
+    if synchronize:
+        _synchronize(rec)
+    close_import(rec.ptr)
+    return True
 
 
-def _dl_deleter_impl(managed, _registry=_registry, _lock=_registry_lock, _sys=sys):
+def _dl_deleter_impl(managed, _registry=_registry, _sys=sys):
     # Runs when torch frees the storage (any thread; ctypes takes the GIL). Never raises.
     try:
-        key = managed.contents.manager_ctx
-        with _lock:
-            rec = _registry.pop(key, None)
-        if rec is None or _sys.is_finalizing():
-            return  # at interpreter exit the process's end closes everything
-        _close_record(rec)
+        rec = _registry.get(managed.contents.manager_ctx)
+        if rec is None:
+            return
+        try:
+            if not _sys.is_finalizing():  # at interpreter exit, the process's end closes it
+                _close_record(rec)
+        finally:
+            rec.freed = True
     except BaseException as e:  # noqa: BLE001 - a deleter must not raise
         try:
             warnings.warn(f"gpu_arena: closing an import when its tensor was freed failed: {e}",
@@ -580,9 +600,7 @@ def _wrap(torch, rec: _Import):
         return torch.utils.dlpack.from_dlpack(capsule)
     except BaseException:
         if _PyCapsule_IsValid(capsule, _DLTENSOR_NAME):
-            # torch did not take it: its deleter will never run.
-            with _registry_lock:
-                _registry.pop(rec.key, None)
+            rec.freed = True  # torch did not take it: its deleter will never run
         raise
 
 
@@ -616,9 +634,10 @@ def open(share: Share):  # noqa: A001 - the public name is gpu_arena.open
     _ensure_initialized()
     backend = _backend()
     kind = {"sim": "cpu", "hip": "hip"}.get(backend, "cuda")
+    _prune()
     ptr = import_handle(share.handle)
+    rec = _Import(next(_keys), ptr, share.nbytes, share.device, kind, share.handle)
     with _registry_lock:
-        rec = _Import(next(_keys), ptr, share.nbytes, share.device, kind, share.handle)
         _registry[rec.key] = rec
     try:
         raw = _wrap(torch, rec)
@@ -628,10 +647,10 @@ def open(share: Share):  # noqa: A001 - the public name is gpu_arena.open
     try:
         t = raw.view(dtype).as_strided(share.shape, share.stride, share.storage_offset)
     except BaseException:
-        del raw
+        raw = None  # its deleter closes the import
         _close_record(rec, synchronize=False)
         raise
-    del raw
+    raw = None
     try:
         t._gpu_arena_import = rec.key
     except (AttributeError, TypeError):  # pragma: no cover - torch always allows it
@@ -639,14 +658,13 @@ def open(share: Share):  # noqa: A001 - the public name is gpu_arena.open
     return t
 
 
-def _open_records_of_ptr(ptr: int) -> List[_Import]:
+def _records() -> List[_Import]:
     with _registry_lock:
-        return [r for r in _registry.values() if r.ptr == ptr and not r.closed]
+        return list(_registry.values())
 
 
 def _close_imports_of(handle: ShareHandle) -> int:
-    with _registry_lock:
-        recs = [r for r in _registry.values() if r.handle == handle and not r.closed]
+    recs = [r for r in _records() if r.handle == handle and not r.closed]
     return sum(1 for r in recs if _close_record(r))
 
 
@@ -667,25 +685,22 @@ def close(obj) -> int:
             f"gpu_arena.close() takes a tensor from gpu_arena.open() or a Share, not "
             f"{type(obj).__name__}")
     key = getattr(obj, "_gpu_arena_import", None)
-    with _registry_lock:
-        rec = _registry.get(key) if key is not None else None
-    if rec is None:
+    rec = _registry.get(key) if key is not None else None
+    if rec is None:  # a view of an opened tensor: find its import by the storage's address
         ptr = int(obj.untyped_storage().data_ptr())
-        recs = _open_records_of_ptr(ptr)
-        if not recs:
-            with _registry_lock:
-                known = any(r.ptr == ptr for r in _registry.values())
-            if known:
-                return 0  # closed already
+        mine = [r for r in _records() if r.ptr == ptr and not r.freed]
+        if not mine:
             raise ValueError("gpu_arena.close(): this tensor does not come from gpu_arena.open()")
-        rec = recs[-1]
+        still_open = [r for r in mine if not r.closed]
+        if not still_open:
+            return 0  # closed already
+        rec = still_open[-1]
     return 1 if _close_record(rec) else 0
 
 
 def open_imports() -> List[Dict[str, Any]]:
     """The imports :func:`open` made in this process that are not closed yet (for
     debugging): pointer, bytes, device and the producer's pid."""
-    with _registry_lock:
-        recs = [r for r in _registry.values() if not r.closed]
+    recs = [r for r in _records() if not r.closed]
     return [{"ptr": r.ptr, "nbytes": r.nbytes, "device": r.device,
              "producer_pid": r.handle.producer_pid} for r in recs]

@@ -8,8 +8,6 @@ import gc
 def consumer(q_in, q_out) -> None:
     """torch.multiprocessing target: open every Share from q_in, report its values, write
     into it, then close (explicitly or by dropping it) and report the live imports."""
-    import torch  # noqa: F401
-
     import gpu_arena
 
     while True:

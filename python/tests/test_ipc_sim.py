@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 os.environ["GPU_ARENA_BACKEND"] = "sim"  # the workers inherit it

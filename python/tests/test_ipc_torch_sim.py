@@ -196,3 +196,52 @@ if __name__ == "__main__":
         assert seen == [-7.0] * 4, "the consumer's writes reach the producer"
     assert r["exitcode"] == 0
     assert r["imports_live"] == 0
+
+
+def test_imports_closed_from_other_threads_and_by_the_cycle_collector():
+    r = run(r'''
+import threading
+out = {}
+base, p, nbytes = gpu_arena_tensor(1 << 16)
+s = gpu_arena.share(base)
+# Tensors freed on another thread: torch runs the deleter there.
+ts = [gpu_arena.open(s) for _ in range(20)]
+out["opened"] = gpu_arena.imports_live()
+th = threading.Thread(target=lambda: ts.clear())
+th.start(); th.join()
+out["after_thread_free"] = gpu_arena.imports_live()
+# Tensors in reference cycles: closed when the cycle collector frees them.
+class Holder:
+    pass
+for _ in range(10):
+    h = Holder(); h.me = h; h.t = gpu_arena.open(s)
+del h
+out["in_cycles"] = gpu_arena.imports_live()
+gc.collect()
+out["after_collect"] = gpu_arena.imports_live()
+# Threads opening, closing and dropping at once.
+errors = []
+def churn(i):
+    try:
+        for k in range(50):
+            t = gpu_arena.open(s)
+            assert t.numel() == 1 << 16
+            if (k + i) % 2:
+                gpu_arena.close(t)
+            del t
+    except Exception as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=churn, args=(i,)) for i in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()
+gc.collect()
+out["churn"] = [errors, gpu_arena.imports_live(), len(gpu_arena.ipc.open_imports())]
+s.close(); del base; gpu_arena.free(p, nbytes); gpu_arena.empty_cache()
+out["reserved"] = gpu_arena.stats()["reserved_bytes"]
+print("RESULT=" + json.dumps(out))
+''')
+    assert r["opened"] == 20
+    assert r["after_thread_free"] == 0
+    assert r["in_cycles"] == 10 and r["after_collect"] == 0
+    assert r["churn"] == [[], 0, 0]
+    assert r["reserved"] == 0
