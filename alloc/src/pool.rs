@@ -4,7 +4,8 @@
 //! arenas and its own [`RangeAllocator`] whose regions are the arenas, placed at their
 //! device addresses (so an allocation's offset *is* its pointer).
 //!
-//! **Sizes.** Requests round up to 512 bytes. Requests up to `arena_size` come from shared
+//! **Sizes.** Requests round up to 512 bytes, and requests above 1 MiB ([`LARGE_MIN`]) to
+//! a multiple of 2 MiB ([`block_len`]). Requests up to `arena_size` come from shared
 //! arenas of `arena_size` bytes; a larger request gets an arena of its own, rounded up to
 //! the backend's granularity. The default arena size is chosen by measurement (see
 //! [`PoolConfig::arena_size`]).
@@ -52,6 +53,25 @@ pub const MAX_REQUEST_BYTES: u64 = 1 << 48;
 
 const MIB: u64 = 1 << 20;
 
+/// Requests above this many bytes are *large* (PyTorch's small/large pool boundary).
+pub const LARGE_MIN: u64 = MIB;
+
+/// Large requests are rounded up to a multiple of this many bytes.
+pub const LARGE_ROUND: u64 = 2 * MIB;
+
+/// The length of the range serving a request of `bytes`: 512-byte granules, and
+/// [`LARGE_ROUND`] multiples above [`LARGE_MIN`], so that large blocks tile the arenas in
+/// 2 MiB units and every gap they leave fits another large block (odd-sized large blocks
+/// left sub-2 MiB holes between KV blocks that no KV block could use). `None` on overflow.
+pub fn block_len(bytes: u64) -> Option<u64> {
+    let len = range::round_up(bytes)?;
+    if len > LARGE_MIN {
+        range::round_up_to(len, LARGE_ROUND)
+    } else {
+        Some(len)
+    }
+}
+
 /// Freed blocks up to this size are kept whole for exact-size reuse on their stream.
 pub const CACHE_MAX_BLOCK: u64 = 64 * MIB;
 
@@ -94,7 +114,7 @@ fn live_tag(live: &Live) -> u64 {
 pub struct Allocation {
     /// Device address of the first byte.
     pub ptr: u64,
-    /// Usable size in bytes (the request rounded up to 512).
+    /// Usable size in bytes (the request rounded up by [`block_len`]).
     pub bytes: u64,
     /// Device.
     pub device: DeviceId,
@@ -254,7 +274,7 @@ impl Pool {
                 "alloc of {bytes} bytes on device {device}: size must be between 1 and {MAX_REQUEST_BYTES}"
             )));
         }
-        let len = range::round_up(bytes).ok_or_else(|| Error::invalid("size overflows"))?;
+        let len = block_len(bytes).ok_or_else(|| Error::invalid("size overflows"))?;
         let stream = if self.config.unsafe_ignore_streams {
             StreamId(ANY_STREAM)
         } else {
@@ -674,8 +694,11 @@ impl DeviceState {
                 return Some(p);
             }
         }
-        // Still a miss: release other streams' ranges whose work has completed.
-        self.settle(backend, device, Some(stream.0));
+        // Still a miss: release ranges whose work has completed, this stream's own included:
+        // they move to its limbo tag (which it may still use) and, once its event completed,
+        // to `ANY_STREAM`, where they merge with neighbouring free ranges of other streams.
+        // (Skipping them left small free ranges of two tags side by side, unmergeable.)
+        self.settle(backend, device, None);
         self.ranges
             .alloc(len, stream.0)
             .or_else(|| self.ranges.alloc(len, ANY_STREAM))

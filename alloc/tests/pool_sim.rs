@@ -45,7 +45,8 @@ fn alloc_write_read_free_and_empty_cache() {
     let s = pool.stats(0).unwrap();
     assert_eq!(s.arenas, 1);
     assert_eq!(s.reserved_bytes, 64 * MIB);
-    assert_eq!(s.allocated_bytes, 1024 + 3 * MIB);
+    assert_eq!(b.bytes, 4 * MIB, "above 1 MiB: rounded to 2 MiB");
+    assert_eq!(s.allocated_bytes, 1024 + 4 * MIB);
     pool.free(a.ptr).unwrap();
     pool.free(b.ptr).unwrap();
     pool.validate(0).unwrap();
@@ -315,5 +316,54 @@ fn an_event_releases_only_the_frees_made_before_it_was_recorded() {
     );
     let again = pool.alloc(0, 8 * MIB, S1).unwrap();
     assert_eq!(again.ptr, b.ptr, "but S1 itself may reuse it at once");
+    pool.validate(0).unwrap();
+}
+
+#[test]
+fn large_requests_round_to_2_mib_so_their_holes_fit_each_other() {
+    // One 8 MiB arena, filled exactly: [kv1 2 MiB][temp 4 MiB][kv2 2 MiB].
+    let (_sim, pool) = pool_with(SimConfig::default(), 8 * MIB);
+    assert_eq!(gpu_arena::pool::block_len(MIB), Some(MIB), "1 MiB is small");
+    assert_eq!(gpu_arena::pool::block_len(MIB + 1), Some(2 * MIB));
+    assert_eq!(gpu_arena::pool::block_len(5 * MIB - 7), Some(6 * MIB));
+    // KV blocks around an odd-sized temporary: once it is freed, its hole takes KV blocks
+    // exactly, with no sliver left over.
+    let kv1 = pool.alloc(0, 2 * MIB, S1).unwrap();
+    let temp = pool.alloc(0, 3 * MIB + 4096, S1).unwrap();
+    assert_eq!(temp.bytes, 4 * MIB);
+    let kv2 = pool.alloc(0, 2 * MIB, S1).unwrap();
+    assert_eq!(kv2.ptr, temp.ptr + 4 * MIB);
+    pool.free(temp.ptr).unwrap();
+    let a = pool.alloc(0, 2 * MIB, S1).unwrap();
+    let b = pool.alloc(0, 2 * MIB, S1).unwrap();
+    let mut got = [a.ptr, b.ptr];
+    got.sort_unstable();
+    assert_eq!(
+        got,
+        [temp.ptr, temp.ptr + 2 * MIB],
+        "the hole holds two blocks"
+    );
+    for p in [kv1.ptr, kv2.ptr, a.ptr, b.ptr] {
+        pool.free(p).unwrap();
+    }
+    pool.validate(0).unwrap();
+}
+
+#[test]
+fn a_miss_merges_the_streams_own_free_ranges_with_other_streams() {
+    // Arena of 8 MiB: [S1 4 MiB][S2 4 MiB]. Freed on different streams, the two halves
+    // carry different tags; an 8 MiB request on S1 must find them merged after the settle
+    // (the sim's events complete at once), not grow the pool.
+    let (_sim, pool) = pool_with(SimConfig::default(), 8 * MIB);
+    let a = pool.alloc(0, 4 * MIB, S1).unwrap();
+    let b = pool.alloc(0, 4 * MIB, S2).unwrap();
+    // Too big for the exact-size cache's share: free straight to the ranges.
+    pool.free(a.ptr).unwrap();
+    pool.free(b.ptr).unwrap();
+    let c = pool.alloc(0, 8 * MIB, S1).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.arenas, 1, "no growth: the S1 and S2 halves merged");
+    assert_eq!(c.ptr, a.ptr.min(b.ptr));
+    pool.free(c.ptr).unwrap();
     pool.validate(0).unwrap();
 }
