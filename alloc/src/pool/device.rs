@@ -1,0 +1,333 @@
+//! One device's reuse rules, behind its lock: which free range an allocation on a stream
+//! may take (own stream, own limbo, any stream), the events that release other streams'
+//! ranges (limbo tags), the exact-size cache, pending `record_stream` frees, arena
+//! bookkeeping, and `validate()`. `pool/mod.rs` holds the public API around it.
+
+use std::collections::HashMap;
+
+use super::{DeviceState, Live, ANY_STREAM, LIMBO_BASE};
+use crate::backend::{ArenaMem, Backend, DeviceId, StreamId};
+use crate::error::{Error, Result};
+use crate::pool::Arena;
+use crate::share::ArenaLifetime;
+use crate::stats::DeviceMetrics;
+
+impl DeviceState {
+    /// Find a range for `len` bytes usable on `stream`, without creating memory.
+    pub(super) fn take_range(
+        &mut self,
+        len: u64,
+        stream: StreamId,
+        backend: &dyn Backend,
+        device: DeviceId,
+    ) -> Option<u64> {
+        // The stream's own frees first (safe at once, and it keeps shared space for others),
+        // then ranges any stream may use.
+        if let Some(p) = self.ranges.alloc(len, stream.0) {
+            return Some(p);
+        }
+        if let Some(p) = self
+            .limbo_of(stream.0)
+            .and_then(|l| self.ranges.alloc(len, l))
+        {
+            return Some(p);
+        }
+        if let Some(p) = self.ranges.alloc(len, ANY_STREAM) {
+            return Some(p);
+        }
+        // Miss: give cached blocks back to the ranges (they coalesce there) and retry.
+        if self.cached_bytes > 0 {
+            self.flush_cache();
+            if let Some(p) = self
+                .ranges
+                .alloc(len, stream.0)
+                .or_else(|| self.ranges.alloc(len, ANY_STREAM))
+            {
+                return Some(p);
+            }
+        }
+        // Still a miss: release ranges whose work has completed, this stream's own included:
+        // they move to its limbo tag (which it may still use) and, once its event completed,
+        // to `ANY_STREAM`, where they merge with neighbouring free ranges of other streams.
+        // (Skipping them left small free ranges of two tags side by side, unmergeable.)
+        self.settle(backend, device, None);
+        self.ranges
+            .alloc(len, stream.0)
+            .or_else(|| self.ranges.alloc(len, ANY_STREAM))
+            .or_else(|| {
+                self.limbo_of(stream.0)
+                    .and_then(|l| self.ranges.alloc(len, l))
+            })
+    }
+
+    /// Poll pending frees and per-stream events (recording events where none is pending);
+    /// ranges whose streams are done become reusable by any stream. `skip`: a tag to leave.
+    pub(super) fn settle(&mut self, backend: &dyn Backend, device: DeviceId, skip: Option<u64>) {
+        self.poll_pending(backend);
+        // Streams with free ranges and no event yet: record one, and move exactly the ranges
+        // it covers (those freed so far) to a limbo tag of their own.
+        for (tag, _) in self.ranges.free_tags() {
+            if tag >= LIMBO_BASE || Some(tag) == skip || self.stream_events.contains_key(&tag) {
+                continue;
+            }
+            match backend.record_event(device, StreamId(tag)) {
+                Ok(ev) => {
+                    let limbo = LIMBO_BASE + self.next_limbo;
+                    self.next_limbo = (self.next_limbo + 1) % (ANY_STREAM - LIMBO_BASE);
+                    self.ranges.retag(tag, limbo);
+                    self.stream_events.insert(tag, (ev, limbo));
+                }
+                Err(e) => tracing::warn!(error = %e, "record_event failed"),
+            }
+        }
+        // Events that completed (an idle stream's fresh event completes at once): their
+        // limbo ranges are safe for every stream.
+        let done: Vec<u64> = self
+            .stream_events
+            .iter()
+            .filter(|(_, (ev, _))| backend.event_done(ev).unwrap_or(false))
+            .map(|(&tag, _)| tag)
+            .collect();
+        for tag in done {
+            if let Some((ev, limbo)) = self.stream_events.remove(&tag) {
+                let _ = backend.destroy_event(ev);
+                self.ranges.retag(limbo, ANY_STREAM);
+            }
+        }
+    }
+
+    /// The limbo tag holding `stream`'s own earlier frees (reusable by that stream at once).
+    pub(super) fn limbo_of(&self, stream: u64) -> Option<u64> {
+        self.stream_events.get(&stream).map(|(_, limbo)| *limbo)
+    }
+
+    /// After a device synchronize: every event is complete, so every range is free for any
+    /// stream.
+    pub(super) fn settle_all(&mut self, backend: &dyn Backend) {
+        self.flush_cache();
+        for p in std::mem::take(&mut self.pending) {
+            for ev in p.events {
+                let _ = backend.destroy_event(ev);
+            }
+            self.finish_pending(p.ptr, p.stream);
+        }
+        for (_, (ev, _)) in self.stream_events.drain() {
+            let _ = backend.destroy_event(ev);
+        }
+        for (tag, _) in self.ranges.free_tags() {
+            self.ranges.retag(tag, ANY_STREAM);
+        }
+    }
+
+    pub(super) fn poll_pending(&mut self, backend: &dyn Backend) {
+        let mut i = 0;
+        while i < self.pending.len() {
+            let done = self.pending[i]
+                .events
+                .iter()
+                .all(|e| backend.event_done(e).unwrap_or(false));
+            if done {
+                let p = self.pending.swap_remove(i);
+                for ev in p.events {
+                    let _ = backend.destroy_event(ev);
+                }
+                self.finish_pending(p.ptr, p.stream);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    pub(super) fn finish_pending(&mut self, ptr: u64, stream: StreamId) {
+        let bytes = self.allocs.get(&ptr).map_or(0, |l| l.bytes);
+        self.stats.pending_free_bytes -= bytes;
+        if let Err(e) = self.release_range(ptr, stream.0) {
+            tracing::error!(error = %e, "releasing a pending free failed");
+        }
+    }
+
+    /// Put a freed allocation (no shares, no other streams; its record already removed)
+    /// into the exact-size cache.
+    pub(super) fn cache_live(&mut self, ptr: u64, live: Live) {
+        if let Some(a) = self.arenas.get_mut(live.arena) {
+            a.live_allocs -= 1;
+        }
+        self.stats.allocated_bytes -= live.bytes;
+        self.stats.allocations -= 1;
+        self.cached_bytes += live.bytes;
+        self.cache
+            .entry((live.stream.0, live.bytes))
+            .or_default()
+            .push((ptr, live.arena));
+    }
+
+    /// Return every cached block to the sub-allocator, tagged with its stream.
+    pub(super) fn flush_cache(&mut self) {
+        for ((stream, _len), blocks) in self.cache.drain() {
+            for (ptr, _) in blocks {
+                if let Err(e) = self.ranges.free(ptr, stream) {
+                    tracing::error!(error = %e, "flushing a cached block failed");
+                }
+            }
+        }
+        self.cached_bytes = 0;
+    }
+
+    /// Give an allocation's range back to the sub-allocator under `tag` and drop its record.
+    pub(crate) fn release_range(&mut self, ptr: u64, tag: u64) -> Result<()> {
+        let live = self
+            .allocs
+            .remove(&ptr)
+            .ok_or_else(|| Error::Internal(format!("release of unknown range {ptr:#x}")))?;
+        self.release_live(ptr, live, tag)
+    }
+
+    /// Give a removed record's range back to the sub-allocator under `tag`.
+    pub(super) fn release_live(&mut self, ptr: u64, live: Live, tag: u64) -> Result<()> {
+        self.ranges
+            .free(ptr, tag)
+            .map_err(|e| Error::Internal(format!("range allocator refused a free: {e}")))?;
+        if let Some(a) = self.arenas.get_mut(live.arena) {
+            a.live_allocs -= 1;
+        }
+        self.stats.allocated_bytes -= live.bytes;
+        self.stats.allocations -= 1;
+        Ok(())
+    }
+
+    /// The live, not yet freed allocation at `ptr`, or a clear error.
+    pub(crate) fn check_live(&self, ptr: u64, device: DeviceId) -> Result<Live> {
+        match self.allocs.get(&ptr) {
+            Some(l) if !l.freed => Ok(l.clone()),
+            Some(_) => Err(Error::UnknownPointer {
+                ptr,
+                why: "already freed (double free)".into(),
+            }),
+            None => {
+                let why = match self.arena_of(ptr) {
+                    Some(_) => format!(
+                        "inside an arena of device {device} but not the start of a live allocation (double free, or an interior pointer)"
+                    ),
+                    None => format!("not allocated by gpu-arena on device {device}"),
+                };
+                Err(Error::UnknownPointer { ptr, why })
+            }
+        }
+    }
+
+    pub(crate) fn arena_of(&self, ptr: u64) -> Option<usize> {
+        self.arena_at.get(&ptr).copied()
+    }
+
+    pub(super) fn add_arena(&mut self, mem: ArenaMem, metrics: &DeviceMetrics) -> Result<usize> {
+        let (base, bytes) = (mem.base, mem.bytes);
+        self.ranges
+            .add_region(base, bytes, ANY_STREAM)
+            .map_err(|e| Error::Internal(format!("backend returned an unusable arena: {e}")))?;
+        let id = self.next_arena_id;
+        self.next_arena_id += 1;
+        let key = self.arenas.insert(Arena {
+            mem,
+            id,
+            live_allocs: 0,
+            lifetime: ArenaLifetime::default(),
+        });
+        self.arena_at.insert(base..base + bytes, key);
+        let s = &mut self.stats;
+        s.reserved_bytes += bytes;
+        s.peak_reserved_bytes = s.peak_reserved_bytes.max(s.reserved_bytes);
+        s.arenas += 1;
+        s.backend_creates += 1;
+        metrics.creates.increment(1);
+        Ok(key)
+    }
+
+    /// Take every arena that can go back to the backend: no allocation, no share, no
+    /// export, not pinned. Called after `settle_all`.
+    pub(super) fn take_empty_arenas(&mut self) -> Vec<ArenaMem> {
+        let keys: Vec<usize> = self
+            .arenas
+            .iter()
+            .filter(|(_, a)| a.live_allocs == 0 && a.lifetime.destroyable())
+            .map(|(k, _)| k)
+            .collect();
+        let mut out = Vec::new();
+        for k in keys {
+            let base = self.arenas[k].mem.base;
+            if self.ranges.remove_region(base).is_err() {
+                continue;
+            }
+            let a = self.arenas.remove(k);
+            self.arena_at.remove(base..base + a.mem.bytes);
+            self.stats.reserved_bytes -= a.mem.bytes;
+            self.stats.arenas -= 1;
+            self.stats.backend_destroys += 1;
+            out.push(a.mem);
+        }
+        out
+    }
+
+    pub(super) fn validate_or_log(&self) {
+        if let Err(e) = self.validate() {
+            tracing::error!("pool invariant broken: {e}");
+            debug_assert!(false, "pool invariant broken: {e}");
+        }
+    }
+
+    /// The pool's records agree with the sub-allocator and with each other.
+    pub(super) fn validate(&self) -> Result<(), String> {
+        self.ranges.validate()?;
+        let rs = self.ranges.stats();
+        if rs.regions != self.arenas.len() as u64 {
+            return Err(format!(
+                "{} regions for {} arenas",
+                rs.regions,
+                self.arenas.len()
+            ));
+        }
+        let reserved: u64 = self.arenas.iter().map(|(_, a)| a.mem.bytes).sum();
+        if reserved != self.stats.reserved_bytes || rs.region_bytes != reserved {
+            return Err(format!(
+                "reserved {} in stats, {reserved} in arenas, {} in regions",
+                self.stats.reserved_bytes, rs.region_bytes
+            ));
+        }
+        let used: u64 = self.allocs.values().map(|l| l.bytes).sum();
+        let cached: u64 = self.cache.iter().map(|(k, v)| k.1 * v.len() as u64).sum();
+        if cached != self.cached_bytes {
+            return Err(format!(
+                "cache holds {cached} bytes, counter says {}",
+                self.cached_bytes
+            ));
+        }
+        for (&(_, len), blocks) in &self.cache {
+            for &(ptr, _) in blocks {
+                if self.ranges.allocated_len(ptr) != Some(len) || self.allocs.contains_key(&ptr) {
+                    return Err(format!("cached block {ptr:#x} is not a whole free block"));
+                }
+            }
+        }
+        if used + cached != rs.used_bytes || used != self.stats.allocated_bytes {
+            return Err(format!(
+                "allocated {} in stats, {used} in records, {} in ranges",
+                self.stats.allocated_bytes, rs.used_bytes
+            ));
+        }
+        let mut per_arena: HashMap<usize, u64> = HashMap::new();
+        for (&ptr, l) in &self.allocs {
+            if self.ranges.allocated_len(ptr) != Some(l.bytes) {
+                return Err(format!("allocation {ptr:#x} not allocated in the ranges"));
+            }
+            *per_arena.entry(l.arena).or_default() += 1;
+        }
+        for (k, a) in &self.arenas {
+            if per_arena.get(&k).copied().unwrap_or(0) != a.live_allocs {
+                return Err(format!(
+                    "arena {} live count {} is wrong",
+                    a.id, a.live_allocs
+                ));
+            }
+        }
+        Ok(())
+    }
+}
