@@ -96,6 +96,16 @@ impl DeviceState {
         }
     }
 
+    /// Free bytes in limbo tags: freed on some stream, waiting for its event.
+    pub(super) fn limbo_bytes(&self) -> u64 {
+        self.ranges
+            .free_tags()
+            .iter()
+            .filter(|(tag, _)| *tag >= LIMBO_BASE && *tag != ANY_STREAM)
+            .map(|(_, bytes)| bytes)
+            .sum()
+    }
+
     /// The limbo tag holding `stream`'s own earlier frees (reusable by that stream at once).
     pub(super) fn limbo_of(&self, stream: u64) -> Option<u64> {
         self.stream_events.get(&stream).map(|(_, limbo)| *limbo)

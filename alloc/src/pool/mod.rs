@@ -29,6 +29,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use rustc_hash::FxHashMap;
 
@@ -73,6 +74,10 @@ pub fn block_len(bytes: u64) -> Option<u64> {
         Some(len)
     }
 }
+
+/// How long an allocation that would otherwise grow the pool waits for events that
+/// release enough limbo ranges.
+pub const LIMBO_WAIT: Duration = Duration::from_micros(100);
 
 /// Freed blocks up to this size are kept whole for exact-size reuse on their stream.
 pub const CACHE_MAX_BLOCK: u64 = 64 * MIB;
@@ -314,12 +319,21 @@ impl Pool {
         .ok_or_else(|| Error::invalid("size overflows"))?;
         let mut retried = false;
         loop {
-            // Recycled (pinned) arenas and any range freed meanwhile come first.
-            {
+            // Recycled (pinned) arenas and any range freed meanwhile come first. Ranges that
+            // wait only for a just-recorded event (limbo) are worth a short wait: an event
+            // on an idle stream completes within microseconds, creating an arena costs
+            // hundreds and grows the pool for good.
+            let deadline = Instant::now() + LIMBO_WAIT;
+            loop {
                 let mut st = dp.state.lock();
                 if let Some(ptr) = st.take_range(len, stream, self.backend.as_ref(), device) {
                     return Ok(self.finish_alloc(dp, &mut st, ptr, len, requested, stream));
                 }
+                if st.limbo_bytes() < len || Instant::now() >= deadline {
+                    break;
+                }
+                drop(st);
+                std::thread::yield_now();
             }
             let capped = self.config.max_reserved_bytes.is_some_and(|cap| {
                 dp.state
