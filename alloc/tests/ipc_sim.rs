@@ -229,12 +229,12 @@ fn exports_equal_arenas_10000_blocks_in_5_arenas() {
     let broker = Broker::start(pool.clone(), BrokerConfig::default()).unwrap();
     let sim = backend;
     let blocks: Vec<_> = (0..10_000)
-        .map(|_| pool.alloc(0, 50 * 1024, S).unwrap())
+        .map(|_| pool.alloc(0, 48 * 1024, S).unwrap())
         .collect();
     assert_eq!(
         pool.stats(0).unwrap().arenas,
         5,
-        "10,000 x 50 KiB fill five 100 MiB arenas"
+        "10,000 x 48 KiB fill five 100 MiB arenas"
     );
     let exports_before = sim.calls(SimCall::Export);
     let handles: Vec<_> = blocks

@@ -367,3 +367,30 @@ fn a_miss_merges_the_streams_own_free_ranges_with_other_streams() {
     pool.free(c.ptr).unwrap();
     pool.validate(0).unwrap();
 }
+
+#[test]
+fn block_sizes_follow_the_documented_classes() {
+    use gpu_arena::pool::block_len;
+    for (req, want) in [
+        (1, 512),
+        (4096, 4096),
+        (4097, 5120), // quarter-octave classes above 4 KiB: 4 KiB + 1 KiB steps
+        (5000, 5120),
+        (100_000, 114_688), // 64 KiB + 3 x 16 KiB
+        (MIB, MIB),         // 1 MiB is still "small"
+        (MIB + 1, 2 * MIB), // large: 2 MiB multiples
+        (3 * MIB, 4 * MIB),
+        (64 * MIB - 1, 64 * MIB),
+    ] {
+        assert_eq!(block_len(req), Some(want), "block_len({req})");
+    }
+    for req in [1u64, 777, 5000, 70_001, 900_000, 3 << 20] {
+        let len = block_len(req).unwrap();
+        assert!(len >= req && len % 512 == 0);
+        assert!(
+            len <= req + req / 4 + 512 || len - req < 2 * MIB,
+            "waste bounded for {req}"
+        );
+    }
+    assert_eq!(block_len(u64::MAX), None);
+}

@@ -311,11 +311,19 @@ static int read_block(const void *ptr, size_t size, unsigned seed) {
 }
 
 static uint64_t round512(uint64_t n) { return (n + 511) & ~(uint64_t)511; }
-/* The pool's block size: 512-byte rounding up to 1 MiB, 2 MiB multiples above (as
- * PyTorch's large pool), so holes left by large blocks fit other large blocks. */
+/* The pool's block size (pool::block_len): 512-byte rounding up to 4 KiB, quarter-octave
+ * classes up to 1 MiB, 2 MiB multiples above (as PyTorch's large pool). */
 static uint64_t block_len(uint64_t n) {
     const uint64_t mib = 1u << 20;
-    return n <= mib ? round512(n) : (n + 2 * mib - 1) & ~(2 * mib - 1);
+    uint64_t len = round512(n);
+    if (len > mib) return (len + 2 * mib - 1) & ~(2 * mib - 1);
+    if (len > 4096) { /* quarter-octave size classes */
+        uint64_t p = 1;
+        while (p * 2 <= len) p *= 2;
+        uint64_t step = p / 4;
+        return (len + step - 1) / step * step;
+    }
+    return len;
 }
 
 static void *stream_handle(uintptr_t s) { return (void *)s; }

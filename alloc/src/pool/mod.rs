@@ -70,10 +70,19 @@ pub fn block_len(bytes: u64) -> Option<u64> {
     let len = range::round_up(bytes)?;
     if len > LARGE_MIN {
         range::round_up_to(len, LARGE_ROUND)
+    } else if len > SMALL_EXACT {
+        // Quarter-octave size classes: at most 25% rounding, few distinct sizes, so a freed
+        // block of the class serves the next request of it from the exact-size cache.
+        let step = (1u64 << (63 - len.leading_zeros())) / 4;
+        range::round_up_to(len, step)
     } else {
         Some(len)
     }
 }
+
+/// Requests up to this many bytes round to 512 only; between it and [`LARGE_MIN`] they
+/// round to quarter-octave classes.
+pub const SMALL_EXACT: u64 = 4096;
 
 /// How long an allocation that would otherwise grow the pool waits for events that
 /// release enough limbo ranges.
