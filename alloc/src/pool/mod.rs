@@ -4,8 +4,10 @@
 //! arenas and its own [`RangeAllocator`] whose regions are the arenas, placed at their
 //! device addresses (so an allocation's offset *is* its pointer).
 //!
-//! **Sizes.** Requests round up to 512 bytes, and requests above 1 MiB ([`LARGE_MIN`]) to
-//! a multiple of 2 MiB ([`block_len`]). Requests up to `arena_size` come from shared
+//! **Sizes** ([`block_len`]). Requests round up to 512 bytes; from 4 KiB to 1 MiB to
+//! quarter-octave classes (at most 25% more, few distinct sizes: the exact-size cache then
+//! serves most temporaries); above 1 MiB ([`LARGE_MIN`]) to 2 MiB multiples, so the holes
+//! large blocks leave fit other large blocks. Requests up to `arena_size` come from shared
 //! arenas of `arena_size` bytes; a larger request gets an arena of its own, rounded up to
 //! the backend's granularity. The default arena size is chosen by measurement (see
 //! [`PoolConfig::arena_size`]).
