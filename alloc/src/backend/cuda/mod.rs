@@ -1,6 +1,6 @@
 //! The CUDA backend: arenas on the CUDA driver's virtual memory management (VMM) API.
 //!
-//! Every raw driver call lives in [`driver`] (cudarc `driver::sys`, libcuda loaded at run
+//! Every raw driver call lives in `driver` (cudarc `driver::sys`, libcuda loaded at run
 //! time); this module builds [`CudaBackend`] on those wrappers.
 //!
 //! # Loading
