@@ -257,11 +257,17 @@ pub extern "C" fn gpu_arena_init(device_count: c_int) {
 /// missing) init, with `gpu_arena_last_error()` saying why.
 #[no_mangle]
 pub extern "C" fn gpu_arena_init_status() -> c_int {
-    guard("gpu_arena_init_status", || {
-        match pool("gpu_arena_init_status") {
+    guard("gpu_arena_init_status", || match POOL.get() {
+        Some(Ok(_)) => GPU_ARENA_OK,
+        // The failed init's own code (e.g. GPU_ARENA_ERR_UNAVAILABLE), with its message.
+        Some(Err(e)) => fail(
+            "gpu_arena_init_status: gpu-arena failed to initialize",
+            e.clone(),
+        ),
+        None => match pool("gpu_arena_init_status") {
             Ok(_) => GPU_ARENA_OK,
             Err(c) => c,
-        }
+        },
     })
 }
 

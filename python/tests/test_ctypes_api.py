@@ -322,11 +322,6 @@ def test_init_failure_bad_conf_env():
     assert "gpu_arena_malloc" in malloc_msg and "failed to initialize" in malloc_msg
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="ffi/src/lib.rs gpu_arena_init_status returns GPU_ARENA_ERR_NOT_INITIALIZED for a "
-    "failed init, while its doc says it returns the failed init's error code",
-)
 def test_raw_init_status_code_of_failed_init():
     proc = run_python(
         """

@@ -986,9 +986,11 @@ static void mode_before_init(void) {
 
 /* ------------------------------------------------------------------ mode bad-env */
 
-static void expect_dead_pool(const char *why) {
+/* init_status reports the failed init's own code (the reason); every other call says
+ * NOT_INITIALIZED. */
+static void expect_dead_pool(const char *why, int init_code) {
     gpu_arena_stats_t s;
-    CHECK_CODE(gpu_arena_init_status(), GPU_ARENA_ERR_NOT_INITIALIZED, "init_status() after failed init");
+    CHECK_CODE(gpu_arena_init_status(), init_code, "init_status() after failed init");
     CHECK_ERROR_NAMES("gpu_arena_init_status", "failed to initialize", why);
     CHECK(gpu_arena_malloc(4096, 0, NULL) == NULL, "malloc(4096) after failed init is NULL");
     CHECK_ERROR_NAMES("gpu_arena_malloc", "failed to initialize", why);
@@ -1008,8 +1010,7 @@ static void expect_dead_pool(const char *why) {
                "configure after a failed init");
     CHECK_ERROR_NAMES("gpu_arena_configure", "after first use");
     gpu_arena_init(1);
-    CHECK_CODE(gpu_arena_init_status(), GPU_ARENA_ERR_NOT_INITIALIZED,
-               "init again: the failure stays");
+    CHECK_CODE(gpu_arena_init_status(), init_code, "init again: the failure stays");
 }
 
 static void mode_bad_env(void) {
@@ -1020,7 +1021,7 @@ static void mode_bad_env(void) {
     CHECK_ERROR_NAMES("gpu_arena_configure", "GPU_ARENA_CONF", "banana");
     gpu_arena_init(1);
     CHECK(1, "init(1) with a malformed GPU_ARENA_CONF returns");
-    expect_dead_pool("banana");
+    expect_dead_pool("banana", GPU_ARENA_ERR_INVALID_ARGUMENT);
 }
 
 /* ------------------------------------------------------------------ mode bad-backend */
@@ -1030,7 +1031,7 @@ static void mode_bad_backend(void) {
                "configure(\"backend=hip\"): well-formed");
     gpu_arena_init(1);
     CHECK(1, "init(1) with backend=hip on a build without HIP returns");
-    expect_dead_pool("hip");
+    expect_dead_pool("hip", GPU_ARENA_ERR_UNAVAILABLE);
 }
 
 /* ------------------------------------------------------------------ main */
