@@ -33,9 +33,9 @@ use std::sync::OnceLock;
 
 use slab::Slab;
 
-use crate::backend::{ArenaMem, DeviceId, Export, ExportKind, ExportPayload};
+use crate::backend::{ArenaMem, Backend, DeviceId, Export, ExportKind, ExportPayload};
 use crate::error::{Error, Result};
-use crate::pool::{DevicePool, DeviceState, Pool, ANY_STREAM};
+use crate::pool::{DevicePool, DeviceState, Pool};
 
 /// Export state of one arena.
 #[derive(Debug, Default)]
@@ -155,15 +155,17 @@ impl DeviceState {
     /// Drop one reference on `arena` and on the allocation at `alloc_ptr`. A freed
     /// allocation whose last reference ends goes back to the sub-allocator. Returns the
     /// export to close (after unlocking) when the arena's last reference ended.
-    fn drop_ref(&mut self, arena: usize, alloc_ptr: u64) -> Option<(ArenaMem, Export)> {
+    fn drop_ref(
+        &mut self,
+        arena: usize,
+        alloc_ptr: u64,
+        backend: &dyn Backend,
+        device: DeviceId,
+    ) -> Option<(ArenaMem, Export)> {
         if let Some(live) = self.allocs.get_mut(&alloc_ptr) {
             live.refs -= 1;
             if live.refs == 0 && live.freed {
-                let bytes = live.bytes;
-                self.stats.deferred_free_bytes -= bytes;
-                if let Err(e) = self.release_range(alloc_ptr, ANY_STREAM) {
-                    tracing::error!(error = %e, "releasing a deferred free failed");
-                }
+                self.release_deferred(alloc_ptr, backend, device);
             }
         }
         let a = self.arenas.get_mut(arena)?;
@@ -233,7 +235,7 @@ impl Pool {
         }
         st.arenas[arena].lifetime.refs += 1;
         if let Err(e) = self.ensure_exported(dp, &mut st, arena) {
-            let export = st.drop_ref(arena, start);
+            let export = st.drop_ref(arena, start, self.backend.as_ref(), dp.device);
             drop(st);
             self.close_exports(dp, export);
             return Err(e);
@@ -390,7 +392,7 @@ impl Pool {
             r.revoked = true;
         }
         st.stats.shares_live -= 1;
-        let export = st.drop_ref(arena, alloc_ptr);
+        let export = st.drop_ref(arena, alloc_ptr, self.backend.as_ref(), dp.device);
         drop(st);
         self.close_exports(dp, export);
         Ok(())
@@ -472,7 +474,7 @@ impl Pool {
             st.shares.shares.remove(share_key as usize);
         }
         st.stats.imports_live -= 1;
-        let export = st.drop_ref(arena, alloc_ptr);
+        let export = st.drop_ref(arena, alloc_ptr, self.backend.as_ref(), dp.device);
         drop(st);
         self.close_exports(dp, export);
         Ok(())

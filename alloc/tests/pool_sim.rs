@@ -394,3 +394,29 @@ fn block_sizes_follow_the_documented_classes() {
     }
     assert_eq!(block_len(u64::MAX), None);
 }
+
+#[test]
+fn a_shared_then_freed_block_still_waits_for_its_recorded_streams() {
+    let (sim, pool) = pool();
+    let a = pool.alloc(0, 8 * MIB, S1).unwrap();
+    let _fill = pool.alloc(0, 56 * MIB, S1).unwrap();
+    let share = pool.share(a.ptr, a.bytes).unwrap();
+    pool.record_stream(a.ptr, S2).unwrap();
+    sim.block_stream(0, S2); // S2 still works on `a`
+    pool.free(a.ptr).unwrap(); // deferred: still shared
+    assert_eq!(pool.stats(0).unwrap().deferred_free_bytes, 8 * MIB);
+    pool.unshare(0, share.share_key, &share.token).unwrap(); // last reference: release now...
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.deferred_free_bytes, s.pending_free_bytes),
+        (0, 8 * MIB),
+        "...after S2"
+    );
+    let b = pool.alloc(0, 8 * MIB, S1).unwrap();
+    assert_ne!(b.ptr, a.ptr, "S2 may still be using it");
+    sim.unblock_stream(0, S2);
+    let _fill2 = pool.alloc(0, 56 * MIB, S1).unwrap(); // the second arena is full now
+    let c = pool.alloc(0, 8 * MIB, S1).unwrap();
+    assert_eq!(c.ptr, a.ptr, "released once S2's event completed");
+    pool.validate(0).unwrap();
+}

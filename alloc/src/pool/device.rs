@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use super::{DeviceState, Live, ANY_STREAM, LIMBO_BASE};
+use super::{DeviceState, Live, PendingFree, ANY_STREAM, LIMBO_BASE};
 use crate::backend::{ArenaMem, Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
 use crate::pool::Arena;
@@ -132,10 +132,11 @@ impl DeviceState {
     pub(super) fn poll_pending(&mut self, backend: &dyn Backend) {
         let mut i = 0;
         while i < self.pending.len() {
-            let done = self.pending[i]
-                .events
-                .iter()
-                .all(|e| backend.event_done(e).unwrap_or(false));
+            let p = &self.pending[i];
+            let done = !p.until_synchronize
+                && p.events
+                    .iter()
+                    .all(|e| backend.event_done(e).unwrap_or(false));
             if done {
                 let p = self.pending.swap_remove(i);
                 for ev in p.events {
@@ -154,6 +155,41 @@ impl DeviceState {
         if let Err(e) = self.release_range(ptr, stream.0) {
             tracing::error!(error = %e, "releasing a pending free failed");
         }
+    }
+
+    /// Release an allocation its owner freed while shared, now that its last share or lease
+    /// ended: at once under its own stream's tag (consumers synchronize before they close),
+    /// or, when `record_stream` added streams, once events recorded on them now complete.
+    pub(crate) fn release_deferred(&mut self, ptr: u64, backend: &dyn Backend, device: DeviceId) {
+        let Some(live) = self.allocs.get(&ptr) else {
+            return;
+        };
+        let (stream, extra, bytes) = (live.stream, live.extra_streams.clone(), live.bytes);
+        self.stats.deferred_free_bytes -= bytes;
+        if extra.is_empty() {
+            if let Err(e) = self.release_range(ptr, stream.0) {
+                tracing::error!(error = %e, "releasing a deferred free failed");
+            }
+            return;
+        }
+        let mut events = Vec::with_capacity(extra.len());
+        let mut until_synchronize = false;
+        for s in extra {
+            match backend.record_event(device, s) {
+                Ok(e) => events.push(e),
+                Err(e) => {
+                    tracing::warn!(error = %e, "record_event failed: the range waits for a synchronize");
+                    until_synchronize = true;
+                }
+            }
+        }
+        self.stats.pending_free_bytes += bytes;
+        self.pending.push(PendingFree {
+            ptr,
+            stream,
+            events,
+            until_synchronize,
+        });
     }
 
     /// Put a freed allocation (no shares, no other streams; its record already removed)

@@ -170,6 +170,8 @@ struct PendingFree {
     ptr: u64,
     stream: StreamId,
     events: Vec<Event>,
+    /// An event could not be recorded: released only after a device synchronize.
+    until_synchronize: bool,
 }
 
 /// Everything behind one device's lock.
@@ -556,6 +558,7 @@ impl Pool {
                 ptr,
                 stream,
                 events,
+                until_synchronize: false,
             });
         } else {
             st.release_range(ptr, stream.0)?;
