@@ -197,19 +197,27 @@ impl Config {
         match self.backend {
             BackendChoice::Sim => Ok(Arc::new(SimBackend::new(self.sim.clone())?)),
             BackendChoice::Cuda => open_cuda(),
-            BackendChoice::Hip => Err(Error::Unavailable(
-                "the hip backend is not built in this version".into(),
-            )),
-            BackendChoice::Auto => match open_cuda() {
-                Ok(b) => {
-                    tracing::info!("gpu-arena: backend=auto chose cuda");
-                    Ok(b)
+            BackendChoice::Hip => open_hip(),
+            BackendChoice::Auto => {
+                let cuda = match open_cuda() {
+                    Ok(b) => {
+                        tracing::info!("gpu-arena: backend=auto chose cuda");
+                        return Ok(b);
+                    }
+                    Err(e) => e,
+                };
+                tracing::info!(reason = %cuda, "gpu-arena: backend=auto: cuda unavailable");
+                match open_hip() {
+                    Ok(b) => {
+                        tracing::info!("gpu-arena: backend=auto chose hip");
+                        Ok(b)
+                    }
+                    Err(hip) => {
+                        tracing::info!(reason = %hip, "gpu-arena: backend=auto: hip unavailable, using sim");
+                        Ok(Arc::new(SimBackend::new(self.sim.clone())?))
+                    }
                 }
-                Err(e) => {
-                    tracing::info!(reason = %e, "gpu-arena: backend=auto: cuda unavailable, using sim");
-                    Ok(Arc::new(SimBackend::new(self.sim.clone())?))
-                }
-            },
+            }
         }
     }
 
@@ -228,6 +236,18 @@ fn open_cuda() -> Result<Arc<dyn Backend>> {
 fn open_cuda() -> Result<Arc<dyn Backend>> {
     Err(Error::Unavailable(
         "gpu-arena was built without the `cuda` feature".into(),
+    ))
+}
+
+#[cfg(feature = "hip")]
+fn open_hip() -> Result<Arc<dyn Backend>> {
+    Ok(Arc::new(crate::backend::hip::HipBackend::new()?))
+}
+
+#[cfg(not(feature = "hip"))]
+fn open_hip() -> Result<Arc<dyn Backend>> {
+    Err(Error::Unavailable(
+        "gpu-arena was built without the `hip` feature".into(),
     ))
 }
 

@@ -330,7 +330,7 @@ impl Pool {
         if let Some(k) = st.shares.probed_kind.get() {
             return Ok(*k);
         }
-        let kind = parking_lot::MutexGuard::unlocked(st, || self.probe_export(dp.device))?;
+        let kind = parking_lot::MutexGuard::unlocked(st, || self.probe_export(dp))?;
         tracing::info!(
             device = dp.device,
             backend = self.backend.name(),
@@ -342,29 +342,35 @@ impl Pool {
 
     /// The self-test, twice when the first run says "pinning": another process allocating
     /// at the same moment must not make gpu-arena stop freeing memory for good.
-    fn probe_export(&self, device: DeviceId) -> Result<ExportKind> {
-        match self.probe_export_once(device)? {
+    fn probe_export(&self, dp: &DevicePool) -> Result<ExportKind> {
+        match self.probe_export_once(dp)? {
             ExportKind::Releasable => Ok(ExportKind::Releasable),
-            ExportKind::Pinning => self.probe_export_once(device),
+            ExportKind::Pinning => self.probe_export_once(dp),
         }
     }
 
     /// Create, export, close, destroy one granule and compare free memory before and after.
-    fn probe_export_once(&self, device: DeviceId) -> Result<ExportKind> {
+    fn probe_export_once(&self, dp: &DevicePool) -> Result<ExportKind> {
+        let device = dp.device;
         let b = self.backend.as_ref();
+        // A granule whose destroy fails is kept for the next empty_cache (never lost).
+        let destroy = |mem: ArenaMem| -> Result<()> {
+            b.destroy_arena(mem.clone())
+                .inspect_err(|_| dp.state.lock().orphans.push(mem))
+        };
         let gran = b.granularity(device)?;
         let before = b.mem_info(device)?.free;
         let mem = b.create_arena(device, gran)?;
         let export = match b.export(&mem) {
             Ok(e) => e,
             Err(e) => {
-                let _ = b.destroy_arena(mem);
+                let _ = destroy(mem);
                 return Err(e);
             }
         };
         let declared = export.kind;
         let closed = b.close_export(&mem, export);
-        b.destroy_arena(mem)?;
+        destroy(mem)?;
         closed?;
         let after = b.mem_info(device)?.free;
         // Another process may allocate meanwhile; half a granule of slack tells "our granule
@@ -496,7 +502,7 @@ impl Pool {
     pub(crate) fn drop_all_arenas(&mut self) {
         for dp in &mut self.devices {
             let st = dp.state.get_mut();
-            if st.arenas.is_empty() {
+            if st.arenas.is_empty() && st.orphans.is_empty() {
                 continue;
             }
             if let Err(e) = self.backend.synchronize(dp.device) {
@@ -513,6 +519,11 @@ impl Pool {
                 }
                 if let Err(e) = self.backend.destroy_arena(a.mem) {
                     tracing::error!(error = %e, "destroying an arena at teardown failed");
+                }
+            }
+            for mem in std::mem::take(&mut st.orphans) {
+                if let Err(e) = self.backend.destroy_arena(mem) {
+                    tracing::error!(error = %e, "destroying an arena at teardown failed (twice)");
                 }
             }
         }

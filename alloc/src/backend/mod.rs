@@ -17,6 +17,9 @@ pub mod sim;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+#[cfg(feature = "hip")]
+pub mod hip;
+
 /// A device index as the C API and PyTorch pass it (`int device`).
 pub type DeviceId = i32;
 

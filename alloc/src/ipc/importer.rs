@@ -49,6 +49,8 @@ struct ImporterState {
     arenas: HashMap<ArenaKey, MappedArena>,
     /// Imported pointer -> its imports (the same range can be imported more than once).
     imports: HashMap<u64, Vec<ImportRecord>>,
+    /// Mappings whose unmap failed: retried at the next close and at teardown.
+    stranded: Vec<Mapping>,
 }
 
 /// Counters of an importer.
@@ -165,6 +167,11 @@ impl Importer {
     /// Close one import of `ptr`. The last import of an arena unmaps it.
     pub fn close(&self, ptr: u64) -> Result<()> {
         let mut st = self.state.lock();
+        for m in std::mem::take(&mut st.stranded) {
+            if self.backend.unmap_import(m.clone()).is_err() {
+                st.stranded.push(m);
+            }
+        }
         let rec = match st.imports.get_mut(&ptr) {
             Some(list) => list.pop(),
             None => None,
@@ -208,7 +215,10 @@ impl Importer {
         if last {
             if let Some(a) = st.arenas.remove(&rec.arena) {
                 // Unmapping waits for nothing: the consumer owns the ordering of its work.
-                self.backend.unmap_import(a.mapping)?;
+                if let Err(e) = self.backend.unmap_import(a.mapping.clone()) {
+                    st.stranded.push(a.mapping);
+                    return Err(e);
+                }
             }
             let still_used = st.arenas.keys().any(|k| k.0 == producer);
             if !still_used {
@@ -263,8 +273,9 @@ impl Drop for Importer {
                 "importer dropped with live imports: unmapping them"
             );
         }
-        for (_, a) in st.arenas.drain() {
-            if let Err(e) = self.backend.unmap_import(a.mapping) {
+        let stranded = std::mem::take(&mut st.stranded);
+        for mapping in st.arenas.drain().map(|(_, a)| a.mapping).chain(stranded) {
+            if let Err(e) = self.backend.unmap_import(mapping) {
                 tracing::error!(error = %e, "unmapping an import at teardown failed");
             }
         }

@@ -195,6 +195,8 @@ pub(crate) struct DeviceState {
     next_limbo: u64,
     pub(crate) stats: PoolStats,
     pub(crate) next_arena_id: u64,
+    /// Arenas out of the pool whose destroy failed: retried by `empty_cache` and teardown.
+    pub(crate) orphans: Vec<ArenaMem>,
     /// Shares and leases (share.rs).
     pub(crate) shares: crate::share::ShareTables,
 }
@@ -609,24 +611,31 @@ impl Pool {
 
     /// Synchronize, release completed frees, destroy empty unshared arenas.
     fn release_cached(&self, dp: &DevicePool) -> Result<u64> {
-        if dp.state.lock().arenas.is_empty() {
-            return Ok(0);
+        {
+            let st = dp.state.lock();
+            if st.arenas.is_empty() && st.orphans.is_empty() {
+                return Ok(0);
+            }
         }
         self.backend.synchronize(dp.device)?;
         let doomed = {
             let mut st = dp.state.lock();
             st.settle_all(self.backend.as_ref());
-            st.take_empty_arenas()
+            let mut doomed = std::mem::take(&mut st.orphans);
+            doomed.extend(st.take_empty_arenas());
+            doomed
         };
         let mut released = 0;
         let mut first_err = None;
         for mem in doomed {
             let bytes = mem.bytes;
             dp.metrics.destroys.increment(1);
-            match self.backend.destroy_arena(mem) {
+            match self.backend.destroy_arena(mem.clone()) {
                 Ok(()) => released += bytes,
                 Err(e) => {
-                    tracing::error!(error = %e, "destroy_arena failed; the arena is lost");
+                    // Kept, and tried again by the next empty_cache and at teardown.
+                    tracing::error!(error = %e, "destroy_arena failed; will retry");
+                    dp.state.lock().orphans.push(mem);
                     first_err.get_or_insert(e);
                 }
             }
