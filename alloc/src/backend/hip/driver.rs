@@ -121,7 +121,11 @@ fn error_name(result: sys::hipError_t) -> Option<String> {
         return None;
     }
     // SAFETY: a non-null result points at a static NUL-terminated string.
-    Some(unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned())
+    Some(
+        unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned(),
+    )
 }
 
 /// `hipGetErrorString`.
@@ -132,7 +136,11 @@ fn error_string(result: sys::hipError_t) -> Option<String> {
         return None;
     }
     // SAFETY: a non-null result points at a static NUL-terminated string.
-    Some(unsafe { CStr::from_ptr(text) }.to_string_lossy().into_owned())
+    Some(
+        unsafe { CStr::from_ptr(text) }
+            .to_string_lossy()
+            .into_owned(),
+    )
 }
 
 /// `hipInit(0)`. Without an AMD GPU ROCm 5.2 answers `hipErrorInvalidDevice`.
@@ -230,7 +238,9 @@ impl Drop for DeviceGuard {
 /// `hipDeviceSynchronize` on the current device (set one first).
 pub(super) fn device_synchronize() -> Result<(), HipError> {
     // SAFETY: no arguments; waits for the current device's work.
-    check("hipDeviceSynchronize", unsafe { sys::hipDeviceSynchronize() })
+    check("hipDeviceSynchronize", unsafe {
+        sys::hipDeviceSynchronize()
+    })
 }
 
 /// `hipMemGetInfo`: (free, total) bytes of the current device.
@@ -311,7 +321,9 @@ pub(super) fn mem_create(bytes: usize, prop: &sys::hipMemAllocationProp) -> Resu
 /// [`mem_import_fd`]), released once.
 pub(super) unsafe fn mem_release(handle: u64) -> Result<(), HipError> {
     // SAFETY: the caller gives back a handle it owns, once.
-    check("hipMemRelease", unsafe { sys::hipMemRelease(handle_ptr(handle)) })
+    check("hipMemRelease", unsafe {
+        sys::hipMemRelease(handle_ptr(handle))
+    })
 }
 
 /// `hipMemAddressReserve`: `bytes` of device virtual address space aligned to `alignment`.
@@ -355,7 +367,9 @@ pub(super) unsafe fn mem_map(base: u64, bytes: usize, handle: u64) -> Result<(),
 /// device work uses any more (the caller synchronized).
 pub(super) unsafe fn mem_unmap(base: u64, bytes: usize) -> Result<(), HipError> {
     // SAFETY: the caller unmaps its own mapping, no longer in use.
-    check("hipMemUnmap", unsafe { sys::hipMemUnmap(dptr(base), bytes) })
+    check("hipMemUnmap", unsafe {
+        sys::hipMemUnmap(dptr(base), bytes)
+    })
 }
 
 /// `hipMemSetAccess`: read-write access from device `ordinal`.
@@ -571,5 +585,7 @@ pub(super) unsafe fn memcpy_dtoh(dst: &mut [u8], src: u64) -> Result<(), HipErro
 /// concurrently (and not host memory that Rust code owns).
 pub(super) unsafe fn memset_d8(dst: u64, value: u8, bytes: usize) -> Result<(), HipError> {
     // SAFETY: the caller guarantees the destination range.
-    check("hipMemsetD8", unsafe { sys::hipMemsetD8(dptr(dst), value, bytes) })
+    check("hipMemsetD8", unsafe {
+        sys::hipMemsetD8(dptr(dst), value, bytes)
+    })
 }

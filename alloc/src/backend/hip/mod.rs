@@ -293,7 +293,10 @@ impl HipBackend {
             vmm: false,
         };
         if self.legacy_ipc {
-            tracing::info!(device, "hip: legacy IPC asked for: hipMalloc arenas, pinning hipIpc exports");
+            tracing::info!(
+                device,
+                "hip: legacy IPC asked for: hipMalloc arenas, pinning hipIpc exports"
+            );
             return Ok(legacy);
         }
         if self.runtime_version >= driver::MIN_RUNTIME_FOR_VMM_ATTRIBUTE {
@@ -303,7 +306,10 @@ impl HipBackend {
             )
             .map_err(|e| e.into_error(device, 0))?;
             if supported == 0 {
-                tracing::info!(device, "hip: device lacks VMM: legacy IPC (hipMalloc arenas, pinning hipIpc exports)");
+                tracing::info!(
+                    device,
+                    "hip: device lacks VMM: legacy IPC (hipMalloc arenas, pinning hipIpc exports)"
+                );
                 return Ok(legacy);
             }
         }
@@ -662,9 +668,7 @@ impl Backend for HipBackend {
     fn unmap_import(&self, mapping: Mapping) -> Result<()> {
         let region = self.take_region(
             mapping.base,
-            |r| {
-                r.device == mapping.device && r.bytes == mapping.bytes && !Self::is_arena(r.kind)
-            },
+            |r| r.device == mapping.device && r.bytes == mapping.bytes && !Self::is_arena(r.kind),
             "import mapping",
         )?;
         self.teardown(mapping.base, region)?;

@@ -1,0 +1,408 @@
+//! The HIP backend against the real libamdhip64.
+//!
+//! Two tests run everywhere the `hip` feature builds (libamdhip64 loaded, as in CI): without
+//! an AMD GPU, `HipBackend::new()` returns `Error::Unavailable` ("no HIP device") instead of
+//! panicking, and `backend=auto` falls back to sim. Every other test needs an AMD GPU and is
+//! ignored by default; run them one at a time (they compare device free memory with a
+//! baseline). None of them has been run on an AMD GPU yet (README, "ROCm"):
+//!
+//! ```text
+//! HIP_PATH=/opt/rocm cargo test -p gpu-arena --features hip --test hip_backend -- --ignored --test-threads=1
+//! ```
+#![cfg(feature = "hip")]
+
+use std::os::fd::AsFd;
+use std::sync::{Mutex, MutexGuard};
+
+use gpu_arena::backend::hip::HipBackend;
+use gpu_arena::backend::{
+    ArenaMem, Backend, Event, ExportKind, ExportPayload, ImportSource, Mapping, StreamId,
+};
+use gpu_arena::{Config, Error};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+/// "Nothing held": free memory within this of the baseline.
+const SLACK: u64 = 2 * MIB;
+
+/// GPU tests compare free memory with a baseline: they run one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn backend() -> HipBackend {
+    HipBackend::new().expect("needs an AMD GPU: HipBackend::new() failed")
+}
+
+fn free(b: &HipBackend) -> u64 {
+    b.mem_info(0).expect("mem_info").free
+}
+
+/// Free memory is back to `baseline` (within the slack).
+fn assert_back(b: &HipBackend, baseline: u64, what: &str) {
+    let now = free(b);
+    assert!(
+        now + SLACK >= baseline && now <= baseline + SLACK,
+        "{what}: free {now} is not within {SLACK} bytes of the baseline {baseline}"
+    );
+}
+
+/// At least `bytes` (less slack) are held compared with `baseline`.
+fn assert_held(b: &HipBackend, baseline: u64, bytes: u64, what: &str) {
+    let now = free(b);
+    assert!(
+        now + bytes <= baseline + SLACK,
+        "{what}: free {now} should be at least {bytes} bytes below the baseline {baseline}"
+    );
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+#[test]
+fn new_errors_instead_of_panicking_without_a_gpu() {
+    match HipBackend::new() {
+        Ok(b) => {
+            assert!(b.device_count().expect("device_count") > 0);
+            assert!(HipBackend::is_available());
+            assert_eq!(b.name(), "hip");
+            eprintln!("an AMD GPU is here: HIP runtime {}", b.runtime_version());
+        }
+        Err(e) => {
+            match &e {
+                Error::Unavailable(why) => assert!(
+                    why.contains("no HIP device"),
+                    "the reason should say \"no HIP device\": {why}"
+                ),
+                other => panic!("expected Unavailable, got {other:?}"),
+            }
+            assert!(!HipBackend::is_available());
+            eprintln!("no AMD GPU here, as expected on CI: {e}");
+        }
+    }
+}
+
+#[test]
+fn auto_falls_back_to_sim_without_a_gpu() {
+    let config = Config::parse("backend=auto").expect("parse");
+    let backend = config
+        .open_backend()
+        .expect("backend=auto always opens something");
+    if HipBackend::is_available() {
+        assert_ne!(
+            backend.name(),
+            "sim",
+            "a GPU is here: auto should not pick sim"
+        );
+    } else if backend.name() != "cuda" {
+        assert_eq!(backend.name(), "sim");
+    }
+    // backend=hip itself reports the reason instead of falling back.
+    let hip = Config::parse("backend=hip").expect("parse").open_backend();
+    if !HipBackend::is_available() {
+        match hip {
+            Err(Error::Unavailable(why)) => assert!(why.contains("no HIP device"), "{why}"),
+            other => panic!("backend=hip without a GPU should be Unavailable, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an AMD GPU"]
+fn reports_runtime_and_granularity() {
+    let _serial = serial();
+    let b = backend();
+    let g = b.granularity(0).expect("granularity");
+    let info = b.mem_info(0).expect("mem_info");
+    eprintln!(
+        "runtime {}, {} device(s), granularity {g}, legacy IPC {}, free {} / total {}",
+        b.runtime_version(),
+        b.device_count().expect("device_count"),
+        b.uses_legacy_ipc(0).expect("legacy?"),
+        info.free,
+        info.total
+    );
+    assert!(g > 0 && g.is_power_of_two());
+    assert!(info.total > 0 && info.free <= info.total);
+}
+
+#[test]
+#[ignore = "needs an AMD GPU"]
+fn create_destroy_returns_memory() {
+    let _serial = serial();
+    let b = backend();
+    let baseline = free(&b);
+    let arena = b.create_arena(0, GIB).expect("create 1 GiB");
+    assert_eq!((arena.device, arena.bytes), (0, GIB));
+    assert_ne!(arena.base, 0);
+    assert_held(&b, baseline, GIB, "after create");
+    b.synchronize(0).expect("synchronize");
+    b.destroy_arena(arena).expect("destroy");
+    assert_back(&b, baseline, "after destroy");
+
+    let g = b.granularity(0).expect("granularity");
+    let arenas: Vec<ArenaMem> = [1, 2, 7, 64]
+        .iter()
+        .map(|&k| b.create_arena(0, k * g).expect("create"))
+        .collect();
+    for a in arenas {
+        b.destroy_arena(a).expect("destroy");
+    }
+    assert_back(&b, baseline, "after several");
+}
+
+#[test]
+#[ignore = "needs an AMD GPU"]
+fn write_and_read_through_an_arena() {
+    let _serial = serial();
+    let b = backend();
+    let g = b.granularity(0).expect("granularity");
+    let arena = b.create_arena(0, 4 * g).expect("create");
+    let data = pattern((4 * g) as usize, 7);
+    b.memcpy_htod(arena.base, &data).expect("htod");
+    let mut back = vec![0u8; data.len()];
+    b.memcpy_dtoh(&mut back, arena.base).expect("dtoh");
+    assert!(back == data, "read back differs from what was written");
+    b.synchronize(0).expect("synchronize");
+    b.destroy_arena(arena).expect("destroy");
+}
+
+#[test]
+#[ignore = "needs an AMD GPU"]
+fn open_export_holds_memory_after_destroy_until_closed() {
+    let _serial = serial();
+    let b = backend();
+    if b.uses_legacy_ipc(0).expect("legacy?") {
+        eprintln!("device 0 uses legacy IPC: see legacy_export_is_pinning_bytes");
+        return;
+    }
+    let baseline = free(&b);
+    let arena = b.create_arena(0, GIB).expect("create 1 GiB");
+    let export = b.export(&arena).expect("export");
+    assert!(export.fd().is_some());
+    assert_eq!(export.kind, ExportKind::Releasable);
+    let keep = arena.clone();
+    b.synchronize(0).expect("synchronize");
+    b.destroy_arena(arena).expect("destroy");
+    assert_held(&b, baseline, GIB, "destroyed, export fd still open");
+    b.close_export(&keep, export).expect("close export");
+    assert_back(&b, baseline, "after closing the export fd");
+}
+
+#[test]
+#[ignore = "needs an AMD GPU"]
+fn in_process_import_sees_the_same_memory() {
+    let _serial = serial();
+    let b = backend();
+    if b.uses_legacy_ipc(0).expect("legacy?") {
+        eprintln!("device 0 uses legacy IPC: hipIpcOpenMemHandle refuses same-process handles");
+        return;
+    }
+    let baseline = free(&b);
+    let g = b.granularity(0).expect("granularity");
+    let bytes = 8 * g;
+    let arena = b.create_arena(0, bytes).expect("create");
+    let export = b.export(&arena).expect("export");
+    let fd = export.fd().expect("fd export");
+    let mapping = b.import(0, ImportSource::Fd(fd), bytes).expect("import");
+    assert_eq!((mapping.device, mapping.bytes), (0, bytes));
+    assert_ne!(
+        mapping.base, arena.base,
+        "an import gets its own address range"
+    );
+
+    let data = pattern(bytes as usize, 3);
+    b.memcpy_htod(arena.base, &data).expect("htod arena");
+    let mut back = vec![0u8; data.len()];
+    b.memcpy_dtoh(&mut back, mapping.base)
+        .expect("dtoh mapping");
+    assert!(
+        back == data,
+        "the mapping does not see what the arena wrote"
+    );
+
+    b.synchronize(0).expect("synchronize");
+    b.unmap_import(mapping).expect("unmap import");
+    b.close_export(&arena, export).expect("close");
+    b.destroy_arena(arena).expect("destroy");
+    assert_back(&b, baseline, "after unmap, close and destroy");
+}
+
+#[test]
+#[ignore = "needs an AMD GPU"]
+fn importer_mapping_holds_memory_until_unmapped() {
+    let _serial = serial();
+    let b = backend();
+    if b.uses_legacy_ipc(0).expect("legacy?") {
+        return;
+    }
+    let baseline = free(&b);
+    let arena = b.create_arena(0, GIB).expect("create 1 GiB");
+    b.memset_d8(arena.base, 0x42, MIB).expect("memset");
+    let export = b.export(&arena).expect("export");
+    let mapping = b
+        .import(0, ImportSource::Fd(export.fd().expect("fd")), GIB)
+        .expect("import");
+    let keep = arena.clone();
+    b.synchronize(0).expect("synchronize");
+    b.destroy_arena(arena).expect("destroy");
+    b.close_export(&keep, export).expect("close");
+    assert_held(&b, baseline, GIB, "exporter done, importer still mapped");
+    let mut part = vec![0u8; MIB as usize];
+    b.memcpy_dtoh(&mut part, mapping.base)
+        .expect("dtoh through the import");
+    assert!(part.iter().all(|&x| x == 0x42));
+    b.unmap_import(mapping).expect("unmap");
+    assert_back(&b, baseline, "after the importer unmapped");
+}
+
+#[test]
+#[ignore = "needs an AMD GPU"]
+fn legacy_export_is_pinning_bytes() {
+    let _serial = serial();
+    let b = backend().with_legacy_ipc(true);
+    assert!(b.uses_legacy_ipc(0).expect("legacy?"));
+    let g = b.granularity(0).expect("granularity");
+    let arena = b.create_arena(0, 4 * g).expect("create");
+    let export = b.export(&arena).expect("export");
+    assert_eq!(export.kind, ExportKind::Pinning);
+    match &export.payload {
+        ExportPayload::Bytes(bytes) => assert_eq!(bytes.len(), 64),
+        ExportPayload::Fd(_) => panic!("a legacy export should be bytes"),
+    }
+    assert!(export.fd().is_none());
+    // A handle of the wrong size is refused before the runtime sees it.
+    assert!(matches!(
+        b.import(0, ImportSource::Bytes(&[0; 63]), 4 * g),
+        Err(Error::InvalidArgument(_))
+    ));
+    b.close_export(&arena, export).expect("close");
+    b.synchronize(0).expect("synchronize");
+    b.destroy_arena(arena).expect("destroy");
+}
+
+#[test]
+#[ignore = "needs an AMD GPU"]
+fn events_complete_after_synchronize() {
+    let _serial = serial();
+    let b = backend();
+    let g = b.granularity(0).expect("granularity");
+    let arena = b.create_arena(0, 64 * g).expect("create");
+    b.memset_d8(arena.base, 1, 64 * g).expect("memset");
+    // The null stream (0) and hipStreamPerThread (2).
+    let events: Vec<Event> = [0u64, 2]
+        .iter()
+        .map(|&s| b.record_event(0, StreamId(s)).expect("record"))
+        .collect();
+    b.synchronize(0).expect("synchronize");
+    for e in &events {
+        assert!(
+            b.event_done(e).expect("query"),
+            "event not done after synchronize"
+        );
+    }
+    for e in events {
+        b.destroy_event(e).expect("destroy event");
+    }
+    b.destroy_arena(arena).expect("destroy");
+}
+
+#[test]
+#[ignore = "needs an AMD GPU"]
+fn caller_device_left_unchanged() {
+    let _serial = serial();
+    let b = backend();
+    let before = b.current_device().expect("hipGetDevice");
+    let same = |what: &str| {
+        assert_eq!(
+            b.current_device().expect("hipGetDevice"),
+            before,
+            "{what} changed the current device"
+        );
+    };
+    let last = b.device_count().expect("count") as i32 - 1;
+    let g = b.granularity(last).expect("granularity");
+    same("granularity");
+    b.mem_info(last).expect("mem_info");
+    same("mem_info");
+    let arena = b.create_arena(last, 2 * g).expect("create");
+    same("create_arena");
+    let event = b.record_event(last, StreamId::DEFAULT).expect("record");
+    same("record_event");
+    b.synchronize(last).expect("synchronize");
+    same("synchronize");
+    assert!(b.event_done(&event).expect("query"));
+    b.destroy_event(event).expect("destroy event");
+    same("destroy_event");
+    b.destroy_arena(arena).expect("destroy");
+    same("destroy_arena");
+}
+
+#[test]
+#[ignore = "needs an AMD GPU"]
+fn bad_inputs_are_errors() {
+    let _serial = serial();
+    let b = backend();
+    let g = b.granularity(0).expect("granularity");
+    let count = b.device_count().expect("count");
+    for bytes in [0, 1, g + 1, g / 2] {
+        assert!(
+            matches!(b.create_arena(0, bytes), Err(Error::InvalidArgument(_))),
+            "create_arena({bytes})"
+        );
+    }
+    for device in [-1, count as i32, 1000] {
+        assert!(matches!(
+            b.create_arena(device, g),
+            Err(Error::InvalidDevice { .. })
+        ));
+        assert!(matches!(
+            b.synchronize(device),
+            Err(Error::InvalidDevice { .. })
+        ));
+    }
+    let arena = b.create_arena(0, g).expect("create");
+    let copy = arena.clone();
+    b.destroy_arena(arena).expect("destroy");
+    assert!(matches!(
+        b.destroy_arena(copy.clone()),
+        Err(Error::UnknownPointer { .. })
+    ));
+    assert!(b.export(&copy).is_err(), "export of a destroyed arena");
+
+    if !b.uses_legacy_ipc(0).expect("legacy?") {
+        let arena = b.create_arena(0, g).expect("create");
+        let export = b.export(&arena).expect("export");
+        let mapping = b
+            .import(0, ImportSource::Fd(export.fd().expect("fd")), g)
+            .expect("import");
+        let copy: Mapping = mapping.clone();
+        b.unmap_import(mapping).expect("unmap");
+        assert!(matches!(
+            b.unmap_import(copy),
+            Err(Error::UnknownPointer { .. })
+        ));
+        b.close_export(&arena, export).expect("close");
+        b.destroy_arena(arena).expect("destroy");
+        let not_hip = std::fs::File::open("/dev/null").expect("/dev/null");
+        match b.import(0, ImportSource::Fd(not_hip.as_fd()), g) {
+            Err(Error::Backend { backend, call, .. }) => {
+                assert_eq!((backend, call), ("hip", "hipMemImportFromShareableHandle"));
+            }
+            other => panic!("importing /dev/null should be a Backend error, got {other:?}"),
+        }
+    }
+
+    let event = b.record_event(0, StreamId::DEFAULT).expect("record");
+    let copy = event.clone();
+    b.destroy_event(event).expect("destroy event");
+    assert!(b.event_done(&copy).is_err());
+    assert!(b.destroy_event(copy).is_err());
+}
