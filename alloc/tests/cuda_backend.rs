@@ -10,6 +10,8 @@
 //! ```
 #![cfg(feature = "cuda")]
 
+mod contract;
+
 use std::os::fd::AsFd;
 use std::sync::{Mutex, MutexGuard};
 
@@ -493,4 +495,20 @@ fn two_backends_and_drop_clean_up() {
     drop(b); // destroys what was left behind, releases its context retain
     c.destroy_arena(other).expect("destroy");
     assert_back(&c, baseline, "after dropping a backend with a live arena");
+}
+
+#[ignore = "needs a CUDA GPU (run on the H200 with --ignored)"]
+#[test]
+fn meets_the_backend_contract() {
+    let _g = serial();
+    let b = backend();
+    let write = |dst: u64, src: &[u8]| b.memcpy_htod(dst, src).expect("htod");
+    let read = |dst: &mut [u8], src: u64| b.memcpy_dtoh(dst, src).expect("dtoh");
+    contract::Contract {
+        backend: &b,
+        device: 0,
+        write: &write,
+        read: &read,
+    }
+    .run_all();
 }

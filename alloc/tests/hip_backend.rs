@@ -11,6 +11,8 @@
 //! ```
 #![cfg(feature = "hip")]
 
+mod contract;
+
 use std::os::fd::AsFd;
 use std::sync::{Mutex, MutexGuard};
 
@@ -405,4 +407,20 @@ fn bad_inputs_are_errors() {
     b.destroy_event(event).expect("destroy event");
     assert!(b.event_done(&copy).is_err());
     assert!(b.destroy_event(copy).is_err());
+}
+
+#[ignore = "needs an AMD GPU"]
+#[test]
+fn meets_the_backend_contract() {
+    let _g = serial();
+    let b = backend();
+    let write = |dst: u64, src: &[u8]| b.memcpy_htod(dst, src).expect("htod");
+    let read = |dst: &mut [u8], src: u64| b.memcpy_dtoh(dst, src).expect("dtoh");
+    contract::Contract {
+        backend: &b,
+        device: 0,
+        write: &write,
+        read: &read,
+    }
+    .run_all();
 }
