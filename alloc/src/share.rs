@@ -272,6 +272,9 @@ impl Pool {
         st: &mut parking_lot::MutexGuard<'_, DeviceState>,
         arena: usize,
     ) -> Result<()> {
+        // The self-test may release the lock (on a device's first share): run it before
+        // looking at the state, so the Private -> Exporting step below stays atomic.
+        let probed = self.export_semantics_locked(dp, st)?;
         loop {
             match st.arenas[arena].lifetime.state {
                 ExportState::Exported(_) => return Ok(()),
@@ -281,7 +284,6 @@ impl Pool {
                 ExportState::Private => break,
             }
         }
-        let probed = self.export_semantics_locked(dp, st)?;
         st.arenas[arena].lifetime.state = ExportState::Exporting;
         let mem = st.arenas[arena].mem.clone();
         let result = parking_lot::MutexGuard::unlocked(st, || self.backend.export(&mem));
