@@ -11,7 +11,7 @@
 //!   is closed, so a peer that connects and never speaks does not keep a thread forever.
 //! - Malformed requests get an error reply; they never take the broker down.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -259,11 +259,11 @@ fn accept_loop(shared: &Arc<Shared>, listener: &OwnedFd) {
                 "uid {peer_uid} is not allowed by this producer (uid {})",
                 shared.own_uid
             );
-            refuse(&conn, &msg);
+            refuse(conn, msg);
             continue;
         }
         if shared.conns.lock().len() >= shared.config.max_connections {
-            refuse(&conn, "too many connections");
+            refuse(conn, "too many connections".into());
             continue;
         }
         let conn = Arc::new(conn);
@@ -296,19 +296,38 @@ fn accept_loop(shared: &Arc<Shared>, listener: &OwnedFd) {
     }
 }
 
-/// Tell a peer why it is refused, then hang up. The peer's first request is read (briefly
-/// waited for) before closing: closing a Unix socket with unread data makes the peer see a
-/// reset instead of our reply.
-fn refuse(conn: &OwnedFd, why: &str) {
-    let _ = wire::send(conn.as_fd(), &Reply::error(why).encode(), None);
-    if wire::set_recv_timeout(conn, Duration::from_millis(200)).is_ok() {
-        let _ = wire::recv(conn.as_fd());
+/// Refusals being answered right now (each on a short-lived thread).
+static REFUSING: AtomicU64 = AtomicU64::new(0);
+/// Beyond this many at once, refused peers are hung up on without a reason.
+const MAX_REFUSING: u64 = 32;
+
+/// Tell a peer why it is refused, then hang up, off the accept thread. The peer's first
+/// request is read (briefly waited for) before closing: closing a Unix socket with unread
+/// data makes the peer see a reset instead of our reply. Past [`MAX_REFUSING`] concurrent
+/// refusals (a flood) the peer is closed at once.
+fn refuse(conn: OwnedFd, why: String) {
+    if REFUSING.fetch_add(1, Ordering::SeqCst) >= MAX_REFUSING {
+        REFUSING.fetch_sub(1, Ordering::SeqCst);
+        return;
+    }
+    let spawned = std::thread::Builder::new()
+        .name("gpu-arena-refuse".into())
+        .spawn(move || {
+            let _ = wire::send(conn.as_fd(), &Reply::error(why).encode(), None);
+            if wire::set_recv_timeout(&conn, Duration::from_millis(200)).is_ok() {
+                let _ = wire::recv(conn.as_fd());
+            }
+            REFUSING.fetch_sub(1, Ordering::SeqCst);
+        });
+    if spawned.is_err() {
+        REFUSING.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
 /// Serve one consumer until it disconnects; then close every lease it still holds.
 fn serve(shared: &Shared, conn: &OwnedFd) {
-    let mut leases: HashMap<u32, DeviceId> = HashMap::new();
+    // Lease keys are numbered per device: key the set by both.
+    let mut leases: HashSet<(DeviceId, u32)> = HashSet::new();
     let tick = shared
         .config
         .idle_timeout
@@ -351,7 +370,7 @@ fn serve(shared: &Shared, conn: &OwnedFd) {
         }
     }
     let dropped = leases.len() as u64;
-    for (lease, device) in leases {
+    for (device, lease) in leases {
         if let Err(e) = shared.pool.close_lease(device, lease) {
             tracing::error!(error = %e, "closing a lease of a departed consumer failed");
         }
@@ -371,7 +390,7 @@ fn serve(shared: &Shared, conn: &OwnedFd) {
 fn handle(
     shared: &Shared,
     req: &Request,
-    leases: &mut HashMap<u32, DeviceId>,
+    leases: &mut HashSet<(DeviceId, u32)>,
 ) -> (Reply, Option<OwnedFd>) {
     match req.op {
         Op::Open => match shared.pool.open_lease(req.device, req.key, &req.token) {
@@ -383,7 +402,7 @@ fn handle(
                 )
             }
             Ok(grant) => {
-                leases.insert(grant.lease_key, req.device);
+                leases.insert((req.device, grant.lease_key));
                 let reply = Reply {
                     ok: true,
                     pinning: grant.kind == crate::backend::ExportKind::Pinning,
@@ -396,7 +415,7 @@ fn handle(
             Err(e) => (Reply::error(e.to_string()), None),
         },
         Op::Close => {
-            if leases.get(&req.key) != Some(&req.device) {
+            if !leases.contains(&(req.device, req.key)) {
                 return (
                     Reply::error(format!("lease {} is not held by this connection", req.key)),
                     None,
@@ -404,7 +423,7 @@ fn handle(
             }
             match shared.pool.close_lease(req.device, req.key) {
                 Ok(()) => {
-                    leases.remove(&req.key);
+                    leases.remove(&(req.device, req.key));
                     (
                         Reply {
                             ok: true,

@@ -90,10 +90,23 @@ impl Importer {
                 count,
             });
         }
+        // The fields are public: a handle built in code skips from_bytes's checks.
+        let in_bounds = info.len > 0
+            && info
+                .offset
+                .checked_add(info.len)
+                .is_some_and(|end| end <= info.arena_bytes);
+        if !in_bounds {
+            return Err(Error::Ipc(format!(
+                "share handle range [{}, +{}) lies outside its {}-byte arena",
+                info.offset, info.len, info.arena_bytes
+            )));
+        }
         let producer: ProducerKey = (handle.producer_pid, handle.socket_name.clone());
         let arena_key: ArenaKey = (producer.clone(), info.device, info.arena_id);
         let mut st = self.state.lock();
-        if !st.conns.contains_key(&producer) {
+        let fresh = !st.conns.contains_key(&producer);
+        if fresh {
             let conn = connect(handle)?;
             st.conns.insert(producer.clone(), conn);
         }
@@ -114,6 +127,11 @@ impl Importer {
             st.conns.remove(&producer);
         })?;
         if !reply.ok {
+            // A broker that refuses a new peer (uid, connection cap) hangs up: do not keep
+            // that socket, the next import connects again.
+            if fresh {
+                st.conns.remove(&producer);
+            }
             return Err(Error::Ipc(format!(
                 "producer pid {} refused the import: {}",
                 handle.producer_pid, reply.message
