@@ -250,6 +250,40 @@ impl RangeAllocator {
         Ok(len)
     }
 
+    /// Free many allocations under one `tag` at once: the same result as freeing them one
+    /// by one, cheaper when they are neighbours (a run of adjacent allocations becomes one
+    /// free range with one index update). Offsets that are not allocated are skipped and
+    /// returned. `offsets` is sorted in place.
+    pub fn free_many(&mut self, offsets: &mut [u64], tag: u64) -> Vec<u64> {
+        offsets.sort_unstable();
+        let mut skipped = Vec::new();
+        let mut run: Option<(u64, u64)> = None; // (start, len) of the current run
+        for &off in offsets.iter() {
+            let Some(len) = self.allocated_len(off) else {
+                skipped.push(off);
+                continue;
+            };
+            self.blocks.remove(&off);
+            self.used_bytes -= len;
+            self.used_ranges -= 1;
+            run = match run {
+                // Extend the run unless `off` starts a region (runs never cross regions).
+                Some((start, rlen)) if start + rlen == off && !self.regions.contains_key(&off) => {
+                    Some((start, rlen + len))
+                }
+                Some((start, rlen)) => {
+                    self.insert_free(start, rlen, tag);
+                    Some((off, len))
+                }
+                None => Some((off, len)),
+            };
+        }
+        if let Some((start, rlen)) = run {
+            self.insert_free(start, rlen, tag);
+        }
+        skipped
+    }
+
     /// Move every free range tagged `from` to `to`, merging where that joins neighbours.
     /// Returns the number of bytes moved.
     pub fn retag(&mut self, from: u64, to: u64) -> u64 {

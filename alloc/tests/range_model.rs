@@ -13,11 +13,30 @@ use std::collections::BTreeMap;
 
 #[derive(Debug, Clone)]
 enum Op {
-    AddRegion { slot: u8, granules: u16 },
-    RemoveRegion { slot: u8 },
-    Alloc { granules: u16, tag: u8 },
-    Free { pick: u16, tag: u8 },
-    Retag { from: u8, to: u8 },
+    AddRegion {
+        slot: u8,
+        granules: u16,
+    },
+    RemoveRegion {
+        slot: u8,
+    },
+    Alloc {
+        granules: u16,
+        tag: u8,
+    },
+    Free {
+        pick: u16,
+        tag: u8,
+    },
+    FreeMany {
+        picks: Vec<u16>,
+        bogus: bool,
+        tag: u8,
+    },
+    Retag {
+        from: u8,
+        to: u8,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -26,6 +45,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..6).prop_map(|slot| Op::RemoveRegion { slot }),
         8 => (1u16..600, 0u8..3).prop_map(|(granules, tag)| Op::Alloc { granules, tag }),
         6 => (any::<u16>(), 0u8..3).prop_map(|(pick, tag)| Op::Free { pick, tag }),
+        2 => (prop::collection::vec(any::<u16>(), 0..12), any::<bool>(), 0u8..3)
+            .prop_map(|(picks, bogus, tag)| Op::FreeMany { picks, bogus, tag }),
         1 => (0u8..3, 0u8..3).prop_map(|(from, to)| Op::Retag { from, to }),
     ]
 }
@@ -86,6 +107,24 @@ proptest! {
                         prop_assert_eq!(r.free(off, tag as u64), Ok(len));
                         live.remove(&off);
                         prop_assert!(r.free(off, tag as u64).is_err(), "double free");
+                    }
+                }
+                Op::FreeMany { picks, bogus, tag } => {
+                    // Against the one-by-one result on a copy.
+                    let keys: Vec<u64> = live.keys().copied().collect();
+                    let mut chosen: Vec<u64> = if keys.is_empty() { Vec::new() } else {
+                        picks.iter().map(|p| keys[*p as usize % keys.len()]).collect()
+                    };
+                    chosen.sort_unstable();
+                    chosen.dedup();
+                    if bogus { chosen.push(GRANULE * 3 + 7 * SLOT); }
+                    let mut one_by_one = r.clone();
+                    for &o in &chosen { let _ = one_by_one.free(o, tag as u64); }
+                    let mut offs = chosen.clone();
+                    let skipped = r.free_many(&mut offs, tag as u64);
+                    prop_assert_eq!(&r, &one_by_one);
+                    for o in &chosen {
+                        if live.remove(o).is_none() { prop_assert!(skipped.contains(o)); }
                     }
                 }
                 Op::Retag { from, to } => { r.retag(from as u64, to as u64); }

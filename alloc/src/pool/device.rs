@@ -209,11 +209,21 @@ impl DeviceState {
 
     /// Return every cached block to the sub-allocator, tagged with its stream.
     pub(super) fn flush_cache(&mut self) {
+        if self.cached_bytes == 0 {
+            return;
+        }
+        // Per stream, in one sorted pass: neighbouring cached blocks (a finished sequence's
+        // KV blocks often are) merge before touching the free index.
+        let mut by_stream: HashMap<u64, Vec<u64>> = HashMap::new();
         for ((stream, _len), blocks) in self.cache.drain() {
-            for (ptr, _) in blocks {
-                if let Err(e) = self.ranges.free(ptr, stream) {
-                    tracing::error!(error = %e, "flushing a cached block failed");
-                }
+            by_stream
+                .entry(stream)
+                .or_default()
+                .extend(blocks.into_iter().map(|(ptr, _)| ptr));
+        }
+        for (stream, mut ptrs) in by_stream {
+            for ptr in self.ranges.free_many(&mut ptrs, stream) {
+                tracing::error!(ptr, "flushing a cached block failed: not allocated");
             }
         }
         self.cached_bytes = 0;
