@@ -124,7 +124,11 @@ impl Importer {
             None => Err(Error::Internal("connection vanished".into())),
         }
         .inspect_err(|_| {
-            st.conns.remove(&producer);
+            // Dropping the connection ends every lease on it at the broker: only when no
+            // import of this producer is live (their memory must stay reserved there).
+            if !st.arenas.keys().any(|k| k.0 == producer) {
+                st.conns.remove(&producer);
+            }
         })?;
         if !reply.ok {
             // A broker that refuses a new peer (uid, connection cap) hangs up: do not keep
@@ -211,15 +215,22 @@ impl Importer {
             arena_id: rec.arena.2,
             token: [0; 16],
         };
+        let mut refused = None;
         if let Some(conn) = st.conns.get(&producer) {
             match round_trip(conn, &req) {
                 Ok((reply, _)) if !reply.ok => {
                     tracing::warn!(message = %reply.message, "producer refused a lease close");
+                    refused = Some(reply.message);
                 }
                 Ok(_) => {}
                 Err(e) => {
-                    tracing::debug!(error = %e, "producer unreachable at close; dropping the connection");
-                    st.conns.remove(&producer);
+                    // A producer that exited (or hung up) released its side already; once
+                    // no import of it is live, the connection goes.
+                    tracing::debug!(error = %e, "producer unreachable at close");
+                    let others = st.imports.values().flatten().any(|r| r.arena.0 == producer);
+                    if !others {
+                        st.conns.remove(&producer);
+                    }
                 }
             }
         }
@@ -243,7 +254,14 @@ impl Importer {
                 st.conns.remove(&producer);
             }
         }
-        Ok(())
+        match refused {
+            // Closed here (unmapped if it was the last import); the producer disagrees.
+            Some(why) => Err(Error::Ipc(format!(
+                "import closed locally, but producer pid {} refused the lease close: {why}",
+                producer.0
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// The length of the most recent import of `ptr`, if it is imported.
