@@ -50,7 +50,7 @@ impl DeviceState {
         // they move to its limbo tag (which it may still use) and, once its event completed,
         // to `ANY_STREAM`, where they merge with neighbouring free ranges of other streams.
         // (Skipping them left small free ranges of two tags side by side, unmergeable.)
-        self.settle(backend, device, None);
+        self.settle(backend, device);
         self.ranges
             .alloc(len, stream.0)
             .or_else(|| self.ranges.alloc(len, ANY_STREAM))
@@ -61,13 +61,13 @@ impl DeviceState {
     }
 
     /// Poll pending frees and per-stream events (recording events where none is pending);
-    /// ranges whose streams are done become reusable by any stream. `skip`: a tag to leave.
-    pub(super) fn settle(&mut self, backend: &dyn Backend, device: DeviceId, skip: Option<u64>) {
+    /// ranges whose streams are done become reusable by any stream.
+    pub(super) fn settle(&mut self, backend: &dyn Backend, device: DeviceId) {
         self.poll_pending(backend);
         // Streams with free ranges and no event yet: record one, and move exactly the ranges
         // it covers (those freed so far) to a limbo tag of their own.
         for (tag, _) in self.ranges.free_tags() {
-            if tag >= LIMBO_BASE || Some(tag) == skip || self.stream_events.contains_key(&tag) {
+            if tag >= LIMBO_BASE || self.stream_events.contains_key(&tag) {
                 continue;
             }
             match backend.record_event(device, StreamId(tag)) {
