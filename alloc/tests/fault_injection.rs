@@ -3,6 +3,9 @@
 //! validates, and once everything is dropped the sim ledger holds nothing and no fd leaked.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+use common::fd_count;
+
 use std::sync::Arc;
 
 use gpu_arena::backend::sim::{SimBackend, SimCall, SimConfig};
@@ -11,10 +14,6 @@ use gpu_arena::ipc::{Broker, BrokerConfig, Importer};
 use gpu_arena::{Pool, PoolConfig, StreamId};
 
 const MIB: u64 = 1 << 20;
-
-fn fd_count() -> usize {
-    std::fs::read_dir("/proc/self/fd").unwrap().count()
-}
 
 /// The scenario: allocations on two streams, record_stream, a share imported in-process,
 /// frees while shared, unshare, close, empty_cache. Returns how many steps failed.

@@ -16,6 +16,9 @@
 //! Child processes are this test binary run again with `GPU_ARENA_SEC_CHILD` set.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+use common::{fd_count, hex, unhex, wait_until};
+
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -41,33 +44,6 @@ const S: StreamId = StreamId(7);
 /// Every test here takes this lock: some count the process's fds, and every test opens
 /// sockets, so none may overlap another.
 static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
-
-fn fd_count() -> usize {
-    std::fs::read_dir("/proc/self/fd").unwrap().count()
-}
-
-fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) -> Duration {
-    let t = Instant::now();
-    while !cond() {
-        assert!(
-            t.elapsed() < limit,
-            "{what} did not happen within {limit:?}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    t.elapsed()
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
-}
 
 struct Producer {
     sim: Arc<SimBackend>,

@@ -5,10 +5,13 @@
 //! test below then plays the consumer or producer role and talks over stdin/stdout.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+use common::{fd_count, hex, unhex, wait_until};
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use gpu_arena::backend::sim::{SimBackend, SimCall, SimConfig};
 use gpu_arena::backend::{Backend, ExportKind};
@@ -21,10 +24,6 @@ const S: StreamId = StreamId(7);
 
 /// fd counts are per process: tests that count them must not overlap.
 static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
-
-fn fd_count() -> usize {
-    std::fs::read_dir("/proc/self/fd").unwrap().count()
-}
 
 fn producer(sim: SimConfig, arena_size: u64) -> (Arc<SimBackend>, Arc<Pool>, Broker) {
     let backend = Arc::new(SimBackend::new(sim).unwrap());
@@ -41,17 +40,6 @@ fn producer(sim: SimConfig, arena_size: u64) -> (Arc<SimBackend>, Arc<Pool>, Bro
     );
     let broker = Broker::start(pool.clone(), BrokerConfig::default()).unwrap();
     (backend, pool, broker)
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
 }
 
 fn spawn_child(role: &str) -> (Child, BufReader<std::process::ChildStdout>) {
@@ -79,18 +67,6 @@ fn read_line_starting(out: &mut BufReader<std::process::ChildStdout>, prefix: &s
             return line[at + prefix.len()..].trim().to_string();
         }
     }
-}
-
-fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) -> Duration {
-    let t = Instant::now();
-    while !cond() {
-        assert!(
-            t.elapsed() < limit,
-            "{what} did not happen within {limit:?}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    t.elapsed()
 }
 
 /// The child roles. Does nothing in a normal test run.

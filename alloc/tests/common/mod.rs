@@ -1,0 +1,37 @@
+//! Small helpers shared by the integration tests (each test file uses a subset).
+#![allow(dead_code)]
+
+use std::time::{Duration, Instant};
+
+/// Open fds of this process.
+pub fn fd_count() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .expect("/proc/self/fd")
+        .count()
+}
+
+/// Poll `cond` every 5 ms until it holds; panics after `limit`. Returns the time it took.
+pub fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) -> Duration {
+    let t = Instant::now();
+    while !cond() {
+        assert!(
+            t.elapsed() < limit,
+            "{what} did not happen within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    t.elapsed()
+}
+
+/// Lower-case hex of `b` (share handles travel to child processes this way).
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The bytes of a hex string made by [`hex`].
+pub fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
+        .collect()
+}
