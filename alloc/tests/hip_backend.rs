@@ -10,6 +10,9 @@
 //! HIP_PATH=/opt/rocm cargo test -p gpu-arena --features hip --test hip_backend -- --ignored --test-threads=1
 //! ```
 #![cfg(feature = "hip")]
+// create/destroy, write/read, "an open export holds memory", in-process import and "the
+// importer's mapping holds memory" are the shared backend contract (tests/contract),
+// run by `meets_the_backend_contract` below.
 
 mod contract;
 
@@ -18,14 +21,9 @@ use std::sync::{Mutex, MutexGuard};
 
 use gpu_arena::backend::hip::HipBackend;
 use gpu_arena::backend::{
-    ArenaMem, Backend, Event, ExportKind, ExportPayload, ImportSource, Mapping, StreamId,
+    Backend, Event, ExportKind, ExportPayload, ImportSource, Mapping, StreamId,
 };
 use gpu_arena::{Config, Error};
-
-const MIB: u64 = 1 << 20;
-const GIB: u64 = 1 << 30;
-/// "Nothing held": free memory within this of the baseline.
-const SLACK: u64 = 2 * MIB;
 
 /// GPU tests compare free memory with a baseline: they run one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -38,34 +36,6 @@ fn serial() -> MutexGuard<'static, ()> {
 
 fn backend() -> HipBackend {
     HipBackend::new().expect("needs an AMD GPU: HipBackend::new() failed")
-}
-
-fn free(b: &HipBackend) -> u64 {
-    b.mem_info(0).expect("mem_info").free
-}
-
-/// Free memory is back to `baseline` (within the slack).
-fn assert_back(b: &HipBackend, baseline: u64, what: &str) {
-    let now = free(b);
-    assert!(
-        now + SLACK >= baseline && now <= baseline + SLACK,
-        "{what}: free {now} is not within {SLACK} bytes of the baseline {baseline}"
-    );
-}
-
-/// At least `bytes` (less slack) are held compared with `baseline`.
-fn assert_held(b: &HipBackend, baseline: u64, bytes: u64, what: &str) {
-    let now = free(b);
-    assert!(
-        now + bytes <= baseline + SLACK,
-        "{what}: free {now} should be at least {bytes} bytes below the baseline {baseline}"
-    );
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
 }
 
 #[test]
@@ -133,136 +103,6 @@ fn reports_runtime_and_granularity() {
     );
     assert!(g > 0 && g.is_power_of_two());
     assert!(info.total > 0 && info.free <= info.total);
-}
-
-#[test]
-#[ignore = "needs an AMD GPU"]
-fn create_destroy_returns_memory() {
-    let _serial = serial();
-    let b = backend();
-    let baseline = free(&b);
-    let arena = b.create_arena(0, GIB).expect("create 1 GiB");
-    assert_eq!((arena.device, arena.bytes), (0, GIB));
-    assert_ne!(arena.base, 0);
-    assert_held(&b, baseline, GIB, "after create");
-    b.synchronize(0).expect("synchronize");
-    b.destroy_arena(arena).expect("destroy");
-    assert_back(&b, baseline, "after destroy");
-
-    let g = b.granularity(0).expect("granularity");
-    let arenas: Vec<ArenaMem> = [1, 2, 7, 64]
-        .iter()
-        .map(|&k| b.create_arena(0, k * g).expect("create"))
-        .collect();
-    for a in arenas {
-        b.destroy_arena(a).expect("destroy");
-    }
-    assert_back(&b, baseline, "after several");
-}
-
-#[test]
-#[ignore = "needs an AMD GPU"]
-fn write_and_read_through_an_arena() {
-    let _serial = serial();
-    let b = backend();
-    let g = b.granularity(0).expect("granularity");
-    let arena = b.create_arena(0, 4 * g).expect("create");
-    let data = pattern((4 * g) as usize, 7);
-    b.memcpy_htod(arena.base, &data).expect("htod");
-    let mut back = vec![0u8; data.len()];
-    b.memcpy_dtoh(&mut back, arena.base).expect("dtoh");
-    assert!(back == data, "read back differs from what was written");
-    b.synchronize(0).expect("synchronize");
-    b.destroy_arena(arena).expect("destroy");
-}
-
-#[test]
-#[ignore = "needs an AMD GPU"]
-fn open_export_holds_memory_after_destroy_until_closed() {
-    let _serial = serial();
-    let b = backend();
-    if b.uses_legacy_ipc(0).expect("legacy?") {
-        eprintln!("device 0 uses legacy IPC: see legacy_export_is_pinning_bytes");
-        return;
-    }
-    let baseline = free(&b);
-    let arena = b.create_arena(0, GIB).expect("create 1 GiB");
-    let export = b.export(&arena).expect("export");
-    assert!(export.fd().is_some());
-    assert_eq!(export.kind, ExportKind::Releasable);
-    let keep = arena.clone();
-    b.synchronize(0).expect("synchronize");
-    b.destroy_arena(arena).expect("destroy");
-    assert_held(&b, baseline, GIB, "destroyed, export fd still open");
-    b.close_export(&keep, export).expect("close export");
-    assert_back(&b, baseline, "after closing the export fd");
-}
-
-#[test]
-#[ignore = "needs an AMD GPU"]
-fn in_process_import_sees_the_same_memory() {
-    let _serial = serial();
-    let b = backend();
-    if b.uses_legacy_ipc(0).expect("legacy?") {
-        eprintln!("device 0 uses legacy IPC: hipIpcOpenMemHandle refuses same-process handles");
-        return;
-    }
-    let baseline = free(&b);
-    let g = b.granularity(0).expect("granularity");
-    let bytes = 8 * g;
-    let arena = b.create_arena(0, bytes).expect("create");
-    let export = b.export(&arena).expect("export");
-    let fd = export.fd().expect("fd export");
-    let mapping = b.import(0, ImportSource::Fd(fd), bytes).expect("import");
-    assert_eq!((mapping.device, mapping.bytes), (0, bytes));
-    assert_ne!(
-        mapping.base, arena.base,
-        "an import gets its own address range"
-    );
-
-    let data = pattern(bytes as usize, 3);
-    b.memcpy_htod(arena.base, &data).expect("htod arena");
-    let mut back = vec![0u8; data.len()];
-    b.memcpy_dtoh(&mut back, mapping.base)
-        .expect("dtoh mapping");
-    assert!(
-        back == data,
-        "the mapping does not see what the arena wrote"
-    );
-
-    b.synchronize(0).expect("synchronize");
-    b.unmap_import(mapping).expect("unmap import");
-    b.close_export(&arena, export).expect("close");
-    b.destroy_arena(arena).expect("destroy");
-    assert_back(&b, baseline, "after unmap, close and destroy");
-}
-
-#[test]
-#[ignore = "needs an AMD GPU"]
-fn importer_mapping_holds_memory_until_unmapped() {
-    let _serial = serial();
-    let b = backend();
-    if b.uses_legacy_ipc(0).expect("legacy?") {
-        return;
-    }
-    let baseline = free(&b);
-    let arena = b.create_arena(0, GIB).expect("create 1 GiB");
-    b.memset_d8(arena.base, 0x42, MIB).expect("memset");
-    let export = b.export(&arena).expect("export");
-    let mapping = b
-        .import(0, ImportSource::Fd(export.fd().expect("fd")), GIB)
-        .expect("import");
-    let keep = arena.clone();
-    b.synchronize(0).expect("synchronize");
-    b.destroy_arena(arena).expect("destroy");
-    b.close_export(&keep, export).expect("close");
-    assert_held(&b, baseline, GIB, "exporter done, importer still mapped");
-    let mut part = vec![0u8; MIB as usize];
-    b.memcpy_dtoh(&mut part, mapping.base)
-        .expect("dtoh through the import");
-    assert!(part.iter().all(|&x| x == 0x42));
-    b.unmap_import(mapping).expect("unmap");
-    assert_back(&b, baseline, "after the importer unmapped");
 }
 
 #[test]
