@@ -6,7 +6,8 @@
 //! it can be used alone, with no memory behind it.
 //!
 //! - **Best fit**: the smallest free range that fits; ties go to the lowest offset. One
-//!   `BTreeSet` lookup, so alloc and free are O(log n) in the number of ranges.
+//!   `BTreeSet` lookup in the free index, so alloc and free are O(log n) in the number of
+//!   free ranges.
 //! - **Split**: the allocation takes the front of the chosen range, the rest stays free.
 //! - **Coalesce**: a freed range merges with free neighbours *of the same tag* in the same
 //!   region. Ranges never merge across regions, even when two regions touch.
@@ -17,11 +18,20 @@
 //! - **Granule**: offsets and lengths are multiples of [`GRANULE`] (512 bytes, as PyTorch's
 //!   caching allocator rounds); [`round_up`] rounds a request.
 //!
+//! **Layout.** Every range, allocated or free, is one entry of a hash map keyed by its start,
+//! holding its length, state, the start of the range before it in its region and whether it
+//! is the region's last (boundary tags, as in dlmalloc, kept beside the memory since device
+//! memory cannot hold them). Neighbours are found by arithmetic and one hash lookup, never by
+//! an ordered search: a free costs one to three hash lookups and one to three free-index
+//! updates. Ordered walks (snapshots, validation, an interior pointer) follow the chain.
+//!
 //! [`RangeAllocator::validate`] walks the whole structure and checks every invariant; the
 //! pool calls it after every operation in debug builds and the tests after every step.
 #![forbid(unsafe_code)]
 
 use std::collections::{BTreeMap, BTreeSet};
+
+use rustc_hash::FxHashMap;
 
 /// Offsets and lengths are multiples of this many bytes.
 pub const GRANULE: u64 = 512;
@@ -73,10 +83,18 @@ enum State {
     Free(u64),
 }
 
+/// `Block::prev` of a region's first range.
+const NO_PREV: u64 = u64::MAX;
+
+/// One range: allocated or free, with its links to its region neighbours.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Block {
     len: u64,
     state: State,
+    /// Start of the range before this one in its region, [`NO_PREV`] for the first.
+    prev: u64,
+    /// The region's last range (the next range, if any, starts another region).
+    last: bool,
 }
 
 /// A summary of the allocator's contents, cheap to compute.
@@ -110,10 +128,12 @@ pub struct RangeInfo {
 pub struct RangeAllocator {
     /// Region start -> length.
     regions: BTreeMap<u64, u64>,
-    /// Every range, allocated or free, by offset; together they tile the regions exactly.
-    blocks: BTreeMap<u64, Block>,
+    /// Every range, allocated or free, by start; together they tile the regions exactly.
+    blocks: FxHashMap<u64, Block>,
     /// Free ranges by (tag, length, offset): the best-fit index.
     free_index: BTreeSet<(u64, u64, u64)>,
+    /// Free bytes per tag (tags with none are absent).
+    tag_bytes: FxHashMap<u64, u64>,
     used_bytes: u64,
     used_ranges: u64,
 }
@@ -142,7 +162,16 @@ impl RangeAllocator {
             }
         }
         self.regions.insert(offset, len);
-        self.insert_free(offset, len, tag);
+        self.blocks.insert(
+            offset,
+            Block {
+                len,
+                state: State::Free(tag),
+                prev: NO_PREV,
+                last: true,
+            },
+        );
+        self.index_insert(tag, len, offset);
         Ok(())
     }
 
@@ -153,12 +182,13 @@ impl RangeAllocator {
             .get(&offset)
             .ok_or(RangeError::NoSuchRegion(offset))?;
         match self.blocks.get(&offset) {
-            Some(Block {
+            Some(&Block {
                 len: l,
                 state: State::Free(tag),
-            }) if *l == len => {
-                let tag = *tag;
-                self.remove_free(offset, len, tag);
+                ..
+            }) if l == len => {
+                self.blocks.remove(&offset);
+                self.index_remove(tag, len, offset);
                 self.regions.remove(&offset);
                 Ok(len)
             }
@@ -168,12 +198,10 @@ impl RangeAllocator {
 
     /// Whether the region starting at `offset` has no allocated range.
     pub fn region_is_unused(&self, offset: u64) -> bool {
-        let Some(&len) = self.regions.get(&offset) else {
-            return false;
-        };
-        self.blocks
-            .range(offset..offset + len)
-            .all(|(_, b)| b.state != State::Used)
+        self.regions.contains_key(&offset)
+            && self
+                .chain(offset)
+                .all(|(_, b)| !matches!(b.state, State::Used))
     }
 
     /// Allocate `len` bytes (a non-zero [`GRANULE`] multiple) from free ranges tagged `tag`:
@@ -186,26 +214,28 @@ impl RangeAllocator {
             .free_index
             .range((tag, len, 0)..=(tag, u64::MAX, u64::MAX))
             .next()?;
-        self.free_index.remove(&(tag, flen, offset));
-        self.blocks.insert(
-            offset,
-            Block {
-                len,
-                state: State::Used,
-            },
-        );
+        self.index_remove(tag, flen, offset);
+        let b = self.blocks.get_mut(&offset)?;
+        b.len = len;
+        b.state = State::Used;
         if flen > len {
             // The remainder cannot have a free same-tag neighbour after it: it was part of a
             // coalesced range, so inserting it directly keeps the invariants.
+            let last = std::mem::replace(&mut b.last, false);
             let rest = offset + len;
             self.blocks.insert(
                 rest,
                 Block {
                     len: flen - len,
                     state: State::Free(tag),
+                    prev: offset,
+                    last,
                 },
             );
-            self.free_index.insert((tag, flen - len, rest));
+            if !last {
+                self.set_prev(offset + flen, rest);
+            }
+            self.index_insert(tag, flen - len, rest);
         }
         self.used_bytes += len;
         self.used_ranges += 1;
@@ -226,28 +256,39 @@ impl RangeAllocator {
             Some(Block {
                 len,
                 state: State::Used,
+                ..
             }) => Some(*len),
             _ => None,
         }
     }
 
-    /// The allocated range containing `offset`, as `(start, len)`.
+    /// The allocated range containing `offset`, as `(start, len)`. A range's own start is
+    /// one lookup; an interior offset walks its region from the start (shares of views).
     pub fn allocated_containing(&self, offset: u64) -> Option<(u64, u64)> {
-        let (&start, b) = self.blocks.range(..=offset).next_back()?;
-        (b.state == State::Used && offset < start + b.len).then_some((start, b.len))
+        if let Some(len) = self.allocated_len(offset) {
+            return Some((offset, len));
+        }
+        let (&region, &rlen) = self.regions.range(..=offset).next_back()?;
+        if offset >= region + rlen {
+            return None;
+        }
+        let (start, b) = self
+            .chain(region)
+            .find(|(start, b)| offset < start + b.len)?;
+        (b.state == State::Used).then_some((start, b.len))
     }
 
     /// Free the allocation starting at `offset`, tagging the range `tag`, and merge it with
     /// free neighbours of the same tag in its region. Returns the freed length.
     pub fn free(&mut self, offset: u64, tag: u64) -> Result<u64, RangeError> {
-        let len = self
-            .allocated_len(offset)
-            .ok_or(RangeError::NotAllocated(offset))?;
-        self.blocks.remove(&offset);
-        self.used_bytes -= len;
+        let b = match self.blocks.get(&offset) {
+            Some(b) if b.state == State::Used => *b,
+            _ => return Err(RangeError::NotAllocated(offset)),
+        };
+        self.used_bytes -= b.len;
         self.used_ranges -= 1;
-        self.insert_free(offset, len, tag);
-        Ok(len)
+        self.insert_free(offset, b.len, b.prev, b.last, tag, false);
+        Ok(b.len)
     }
 
     /// Free many allocations under one `tag` at once: the same result as freeing them one
@@ -257,29 +298,36 @@ impl RangeAllocator {
     pub fn free_many(&mut self, offsets: &mut [u64], tag: u64) -> Vec<u64> {
         offsets.sort_unstable();
         let mut skipped = Vec::new();
-        let mut run: Option<(u64, u64)> = None; // (start, len) of the current run
+        // The current run: its start, length, the first range's `prev`, the last one's
+        // `last`, and whether it joined several ranges.
+        let mut run: Option<(u64, u64, u64, bool, bool)> = None;
         for &off in offsets.iter() {
-            let Some(len) = self.allocated_len(off) else {
-                skipped.push(off);
-                continue;
+            let b = match self.blocks.get(&off) {
+                Some(b) if b.state == State::Used => *b,
+                _ => {
+                    skipped.push(off);
+                    continue;
+                }
             };
-            self.blocks.remove(&off);
-            self.used_bytes -= len;
+            self.used_bytes -= b.len;
             self.used_ranges -= 1;
             run = match run {
-                // Extend the run unless `off` starts a region (runs never cross regions).
-                Some((start, rlen)) if start + rlen == off && !self.regions.contains_key(&off) => {
-                    Some((start, rlen + len))
+                // Extend the run when `off` follows it in the same region.
+                Some((start, rlen, prev, last, _)) if !last && start + rlen == off => {
+                    self.blocks.remove(&off);
+                    Some((start, rlen + b.len, prev, b.last, true))
                 }
-                Some((start, rlen)) => {
-                    self.insert_free(start, rlen, tag);
-                    Some((off, len))
+                Some((start, rlen, prev, last, joined)) => {
+                    self.insert_free(start, rlen, prev, last, tag, joined);
+                    // That merge may have relinked `off` (a free range between them joined).
+                    let prev = self.blocks.get(&off).map_or(b.prev, |x| x.prev);
+                    Some((off, b.len, prev, b.last, false))
                 }
-                None => Some((off, len)),
+                None => Some((off, b.len, b.prev, b.last, false)),
             };
         }
-        if let Some((start, rlen)) = run {
-            self.insert_free(start, rlen, tag);
+        if let Some((start, rlen, prev, last, joined)) = run {
+            self.insert_free(start, rlen, prev, last, tag, joined);
         }
         skipped
     }
@@ -297,26 +345,28 @@ impl RangeAllocator {
             .collect();
         let mut bytes = 0;
         for (off, len) in moving {
-            // An earlier merge in this loop may have absorbed this range already.
-            if self.free_index.remove(&(from, len, off)) {
-                self.blocks.remove(&off);
-                self.insert_free(off, len, to);
+            let Some(&b) = self.blocks.get(&off) else {
+                continue;
+            };
+            if b.state == State::Free(from) && b.len == len {
+                self.index_remove(from, len, off);
+                self.insert_free(off, len, b.prev, b.last, to, false);
                 bytes += len;
             }
         }
         bytes
     }
 
-    /// Tags that currently have free ranges, with their free bytes.
+    /// Tags that currently have free ranges, with their free bytes, by tag.
     pub fn free_tags(&self) -> Vec<(u64, u64)> {
-        let mut out: Vec<(u64, u64)> = Vec::new();
-        for &(tag, len, _) in &self.free_index {
-            match out.last_mut() {
-                Some((t, b)) if *t == tag => *b += len,
-                _ => out.push((tag, len)),
-            }
-        }
+        let mut out: Vec<(u64, u64)> = self.tag_bytes.iter().map(|(&t, &b)| (t, b)).collect();
+        out.sort_unstable();
         out
+    }
+
+    /// Free bytes under `tag`.
+    pub fn free_bytes(&self, tag: u64) -> u64 {
+        self.tag_bytes.get(&tag).copied().unwrap_or(0)
     }
 
     /// Cheap counters.
@@ -332,12 +382,11 @@ impl RangeAllocator {
 
     /// Every range of the region starting at `region`, in address order (for snapshots).
     pub fn ranges(&self, region: u64) -> Vec<RangeInfo> {
-        let Some(&len) = self.regions.get(&region) else {
+        if !self.regions.contains_key(&region) {
             return Vec::new();
-        };
-        self.blocks
-            .range(region..region + len)
-            .map(|(&offset, b)| RangeInfo {
+        }
+        self.chain(region)
+            .map(|(offset, b)| RangeInfo {
                 offset,
                 len: b.len,
                 free_tag: match b.state {
@@ -348,52 +397,103 @@ impl RangeAllocator {
             .collect()
     }
 
-    /// Insert a free range, merging with same-tag free neighbours inside its region.
-    fn insert_free(&mut self, mut offset: u64, mut len: u64, tag: u64) {
-        // Merge with the previous block unless `offset` starts a region.
-        if !self.regions.contains_key(&offset) {
-            if let Some((&p_off, &p)) = self.blocks.range(..offset).next_back() {
-                if p.state == State::Free(tag) && p_off + p.len == offset {
-                    self.blocks.remove(&p_off);
-                    self.free_index.remove(&(tag, p.len, p_off));
-                    offset = p_off;
-                    len += p.len;
+    /// The ranges of the region starting at `region`, in address order, following the
+    /// links (stops early if they are broken; `validate` reports that).
+    fn chain(&self, region: u64) -> impl Iterator<Item = (u64, Block)> + '_ {
+        let mut at = Some(region);
+        std::iter::from_fn(move || {
+            let start = at?;
+            let b = *self.blocks.get(&start)?;
+            at = (!b.last).then_some(start + b.len);
+            Some((start, b))
+        })
+    }
+
+    fn set_prev(&mut self, start: u64, prev: u64) {
+        if let Some(n) = self.blocks.get_mut(&start) {
+            n.prev = prev;
+        }
+    }
+
+    fn index_insert(&mut self, tag: u64, len: u64, offset: u64) {
+        self.free_index.insert((tag, len, offset));
+        *self.tag_bytes.entry(tag).or_insert(0) += len;
+    }
+
+    fn index_remove(&mut self, tag: u64, len: u64, offset: u64) {
+        if self.free_index.remove(&(tag, len, offset)) {
+            if let Some(b) = self.tag_bytes.get_mut(&tag) {
+                *b -= len;
+                if *b == 0 {
+                    self.tag_bytes.remove(&tag);
                 }
             }
         }
-        // Merge with the next block unless it starts a region.
-        let end = offset + len;
-        if !self.regions.contains_key(&end) {
-            if let Some(&n) = self.blocks.get(&end) {
+    }
+
+    /// Make `[offset, offset + len)` one free range under `tag`, merged with free same-tag
+    /// neighbours in its region. `prev` and `last` are the links of the span (those of its
+    /// first and last range). The span's own entries must be gone except the one at
+    /// `offset`, which is replaced; it must not be in the free index. `joined`: the span
+    /// was several ranges (the one after it links to the last of them).
+    #[allow(clippy::too_many_arguments)]
+    fn insert_free(
+        &mut self,
+        offset: u64,
+        len: u64,
+        mut prev: u64,
+        mut last: bool,
+        tag: u64,
+        joined: bool,
+    ) {
+        let (mut start, mut total) = (offset, len);
+        if prev != NO_PREV {
+            if let Some(&p) = self.blocks.get(&prev) {
+                if p.state == State::Free(tag) {
+                    self.index_remove(tag, p.len, prev);
+                    self.blocks.remove(&offset);
+                    start = prev;
+                    total += p.len;
+                    prev = p.prev;
+                }
+            }
+        }
+        let mut next_moved = joined || start != offset;
+        if !last {
+            let next = offset + len;
+            if let Some(&n) = self.blocks.get(&next) {
                 if n.state == State::Free(tag) {
-                    self.blocks.remove(&end);
-                    self.free_index.remove(&(tag, n.len, end));
-                    len += n.len;
+                    self.index_remove(tag, n.len, next);
+                    self.blocks.remove(&next);
+                    total += n.len;
+                    last = n.last;
+                    next_moved = true;
                 }
             }
         }
         self.blocks.insert(
-            offset,
+            start,
             Block {
-                len,
+                len: total,
                 state: State::Free(tag),
+                prev,
+                last,
             },
         );
-        self.free_index.insert((tag, len, offset));
-    }
-
-    fn remove_free(&mut self, offset: u64, len: u64, tag: u64) {
-        self.blocks.remove(&offset);
-        self.free_index.remove(&(tag, len, offset));
+        if next_moved && !last {
+            self.set_prev(start + total, start);
+        }
+        self.index_insert(tag, total, start);
     }
 
     /// Check every invariant: regions disjoint and granule-aligned; ranges tile each region
-    /// exactly; no two neighbouring free ranges with the same tag inside a region; the free
-    /// index holds exactly the free ranges; the counters match. Returns the first violation.
+    /// exactly and their links agree; no two neighbouring free ranges with the same tag
+    /// inside a region; the free index and the per-tag bytes hold exactly the free ranges;
+    /// the counters match. Returns the first violation.
     pub fn validate(&self) -> Result<(), String> {
         let mut prev_end = 0u64;
-        let mut blocks = self.blocks.iter().peekable();
-        let (mut used, mut used_n, mut free_n) = (0u64, 0u64, 0u64);
+        let (mut used, mut used_n, mut free_n, mut seen) = (0u64, 0u64, 0u64, 0usize);
+        let mut tag_bytes: FxHashMap<u64, u64> = FxHashMap::default();
         for (&start, &rlen) in &self.regions {
             if start < prev_end {
                 return Err(format!("region {start:#x} overlaps the previous one"));
@@ -403,18 +503,24 @@ impl RangeAllocator {
             }
             let end = start + rlen;
             let mut at = start;
+            let mut prev = NO_PREV;
             let mut prev_free: Option<u64> = None;
-            while at < end {
-                let Some((&off, b)) = blocks.next() else {
+            loop {
+                let Some(&b) = self.blocks.get(&at) else {
                     return Err(format!("region {start:#x}: no range at {at:#x}"));
                 };
-                if off != at {
+                seen += 1;
+                if b.len == 0 || b.len % GRANULE != 0 || at + b.len > end {
+                    return Err(format!("range {at:#x} has bad length {}", b.len));
+                }
+                if b.prev != prev {
                     return Err(format!(
-                        "region {start:#x}: expected range at {at:#x}, found {off:#x}"
+                        "range {at:#x} links to {:#x}, not {prev:#x}",
+                        b.prev
                     ));
                 }
-                if b.len == 0 || b.len % GRANULE != 0 {
-                    return Err(format!("range {off:#x} has bad length {}", b.len));
+                if b.last != (at + b.len == end) {
+                    return Err(format!("range {at:#x}: wrong last-in-region flag"));
                 }
                 match b.state {
                     State::Used => {
@@ -425,31 +531,39 @@ impl RangeAllocator {
                     State::Free(tag) => {
                         if prev_free == Some(tag) {
                             return Err(format!(
-                                "free range {off:#x} not merged with its same-tag neighbour"
+                                "free range {at:#x} not merged with its same-tag neighbour"
                             ));
                         }
-                        if !self.free_index.contains(&(tag, b.len, off)) {
-                            return Err(format!("free range {off:#x} missing from the index"));
+                        if !self.free_index.contains(&(tag, b.len, at)) {
+                            return Err(format!("free range {at:#x} missing from the index"));
                         }
+                        *tag_bytes.entry(tag).or_insert(0) += b.len;
                         free_n += 1;
                         prev_free = Some(tag);
                     }
                 }
-                at = off + b.len;
-            }
-            if at != end {
-                return Err(format!("region {start:#x}: last range runs past the end"));
+                if b.last {
+                    break;
+                }
+                prev = at;
+                at += b.len;
             }
             prev_end = end;
         }
-        if let Some((&off, _)) = blocks.next() {
-            return Err(format!("range {off:#x} lies outside every region"));
+        if seen != self.blocks.len() {
+            return Err(format!(
+                "{} ranges recorded, {seen} reachable from the regions",
+                self.blocks.len()
+            ));
         }
         if free_n != self.free_index.len() as u64 {
             return Err(format!(
                 "free index has {} entries, {free_n} free ranges exist",
                 self.free_index.len()
             ));
+        }
+        if tag_bytes != self.tag_bytes {
+            return Err("free bytes per tag disagree with the free ranges".into());
         }
         if used != self.used_bytes || used_n != self.used_ranges {
             return Err(format!(

@@ -150,7 +150,7 @@ impl DeviceState {
     }
 
     pub(super) fn finish_pending(&mut self, ptr: u64, stream: StreamId) {
-        let bytes = self.allocs.get(&ptr).map_or(0, |l| l.bytes);
+        let bytes = self.allocs.get(&ptr).map_or(0, Live::bytes);
         self.stats.pending_free_bytes -= bytes;
         if let Err(e) = self.release_range(ptr, stream.0) {
             tracing::error!(error = %e, "releasing a pending free failed");
@@ -164,7 +164,7 @@ impl DeviceState {
         let Some(live) = self.allocs.get(&ptr) else {
             return;
         };
-        let (stream, extra, bytes) = (live.stream, live.extra_streams.clone(), live.bytes);
+        let (stream, extra, bytes) = (live.stream, live.extra_streams().to_vec(), live.bytes());
         self.stats.deferred_free_bytes -= bytes;
         if extra.is_empty() {
             if let Err(e) = self.release_range(ptr, stream.0) {
@@ -198,11 +198,12 @@ impl DeviceState {
         if let Some(a) = self.arenas.get_mut(live.arena) {
             a.live_allocs -= 1;
         }
-        self.stats.allocated_bytes -= live.bytes;
+        let bytes = live.bytes();
+        self.stats.allocated_bytes -= bytes;
         self.stats.allocations -= 1;
-        self.cached_bytes += live.bytes;
+        self.cached_bytes += bytes;
         self.cache
-            .entry((live.stream.0, live.bytes))
+            .entry((live.stream.0, bytes))
             .or_default()
             .push((ptr, live.arena));
     }
@@ -246,7 +247,7 @@ impl DeviceState {
         if let Some(a) = self.arenas.get_mut(live.arena) {
             a.live_allocs -= 1;
         }
-        self.stats.allocated_bytes -= live.bytes;
+        self.stats.allocated_bytes -= live.bytes();
         self.stats.allocations -= 1;
         Ok(())
     }
@@ -348,7 +349,7 @@ impl DeviceState {
                 self.stats.reserved_bytes, rs.region_bytes
             ));
         }
-        let used: u64 = self.allocs.values().map(|l| l.bytes).sum();
+        let used: u64 = self.allocs.values().map(Live::bytes).sum();
         let cached: u64 = self.cache.iter().map(|(k, v)| k.1 * v.len() as u64).sum();
         if cached != self.cached_bytes {
             return Err(format!(
@@ -371,7 +372,7 @@ impl DeviceState {
         }
         let mut per_arena: HashMap<usize, u64> = HashMap::new();
         for (&ptr, l) in &self.allocs {
-            if self.ranges.allocated_len(ptr) != Some(l.bytes) {
+            if self.ranges.allocated_len(ptr) != Some(l.bytes()) {
                 return Err(format!("allocation {ptr:#x} not allocated in the ranges"));
             }
             *per_arena.entry(l.arena).or_default() += 1;

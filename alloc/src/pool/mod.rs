@@ -151,18 +151,32 @@ pub(crate) struct Arena {
     pub(crate) lifetime: ArenaLifetime,
 }
 
-/// The record of a live allocation.
+/// The record of a live allocation: one entry of the pool's busiest hash map, so kept small
+/// (40 bytes): the length is recomputed from the request, the rare extra streams are boxed.
 #[derive(Debug, Clone)]
 pub(crate) struct Live {
     pub(crate) arena: usize,
-    pub(crate) bytes: u64,
     pub(crate) requested: u64,
     pub(crate) stream: StreamId,
-    pub(crate) extra_streams: Vec<StreamId>,
+    /// Streams added by `record_stream` (rare: `None` until the first).
+    pub(crate) extra_streams: Option<Box<[StreamId]>>,
     /// Shares and consumer leases holding this allocation's memory.
-    pub(crate) refs: u64,
+    pub(crate) refs: u32,
     /// Freed by its owner while still referenced: released when `refs` reaches 0.
     pub(crate) freed: bool,
+}
+
+impl Live {
+    /// Bytes of the range serving it: [`block_len`] of the request, as allocated.
+    pub(crate) fn bytes(&self) -> u64 {
+        // A request that was allocated has a length: block_len succeeded on it then.
+        block_len(self.requested).unwrap_or(0)
+    }
+
+    /// Streams added by `record_stream`.
+    pub(crate) fn extra_streams(&self) -> &[StreamId] {
+        self.extra_streams.as_deref().unwrap_or(&[])
+    }
 }
 
 /// A freed allocation waiting for events on the streams it was recorded on.
@@ -428,6 +442,7 @@ impl Pool {
         requested: u64,
         stream: StreamId,
     ) -> Allocation {
+        debug_assert_eq!(block_len(requested), Some(len));
         if let Some(a) = st.arenas.get_mut(arena) {
             a.live_allocs += 1;
         }
@@ -435,10 +450,9 @@ impl Pool {
             ptr,
             Live {
                 arena,
-                bytes: len,
                 requested,
                 stream,
-                extra_streams: Vec::new(),
+                extra_streams: None,
                 refs: 0,
                 freed: false,
             },
@@ -497,14 +511,15 @@ impl Pool {
         let plain = st.allocs.get(&ptr).is_some_and(|l| {
             !l.freed
                 && l.refs == 0
-                && l.extra_streams.is_empty()
+                && l.extra_streams.is_none()
                 && requested.is_none_or(|r| r == l.requested)
         });
         if plain {
             if let Some(live) = st.allocs.remove(&ptr) {
                 st.stats.free_count += 1;
-                let cacheable = live.bytes <= CACHE_MAX_BLOCK
-                    && st.cached_bytes + live.bytes <= st.stats.reserved_bytes / 4;
+                let bytes = live.bytes();
+                let cacheable = bytes <= CACHE_MAX_BLOCK
+                    && st.cached_bytes + bytes <= st.stats.reserved_bytes / 4;
                 if cacheable {
                     st.cache_live(ptr, live);
                 } else {
@@ -526,14 +541,14 @@ impl Pool {
                 )));
             }
         }
-        let (stream, extra, refs) = (live.stream, live.extra_streams.clone(), live.refs);
+        let (stream, extra, refs) = (live.stream, live.extra_streams().to_vec(), live.refs);
         st.stats.free_count += 1;
         if refs > 0 {
             // Still shared: the range waits for its last share (share.rs releases it).
             if let Some(l) = st.allocs.get_mut(&ptr) {
                 l.freed = true;
             }
-            st.stats.deferred_free_bytes += live.bytes;
+            st.stats.deferred_free_bytes += live.bytes();
         } else if !extra.is_empty() {
             let mut events = Vec::with_capacity(extra.len());
             for s in extra {
@@ -556,7 +571,7 @@ impl Pool {
             if let Some(l) = st.allocs.get_mut(&ptr) {
                 l.freed = true;
             }
-            st.stats.pending_free_bytes += live.bytes;
+            st.stats.pending_free_bytes += live.bytes();
             st.pending.push(PendingFree {
                 ptr,
                 stream,
@@ -587,10 +602,12 @@ impl Pool {
                 why: "record_stream on a pointer that is not a live allocation".into(),
             })?;
         if live.stream != stream
-            && !live.extra_streams.contains(&stream)
+            && !live.extra_streams().contains(&stream)
             && !self.config.unsafe_ignore_streams
         {
-            live.extra_streams.push(stream);
+            let mut extra = live.extra_streams.take().map(Vec::from).unwrap_or_default();
+            extra.push(stream);
+            live.extra_streams = Some(extra.into_boxed_slice());
         }
         Ok(())
     }
