@@ -89,6 +89,12 @@ impl DeviceMetrics {
         }
     }
 
+    /// Publish the allocated-bytes gauge (the only one an allocation or free from the
+    /// pool's free ranges changes).
+    pub(crate) fn publish_allocated(&self, s: &PoolStats) {
+        self.allocated.set(s.allocated_bytes as f64);
+    }
+
     /// Publish the gauges from the counters.
     pub(crate) fn publish(&self, s: &PoolStats) {
         self.reserved.set(s.reserved_bytes as f64);

@@ -29,6 +29,7 @@
 //! **Locks.** One `parking_lot::Mutex` per device. Arena creation and destruction (the slow
 //! driver calls) run with the lock released.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -90,8 +91,14 @@ pub const SMALL_EXACT: u64 = 4096;
 /// release enough limbo ranges.
 pub const LIMBO_WAIT: Duration = Duration::from_micros(100);
 
-/// Freed blocks up to this size are kept whole for exact-size reuse on their stream.
-pub const CACHE_MAX_BLOCK: u64 = 64 * MIB;
+/// Freed blocks up to this size are kept whole for exact-size reuse on their stream; larger
+/// ones go straight back to the sub-allocator, where they coalesce with their neighbours.
+/// Large requests rarely recur at one exact size (activations, workspaces), and a large
+/// block held whole keeps the contiguous space the next, differently sized, large request
+/// needs: every such request then flushed the whole cache. Measured on the KV trace
+/// (`bench/results/sim-2026-11-29.md`): at 64 MiB a second replay needed an 18th 1 GiB
+/// arena; from 2 to 16 MiB both replays stay at 17 (reserved/live 1.055) and run faster.
+pub const CACHE_MAX_BLOCK: u64 = 8 * MIB;
 
 /// Pool settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -387,6 +394,7 @@ impl Pool {
                 Ok(mem) => {
                     let mut st = dp.state.lock();
                     let key = st.add_arena(mem, &dp.metrics)?;
+                    dp.metrics.publish(&st.stats);
                     let ptr = st.ranges.alloc(len, ANY_STREAM).ok_or_else(|| {
                         Error::Internal(format!("fresh arena {key} cannot fit {len} bytes"))
                     })?;
@@ -462,7 +470,7 @@ impl Pool {
         s.peak_allocated_bytes = s.peak_allocated_bytes.max(s.allocated_bytes);
         s.allocations += 1;
         s.alloc_count += 1;
-        dp.metrics.publish(s);
+        dp.metrics.publish_allocated(s);
         if self.config.validate {
             st.validate_or_log();
         }
@@ -507,27 +515,34 @@ impl Pool {
 
     fn free_on(&self, dp: &DevicePool, ptr: u64, requested: Option<u64>) -> Result<()> {
         let mut st = dp.state.lock();
-        // Fast path: not shared, no other streams, size as recorded — one hash removal.
-        let plain = st.allocs.get(&ptr).is_some_and(|l| {
-            !l.freed
-                && l.refs == 0
-                && l.extra_streams.is_none()
-                && requested.is_none_or(|r| r == l.requested)
-        });
-        if plain {
-            if let Some(live) = st.allocs.remove(&ptr) {
-                st.stats.free_count += 1;
+        // Fast path: not shared, no other streams, size as recorded — one hash probe.
+        {
+            let fast = &mut *st;
+            let plain = match fast.allocs.entry(ptr) {
+                Entry::Occupied(e) => {
+                    let l = e.get();
+                    let plain = !l.freed
+                        && l.refs == 0
+                        && l.extra_streams.is_none()
+                        && requested.is_none_or(|r| r == l.requested);
+                    plain.then(|| e.remove())
+                }
+                Entry::Vacant(_) => None,
+            };
+            if let Some(live) = plain {
+                fast.stats.free_count += 1;
                 let bytes = live.bytes();
                 let cacheable = bytes <= CACHE_MAX_BLOCK
-                    && st.cached_bytes + bytes <= st.stats.reserved_bytes / 4;
+                    && fast.cached_bytes + bytes <= fast.stats.reserved_bytes / 4;
                 if cacheable {
-                    st.cache_live(ptr, live);
+                    fast.cache_live(ptr, live);
                 } else {
                     let tag = live_tag(&live);
-                    st.release_live(ptr, live, tag)?;
+                    fast.release_live(ptr, live, tag)?;
                 }
+                dp.metrics.publish_allocated(&fast.stats);
                 if self.config.validate {
-                    st.validate_or_log();
+                    fast.validate_or_log();
                 }
                 return Ok(());
             }
