@@ -132,7 +132,6 @@ struct Driver(Mutex<DriverState>);
 
 static DESTROY_BEFORE_CLOSE_SEEN: StdBool = StdBool::new(false);
 static TWO_EXPORTS_OPEN_SEEN: StdBool = StdBool::new(false);
-static EXECUTIONS: StdUsize = StdUsize::new(0);
 
 impl Driver {
     fn open(d: &DriverState) -> usize {
@@ -468,14 +467,16 @@ impl Model {
 }
 
 fn explore(f: impl Fn() + Sync + Send + 'static) -> usize {
-    EXECUTIONS.store(0, Relaxed);
+    // One counter per call: the test harness runs scenarios on parallel threads.
+    let executions = std::sync::Arc::new(StdUsize::new(0));
+    let counter = executions.clone();
     let mut b = loom::model::Builder::new();
     b.preemption_bound = PREEMPTIONS;
     b.check(move || {
-        EXECUTIONS.fetch_add(1, Relaxed);
+        counter.fetch_add(1, Relaxed);
         f();
     });
-    let n = EXECUTIONS.load(Relaxed);
+    let n = executions.load(Relaxed);
     eprintln!("loom: {n} interleavings explored");
     n
 }

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use super::{DeviceState, Live, PendingFree, ANY_STREAM, LIMBO_BASE};
+use super::{DeviceState, Live, PendingFree, ANY_STREAM, FLUSH_FIRST_ABOVE, LIMBO_BASE};
 use crate::backend::{ArenaMem, Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
 use crate::pool::Arena;
@@ -35,9 +35,13 @@ impl DeviceState {
         if let Some(p) = self.ranges.alloc(len, ANY_STREAM) {
             return Some(p);
         }
-        // Miss: give cached blocks back to the ranges (they coalesce there) and retry.
-        if self.cached_bytes > 0 {
-            self.flush_cache();
+        // Miss: give cached blocks back to the ranges, where they coalesce, and retry: the
+        // large ones first, then all (see FLUSH_FIRST_ABOVE).
+        for min_len in [FLUSH_FIRST_ABOVE, 0] {
+            if self.cached_bytes == 0 {
+                break;
+            }
+            self.flush_cached_above(min_len);
             if let Some(p) = self
                 .ranges
                 .alloc(len, stream.0)
@@ -210,24 +214,35 @@ impl DeviceState {
 
     /// Return every cached block to the sub-allocator, tagged with its stream.
     pub(super) fn flush_cache(&mut self) {
+        self.flush_cached_above(0);
+    }
+
+    /// Return the cached blocks longer than `min_len` to the sub-allocator, tagged with
+    /// their streams.
+    pub(super) fn flush_cached_above(&mut self, min_len: u64) {
         if self.cached_bytes == 0 {
             return;
         }
         // Per stream, in one sorted pass: neighbouring cached blocks (a finished sequence's
         // KV blocks often are) merge before touching the free index.
         let mut by_stream: HashMap<u64, Vec<u64>> = HashMap::new();
-        for ((stream, _len), blocks) in self.cache.drain() {
+        let cached_bytes = &mut self.cached_bytes;
+        self.cache.retain(|&(stream, len), blocks| {
+            if len <= min_len {
+                return true;
+            }
+            *cached_bytes -= len * blocks.len() as u64;
             by_stream
                 .entry(stream)
                 .or_default()
-                .extend(blocks.into_iter().map(|(ptr, _)| ptr));
-        }
+                .extend(blocks.drain(..).map(|(ptr, _)| ptr));
+            false
+        });
         for (stream, mut ptrs) in by_stream {
             for ptr in self.ranges.free_many(&mut ptrs, stream) {
                 tracing::error!(ptr, "flushing a cached block failed: not allocated");
             }
         }
-        self.cached_bytes = 0;
     }
 
     /// Give an allocation's range back to the sub-allocator under `tag` and drop its record.

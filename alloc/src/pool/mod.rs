@@ -91,14 +91,18 @@ pub const SMALL_EXACT: u64 = 4096;
 /// release enough limbo ranges.
 pub const LIMBO_WAIT: Duration = Duration::from_micros(100);
 
-/// Freed blocks up to this size are kept whole for exact-size reuse on their stream; larger
-/// ones go straight back to the sub-allocator, where they coalesce with their neighbours.
-/// Large requests rarely recur at one exact size (activations, workspaces), and a large
-/// block held whole keeps the contiguous space the next, differently sized, large request
-/// needs: every such request then flushed the whole cache. Measured on the KV trace
-/// (`bench/results/sim-2026-11-29.md`): at 64 MiB a second replay needed an 18th 1 GiB
-/// arena; from 2 to 16 MiB both replays stay at 17 (reserved/live 1.055) and run faster.
-pub const CACHE_MAX_BLOCK: u64 = 8 * MIB;
+/// Freed blocks up to this size are kept whole for exact-size reuse on their stream.
+pub const CACHE_MAX_BLOCK: u64 = 64 * MIB;
+
+/// On a miss, cached blocks longer than this go back to the sub-allocator first, and the
+/// rest only if that was not enough. Large blocks are few and rarely reused at their exact
+/// size, and held whole they keep the contiguous space a differently sized large request
+/// needs; the many small ones (KV blocks) are the cache's hits. Flushing everything on
+/// every such miss turned the next thousand hits into sub-allocator calls and, on the KV
+/// trace, made a second replay grow an 18th 1 GiB arena; not caching large blocks at all
+/// let small allocations carve up the holes they leave, which with 64 or 256 MiB arenas
+/// cost up to 1.8x reserved/live (`bench/results/sim-2026-11-29.md`).
+pub const FLUSH_FIRST_ABOVE: u64 = 8 * MIB;
 
 /// Pool settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
