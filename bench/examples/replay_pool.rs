@@ -1,0 +1,78 @@
+//! The KV trace straight through a [`Pool`] on the sim backend, replayed several times on
+//! one pool, no sampling: the quick loop used to compare allocator changes (run two builds
+//! interleaved and compare ratios; this 2-core machine's absolute times drift).
+//!
+//! ```text
+//! cargo run --release -p gpu-arena-bench --example replay_pool -- \
+//!     [--replays 3] [--arena-mib 1024] [--seed N] [--pairs 1000000]
+//! ```
+//!
+//! Prints the 2 MiB alloc+free pair time, then per replay ns/op, peak reserved and arenas.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use gpu_arena::backend::sim::{SimBackend, SimConfig};
+use gpu_arena::{Pool, PoolConfig, StreamId};
+use gpu_arena_bench::trace::{generate, Op, TraceConfig};
+
+fn main() {
+    let (mut replays, mut arena_mib, mut pairs) = (3usize, 1024u64, 1_000_000u64);
+    let mut seed = TraceConfig::default().seed;
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let value = args.next().unwrap_or_default();
+        let n: u64 = value.parse().unwrap_or_else(|_| panic!("{flag} needs a number"));
+        match flag.as_str() {
+            "--replays" => replays = n as usize,
+            "--arena-mib" => arena_mib = n,
+            "--seed" => seed = n,
+            "--pairs" => pairs = n,
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    let trace = generate(&TraceConfig {
+        seed,
+        ..TraceConfig::default()
+    });
+    let backend = SimBackend::new(SimConfig {
+        capacity: 256 << 30,
+        ..SimConfig::default()
+    })
+    .unwrap();
+    let config = PoolConfig {
+        validate: false,
+        arena_size: arena_mib << 20,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::new(Arc::new(backend), config).unwrap();
+    let t = Instant::now();
+    for _ in 0..pairs {
+        let a = pool.alloc(0, 2 << 20, StreamId(1)).unwrap();
+        pool.free(a.ptr).unwrap();
+    }
+    if pairs > 0 {
+        let ns = t.elapsed().as_nanos() as f64 / pairs as f64;
+        println!("2 MiB alloc+free pair: {ns:.1} ns");
+    }
+    let mut ptrs = vec![0u64; trace.allocs as usize];
+    for r in 0..replays {
+        let t = Instant::now();
+        for op in &trace.ops {
+            match *op {
+                Op::Alloc { id, bytes, stream } => {
+                    ptrs[id as usize] = pool.alloc(0, bytes, StreamId(stream)).unwrap().ptr;
+                }
+                Op::Free { id } => pool.free(ptrs[id as usize]).unwrap(),
+            }
+        }
+        let ns = t.elapsed().as_nanos() as f64 / trace.ops.len() as f64;
+        let s = pool.stats(0).unwrap();
+        println!(
+            "replay {r}: {ns:.1} ns/op, peak reserved {} MiB, arenas {}",
+            s.peak_reserved_bytes >> 20,
+            s.arenas
+        );
+    }
+}
