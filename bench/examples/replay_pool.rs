@@ -23,7 +23,9 @@ fn main() {
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().unwrap_or_default();
-        let n: u64 = value.parse().unwrap_or_else(|_| panic!("{flag} needs a number"));
+        let n: u64 = value
+            .parse()
+            .unwrap_or_else(|_| panic!("{flag} needs a number"));
         match flag.as_str() {
             "--replays" => replays = n as usize,
             "--arena-mib" => arena_mib = n,
