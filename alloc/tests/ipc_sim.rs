@@ -526,3 +526,114 @@ fn legacy_pin_arenas_are_recycled_while_naive_export_per_allocation_grows() {
     assert!(naive_held[1] > naive_held[0], "naive grows every cycle");
     assert_eq!(oom_at, Some(3), "and runs out of memory in cycle 3");
 }
+
+/// A "producer" socket that accepts connections and never answers (a hung producer).
+fn silent_broker(name: &str) -> std::os::fd::OwnedFd {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let s = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .unwrap();
+    let addr = SocketAddrUnix::new_abstract_name(name.as_bytes()).unwrap();
+    rustix::net::bind(&s, &addr).unwrap();
+    rustix::net::listen(&s, 8).unwrap();
+    s
+}
+
+#[test]
+fn a_producer_that_never_answers_delays_only_its_own_imports() {
+    let (sim, pool, broker) = producer(SimConfig::default(), 64 * MIB);
+    let importer = Arc::new(Importer::new(sim.clone() as Arc<dyn Backend>));
+    let a = pool.alloc(0, 4 * MIB, S).unwrap();
+    let h = broker.share(a.ptr, 4 * MIB).unwrap();
+    // The same handle, pointed at a socket of this process that never replies.
+    let hung_name = format!("gpu-arena.test-hung.{}", std::process::id());
+    let _hung = silent_broker(&hung_name);
+    let mut hung = h.clone();
+    hung.socket_name = hung_name;
+    let stuck = {
+        let importer = importer.clone();
+        std::thread::spawn(move || {
+            let t = std::time::Instant::now();
+            (importer.import(&hung), t.elapsed())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200)); // the stuck import waits for its reply
+    let t = std::time::Instant::now();
+    let p = importer.import(&h).unwrap();
+    importer.close(p).unwrap();
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "an import and close from a healthy producer took {took:?} behind a hung one"
+    );
+    let (stuck_result, waited) = stuck.join().unwrap();
+    let e = stuck_result.unwrap_err();
+    assert!(e.to_string().contains("did not answer"), "{e}");
+    assert!(waited >= Duration::from_secs(5), "gave up after {waited:?}");
+    // Nothing is left of either: no import, no mapping, no connection.
+    let st = importer.stats();
+    assert_eq!((st.imports_live, st.arenas_mapped, st.producers), (0, 0, 0));
+    broker.unshare(&h).unwrap();
+    pool.free(a.ptr).unwrap();
+    pool.validate(0).unwrap();
+}
+
+#[test]
+fn concurrent_imports_and_closes_of_one_arena_map_it_once_and_leave_nothing() {
+    let _g = SERIAL.lock();
+    let (sim, pool, broker) = producer(SimConfig::default(), 64 * MIB);
+    let fds = fd_count();
+    let importer = Arc::new(Importer::new(sim.clone() as Arc<dyn Backend>));
+    // Eight 1 MiB allocations in one arena, each filled with its index.
+    let allocs: Vec<_> = (0..8u8)
+        .map(|i| {
+            let a = pool.alloc(0, MIB, S).unwrap();
+            // SAFETY: sim pointers are live host mappings of the allocation's size.
+            unsafe { std::ptr::write_bytes(a.ptr as *mut u8, i, a.bytes as usize) };
+            a
+        })
+        .collect();
+    let handles: Vec<_> = allocs
+        .iter()
+        .map(|a| broker.share(a.ptr, MIB).unwrap())
+        .collect();
+    let threads: Vec<_> = handles
+        .iter()
+        .enumerate()
+        .map(|(i, h)| {
+            let (importer, h) = (importer.clone(), h.clone());
+            std::thread::spawn(move || {
+                for _ in 0..200 {
+                    let p = importer.import(&h).unwrap();
+                    // SAFETY: p maps the 1 MiB allocation `i`, filled with `i`.
+                    let v = unsafe { *((p + MIB - 1) as *const u8) };
+                    assert_eq!(v, i as u8, "import of share {i} reads another range");
+                    assert!(importer.stats().arenas_mapped <= 1, "arena mapped twice");
+                    importer.close(p).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let st = importer.stats();
+    assert_eq!((st.imports_live, st.arenas_mapped, st.producers), (0, 0, 0));
+    for h in &handles {
+        broker.unshare(h).unwrap();
+    }
+    for a in &allocs {
+        pool.free(a.ptr).unwrap();
+    }
+    assert_eq!(pool.stats(0).unwrap().imports_live, 0);
+    pool.empty_cache(None).unwrap();
+    wait_until("broker connection closed", Duration::from_secs(2), || {
+        broker.stats().connections_live == 0
+    });
+    assert_eq!(fd_count(), fds, "no fd leaked");
+    assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+}

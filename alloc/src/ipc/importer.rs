@@ -7,13 +7,21 @@
 //! driver call, no fd). `close(ptr)` ends the lease; when the last lease on an arena ends,
 //! the arena is unmapped and the broker told. A producer that died leaves the mappings
 //! valid (the mapping holds the memory): closing them still succeeds and releases it.
+//!
+//! **Locks.** The importer's state (connections, mappings, imports) has one lock, held only
+//! for bookkeeping and the driver's map / unmap; each connection has its own lock, held for
+//! one request and its reply. A producer that is slow to answer (up to the 10 s reply
+//! timeout) therefore delays only imports and closes of its own shares. An arena is held by
+//! its live imports *and* its imports in flight, so a concurrent last close never unmaps
+//! an arena an import is about to use; two first imports of one arena may both ask for the
+//! fd, and the second to come back drops its copy.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 
 use crate::backend::{Backend, DeviceId, ImportSource, Mapping};
@@ -29,10 +37,15 @@ type ProducerKey = (u32, String);
 /// (producer, device, arena id): one mapped arena.
 type ArenaKey = (ProducerKey, DeviceId, u64);
 
+/// A connection to one broker: one request and its reply at a time.
+type Conn = Arc<Mutex<OwnedFd>>;
+
 #[derive(Debug)]
 struct MappedArena {
-    mapping: Mapping,
-    imports: u64,
+    /// `None` until the first import's fd came back and was mapped.
+    mapping: Option<Mapping>,
+    /// Live imports plus imports in flight: the arena is unmapped when this reaches 0.
+    holders: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -45,7 +58,7 @@ struct ImportRecord {
 
 #[derive(Debug, Default)]
 struct ImporterState {
-    conns: HashMap<ProducerKey, OwnedFd>,
+    conns: HashMap<ProducerKey, Conn>,
     arenas: HashMap<ArenaKey, MappedArena>,
     /// Imported pointer -> its imports (the same range can be imported more than once).
     imports: HashMap<u64, Vec<ImportRecord>>,
@@ -104,79 +117,105 @@ impl Importer {
         }
         let producer: ProducerKey = (handle.producer_pid, handle.socket_name.clone());
         let arena_key: ArenaKey = (producer.clone(), info.device, info.arena_id);
-        let mut st = self.state.lock();
-        let fresh = !st.conns.contains_key(&producer);
-        if fresh {
-            let conn = connect(handle)?;
-            st.conns.insert(producer.clone(), conn);
-        }
-        let mapped = st.arenas.contains_key(&arena_key);
+        let conn = self.connection(handle, &producer)?;
+        // Hold the arena for this import before asking: a concurrent last close then
+        // leaves its mapping alone.
+        let want_fd = {
+            let mut st = self.state.lock();
+            let slot = st.arenas.entry(arena_key.clone()).or_insert(MappedArena {
+                mapping: None,
+                holders: 0,
+            });
+            slot.holders += 1;
+            slot.mapping.is_none()
+        };
         let req = Request {
             op: Op::Open,
-            want_fd: !mapped,
+            want_fd,
             device: info.device,
             key: info.share_key,
             arena_id: info.arena_id,
             token: info.token,
         };
-        let (reply, fd) = match st.conns.get(&producer) {
-            Some(conn) => round_trip(conn, &req),
-            None => Err(Error::Internal("connection vanished".into())),
-        }
-        .inspect_err(|_| {
+        let answer = round_trip(&conn.lock(), &req);
+        let mut st = self.state.lock();
+        // A failed import lets go of the arena and of the lease it was granted, if any (after
+        // the state lock: that is a round trip).
+        let fail = |mut st: MutexGuard<'_, ImporterState>, lease: Option<u32>, e: Error| {
+            // Don't let an unmap error hide the import's own error.
+            let _ = self.release_arena(&mut st, &arena_key);
             // Dropping the connection ends every lease on it at the broker: only when no
-            // import of this producer is live (their memory must stay reserved there).
-            if !st.arenas.keys().any(|k| k.0 == producer) {
+            // import of this producer is live or in flight (their memory must stay reserved
+            // there). A broker that refused a new peer (uid, connection cap) hung up: with
+            // no other import on it, that socket goes too and the next import reconnects.
+            let unused = !st.arenas.keys().any(|k| k.0 == producer);
+            if unused
+                && st
+                    .conns
+                    .get(&producer)
+                    .is_some_and(|c| Arc::ptr_eq(c, &conn))
+            {
                 st.conns.remove(&producer);
             }
-        })?;
+            drop(st);
+            if let Some(lease) = lease {
+                close_lease_quietly(&conn, info.device, lease);
+            }
+            Err(e)
+        };
+        let (reply, fd) = match answer {
+            Ok(r) => r,
+            Err(e) => return fail(st, None, e),
+        };
         if !reply.ok {
-            // A broker that refuses a new peer (uid, connection cap) hangs up: do not keep
-            // that socket, the next import connects again.
-            if fresh {
-                st.conns.remove(&producer);
-            }
-            return Err(Error::Ipc(format!(
+            let e = Error::Ipc(format!(
                 "producer pid {} refused the import: {}",
                 handle.producer_pid, reply.message
-            )));
+            ));
+            return fail(st, None, e);
         }
         if reply.arena_bytes != info.arena_bytes {
-            self.close_lease_quietly(&st, &producer, info.device, reply.lease_key);
-            return Err(Error::Ipc(format!(
+            let e = Error::Ipc(format!(
                 "producer says the arena is {} bytes, the handle says {}",
                 reply.arena_bytes, info.arena_bytes
-            )));
+            ));
+            return fail(st, Some(reply.lease_key), e);
         }
+        let mapped = st
+            .arenas
+            .get(&arena_key)
+            .is_some_and(|a| a.mapping.is_some());
         if !mapped {
+            // This import asked for the fd (an arena is unmapped only with no holders).
             let Some(fd) = fd else {
-                self.close_lease_quietly(&st, &producer, info.device, reply.lease_key);
-                return Err(Error::Ipc("producer sent no fd".into()));
+                let e = Error::Ipc("producer sent no fd".into());
+                return fail(st, Some(reply.lease_key), e);
             };
             // The mapping holds the memory; the fd is closed when `fd` drops below.
             let mapping =
                 self.backend
                     .import(info.device, ImportSource::Fd(fd.as_fd()), info.arena_bytes);
-            let mapping = match mapping {
-                Ok(m) => m,
-                Err(e) => {
-                    self.close_lease_quietly(&st, &producer, info.device, reply.lease_key);
-                    return Err(e);
+            match (mapping, st.arenas.get_mut(&arena_key)) {
+                (Ok(m), Some(a)) => a.mapping = Some(m),
+                (Ok(m), None) => {
+                    let _ = self.backend.unmap_import(m);
+                    let e = Error::Internal("arena record vanished while held".into());
+                    return fail(st, Some(reply.lease_key), e);
                 }
-            };
-            st.arenas.insert(
-                arena_key.clone(),
-                MappedArena {
-                    mapping,
-                    imports: 0,
-                },
-            );
+                (Err(e), _) => return fail(st, Some(reply.lease_key), e),
+            }
         }
-        let Some(arena) = st.arenas.get_mut(&arena_key) else {
-            return Err(Error::Internal("mapping vanished".into()));
+        // (An fd that a concurrent import's mapping made unnecessary is closed here.)
+        let Some(base) = st
+            .arenas
+            .get(&arena_key)
+            .and_then(|a| a.mapping.as_ref())
+            .map(|m| m.base)
+        else {
+            let e = Error::Internal("mapping vanished while held".into());
+            return fail(st, Some(reply.lease_key), e);
         };
-        arena.imports += 1;
-        let ptr = arena.mapping.base + info.offset;
+        let ptr = base + info.offset;
         st.imports.entry(ptr).or_default().push(ImportRecord {
             arena: arena_key,
             lease_key: reply.lease_key,
@@ -186,27 +225,62 @@ impl Importer {
         Ok(ptr)
     }
 
-    /// Close one import of `ptr`. The last import of an arena unmaps it.
-    pub fn close(&self, ptr: u64) -> Result<()> {
+    /// The connection to `producer`, made (outside the state lock) when there is none.
+    fn connection(&self, handle: &ShareHandle, producer: &ProducerKey) -> Result<Conn> {
+        if let Some(c) = self.state.lock().conns.get(producer) {
+            return Ok(c.clone());
+        }
+        let made = Arc::new(Mutex::new(connect(handle)?));
+        // Another import may have connected meanwhile: use the one in the table (ours is
+        // closed unused).
         let mut st = self.state.lock();
-        for m in std::mem::take(&mut st.stranded) {
-            if self.backend.unmap_import(m.clone()).is_err() {
-                st.stranded.push(m);
+        Ok(st.conns.entry(producer.clone()).or_insert(made).clone())
+    }
+
+    /// One holder of `key` is gone: the last one unmaps the arena.
+    fn release_arena(&self, st: &mut ImporterState, key: &ArenaKey) -> Option<Error> {
+        let a = st.arenas.get_mut(key)?;
+        a.holders -= 1;
+        if a.holders > 0 {
+            return None;
+        }
+        let mapping = st.arenas.remove(key)?.mapping?;
+        // Unmapping waits for nothing: the consumer owns the ordering of its work.
+        match self.backend.unmap_import(mapping.clone()) {
+            Ok(()) => None,
+            Err(e) => {
+                st.stranded.push(mapping);
+                Some(e)
             }
         }
-        let rec = match st.imports.get_mut(&ptr) {
-            Some(list) => list.pop(),
-            None => None,
-        }
-        .ok_or_else(|| Error::UnknownPointer {
-            ptr,
-            why: "not an imported pointer (never imported, or already closed)".into(),
-        })?;
-        if st.imports.get(&ptr).is_some_and(Vec::is_empty) {
-            st.imports.remove(&ptr);
-        }
+    }
+
+    /// Close one import of `ptr`. The last import of an arena unmaps it.
+    pub fn close(&self, ptr: u64) -> Result<()> {
+        let (rec, conn) = {
+            let mut st = self.state.lock();
+            for m in std::mem::take(&mut st.stranded) {
+                if self.backend.unmap_import(m.clone()).is_err() {
+                    st.stranded.push(m);
+                }
+            }
+            let rec = match st.imports.get_mut(&ptr) {
+                Some(list) => list.pop(),
+                None => None,
+            }
+            .ok_or_else(|| Error::UnknownPointer {
+                ptr,
+                why: "not an imported pointer (never imported, or already closed)".into(),
+            })?;
+            if st.imports.get(&ptr).is_some_and(Vec::is_empty) {
+                st.imports.remove(&ptr);
+            }
+            let conn = st.conns.get(&rec.arena.0).cloned();
+            (rec, conn)
+        };
         let producer = rec.arena.0.clone();
-        // Tell the broker first; a dead producer is fine (its side is gone already).
+        // Tell the broker first (without the state lock); a dead producer is fine (its
+        // side is gone already).
         let req = Request {
             op: Op::Close,
             want_fd: false,
@@ -216,43 +290,28 @@ impl Importer {
             token: [0; 16],
         };
         let mut refused = None;
-        if let Some(conn) = st.conns.get(&producer) {
-            match round_trip(conn, &req) {
+        if let Some(conn) = &conn {
+            match round_trip(&conn.lock(), &req) {
                 Ok((reply, _)) if !reply.ok => {
                     tracing::warn!(message = %reply.message, "producer refused a lease close");
                     refused = Some(reply.message);
                 }
                 Ok(_) => {}
-                Err(e) => {
-                    // A producer that exited (or hung up) released its side already; once
-                    // no import of it is live, the connection goes.
-                    tracing::debug!(error = %e, "producer unreachable at close");
-                    let others = st.imports.values().flatten().any(|r| r.arena.0 == producer);
-                    if !others {
-                        st.conns.remove(&producer);
-                    }
-                }
+                Err(e) => tracing::debug!(error = %e, "producer unreachable at close"),
             }
         }
-        let last = match st.arenas.get_mut(&rec.arena) {
-            Some(a) => {
-                a.imports -= 1;
-                a.imports == 0
-            }
-            None => false,
-        };
-        if last {
-            if let Some(a) = st.arenas.remove(&rec.arena) {
-                // Unmapping waits for nothing: the consumer owns the ordering of its work.
-                if let Err(e) = self.backend.unmap_import(a.mapping.clone()) {
-                    st.stranded.push(a.mapping);
-                    return Err(e);
-                }
-            }
-            let still_used = st.arenas.keys().any(|k| k.0 == producer);
-            if !still_used {
-                st.conns.remove(&producer);
-            }
+        let mut st = self.state.lock();
+        let unmap_error = self.release_arena(&mut st, &rec.arena);
+        // Once no import of this producer is live or in flight, the connection goes (a
+        // producer that exited or hung up released its side already).
+        let still_used = st.arenas.keys().any(|k| k.0 == producer);
+        let same = |c: &Conn| conn.as_ref().is_some_and(|mine| Arc::ptr_eq(c, mine));
+        if !still_used && st.conns.get(&producer).is_some_and(same) {
+            st.conns.remove(&producer);
+        }
+        drop(st);
+        if let Some(e) = unmap_error {
+            return Err(e);
         }
         match refused {
             // Closed here (unmapped if it was the last import); the producer disagrees.
@@ -274,28 +333,8 @@ impl Importer {
         let st = self.state.lock();
         ImporterStats {
             imports_live: st.imports.values().map(|v| v.len() as u64).sum(),
-            arenas_mapped: st.arenas.len() as u64,
+            arenas_mapped: st.arenas.values().filter(|a| a.mapping.is_some()).count() as u64,
             producers: st.conns.len() as u64,
-        }
-    }
-
-    fn close_lease_quietly(
-        &self,
-        st: &ImporterState,
-        producer: &ProducerKey,
-        device: DeviceId,
-        lease: u32,
-    ) {
-        if let Some(conn) = st.conns.get(producer) {
-            let req = Request {
-                op: Op::Close,
-                want_fd: false,
-                device,
-                key: lease,
-                arena_id: 0,
-                token: [0; 16],
-            };
-            let _ = round_trip(conn, &req);
         }
     }
 }
@@ -310,7 +349,12 @@ impl Drop for Importer {
             );
         }
         let stranded = std::mem::take(&mut st.stranded);
-        for mapping in st.arenas.drain().map(|(_, a)| a.mapping).chain(stranded) {
+        for mapping in st
+            .arenas
+            .drain()
+            .filter_map(|(_, a)| a.mapping)
+            .chain(stranded)
+        {
             if let Err(e) = self.backend.unmap_import(mapping) {
                 tracing::error!(error = %e, "unmapping an import at teardown failed");
             }
@@ -346,6 +390,20 @@ fn connect(handle: &ShareHandle) -> Result<OwnedFd> {
     }
     wire::set_recv_timeout(&sock, REPLY_TIMEOUT)?;
     Ok(sock)
+}
+
+/// End a lease this importer will not use (an import that failed after the broker granted
+/// it); errors are ignored: the broker drops it with the connection anyway.
+fn close_lease_quietly(conn: &Conn, device: DeviceId, lease: u32) {
+    let req = Request {
+        op: Op::Close,
+        want_fd: false,
+        device,
+        key: lease,
+        arena_id: 0,
+        token: [0; 16],
+    };
+    let _ = round_trip(&conn.lock(), &req);
 }
 
 /// Send a request and wait for its reply (and fd).
