@@ -16,7 +16,7 @@
 //! an arena an import is about to use; two first imports of one arena may both ask for the
 //! fd, and the second to come back drops its copy.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,8 +37,17 @@ type ProducerKey = (u32, String);
 /// (producer, device, arena id): one mapped arena.
 type ArenaKey = (ProducerKey, DeviceId, u64);
 
-/// A connection to one broker: one request and its reply at a time.
-type Conn = Arc<Mutex<OwnedFd>>;
+/// A connection to one broker: one request and its reply at a time, under its lock.
+type Conn = Arc<Mutex<Connection>>;
+
+#[derive(Debug)]
+struct Connection {
+    sock: OwnedFd,
+    /// Requests whose replies this side stopped waiting for (timed out), oldest first. The
+    /// broker answers every request, in order: their replies, when they come, precede the
+    /// next request's and are discarded (with any fd, and any lease they granted is ended).
+    unanswered: VecDeque<Request>,
+}
 
 #[derive(Debug)]
 struct MappedArena {
@@ -82,14 +91,21 @@ pub struct ImporterStats {
 pub struct Importer {
     backend: Arc<dyn Backend>,
     state: Mutex<ImporterState>,
+    reply_timeout: Duration,
 }
 
 impl Importer {
-    /// An importer mapping through `backend`.
+    /// An importer mapping through `backend`, waiting up to 10 s for a producer's reply.
     pub fn new(backend: Arc<dyn Backend>) -> Importer {
+        Importer::with_reply_timeout(backend, REPLY_TIMEOUT)
+    }
+
+    /// An importer that waits up to `reply_timeout` for each reply of a producer.
+    pub fn with_reply_timeout(backend: Arc<dyn Backend>, reply_timeout: Duration) -> Importer {
         Importer {
             backend,
             state: Mutex::new(ImporterState::default()),
+            reply_timeout,
         }
     }
 
@@ -137,7 +153,7 @@ impl Importer {
             arena_id: info.arena_id,
             token: info.token,
         };
-        let answer = round_trip(&conn.lock(), &req);
+        let answer = round_trip(&mut conn.lock(), &req);
         let mut st = self.state.lock();
         // A failed import lets go of the arena and of the lease it was granted, if any (after
         // the state lock: that is a round trip).
@@ -230,7 +246,10 @@ impl Importer {
         if let Some(c) = self.state.lock().conns.get(producer) {
             return Ok(c.clone());
         }
-        let made = Arc::new(Mutex::new(connect(handle)?));
+        let made = Arc::new(Mutex::new(Connection {
+            sock: connect(handle, self.reply_timeout)?,
+            unanswered: VecDeque::new(),
+        }));
         // Another import may have connected meanwhile: use the one in the table (ours is
         // closed unused).
         let mut st = self.state.lock();
@@ -291,7 +310,7 @@ impl Importer {
         };
         let mut refused = None;
         if let Some(conn) = &conn {
-            match round_trip(&conn.lock(), &req) {
+            match round_trip(&mut conn.lock(), &req) {
                 Ok((reply, _)) if !reply.ok => {
                     tracing::warn!(message = %reply.message, "producer refused a lease close");
                     refused = Some(reply.message);
@@ -363,7 +382,7 @@ impl Drop for Importer {
 }
 
 /// Connect to the producer's broker and check the socket belongs to the pid in the handle.
-fn connect(handle: &ShareHandle) -> Result<OwnedFd> {
+fn connect(handle: &ShareHandle, reply_timeout: Duration) -> Result<OwnedFd> {
     let unreachable = |e: &dyn std::fmt::Display| {
         Error::Ipc(format!(
             "producer pid {} (socket `{}`) unreachable: {e}",
@@ -388,7 +407,7 @@ fn connect(handle: &ShareHandle) -> Result<OwnedFd> {
             handle.socket_name, handle.producer_pid
         )));
     }
-    wire::set_recv_timeout(&sock, REPLY_TIMEOUT)?;
+    wire::set_recv_timeout(&sock, reply_timeout)?;
     Ok(sock)
 }
 
@@ -403,34 +422,137 @@ fn close_lease_quietly(conn: &Conn, device: DeviceId, lease: u32) {
         arena_id: 0,
         token: [0; 16],
     };
-    let _ = round_trip(&conn.lock(), &req);
+    let _ = round_trip(&mut conn.lock(), &req);
 }
 
-/// Send a request and wait for its reply (and fd).
-fn round_trip(conn: &OwnedFd, req: &Request) -> Result<(Reply, Option<OwnedFd>)> {
-    let sent = wire::send(conn.as_fd(), &req.encode(), None);
-    // A broker that refused us (uid check) replied and hung up before our request: its
-    // reply is still queued and says why, so read it even when the send failed.
-    let received = wire::recv(conn.as_fd());
-    if let Err(e) = sent {
-        if let Ok(Received::Packet(bytes, _)) = &received {
-            if let Ok(reply) = Reply::decode(bytes) {
-                return Ok((reply, None));
+/// Send a request and wait for its reply (and fd), discarding the late replies of requests
+/// that timed out before it.
+fn round_trip(conn: &mut Connection, req: &Request) -> Result<(Reply, Option<OwnedFd>)> {
+    let sent = wire::send(conn.sock.as_fd(), &req.encode(), None);
+    let mut stale_leases = Vec::new();
+    let answer = loop {
+        let received = wire::recv(conn.sock.as_fd());
+        if let Err(e) = sent {
+            // A broker that refused us (uid check) replied and hung up before our request:
+            // its reply is still queued and says why, so read it even when the send failed.
+            if conn.unanswered.is_empty() {
+                if let Ok(Received::Packet(bytes, _)) = &received {
+                    if let Ok(reply) = Reply::decode(bytes) {
+                        break Ok((reply, None));
+                    }
+                }
+            }
+            break Err(e);
+        }
+        match received? {
+            Received::Packet(bytes, fds) => {
+                let reply = Reply::decode(&bytes);
+                if let Some(late) = conn.unanswered.pop_front() {
+                    // The reply to a request this side gave up on: its fds close here.
+                    if let (Op::Open, Ok(r)) = (late.op, &reply) {
+                        if r.ok {
+                            stale_leases.push((late.device, r.lease_key));
+                        }
+                    }
+                    tracing::debug!(op = ?late.op, "discarded a late reply");
+                    continue;
+                }
+                break Ok((reply?, fds.into_iter().next()));
+            }
+            Received::Closed => {
+                break Err(Error::Ipc(
+                    "the producer closed the connection (did it exit?)".into(),
+                ))
+            }
+            Received::TimedOut => {
+                conn.unanswered.push_back(req.clone());
+                break Err(Error::Ipc(
+                    "the producer did not answer in time (the reply timeout passed)".into(),
+                ));
             }
         }
-        return Err(e);
+    };
+    // Leases granted to requests that timed out: nobody uses them.
+    for (device, lease) in stale_leases {
+        let close = Request {
+            op: Op::Close,
+            want_fd: false,
+            device,
+            key: lease,
+            arena_id: 0,
+            token: [0; 16],
+        };
+        let _ = round_trip(conn, &close);
     }
-    match received? {
-        Received::Packet(bytes, fds) => {
-            let reply = Reply::decode(&bytes)?;
-            Ok((reply, fds.into_iter().next()))
-        }
-        Received::Closed => Err(Error::Ipc(
-            "the producer closed the connection (did it exit?)".into(),
-        )),
-        Received::TimedOut => Err(Error::Ipc(format!(
-            "the producer did not answer within {} s",
-            REPLY_TIMEOUT.as_secs()
-        ))),
+    answer
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// A broker that answers the first request only after the consumer gave up on it, and
+    /// every later one at once: the late answer must not be taken for the next request's,
+    /// and the lease it granted is ended.
+    #[test]
+    fn a_late_reply_is_discarded_and_its_lease_ended() {
+        let (ours, theirs) = rustix::net::socketpair(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap();
+        let broker = std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            for i in 0..3 {
+                let Ok(Received::Packet(bytes, _)) = wire::recv(theirs.as_fd()) else {
+                    break;
+                };
+                let req = Request::decode(&bytes).unwrap();
+                seen.push((req.op, req.key));
+                let reply = if i == 0 {
+                    std::thread::sleep(Duration::from_millis(450));
+                    Reply {
+                        ok: true,
+                        pinning: false,
+                        lease_key: 77,
+                        arena_bytes: 1 << 20,
+                        message: String::new(),
+                    }
+                } else {
+                    Reply::error(format!("answer to request {i}"))
+                };
+                wire::send(theirs.as_fd(), &reply.encode(), None).unwrap();
+            }
+            seen
+        });
+        wire::set_recv_timeout(&ours, Duration::from_millis(300)).unwrap();
+        let mut conn = Connection {
+            sock: ours,
+            unanswered: VecDeque::new(),
+        };
+        let open = |key| Request {
+            op: Op::Open,
+            want_fd: false,
+            device: 0,
+            key,
+            arena_id: 1,
+            token: [0; 16],
+        };
+        let first = round_trip(&mut conn, &open(5)).unwrap_err();
+        assert!(first.to_string().contains("did not answer"), "{first}");
+        assert_eq!(conn.unanswered.len(), 1);
+        let (second, _) = round_trip(&mut conn, &open(6)).unwrap();
+        assert_eq!(second.message, "answer to request 1", "took the late reply");
+        assert!(conn.unanswered.is_empty());
+        drop(conn);
+        let seen = broker.join().unwrap();
+        assert_eq!(
+            seen,
+            vec![(Op::Open, 5), (Op::Open, 6), (Op::Close, 77)],
+            "the lease granted late is ended"
+        );
     }
 }
