@@ -22,6 +22,13 @@
 //! an allocation: at free, an event is recorded on every such T and the range is released
 //! only when all of them completed (as PyTorch's caching allocator does).
 //!
+//! **Cache.** A plain free (not shared, no other stream) of a block up to
+//! [`CACHE_MAX_BLOCK`] keeps it whole in an exact-size cache keyed by (stream, length) and
+//! bounded at a quarter of the reserved bytes: the next request of that length on that
+//! stream takes it with two hash operations and no sub-allocator call. On a miss that would
+//! otherwise grow the pool, cached blocks go back to the sub-allocator, where they
+//! coalesce: those above [`FLUSH_FIRST_ABOVE`] first, then the rest.
+//!
 //! **Out of memory.** When the backend refuses memory, the pool synchronizes the device,
 //! releases every completed free, destroys its empty cached arenas and retries once; then it
 //! returns [`Error::OutOfMemory`] and stays valid.
