@@ -301,12 +301,8 @@ impl Importer {
         // Tell the broker first (without the state lock); a dead producer is fine (its
         // side is gone already).
         let req = Request {
-            op: Op::Close,
-            want_fd: false,
-            device: rec.device,
-            key: rec.lease_key,
             arena_id: rec.arena.2,
-            token: [0; 16],
+            ..close_request(rec.device, rec.lease_key)
         };
         let mut refused = None;
         if let Some(conn) = &conn {
@@ -414,15 +410,19 @@ fn connect(handle: &ShareHandle, reply_timeout: Duration) -> Result<OwnedFd> {
 /// End a lease this importer will not use (an import that failed after the broker granted
 /// it); errors are ignored: the broker drops it with the connection anyway.
 fn close_lease_quietly(conn: &Conn, device: DeviceId, lease: u32) {
-    let req = Request {
+    let _ = round_trip(&mut conn.lock(), &close_request(device, lease));
+}
+
+/// The request that ends lease `lease` on `device`.
+fn close_request(device: DeviceId, lease: u32) -> Request {
+    Request {
         op: Op::Close,
         want_fd: false,
         device,
         key: lease,
         arena_id: 0,
         token: [0; 16],
-    };
-    let _ = round_trip(&mut conn.lock(), &req);
+    }
 }
 
 /// Send a request and wait for its reply (and fd), discarding the late replies of requests
@@ -474,15 +474,7 @@ fn round_trip(conn: &mut Connection, req: &Request) -> Result<(Reply, Option<Own
     };
     // Leases granted to requests that timed out: nobody uses them.
     for (device, lease) in stale_leases {
-        let close = Request {
-            op: Op::Close,
-            want_fd: false,
-            device,
-            key: lease,
-            arena_id: 0,
-            token: [0; 16],
-        };
-        let _ = round_trip(conn, &close);
+        let _ = round_trip(conn, &close_request(device, lease));
     }
     answer
 }
