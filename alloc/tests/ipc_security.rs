@@ -34,8 +34,8 @@ use gpu_arena::ipc::{Broker, BrokerConfig, Importer, ShareHandle, HANDLE_BYTES};
 use gpu_arena::{Error, Pool, PoolConfig, StreamId};
 use rand::{Rng, SeedableRng};
 use rustix::net::{
-    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
-    SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, SocketAddrUnix,
 };
 
 const MIB: u64 = 1 << 20;
@@ -144,13 +144,7 @@ impl Got {
 }
 
 fn raw_connect(name: &str) -> OwnedFd {
-    let s = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )
-    .unwrap();
+    let s = common::seqpacket_socket();
     rustix::net::connect(
         &s,
         &SocketAddrUnix::new_abstract_name(name.as_bytes()).unwrap(),

@@ -529,15 +529,8 @@ fn legacy_pin_arenas_are_recycled_while_naive_export_per_allocation_grows() {
 
 /// A "producer" socket that accepts connections and never answers (a hung producer).
 fn silent_broker(name: &str) -> std::os::fd::OwnedFd {
-    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-    let s = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )
-    .unwrap();
-    let addr = SocketAddrUnix::new_abstract_name(name.as_bytes()).unwrap();
+    let s = common::seqpacket_socket();
+    let addr = rustix::net::SocketAddrUnix::new_abstract_name(name.as_bytes()).unwrap();
     rustix::net::bind(&s, &addr).unwrap();
     rustix::net::listen(&s, 8).unwrap();
     s

@@ -35,3 +35,14 @@ pub fn unhex(s: &str) -> Vec<u8> {
         .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
         .collect()
 }
+
+/// A new SEQPACKET unix socket (the broker protocol's), close-on-exec.
+pub fn seqpacket_socket() -> std::os::fd::OwnedFd {
+    rustix::net::socket_with(
+        rustix::net::AddressFamily::UNIX,
+        rustix::net::SocketType::SEQPACKET,
+        rustix::net::SocketFlags::CLOEXEC,
+        None,
+    )
+    .expect("socket(AF_UNIX, SOCK_SEQPACKET)")
+}
