@@ -395,9 +395,13 @@ impl RangeAllocator {
         out
     }
 
-    /// Free bytes under `tag`.
-    pub fn free_bytes(&self, tag: u64) -> u64 {
-        self.tag_bytes.get(&tag).copied().unwrap_or(0)
+    /// Free bytes under the tags in `tags`, without listing them.
+    pub fn free_bytes_in(&self, tags: std::ops::RangeInclusive<u64>) -> u64 {
+        self.tag_bytes
+            .iter()
+            .filter(|(t, _)| tags.contains(t))
+            .map(|(_, b)| b)
+            .sum()
     }
 
     /// Cheap counters.
@@ -700,6 +704,8 @@ mod tests {
         r.free(b, 9).unwrap();
         assert_eq!(r.alloc(MIB, 0), None, "tag 0 has nothing free");
         assert_eq!(r.free_tags(), vec![(7, 4 * MIB), (9, 4 * MIB)]);
+        assert_eq!(r.free_bytes_in(7..=9), 8 * MIB);
+        assert_eq!(r.free_bytes_in(8..=u64::MAX), 4 * MIB);
         assert!(r.region_is_unused(0));
         assert_eq!(r.remove_region(0), Err(RangeError::RegionInUse(0)));
         assert_eq!(r.retag(7, 0), 4 * MIB);

@@ -102,12 +102,7 @@ impl DeviceState {
 
     /// Free bytes in limbo tags: freed on some stream, waiting for its event.
     pub(super) fn limbo_bytes(&self) -> u64 {
-        self.ranges
-            .free_tags()
-            .iter()
-            .filter(|(tag, _)| *tag >= LIMBO_BASE && *tag != ANY_STREAM)
-            .map(|(_, bytes)| bytes)
-            .sum()
+        self.ranges.free_bytes_in(LIMBO_BASE..=ANY_STREAM - 1)
     }
 
     /// The limbo tag holding `stream`'s own earlier frees (reusable by that stream at once).

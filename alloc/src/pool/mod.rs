@@ -36,7 +36,6 @@
 //! **Locks.** One `parking_lot::Mutex` per device. Arena creation and destruction (the slow
 //! driver calls) run with the lock released.
 
-use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -526,37 +525,29 @@ impl Pool {
 
     fn free_on(&self, dp: &DevicePool, ptr: u64, requested: Option<u64>) -> Result<()> {
         let mut st = dp.state.lock();
-        // Fast path: not shared, no other streams, size as recorded — one hash probe.
-        {
-            let fast = &mut *st;
-            let plain = match fast.allocs.entry(ptr) {
-                Entry::Occupied(e) => {
-                    let l = e.get();
-                    let plain = !l.freed
-                        && l.refs == 0
-                        && l.extra_streams.is_none()
-                        && requested.is_none_or(|r| r == l.requested);
-                    plain.then(|| e.remove())
-                }
-                Entry::Vacant(_) => None,
-            };
-            if let Some(live) = plain {
-                fast.stats.free_count += 1;
-                let bytes = live.bytes();
-                let cacheable = bytes <= CACHE_MAX_BLOCK
-                    && fast.cached_bytes + bytes <= fast.stats.reserved_bytes / 4;
-                if cacheable {
-                    fast.cache_live(ptr, live);
-                } else {
-                    let tag = live_tag(&live);
-                    fast.release_live(ptr, live, tag)?;
-                }
-                dp.metrics.publish_allocated(&fast.stats);
-                if self.config.validate {
-                    fast.validate_or_log();
-                }
-                return Ok(());
+        // Fast path: not shared, no other streams, size as recorded — one hash removal.
+        let plain = st.allocs.get(&ptr).is_some_and(|l| {
+            !l.freed
+                && l.refs == 0
+                && l.extra_streams.is_none()
+                && requested.is_none_or(|r| r == l.requested)
+        });
+        if let Some(live) = plain.then(|| st.allocs.remove(&ptr)).flatten() {
+            st.stats.free_count += 1;
+            let bytes = live.bytes();
+            let cacheable =
+                bytes <= CACHE_MAX_BLOCK && st.cached_bytes + bytes <= st.stats.reserved_bytes / 4;
+            if cacheable {
+                st.cache_live(ptr, live);
+            } else {
+                let tag = live_tag(&live);
+                st.release_live(ptr, live, tag)?;
             }
+            dp.metrics.publish_allocated(&st.stats);
+            if self.config.validate {
+                st.validate_or_log();
+            }
+            return Ok(());
         }
         let live = st.check_live(ptr, dp.device)?;
         if let Some(req) = requested {
