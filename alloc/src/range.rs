@@ -471,7 +471,6 @@ impl RangeAllocator {
     /// first and last range). The span's own entries must be gone except the one at
     /// `offset`, which is replaced; it must not be in the free index. `joined`: the span
     /// was several ranges (the one after it links to the last of them).
-    #[allow(clippy::too_many_arguments)]
     fn insert_free(
         &mut self,
         offset: u64,

@@ -133,18 +133,7 @@ impl Importer {
         }
         let producer: ProducerKey = (handle.producer_pid, handle.socket_name.clone());
         let arena_key: ArenaKey = (producer.clone(), info.device, info.arena_id);
-        let conn = self.connection(handle, &producer)?;
-        // Hold the arena for this import before asking: a concurrent last close then
-        // leaves its mapping alone.
-        let want_fd = {
-            let mut st = self.state.lock();
-            let slot = st.arenas.entry(arena_key.clone()).or_insert(MappedArena {
-                mapping: None,
-                holders: 0,
-            });
-            slot.holders += 1;
-            slot.mapping.is_none()
-        };
+        let (conn, want_fd) = self.reserve(handle, &arena_key)?;
         let req = Request {
             op: Op::Open,
             want_fd,
@@ -241,19 +230,39 @@ impl Importer {
         Ok(ptr)
     }
 
-    /// The connection to `producer`, made (outside the state lock) when there is none.
-    fn connection(&self, handle: &ShareHandle, producer: &ProducerKey) -> Result<Conn> {
-        if let Some(c) = self.state.lock().conns.get(producer) {
-            return Ok(c.clone());
+    /// Hold the arena `key` for an import and take the connection to its producer, in one
+    /// critical section: a connection is dropped only when no arena of its producer has a
+    /// holder, so it cannot go between the two. A missing connection is made outside the
+    /// lock. Returns the connection and whether the arena still needs its fd (a concurrent
+    /// last close then leaves a mapped arena alone).
+    fn reserve(&self, handle: &ShareHandle, key: &ArenaKey) -> Result<(Conn, bool)> {
+        let mut made: Option<OwnedFd> = None;
+        loop {
+            let mut st = self.state.lock();
+            let conn = match (st.conns.get(&key.0).cloned(), made.take()) {
+                // (A socket made meanwhile by this call is closed unused.)
+                (Some(conn), _) => conn,
+                (None, Some(sock)) => {
+                    let conn = Arc::new(Mutex::new(Connection {
+                        sock,
+                        unanswered: VecDeque::new(),
+                    }));
+                    st.conns.insert(key.0.clone(), conn.clone());
+                    conn
+                }
+                (None, None) => {
+                    drop(st);
+                    made = Some(connect(handle, self.reply_timeout)?);
+                    continue;
+                }
+            };
+            let slot = st.arenas.entry(key.clone()).or_insert(MappedArena {
+                mapping: None,
+                holders: 0,
+            });
+            slot.holders += 1;
+            return Ok((conn, slot.mapping.is_none()));
         }
-        let made = Arc::new(Mutex::new(Connection {
-            sock: connect(handle, self.reply_timeout)?,
-            unanswered: VecDeque::new(),
-        }));
-        // Another import may have connected meanwhile: use the one in the table (ours is
-        // closed unused).
-        let mut st = self.state.lock();
-        Ok(st.conns.entry(producer.clone()).or_insert(made).clone())
     }
 
     /// One holder of `key` is gone: the last one unmaps the arena.
