@@ -45,6 +45,23 @@ pub struct ShareHandle {
     pub info: ShareInfo,
 }
 
+/// The share's range is a non-empty part of its arena.
+pub(crate) fn check_range(info: &ShareInfo) -> Result<()> {
+    let in_bounds = info.len > 0
+        && info
+            .offset
+            .checked_add(info.len)
+            .is_some_and(|end| end <= info.arena_bytes);
+    if in_bounds {
+        Ok(())
+    } else {
+        Err(Error::Ipc(format!(
+            "share handle range [{}, +{}) lies outside its {}-byte arena",
+            info.offset, info.len, info.arena_bytes
+        )))
+    }
+}
+
 fn u32_at(b: &[u8], at: usize) -> u32 {
     let mut x = [0u8; 4];
     x.copy_from_slice(&b[at..at + 4]);
@@ -124,17 +141,7 @@ impl ShareHandle {
         if producer_pid == 0 {
             return Err(Error::Ipc("share handle names no producer".into()));
         }
-        let in_bounds = info.len > 0
-            && info
-                .offset
-                .checked_add(info.len)
-                .is_some_and(|end| end <= info.arena_bytes);
-        if !in_bounds {
-            return Err(Error::Ipc(format!(
-                "share handle range [{}, +{}) lies outside its {}-byte arena",
-                info.offset, info.len, info.arena_bytes
-            )));
-        }
+        check_range(&info)?;
         let raw_name = &bytes[80..128];
         let end = raw_name
             .iter()

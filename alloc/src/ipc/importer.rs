@@ -120,17 +120,7 @@ impl Importer {
             });
         }
         // The fields are public: a handle built in code skips from_bytes's checks.
-        let in_bounds = info.len > 0
-            && info
-                .offset
-                .checked_add(info.len)
-                .is_some_and(|end| end <= info.arena_bytes);
-        if !in_bounds {
-            return Err(Error::Ipc(format!(
-                "share handle range [{}, +{}) lies outside its {}-byte arena",
-                info.offset, info.len, info.arena_bytes
-            )));
-        }
+        crate::ipc::handle::check_range(info)?;
         let producer: ProducerKey = (handle.producer_pid, handle.socket_name.clone());
         let arena_key: ArenaKey = (producer.clone(), info.device, info.arena_id);
         let (conn, want_fd) = self.reserve(handle, &arena_key)?;
