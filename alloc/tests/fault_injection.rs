@@ -11,7 +11,7 @@ use std::sync::Arc;
 use gpu_arena::backend::sim::{SimBackend, SimCall, SimConfig};
 use gpu_arena::backend::Backend;
 use gpu_arena::ipc::{Broker, BrokerConfig, Importer};
-use gpu_arena::{Pool, PoolConfig, StreamId};
+use gpu_arena::StreamId;
 
 const MIB: u64 = 1 << 20;
 
@@ -24,17 +24,7 @@ fn scenario(sim: &Arc<SimBackend>) -> usize {
             failed.set(failed.get() + 1);
         }
     };
-    let pool = Arc::new(
-        Pool::new(
-            sim.clone(),
-            PoolConfig {
-                arena_size: 64 * MIB,
-                validate: true,
-                ..PoolConfig::default()
-            },
-        )
-        .unwrap(),
-    );
+    let pool = common::validating_pool(sim, 64 * MIB);
     let (s1, s2) = (StreamId(1), StreamId(2));
     let a = pool.alloc(0, 8 * MIB, s1);
     let b = pool.alloc(0, 100 * MIB, s2); // a dedicated arena

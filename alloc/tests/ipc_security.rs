@@ -53,17 +53,7 @@ struct Producer {
 
 fn producer_with(sim: SimConfig, config: BrokerConfig) -> Producer {
     let sim = Arc::new(SimBackend::new(sim).unwrap());
-    let pool = Arc::new(
-        Pool::new(
-            sim.clone(),
-            PoolConfig {
-                arena_size: 64 * MIB,
-                validate: true,
-                ..PoolConfig::default()
-            },
-        )
-        .unwrap(),
-    );
+    let pool = common::validating_pool(&sim, 64 * MIB);
     let broker = Broker::start(pool.clone(), config).unwrap();
     Producer { sim, pool, broker }
 }

@@ -27,17 +27,7 @@ static SERIAL: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 
 fn producer(sim: SimConfig, arena_size: u64) -> (Arc<SimBackend>, Arc<Pool>, Broker) {
     let backend = Arc::new(SimBackend::new(sim).unwrap());
-    let pool = Arc::new(
-        Pool::new(
-            backend.clone(),
-            PoolConfig {
-                arena_size,
-                validate: true,
-                ..PoolConfig::default()
-            },
-        )
-        .unwrap(),
-    );
+    let pool = common::validating_pool(&backend, arena_size);
     let broker = Broker::start(pool.clone(), BrokerConfig::default()).unwrap();
     (backend, pool, broker)
 }

@@ -46,3 +46,16 @@ pub fn seqpacket_socket() -> std::os::fd::OwnedFd {
     )
     .expect("socket(AF_UNIX, SOCK_SEQPACKET)")
 }
+
+/// A pool over `sim` with `arena_size` arenas, validating itself after every operation.
+pub fn validating_pool(
+    sim: &std::sync::Arc<gpu_arena::backend::sim::SimBackend>,
+    arena_size: u64,
+) -> std::sync::Arc<gpu_arena::Pool> {
+    let config = gpu_arena::PoolConfig {
+        arena_size,
+        validate: true,
+        ..gpu_arena::PoolConfig::default()
+    };
+    std::sync::Arc::new(gpu_arena::Pool::new(sim.clone(), config).expect("pool on the sim"))
+}
