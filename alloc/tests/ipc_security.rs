@@ -62,6 +62,22 @@ fn producer(config: BrokerConfig) -> Producer {
     producer_with(SimConfig::default(), config)
 }
 
+/// A producer capped at one connection, a share of 1 MiB, and the raw peer holding the
+/// one slot.
+fn full_producer() -> (Producer, ShareHandle, OwnedFd) {
+    let p = producer(BrokerConfig {
+        max_connections: 1,
+        ..BrokerConfig::default()
+    });
+    let a = p.pool.alloc(0, MIB, S).unwrap();
+    let h = p.broker.share(a.ptr, MIB).unwrap();
+    let first = raw_connect(p.broker.socket_name());
+    wait_until("one connection", Duration::from_secs(1), || {
+        p.broker.stats().connections_live == 1
+    });
+    (p, h, first)
+}
+
 fn imports_live(pool: &Pool) -> u64 {
     pool.stats(0).unwrap().imports_live
 }
@@ -777,16 +793,7 @@ fn beyond_max_connections_new_peers_are_told_and_closed_existing_ones_work() {
 #[test]
 fn an_importer_refused_at_the_cap_imports_once_a_slot_is_free() {
     let _g = SERIAL.lock();
-    let p = producer(BrokerConfig {
-        max_connections: 1,
-        ..BrokerConfig::default()
-    });
-    let a = p.pool.alloc(0, MIB, S).unwrap();
-    let h = p.broker.share(a.ptr, MIB).unwrap();
-    let first = raw_connect(p.broker.socket_name());
-    wait_until("one connection", Duration::from_secs(1), || {
-        p.broker.stats().connections_live == 1
-    });
+    let (p, h, first) = full_producer();
     let importer = Importer::new(p.sim.clone() as Arc<dyn Backend>);
     let e = importer.import(&h).unwrap_err();
     assert!(e.to_string().contains("too many connections"), "{e}");
@@ -801,16 +808,7 @@ fn an_importer_refused_at_the_cap_imports_once_a_slot_is_free() {
 #[test]
 fn silent_refused_peers_do_not_stall_the_accept_loop() {
     let _g = SERIAL.lock();
-    let p = producer(BrokerConfig {
-        max_connections: 1,
-        ..BrokerConfig::default()
-    });
-    let a = p.pool.alloc(0, MIB, S).unwrap();
-    let h = p.broker.share(a.ptr, MIB).unwrap();
-    let first = raw_connect(p.broker.socket_name());
-    wait_until("one connection", Duration::from_secs(1), || {
-        p.broker.stats().connections_live == 1
-    });
+    let (p, h, first) = full_producer();
     // Twenty peers connect beyond the cap and never speak.
     let flood: Vec<OwnedFd> = (0..20)
         .map(|_| raw_connect(p.broker.socket_name()))
