@@ -466,8 +466,24 @@ impl Model {
     }
 }
 
-fn explore(f: impl Fn() + Sync + Send + 'static) -> usize {
-    // One counter per call: the test harness runs scenarios on parallel threads.
+/// Explorations run one at a time: the flags above are process-wide, and the test harness
+/// runs scenarios on parallel threads.
+static EXPLORING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// What one exploration saw.
+struct Explored {
+    /// Interleavings run.
+    n: usize,
+    destroy_before_close: bool,
+    two_exports_open: bool,
+}
+
+fn explore_seen(f: impl Fn() + Sync + Send + 'static) -> Explored {
+    let _one_at_a_time = EXPLORING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    DESTROY_BEFORE_CLOSE_SEEN.store(false, Relaxed);
+    TWO_EXPORTS_OPEN_SEEN.store(false, Relaxed);
     let executions = std::sync::Arc::new(StdUsize::new(0));
     let counter = executions.clone();
     let mut b = loom::model::Builder::new();
@@ -478,7 +494,15 @@ fn explore(f: impl Fn() + Sync + Send + 'static) -> usize {
     });
     let n = executions.load(Relaxed);
     eprintln!("loom: {n} interleavings explored");
-    n
+    Explored {
+        n,
+        destroy_before_close: DESTROY_BEFORE_CLOSE_SEEN.load(Relaxed),
+        two_exports_open: TWO_EXPORTS_OPEN_SEEN.load(Relaxed),
+    }
+}
+
+fn explore(f: impl Fn() + Sync + Send + 'static) -> usize {
+    explore_seen(f).n
 }
 
 /// Two first shares of one allocation race (the self-test runs inside the first), then
@@ -519,8 +543,7 @@ fn current_order_loses_an_export_when_first_shares_race_the_probe() {
 /// back exactly once, after the last of the share and the lease; the export closes once.
 #[test]
 fn free_vs_unshare_vs_close_lease_vs_empty_cache() {
-    DESTROY_BEFORE_CLOSE_SEEN.store(false, Relaxed);
-    let n = explore(|| {
+    let seen = explore_seen(|| {
         let m = Model::new(Order::ProbeFirst, 0);
         m.alloc();
         let s = m.share().unwrap();
@@ -542,9 +565,9 @@ fn free_vs_unshare_vs_close_lease_vs_empty_cache() {
         t2.join().unwrap();
         m.finish();
     });
-    assert!(n > 100, "{n} interleavings");
+    assert!(seen.n > 100, "{} interleavings", seen.n);
     assert!(
-        DESTROY_BEFORE_CLOSE_SEEN.load(Relaxed),
+        seen.destroy_before_close,
         "loom should reach destroy_arena before close_export (documented relaxation)"
     );
 }
@@ -554,8 +577,7 @@ fn free_vs_unshare_vs_close_lease_vs_empty_cache() {
 /// under a live holder; a share on a freed allocation is refused.
 #[test]
 fn reshare_vs_last_unshare_vs_free() {
-    TWO_EXPORTS_OPEN_SEEN.store(false, Relaxed);
-    let n = explore(|| {
+    let seen = explore_seen(|| {
         let m = Model::new(Order::ProbeFirst, 0);
         m.alloc();
         let s = m.share().unwrap();
@@ -579,9 +601,9 @@ fn reshare_vs_last_unshare_vs_free() {
         t2.join().unwrap();
         m.finish();
     });
-    assert!(n > 100, "{n} interleavings");
+    assert!(seen.n > 100, "{} interleavings", seen.n);
     assert!(
-        TWO_EXPORTS_OPEN_SEEN.load(Relaxed),
+        seen.two_exports_open,
         "loom should reach a re-export while the old export's close is in flight"
     );
 }
