@@ -347,17 +347,22 @@ def _pattern(torch, api, n_tensors, live_max, live_bytes_max, seed, n_streams=4)
     return c
 
 
+def _validate(api):
+    """gpu_arena.validate(0) as a report line: "ok", or "FAILED: <why>"."""
+    try:
+        api.validate(0)
+        return "ok"
+    except Exception as e:  # noqa: BLE001 - reported
+        return f"FAILED: {e}"
+
+
 def child_pattern(p):
     torch, api = _setup("arena", p.get("conf"))
     t0 = time.perf_counter()
     c = _pattern(torch, api, p["n"], p["live_max"], p["live_bytes_max"], p["seed"])
     c["wall_s"] = time.perf_counter() - t0
     c["stats"] = api.stats(0)
-    try:
-        api.validate(0)
-        c["validate"] = "ok"
-    except Exception as e:  # noqa: BLE001 - reported
-        c["validate"] = f"FAILED: {e}"
+    c["validate"] = _validate(api)
     c["info"] = _device_info(torch, api)
     return c
 
@@ -461,11 +466,7 @@ def child_streams(p):
     out = {"cross": cross, "same": same, "sleep_ms": sleep_ms, "cycles": cycles,
            "long_kernel": "torch.cuda._sleep" if has_sleep else "400 x mul_ over 256 MiB",
            "numel": numel, "stats": api.stats(0)}
-    try:
-        api.validate(0)
-        out["validate"] = "ok"
-    except Exception as e:  # noqa: BLE001 - reported
-        out["validate"] = f"FAILED: {e}"
+    out["validate"] = _validate(api)
     out["info"] = _device_info(torch, api)
     return out
 
@@ -520,11 +521,7 @@ def child_memory(p):
         run["free_after"] = int(torch.cuda.mem_get_info()[0])
         out["runs"].append(run)
     if api is not None:
-        try:
-            api.validate(0)
-            out["validate"] = "ok"
-        except Exception as e:  # noqa: BLE001 - reported
-            out["validate"] = f"FAILED: {e}"
+        out["validate"] = _validate(api)
     out["info"] = _device_info(torch, api)
     return out
 
