@@ -23,8 +23,6 @@ use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -1074,19 +1072,12 @@ fn child() {
 }
 
 fn run_as_nobody(exe: &std::path::Path, dir: &std::path::Path, h: &ShareHandle) -> String {
-    let mut child = Command::new(exe)
-        .args(["--exact", "child", "--nocapture", "--test-threads=1"])
-        .env("GPU_ARENA_SEC_CHILD", "import-once")
-        .current_dir(dir)
-        .uid(65534)
-        .gid(65534)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    writeln!(child.stdin.as_mut().unwrap(), "{}", hex(&h.to_bytes())).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = common::run_child_as_nobody(
+        exe,
+        dir,
+        ("GPU_ARENA_SEC_CHILD", "import-once"),
+        &hex(&h.to_bytes()),
+    );
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
@@ -1110,15 +1101,7 @@ fn uid_allow_list_refuses_nobody_by_default_and_admits_it_when_listed() {
         eprintln!("not root: cannot start a consumer under another uid; covered where tests run as root (CI)");
         return;
     }
-    // The test binary may sit under a directory uid 65534 cannot enter: run a copy from a
-    // world-readable temporary directory.
-    use std::os::unix::fs::PermissionsExt;
-    let dir = std::env::temp_dir().join(format!("gpu-arena-sec-uid-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let exe = dir.join("ipc_security");
-    std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
-    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (dir, exe) = common::exe_copy_for_nobody("ipc_security");
 
     let verdicts: Vec<(Vec<u32>, String, u64, u64)> = [vec![], vec![1000, 65534]]
         .into_iter()

@@ -409,28 +409,13 @@ fn peer_of_another_uid_is_refused() {
     let (_sim, pool, broker) = producer(SimConfig::default(), 64 * MIB);
     let a = pool.alloc(0, MIB, S).unwrap();
     let h = broker.share(a.ptr, MIB).unwrap();
-    // The test binary may sit under a directory the other uid cannot enter (a checkout in
-    // /root): run a copy from a world-readable temporary directory.
-    use std::os::unix::fs::PermissionsExt;
-    let dir = std::env::temp_dir().join(format!("gpu-arena-uid-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let exe = dir.join("ipc_sim");
-    std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
-    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let mut child = Command::new(&exe)
-        .args(["--exact", "child", "--nocapture", "--test-threads=1"])
-        .env("GPU_ARENA_CHILD", "consumer")
-        .current_dir(&dir)
-        .uid(65534)
-        .gid(65534)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    writeln!(child.stdin.as_mut().unwrap(), "{}", hex(&h.to_bytes())).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let (dir, exe) = common::exe_copy_for_nobody("ipc_sim");
+    let out = common::run_child_as_nobody(
+        &exe,
+        &dir,
+        ("GPU_ARENA_CHILD", "consumer"),
+        &hex(&h.to_bytes()),
+    );
     let _ = std::fs::remove_dir_all(&dir);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
@@ -441,8 +426,6 @@ fn peer_of_another_uid_is_refused() {
     assert_eq!(broker.stats().refused_peers, 1);
     assert_eq!(pool.stats(0).unwrap().imports_live, 0);
 }
-
-use std::os::unix::process::CommandExt;
 
 #[test]
 fn legacy_pin_arenas_are_recycled_while_naive_export_per_allocation_grows() {

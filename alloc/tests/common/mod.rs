@@ -59,3 +59,43 @@ pub fn validating_pool(
     };
     std::sync::Arc::new(gpu_arena::Pool::new(sim.clone(), config).expect("pool on the sim"))
 }
+
+/// A copy of this test binary, named `name`, in a new world-readable temporary directory
+/// (the checkout may sit where uid 65534 cannot enter, e.g. /root). Returns (dir, exe).
+pub fn exe_copy_for_nobody(name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("gpu-arena-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temporary directory");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let exe = dir.join(name);
+    std::fs::copy(std::env::current_exe().expect("current exe"), &exe).expect("copy");
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    (dir, exe)
+}
+
+/// Run test `child` of `exe` as uid/gid 65534 (nobody), with `env` set and `line` on its
+/// stdin, and wait for it.
+pub fn run_child_as_nobody(
+    exe: &std::path::Path,
+    dir: &std::path::Path,
+    env: (&str, &str),
+    line: &str,
+) -> std::process::Output {
+    use std::io::Write;
+    use std::os::unix::process::CommandExt;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(exe)
+        .args(["--exact", "child", "--nocapture", "--test-threads=1"])
+        .env(env.0, env.1)
+        .current_dir(dir)
+        .uid(65534)
+        .gid(65534)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn the child as nobody");
+    let stdin = child.stdin.as_mut().expect("child stdin");
+    writeln!(stdin, "{line}").expect("write to the child");
+    child.wait_with_output().expect("child output")
+}
