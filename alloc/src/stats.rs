@@ -17,8 +17,14 @@
 
 use crate::backend::DeviceId;
 
-/// Counters of one device's pool. All sizes in bytes. Field names match the C API's
-/// `gpu_arena_stats_t`.
+/// Counters of one device's pool. All sizes in bytes.
+///
+/// The C API's `gpu_arena_stats_t` is this struct: `gpu_arena.h` is generated from this
+/// definition (`PoolStats` in alloc/src/stats.rs). New fields go last.
+// One definition for Rust, C and Python: cbindgen emits it, renamed, into
+// ffi/include/gpu_arena.h (ffi/cbindgen.toml), hence `#[repr(C)]` and `u64` fields only;
+// Python's `GpuArenaStats` is checked against the header by tests/python.
+#[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct PoolStats {
     /// Bytes in arenas held from the backend.

@@ -78,23 +78,26 @@
 #define GPU_ARENA_SHARE_BYTES 128
 
 /**
- * Counters of one device's pool; all sizes in bytes.
+ * Counters of one device's pool. All sizes in bytes.
+ *
+ * The C API's `gpu_arena_stats_t` is this struct: `gpu_arena.h` is generated from this
+ * definition (`PoolStats` in alloc/src/stats.rs). New fields go last.
  */
 typedef struct gpu_arena_stats_t {
     /**
-     * Bytes in arenas held from the driver.
+     * Bytes in arenas held from the backend.
      */
     uint64_t reserved_bytes;
     /**
-     * Bytes in live allocations (rounded to 512).
+     * Bytes in live allocations, rounded to 512 B (freed-but-shared ranges included).
      */
     uint64_t allocated_bytes;
     /**
-     * Highest reserved_bytes seen.
+     * Highest `reserved_bytes` seen.
      */
     uint64_t peak_reserved_bytes;
     /**
-     * Highest allocated_bytes seen.
+     * Highest `allocated_bytes` seen.
      */
     uint64_t peak_allocated_bytes;
     /**
@@ -102,11 +105,11 @@ typedef struct gpu_arena_stats_t {
      */
     uint64_t arenas;
     /**
-     * Arenas created through the driver, ever.
+     * Arenas created through the backend, ever.
      */
     uint64_t backend_creates;
     /**
-     * Arenas handed back to the driver, ever.
+     * Arenas handed back to the backend, ever.
      */
     uint64_t backend_destroys;
     /**
@@ -118,15 +121,15 @@ typedef struct gpu_arena_stats_t {
      */
     uint64_t exports_total;
     /**
-     * Shares live (handed out, not unshared).
+     * Shares handed out and not yet unshared.
      */
     uint64_t shares_live;
     /**
-     * Consumer imports of this process's memory, live.
+     * Consumer leases (imports by other processes) on this pool's memory, live now.
      */
     uint64_t imports_live;
     /**
-     * Bytes pinned by exports that cannot be ended (recycled, never freed).
+     * Bytes in arenas pinned by a non-releasable export (recycled, never destroyed).
      */
     uint64_t pinned_bytes;
     /**
@@ -142,15 +145,15 @@ typedef struct gpu_arena_stats_t {
      */
     uint64_t free_count;
     /**
-     * Allocations refused for lack of memory.
+     * Allocations that failed for lack of memory.
      */
     uint64_t oom_count;
     /**
-     * Bytes freed by this process but still shared.
+     * Bytes freed by the producer but still shared (reused once the shares end).
      */
     uint64_t deferred_free_bytes;
     /**
-     * Bytes freed with record_stream streams, waiting for their work to complete.
+     * Bytes freed with `record_stream` streams, waiting for their events.
      */
     uint64_t pending_free_bytes;
 } gpu_arena_stats_t;

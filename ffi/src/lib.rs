@@ -50,73 +50,6 @@ pub const GPU_ARENA_ERR_IPC: c_int = -9;
 /// A gpu-arena bug (an invariant broke, or a panic was caught).
 pub const GPU_ARENA_ERR_INTERNAL: c_int = -10;
 
-/// Counters of one device's pool; all sizes in bytes.
-#[repr(C)]
-#[derive(Debug, Default, Clone, Copy)]
-pub struct gpu_arena_stats_t {
-    /// Bytes in arenas held from the driver.
-    pub reserved_bytes: u64,
-    /// Bytes in live allocations (rounded to 512).
-    pub allocated_bytes: u64,
-    /// Highest reserved_bytes seen.
-    pub peak_reserved_bytes: u64,
-    /// Highest allocated_bytes seen.
-    pub peak_allocated_bytes: u64,
-    /// Arenas held.
-    pub arenas: u64,
-    /// Arenas created through the driver, ever.
-    pub backend_creates: u64,
-    /// Arenas handed back to the driver, ever.
-    pub backend_destroys: u64,
-    /// Arenas exported right now.
-    pub exports_live: u64,
-    /// Driver exports made, ever.
-    pub exports_total: u64,
-    /// Shares live (handed out, not unshared).
-    pub shares_live: u64,
-    /// Consumer imports of this process's memory, live.
-    pub imports_live: u64,
-    /// Bytes pinned by exports that cannot be ended (recycled, never freed).
-    pub pinned_bytes: u64,
-    /// Live allocations.
-    pub allocations: u64,
-    /// Allocations served, ever.
-    pub alloc_count: u64,
-    /// Frees, ever.
-    pub free_count: u64,
-    /// Allocations refused for lack of memory.
-    pub oom_count: u64,
-    /// Bytes freed by this process but still shared.
-    pub deferred_free_bytes: u64,
-    /// Bytes freed with record_stream streams, waiting for their work to complete.
-    pub pending_free_bytes: u64,
-}
-
-impl From<PoolStats> for gpu_arena_stats_t {
-    fn from(s: PoolStats) -> Self {
-        gpu_arena_stats_t {
-            reserved_bytes: s.reserved_bytes,
-            allocated_bytes: s.allocated_bytes,
-            peak_reserved_bytes: s.peak_reserved_bytes,
-            peak_allocated_bytes: s.peak_allocated_bytes,
-            arenas: s.arenas,
-            backend_creates: s.backend_creates,
-            backend_destroys: s.backend_destroys,
-            exports_live: s.exports_live,
-            exports_total: s.exports_total,
-            shares_live: s.shares_live,
-            imports_live: s.imports_live,
-            pinned_bytes: s.pinned_bytes,
-            allocations: s.allocations,
-            alloc_count: s.alloc_count,
-            free_count: s.free_count,
-            oom_count: s.oom_count,
-            deferred_free_bytes: s.deferred_free_bytes,
-            pending_free_bytes: s.pending_free_bytes,
-        }
-    }
-}
-
 /// The process-wide pool, built once by `gpu_arena_init`.
 static POOL: OnceLock<std::result::Result<Arc<Pool>, Error>> = OnceLock::new();
 
@@ -461,7 +394,7 @@ pub extern "C" fn gpu_arena_empty_cache(device: c_int) -> c_int {
 
 /// Fill `*out` with the counters of `device`.
 #[no_mangle]
-pub extern "C" fn gpu_arena_stats(device: c_int, out: *mut gpu_arena_stats_t) -> c_int {
+pub extern "C" fn gpu_arena_stats(device: c_int, out: *mut PoolStats) -> c_int {
     guard("gpu_arena_stats", || {
         if out.is_null() {
             return fail("gpu_arena_stats", Error::invalid("out is NULL"));
@@ -473,8 +406,8 @@ pub extern "C" fn gpu_arena_stats(device: c_int, out: *mut gpu_arena_stats_t) ->
         match p.stats(device) {
             Ok(s) => {
                 // SAFETY: `out` is non-null and, per the header, points to a writable
-                // gpu_arena_stats_t.
-                unsafe { out.write(s.into()) };
+                // gpu_arena_stats_t (generated from `PoolStats`: the same layout).
+                unsafe { out.write(s) };
                 GPU_ARENA_OK
             }
             Err(e) => fail(&format!("gpu_arena_stats(device={device})"), e),

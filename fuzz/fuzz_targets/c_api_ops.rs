@@ -14,6 +14,7 @@ use std::ffi::{c_int, c_void, CStr};
 use std::sync::Once;
 
 use arbitrary::Arbitrary;
+use gpu_arena::PoolStats; // gpu_arena_stats_t in C
 use gpu_arena_capi::*;
 use libfuzzer_sys::fuzz_target;
 
@@ -187,7 +188,7 @@ fn validate_all(op: &Op) {
 /// What the pool still holds on any device, or None when it is empty.
 fn leftovers() -> Option<String> {
     for d in 0..DEVICES {
-        let mut s = gpu_arena_stats_t::default();
+        let mut s = PoolStats::default();
         assert_eq!(gpu_arena_stats(d, &mut s), GPU_ARENA_OK);
         if s.allocations != 0
             || s.allocated_bytes != 0
@@ -438,7 +439,7 @@ impl State {
                 ok_or_clean_error("empty_cache", op, rc);
             }
             Op::Stats { dev, null_out } => {
-                let mut s = gpu_arena_stats_t::default();
+                let mut s = PoolStats::default();
                 let outp = if *null_out {
                     std::ptr::null_mut()
                 } else {

@@ -25,7 +25,7 @@ from typing import List, Optional
 
 LIB_NAME = "libgpu_arena.so"
 
-# Error codes: keep in step with `GPU_ARENA_ERR_*` in ffi/src/lib.rs (a test checks).
+# Error codes: keep in step with `GPU_ARENA_ERR_*` in ffi/include/gpu_arena.h (a test checks).
 GPU_ARENA_OK = 0
 GPU_ARENA_ERR_INVALID_ARGUMENT = -1
 GPU_ARENA_ERR_OUT_OF_MEMORY = -2
@@ -207,7 +207,8 @@ def _cause_code(message: str, default: int) -> int:
 
 class GpuArenaStats(ctypes.Structure):
     """``gpu_arena_stats_t``: counters of one device's pool, all ``uint64_t``, all sizes in
-    bytes. Field for field as in ffi/src/lib.rs (a test checks the names and the order)."""
+    bytes. Field for field as in ffi/include/gpu_arena.h, which is generated from ``PoolStats``
+    (alloc/src/stats.rs); a test checks the names, the types and the order."""
 
     _fields_ = [
         ("reserved_bytes", ctypes.c_uint64),

@@ -21,7 +21,7 @@ from conftest import REPO_DIR, result_of, run_python  # noqa: E402
 import gpu_arena  # noqa: E402
 from gpu_arena import _lib  # noqa: E402
 
-LIB_RS = REPO_DIR / "ffi" / "src" / "lib.rs"
+HEADER = REPO_DIR / "ffi" / "include" / "gpu_arena.h"
 CONF = "backend=sim,arena_size=64MiB,sim_devices=2,sim_capacity=1GiB,validate=1"
 MiB = 1 << 20
 
@@ -46,34 +46,75 @@ def assert_error(excinfo, cls, code, *fragments):
 
 
 # ----------------------------------------------------------------------------------------
-# The binding agrees with ffi/src/lib.rs
+# The binding agrees with the generated C header (one definition: the Rust source)
 # ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not LIB_RS.exists(), reason="ffi/src/lib.rs not in this checkout")
-def test_stats_struct_matches_lib_rs():
-    src = LIB_RS.read_text()
-    body = re.search(r"pub struct gpu_arena_stats_t\s*\{(.*?)\n\}", src, re.S).group(1)
-    fields = re.findall(r"pub (\w+): (\w+),", body)
-    assert [(n, "u64") for n, _ in gpu_arena.GpuArenaStats._fields_] == fields
-    assert ctypes.sizeof(gpu_arena.GpuArenaStats) == 8 * len(fields)
+def _header_text() -> str:
+    """The generated C header without its comments."""
+    return re.sub(r"/\*.*?\*/|//[^\n]*", "", HEADER.read_text(), flags=re.S)
 
 
-@pytest.mark.skipif(not LIB_RS.exists(), reason="ffi/src/lib.rs not in this checkout")
-def test_error_codes_match_lib_rs():
-    src = LIB_RS.read_text()
-    consts = dict(
-        (name, int(v)) for name, v in re.findall(r"pub const (GPU_ARENA_\w+): c_int = (-?\d+);", src)
-    )
+# The C types of the header, as ctypes.
+_CTYPES = {"uint64_t": ctypes.c_uint64, "uint8_t": ctypes.c_uint8}
+
+
+def _header_struct(name: str):
+    """The fields of ``typedef struct name { ... } name;`` as (field, ctypes type)."""
+    m = re.search(r"typedef struct %s \{(.*?)\} %s;" % (name, name), _header_text(), re.S)
+    assert m, f"{name} is not declared in {HEADER}"
+    consts = _header_constants()
+    fields = []
+    for ctype, field, count in re.findall(r"(\w+) (\w+)(?:\[(\w+)\])?;", m.group(1)):
+        t = _CTYPES[ctype]
+        if count:
+            t = t * (int(count) if count.isdigit() else consts[count])
+        fields.append((field, t))
+    return fields
+
+
+def _header_constants() -> dict:
+    return {n: int(v) for n, v in re.findall(r"#define (GPU_ARENA_\w+) (-?\d+)", _header_text())}
+
+
+def _same_type(a, b) -> bool:
+    if issubclass(a, ctypes.Array) or issubclass(b, ctypes.Array):
+        return (issubclass(a, ctypes.Array) and issubclass(b, ctypes.Array)
+                and a._length_ == b._length_ and a._type_ is b._type_)
+    return ctypes.sizeof(a) == ctypes.sizeof(b) and a._type_ == b._type_
+
+
+@pytest.mark.parametrize("c_name, py_struct", [
+    ("gpu_arena_stats_t", gpu_arena.GpuArenaStats),
+    ("gpu_arena_share_t", _lib.GpuArenaShare),
+])
+@pytest.mark.skipif(not HEADER.exists(), reason="ffi/include/gpu_arena.h not in this checkout")
+def test_structs_match_the_header(c_name, py_struct):
+    want = _header_struct(c_name)
+    have = list(py_struct._fields_)
+    assert [n for n, _ in have] == [n for n, _ in want], f"{c_name}: field names or order"
+    for (n, a), (_, b) in zip(have, want):
+        assert _same_type(a, b), f"{c_name}.{n}: ctypes {a.__name__}, header {b.__name__}"
+    assert ctypes.sizeof(py_struct) == sum(ctypes.sizeof(t) for _, t in want)
+
+
+@pytest.mark.skipif(not HEADER.exists(), reason="ffi/include/gpu_arena.h not in this checkout")
+def test_constants_match_the_header():
+    consts = _header_constants()
     assert consts, "no GPU_ARENA_ constants found"
     for name, value in consts.items():
-        assert getattr(_lib, name) == value, name
-    assert set(_lib.ERROR_NAMES) == {v for v in consts.values() if v < 0}
+        if name == "GPU_ARENA_SHARE_BYTES":
+            assert _lib.SHARE_BYTES == value
+        else:
+            assert getattr(_lib, name) == value, name
+    errors = {v for n, v in consts.items() if n.startswith("GPU_ARENA_ERR_")}
+    assert set(_lib.ERROR_NAMES) == errors
+    assert set(_lib._CLASS_OF_CODE) == errors, "every error code has its exception class"
 
 
 def test_every_function_declared():
     lib = _lib.lib()
-    exported = set(re.findall(r"pub extern \"C\" fn (gpu_arena_\w+)", LIB_RS.read_text())) if LIB_RS.exists() else set()
+    exported = set(re.findall(r"\b(gpu_arena_\w+)\(", _header_text())) if HEADER.exists() else set()
     for name in set(_lib._SIGNATURES) | exported:
         fn = getattr(lib, name)
         assert fn.argtypes is not None, f"{name} has no argtypes"
@@ -81,7 +122,7 @@ def test_every_function_declared():
                     "gpu_arena_record_stream", "gpu_arena_string_free"):
             assert fn.restype is None, name
     missing = exported - set(_lib._SIGNATURES) - set(_lib._IPC_SIGNATURES)
-    assert not missing, f"exported but not declared in _lib.py: {missing}"
+    assert not missing, f"declared in the header but not in _lib.py: {missing}"
 
 
 # ----------------------------------------------------------------------------------------
