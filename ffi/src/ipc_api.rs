@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use gpu_arena::ipc::{Broker, BrokerConfig, Importer, ShareHandle};
 use gpu_arena::Error;
 
-use crate::{fail, guard, pool, GPU_ARENA_OK};
+use crate::{fail, guard, pool, status, GPU_ARENA_OK};
 
 /// Size of a share handle in bytes.
 pub const GPU_ARENA_SHARE_BYTES: usize = 128;
@@ -69,24 +69,18 @@ pub extern "C" fn gpu_arena_share(
     guard("gpu_arena_share", || {
         let call = format!("gpu_arena_share(ptr={ptr:p}, len={len})");
         if out.is_null() {
-            return fail(&call, Error::invalid("out is NULL"));
+            return Err(fail(&call, Error::invalid("out is NULL")));
         }
-        let b = match broker(&call) {
-            Ok(b) => b,
-            Err(c) => return c,
+        let h = broker(&call)?
+            .share(ptr as u64, len as u64)
+            .map_err(|e| fail(&call, e))?;
+        // SAFETY: `out` is non-null and points to a writable gpu_arena_share_t.
+        unsafe {
+            out.write(gpu_arena_share_t {
+                bytes: h.to_bytes(),
+            })
         };
-        match b.share(ptr as u64, len as u64) {
-            Ok(h) => {
-                // SAFETY: `out` is non-null and points to a writable gpu_arena_share_t.
-                unsafe {
-                    out.write(gpu_arena_share_t {
-                        bytes: h.to_bytes(),
-                    })
-                };
-                GPU_ARENA_OK
-            }
-            Err(e) => fail(&call, e),
-        }
+        Ok(GPU_ARENA_OK)
     })
 }
 
@@ -94,19 +88,10 @@ pub extern "C" fn gpu_arena_share(
 /// valid until their consumers close them; the memory is reused only after that.
 #[no_mangle]
 pub extern "C" fn gpu_arena_unshare(share: *const gpu_arena_share_t) -> c_int {
-    guard("gpu_arena_unshare", || {
-        let h = match read_handle("gpu_arena_unshare", share) {
-            Ok(h) => h,
-            Err(c) => return c,
-        };
-        let b = match broker("gpu_arena_unshare") {
-            Ok(b) => b,
-            Err(c) => return c,
-        };
-        match b.unshare(&h) {
-            Ok(()) => GPU_ARENA_OK,
-            Err(e) => fail("gpu_arena_unshare", e),
-        }
+    const CALL: &str = "gpu_arena_unshare";
+    guard(CALL, || {
+        let h = read_handle(CALL, share)?;
+        status(|| CALL.into(), broker(CALL)?.unshare(&h))
     })
 }
 
@@ -117,32 +102,22 @@ pub extern "C" fn gpu_arena_import(
     share: *const gpu_arena_share_t,
     out_ptr: *mut *mut c_void,
 ) -> c_int {
-    guard("gpu_arena_import", || {
+    const CALL: &str = "gpu_arena_import";
+    guard(CALL, || {
         if out_ptr.is_null() {
-            return fail("gpu_arena_import", Error::invalid("out_ptr is NULL"));
+            return Err(fail(CALL, Error::invalid("out_ptr is NULL")));
         }
-        let h = match read_handle("gpu_arena_import", share) {
-            Ok(h) => h,
-            Err(c) => return c,
-        };
-        let imp = match importer("gpu_arena_import") {
-            Ok(i) => i,
-            Err(c) => return c,
-        };
-        match imp.import(&h) {
-            Ok(p) => {
-                // SAFETY: `out_ptr` is non-null and points to a writable `void*`.
-                unsafe { out_ptr.write(p as *mut c_void) };
-                GPU_ARENA_OK
-            }
-            Err(e) => fail(
-                &format!(
-                    "gpu_arena_import(producer pid {}, share {})",
-                    h.producer_pid, h.info.share_key
-                ),
-                e,
-            ),
-        }
+        let h = read_handle(CALL, share)?;
+        let p = importer(CALL)?.import(&h).map_err(|e| {
+            let call = format!(
+                "{CALL}(producer pid {}, share {})",
+                h.producer_pid, h.info.share_key
+            );
+            fail(&call, e)
+        })?;
+        // SAFETY: `out_ptr` is non-null and points to a writable `void*`.
+        unsafe { out_ptr.write(p as *mut c_void) };
+        Ok(GPU_ARENA_OK)
     })
 }
 
@@ -151,23 +126,20 @@ pub extern "C" fn gpu_arena_import(
 #[no_mangle]
 pub extern "C" fn gpu_arena_close(imported_ptr: *mut c_void) -> c_int {
     guard("gpu_arena_close", || {
-        let imp = match importer("gpu_arena_close") {
-            Ok(i) => i,
-            Err(c) => return c,
-        };
-        match imp.close(imported_ptr as u64) {
-            Ok(()) => GPU_ARENA_OK,
-            Err(e) => fail(&format!("gpu_arena_close(ptr={imported_ptr:p})"), e),
-        }
+        status(
+            || format!("gpu_arena_close(ptr={imported_ptr:p})"),
+            importer("gpu_arena_close")?.close(imported_ptr as u64),
+        )
     })
 }
 
 /// Imports live in this process (as a consumer).
 #[no_mangle]
 pub extern "C" fn gpu_arena_imports_live() -> c_int {
-    guard("gpu_arena_imports_live", || match IMPORTER.get() {
-        Some(i) => c_int::try_from(i.stats().imports_live).unwrap_or(c_int::MAX),
-        None => 0,
+    guard("gpu_arena_imports_live", || {
+        Ok(IMPORTER.get().map_or(0, |i| {
+            c_int::try_from(i.stats().imports_live).unwrap_or(c_int::MAX)
+        }))
     })
 }
 

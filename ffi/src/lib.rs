@@ -2,10 +2,11 @@
 //!
 //! The first five functions have the signatures PyTorch's `CUDAPluggableAllocator` loads
 //! (`alloc`, `free`, and the `init`, `reset`, `record_stream` hooks). Every function body
-//! runs inside `catch_unwind`: nothing crosses the C boundary as a panic. Errors are
-//! negative `GPU_ARENA_ERR_*` codes (or NULL from `gpu_arena_malloc`) plus a thread-local
-//! message from `gpu_arena_last_error()` that names the call, the value and the reason.
-//! A rejected call changes nothing.
+//! runs inside `catch_unwind` (`guard`, or `with_pool` for the calls that need the pool):
+//! nothing crosses the C boundary as a panic. Errors are negative `GPU_ARENA_ERR_*` codes
+//! (or NULL from `gpu_arena_malloc`) plus a thread-local message from
+//! `gpu_arena_last_error()` that names the call, the value and the reason. A rejected call
+//! changes nothing.
 //!
 //! Life cycle: `gpu_arena_configure` (optional, before first use) → `gpu_arena_init` (PyTorch
 //! calls it when the allocator is installed) → allocations → process exit. Configuration is
@@ -73,8 +74,8 @@ thread_local! {
 
 pub(crate) fn set_error_code(msg: String, code: c_int) {
     let c = CString::new(msg.replace('\0', "\\0")).unwrap_or_default();
-    LAST_ERROR.with(|e| *e.borrow_mut() = c);
-    LAST_CODE.with(|c| c.set(code));
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = c);
+    let _ = LAST_CODE.try_with(|c| c.set(code));
 }
 
 pub(crate) fn set_error(msg: String) {
@@ -104,15 +105,34 @@ pub(crate) fn fail(call: &str, e: Error) -> c_int {
     code
 }
 
-/// Run `f` with panics caught: a panic becomes `GPU_ARENA_ERR_INTERNAL`.
-pub(crate) fn guard(call: &str, f: impl FnOnce() -> c_int) -> c_int {
+/// What an exported function's body returns: `Ok(value)` (`GPU_ARENA_OK`, or a count), or
+/// `Err(code)` with the error already recorded (by [`fail`] or [`pool`]), so that `?` ends a
+/// call early.
+pub(crate) type Outcome = std::result::Result<c_int, c_int>;
+
+/// Run the body of an exported function with panics caught: the value of `Ok`, the code of
+/// `Err`, and a panic becomes `GPU_ARENA_ERR_INTERNAL`. Every `extern "C"` body that can
+/// fail runs inside it (directly, or through [`with_pool`]).
+pub(crate) fn guard(call: &str, f: impl FnOnce() -> Outcome) -> c_int {
     match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(code) => code,
+        Ok(Ok(value)) => value,
+        Ok(Err(code)) => code,
         Err(_) => {
             set_error(format!("{call}: internal panic caught (a gpu-arena bug)"));
             GPU_ARENA_ERR_INTERNAL
         }
     }
+}
+
+/// [`guard`] around `f(pool)`: the one place that turns a missing (or failed) init into
+/// `GPU_ARENA_ERR_NOT_INITIALIZED` for a call.
+pub(crate) fn with_pool(call: &str, f: impl FnOnce(&'static Arc<Pool>) -> Outcome) -> c_int {
+    guard(call, || f(pool(call)?))
+}
+
+/// `Ok(GPU_ARENA_OK)`, or the error recorded under the call's name (built only on error).
+pub(crate) fn status(call: impl FnOnce() -> String, r: Result<(), Error>) -> Outcome {
+    r.map(|()| GPU_ARENA_OK).map_err(|e| fail(&call(), e))
 }
 
 /// The pool, or the reason there is none.
@@ -169,20 +189,17 @@ fn init_pool() -> &'static std::result::Result<Arc<Pool>, Error> {
 #[no_mangle]
 pub extern "C" fn gpu_arena_init(device_count: c_int) {
     guard("gpu_arena_init", || {
-        let code = match init_pool() {
-            Ok(p) => {
-                if device_count >= 0 && device_count as usize > p.device_count() {
-                    tracing::warn!(
-                        device_count,
-                        backend_devices = p.device_count(),
-                        "gpu_arena_init: the caller sees more devices than the backend"
-                    );
-                }
-                GPU_ARENA_OK
-            }
-            Err(e) => fail("gpu_arena_init", e.clone()),
-        };
-        code
+        let p = init_pool()
+            .as_ref()
+            .map_err(|e| fail("gpu_arena_init", e.clone()))?;
+        if device_count >= 0 && device_count as usize > p.device_count() {
+            tracing::warn!(
+                device_count,
+                backend_devices = p.device_count(),
+                "gpu_arena_init: the caller sees more devices than the backend"
+            );
+        }
+        Ok(GPU_ARENA_OK)
     });
 }
 
@@ -191,16 +208,12 @@ pub extern "C" fn gpu_arena_init(device_count: c_int) {
 #[no_mangle]
 pub extern "C" fn gpu_arena_init_status() -> c_int {
     guard("gpu_arena_init_status", || match POOL.get() {
-        Some(Ok(_)) => GPU_ARENA_OK,
         // The failed init's own code (e.g. GPU_ARENA_ERR_UNAVAILABLE), with its message.
-        Some(Err(e)) => fail(
+        Some(Err(e)) => Err(fail(
             "gpu_arena_init_status: gpu-arena failed to initialize",
             e.clone(),
-        ),
-        None => match pool("gpu_arena_init_status") {
-            Ok(_) => GPU_ARENA_OK,
-            Err(c) => c,
-        },
+        )),
+        _ => pool("gpu_arena_init_status").map(|_| GPU_ARENA_OK),
     })
 }
 
@@ -209,48 +222,38 @@ pub extern "C" fn gpu_arena_init_status() -> c_int {
 #[no_mangle]
 pub extern "C" fn gpu_arena_configure(conf: *const c_char) -> c_int {
     guard("gpu_arena_configure", || {
+        let refuse = |e: Error| Err(fail("gpu_arena_configure", e));
+        let after_init =
+            || Error::InvalidState("configure after first use (gpu_arena_init already ran)".into());
         if conf.is_null() {
-            return fail("gpu_arena_configure", Error::invalid("conf is NULL"));
+            return refuse(Error::invalid("conf is NULL"));
         }
         if POOL.get().is_some() {
-            return fail(
-                "gpu_arena_configure",
-                Error::InvalidState(
-                    "configure after first use (gpu_arena_init already ran)".into(),
-                ),
-            );
+            return refuse(after_init());
         }
         // SAFETY: `conf` is non-null and, per the header, a NUL-terminated string that
         // stays valid for the duration of this call.
         let text = unsafe { CStr::from_ptr(conf) };
         let Ok(text) = text.to_str() else {
-            return fail("gpu_arena_configure", Error::invalid("conf is not UTF-8"));
+            return refuse(Error::invalid("conf is not UTF-8"));
         };
         let mut pending = PENDING_CONF.lock();
         if pending.consumed {
-            return fail(
-                "gpu_arena_configure",
-                Error::InvalidState(
-                    "configure after first use (gpu_arena_init already ran)".into(),
-                ),
-            );
+            return refuse(after_init());
         }
         let mut c = match pending.conf.clone() {
             Some(c) => c,
             None => match Config::from_env() {
                 Ok(c) => c,
-                Err(e) => return fail("gpu_arena_configure", e),
+                Err(e) => return refuse(e),
             },
         };
         match c.apply(text) {
             Ok(()) => {
                 pending.conf = Some(c);
-                GPU_ARENA_OK
+                Ok(GPU_ARENA_OK)
             }
-            Err(e) => fail(
-                "gpu_arena_configure",
-                Error::invalid(format!("`{text}`: {e}")),
-            ),
+            Err(e) => refuse(Error::invalid(format!("`{text}`: {e}"))),
         }
     })
 }
@@ -282,22 +285,15 @@ pub extern "C" fn gpu_arena_malloc(
     let mut out: *mut c_void = std::ptr::null_mut();
     guard("gpu_arena_malloc", || {
         let call = || format!("gpu_arena_malloc(size={size}, device={device})");
-        let size = match check_size(call, size) {
-            Ok(0) => return GPU_ARENA_OK,
-            Ok(s) => s,
-            Err(c) => return c,
-        };
-        let p = match pool_for(call) {
-            Ok(p) => p,
-            Err(c) => return c,
-        };
-        match p.alloc(device, size, StreamId(stream as u64)) {
-            Ok(a) => {
-                out = a.ptr as *mut c_void;
-                GPU_ARENA_OK
-            }
-            Err(e) => fail(&call(), e),
+        let size = check_size(call, size)?;
+        if size == 0 {
+            return Ok(GPU_ARENA_OK);
         }
+        let a = pool_for(call)?
+            .alloc(device, size, StreamId(stream as u64))
+            .map_err(|e| fail(&call(), e))?;
+        out = a.ptr as *mut c_void;
+        Ok(GPU_ARENA_OK)
     });
     out
 }
@@ -325,21 +321,11 @@ pub extern "C" fn gpu_arena_free_checked(
 ) -> c_int {
     guard("gpu_arena_free", || {
         if ptr.is_null() {
-            return GPU_ARENA_OK;
+            return Ok(GPU_ARENA_OK);
         }
         let call = || format!("gpu_arena_free(ptr={ptr:p}, size={size}, device={device})");
-        let size = match check_size(call, size) {
-            Ok(s) => s,
-            Err(c) => return c,
-        };
-        let p = match pool_for(call) {
-            Ok(p) => p,
-            Err(c) => return c,
-        };
-        match p.free_checked(ptr as u64, size, device) {
-            Ok(()) => GPU_ARENA_OK,
-            Err(e) => fail(&call(), e),
-        }
+        let size = check_size(call, size)?;
+        status(call, pool_for(call)?.free_checked(ptr as u64, size, device))
     })
 }
 
@@ -353,15 +339,11 @@ pub extern "C" fn gpu_arena_record_stream(ptr: *mut c_void, stream: *mut c_void)
 /// `gpu_arena_record_stream` returning its status.
 #[no_mangle]
 pub extern "C" fn gpu_arena_record_stream_checked(ptr: *mut c_void, stream: *mut c_void) -> c_int {
-    guard("gpu_arena_record_stream", || {
-        let p = match pool("gpu_arena_record_stream") {
-            Ok(p) => p,
-            Err(c) => return c,
-        };
-        match p.record_stream(ptr as u64, StreamId(stream as u64)) {
-            Ok(()) => GPU_ARENA_OK,
-            Err(e) => fail(&format!("gpu_arena_record_stream(ptr={ptr:p})"), e),
-        }
+    with_pool("gpu_arena_record_stream", |p| {
+        status(
+            || format!("gpu_arena_record_stream(ptr={ptr:p})"),
+            p.record_stream(ptr as u64, StreamId(stream as u64)),
+        )
     })
 }
 
@@ -376,19 +358,15 @@ pub extern "C" fn gpu_arena_reset() {
 /// allocation and no share. Pinned arenas stay (recycled).
 #[no_mangle]
 pub extern "C" fn gpu_arena_empty_cache(device: c_int) -> c_int {
-    guard("gpu_arena_empty_cache", || {
-        let p = match pool("gpu_arena_empty_cache") {
-            Ok(p) => p,
-            Err(c) => return c,
-        };
+    with_pool("gpu_arena_empty_cache", |p| {
         let which = match device {
             -1 => None,
             d => Some(d),
         };
-        match p.empty_cache(which) {
-            Ok(_) => GPU_ARENA_OK,
-            Err(e) => fail(&format!("gpu_arena_empty_cache(device={device})"), e),
-        }
+        status(
+            || format!("gpu_arena_empty_cache(device={device})"),
+            p.empty_cache(which).map(drop),
+        )
     })
 }
 
@@ -396,63 +374,52 @@ pub extern "C" fn gpu_arena_empty_cache(device: c_int) -> c_int {
 #[no_mangle]
 pub extern "C" fn gpu_arena_stats(device: c_int, out: *mut PoolStats) -> c_int {
     guard("gpu_arena_stats", || {
+        // The NULL check first: a bad argument is reported before a missing init.
         if out.is_null() {
-            return fail("gpu_arena_stats", Error::invalid("out is NULL"));
+            return Err(fail("gpu_arena_stats", Error::invalid("out is NULL")));
         }
-        let p = match pool("gpu_arena_stats") {
-            Ok(p) => p,
-            Err(c) => return c,
-        };
-        match p.stats(device) {
-            Ok(s) => {
-                // SAFETY: `out` is non-null and, per the header, points to a writable
-                // gpu_arena_stats_t (generated from `PoolStats`: the same layout).
-                unsafe { out.write(s) };
-                GPU_ARENA_OK
-            }
-            Err(e) => fail(&format!("gpu_arena_stats(device={device})"), e),
-        }
+        let s = pool("gpu_arena_stats")?
+            .stats(device)
+            .map_err(|e| fail(&format!("gpu_arena_stats(device={device})"), e))?;
+        // SAFETY: `out` is non-null and, per the header, points to a writable
+        // gpu_arena_stats_t (generated from `PoolStats`: the same layout).
+        unsafe { out.write(s) };
+        Ok(GPU_ARENA_OK)
     })
 }
 
 /// Check every invariant of `device`'s pool; 0 when they all hold.
 #[no_mangle]
 pub extern "C" fn gpu_arena_validate(device: c_int) -> c_int {
-    guard("gpu_arena_validate", || {
-        let p = match pool("gpu_arena_validate") {
-            Ok(p) => p,
-            Err(c) => return c,
-        };
-        match p.validate(device) {
-            Ok(()) => GPU_ARENA_OK,
-            Err(e) => fail(&format!("gpu_arena_validate(device={device})"), e),
-        }
+    with_pool("gpu_arena_validate", |p| {
+        status(
+            || format!("gpu_arena_validate(device={device})"),
+            p.validate(device),
+        )
     })
 }
 
 /// Number of devices of the backend, or a negative error code.
 #[no_mangle]
 pub extern "C" fn gpu_arena_device_count() -> c_int {
-    guard("gpu_arena_device_count", || {
-        match pool("gpu_arena_device_count") {
-            Ok(p) => c_int::try_from(p.device_count()).unwrap_or(c_int::MAX),
-            Err(c) => c,
-        }
+    with_pool("gpu_arena_device_count", |p| {
+        Ok(c_int::try_from(p.device_count()).unwrap_or(c_int::MAX))
     })
 }
 
 /// The backend's name (`"sim"`, `"cuda"`, `"hip"`), or `""` before init. Never NULL.
 #[no_mangle]
 pub extern "C" fn gpu_arena_backend_name() -> *const c_char {
-    match POOL.get() {
+    let name = catch_unwind(|| match POOL.get() {
         Some(Ok(p)) => match p.backend().name() {
-            "sim" => c"sim".as_ptr(),
-            "cuda" => c"cuda".as_ptr(),
-            "hip" => c"hip".as_ptr(),
-            _ => c"other".as_ptr(),
+            "sim" => c"sim",
+            "cuda" => c"cuda",
+            "hip" => c"hip",
+            _ => c"other",
         },
-        _ => c"".as_ptr(),
-    }
+        _ => c"",
+    });
+    name.unwrap_or(c"other").as_ptr()
 }
 
 /// A JSON snapshot of every arena and range. Free it with `gpu_arena_string_free`.
@@ -460,21 +427,15 @@ pub extern "C" fn gpu_arena_backend_name() -> *const c_char {
 #[no_mangle]
 pub extern "C" fn gpu_arena_snapshot_json() -> *mut c_char {
     let mut out = std::ptr::null_mut();
-    guard("gpu_arena_snapshot_json", || {
-        let p = match pool("gpu_arena_snapshot_json") {
-            Ok(p) => p,
-            Err(c) => return c,
-        };
-        match CString::new(p.snapshot_json()) {
-            Ok(s) => {
-                out = s.into_raw();
-                GPU_ARENA_OK
-            }
-            Err(_) => fail(
+    with_pool("gpu_arena_snapshot_json", |p| {
+        let s = CString::new(p.snapshot_json()).map_err(|_| {
+            fail(
                 "gpu_arena_snapshot_json",
                 Error::Internal("NUL in JSON".into()),
-            ),
-        }
+            )
+        })?;
+        out = s.into_raw();
+        Ok(GPU_ARENA_OK)
     });
     out
 }
@@ -495,12 +456,17 @@ pub extern "C" fn gpu_arena_string_free(s: *mut c_char) {
 /// The code of the calling thread's last error (0 if none): useful after a NULL return.
 #[no_mangle]
 pub extern "C" fn gpu_arena_last_error_code() -> c_int {
-    LAST_CODE.with(|c| c.get())
+    LAST_CODE
+        .try_with(|c| c.get())
+        .unwrap_or(GPU_ARENA_ERR_INTERNAL)
 }
 
 /// The calling thread's last error message ("" if none). Never NULL; valid until the next
 /// gpu-arena call on this thread.
 #[no_mangle]
 pub extern "C" fn gpu_arena_last_error() -> *const c_char {
-    LAST_ERROR.with(|e| e.borrow().as_ptr())
+    // `try_with`: no panic even during thread-local teardown.
+    LAST_ERROR
+        .try_with(|e| e.borrow().as_ptr())
+        .unwrap_or(c"".as_ptr())
 }
