@@ -142,12 +142,8 @@ def init(device_count: int = -1) -> None:
     lib.gpu_arena_init(_int(device_count, "device_count"))
     code = lib.gpu_arena_init_status()
     if code < 0:
-        msg = _lib.last_error() or "gpu_arena_init failed"
-        if code == GPU_ARENA_ERR_NOT_INITIALIZED:
-            # gpu_arena_init_status answers NOT_INITIALIZED for every failed init; the
-            # message carries the real error, whose code is more useful.
-            code = _lib._cause_code(msg, code)
-        raise GpuArenaError(code, msg)
+        # The failed init's own code (e.g. UNAVAILABLE), not NOT_INITIALIZED.
+        raise _lib.error(code, "gpu_arena_init")
 
 
 def is_initialized() -> bool:

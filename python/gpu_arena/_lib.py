@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import threading
 from pathlib import Path
 from typing import List, Optional
@@ -38,18 +37,8 @@ GPU_ARENA_ERR_UNAVAILABLE = -8
 GPU_ARENA_ERR_IPC = -9
 GPU_ARENA_ERR_INTERNAL = -10
 
-ERROR_NAMES = {
-    GPU_ARENA_ERR_INVALID_ARGUMENT: "GPU_ARENA_ERR_INVALID_ARGUMENT",
-    GPU_ARENA_ERR_OUT_OF_MEMORY: "GPU_ARENA_ERR_OUT_OF_MEMORY",
-    GPU_ARENA_ERR_UNKNOWN_POINTER: "GPU_ARENA_ERR_UNKNOWN_POINTER",
-    GPU_ARENA_ERR_BACKEND: "GPU_ARENA_ERR_BACKEND",
-    GPU_ARENA_ERR_INVALID_DEVICE: "GPU_ARENA_ERR_INVALID_DEVICE",
-    GPU_ARENA_ERR_NOT_INITIALIZED: "GPU_ARENA_ERR_NOT_INITIALIZED",
-    GPU_ARENA_ERR_INVALID_STATE: "GPU_ARENA_ERR_INVALID_STATE",
-    GPU_ARENA_ERR_UNAVAILABLE: "GPU_ARENA_ERR_UNAVAILABLE",
-    GPU_ARENA_ERR_IPC: "GPU_ARENA_ERR_IPC",
-    GPU_ARENA_ERR_INTERNAL: "GPU_ARENA_ERR_INTERNAL",
-}
+# code -> its name, e.g. -2 -> "GPU_ARENA_ERR_OUT_OF_MEMORY".
+ERROR_NAMES = {v: k for k, v in dict(globals()).items() if k.startswith("GPU_ARENA_ERR_")}
 
 
 # --------------------------------------------------------------------------------------
@@ -154,50 +143,22 @@ class InternalError(GpuArenaError):
     code = GPU_ARENA_ERR_INTERNAL
 
 
+# The one map from a code to its exception class (each class names its code).
 _CLASS_OF_CODE = {
-    GPU_ARENA_ERR_INVALID_ARGUMENT: InvalidArgumentError,
-    GPU_ARENA_ERR_OUT_OF_MEMORY: OutOfMemoryError,
-    GPU_ARENA_ERR_UNKNOWN_POINTER: UnknownPointerError,
-    GPU_ARENA_ERR_BACKEND: BackendError,
-    GPU_ARENA_ERR_INVALID_DEVICE: InvalidDeviceError,
-    GPU_ARENA_ERR_NOT_INITIALIZED: NotInitializedError,
-    GPU_ARENA_ERR_INVALID_STATE: InvalidStateError,
-    GPU_ARENA_ERR_UNAVAILABLE: UnavailableError,
-    GPU_ARENA_ERR_IPC: IpcError,
-    GPU_ARENA_ERR_INTERNAL: InternalError,
+    cls.code: cls
+    for cls in (
+        InvalidArgumentError,
+        OutOfMemoryError,
+        UnknownPointerError,
+        BackendError,
+        InvalidDeviceError,
+        NotInitializedError,
+        InvalidStateError,
+        UnavailableError,
+        IpcError,
+        InternalError,
+    )
 }
-
-# Calls that report failure only as NULL (gpu_arena_malloc, gpu_arena_snapshot_json) give no
-# code: it is recovered from the message, whose text after "call: " is the Display of the
-# Rust `gpu_arena::Error` variant (alloc/src/error.rs) or the `pool()` helper's wording.
-_CODE_PATTERNS = [
-    (re.compile(r"called before gpu_arena_init|failed to initialize"), GPU_ARENA_ERR_NOT_INITIALIZED),
-    (re.compile(r"internal panic|internal error"), GPU_ARENA_ERR_INTERNAL),
-    (re.compile(r"out of memory|out of device memory"), GPU_ARENA_ERR_OUT_OF_MEMORY),
-    (re.compile(r"unknown pointer"), GPU_ARENA_ERR_UNKNOWN_POINTER),
-    (re.compile(r"device -?\d+ out of range"), GPU_ARENA_ERR_INVALID_DEVICE),
-    (re.compile(r"invalid argument"), GPU_ARENA_ERR_INVALID_ARGUMENT),
-    (re.compile(r"invalid state"), GPU_ARENA_ERR_INVALID_STATE),
-    (re.compile(r"backend unavailable"), GPU_ARENA_ERR_UNAVAILABLE),
-    (re.compile(r": ipc: "), GPU_ARENA_ERR_IPC),
-    (re.compile(r"backend: \S+ failed"), GPU_ARENA_ERR_BACKEND),
-]
-
-
-def code_from_message(message: str, default: int = GPU_ARENA_ERR_INTERNAL) -> int:
-    """Best guess of the error code behind a ``gpu_arena_last_error()`` message."""
-    for pattern, code in _CODE_PATTERNS:
-        if pattern.search(message):
-            return code
-    return default
-
-
-def _cause_code(message: str, default: int) -> int:
-    """The code of the error a "failed to initialize: <error>" message wraps."""
-    _, sep, cause = message.partition("failed to initialize: ")
-    if not sep:
-        return default
-    return code_from_message(": " + cause, default)
 
 
 # --------------------------------------------------------------------------------------
@@ -326,17 +287,17 @@ _SIGNATURES = {
     "gpu_arena_snapshot_json": (c_void_p, []),
     "gpu_arena_string_free": (None, [c_void_p]),
     "gpu_arena_last_error": (c_char_p, []),
+    "gpu_arena_last_error_code": (c_int, []),
 }
 
-# The IPC part (ffi/src/ipc_api.rs) and gpu_arena_last_error_code, which came with it;
-# declared when the library has them (has_ipc() says whether all are there).
+# The IPC part (ffi/src/ipc_api.rs), declared when the library has it (has_ipc() says
+# whether all are there).
 _IPC_SIGNATURES = {
     "gpu_arena_share": (c_int, [c_void_p, ctypes.c_size_t, ctypes.POINTER(GpuArenaShare)]),
     "gpu_arena_unshare": (c_int, [ctypes.POINTER(GpuArenaShare)]),
     "gpu_arena_import": (c_int, [ctypes.POINTER(GpuArenaShare), ctypes.POINTER(c_void_p)]),
     "gpu_arena_close": (c_int, [c_void_p]),
     "gpu_arena_imports_live": (c_int, []),
-    "gpu_arena_last_error_code": (c_int, []),
 }
 
 _lock = threading.Lock()
@@ -415,11 +376,12 @@ def check(code: int, call: str = "") -> int:
     return code
 
 
-def error_from_last(call: str, default: int = GPU_ARENA_ERR_INTERNAL) -> GpuArenaError:
-    """The exception for a failed call that returns no code (NULL), code inferred from the
-    message."""
+def error_from_last(call: str) -> GpuArenaError:
+    """The exception for a failed call that returns no code (NULL): the code is the
+    thread's ``gpu_arena_last_error_code()``."""
+    code = lib().gpu_arena_last_error_code()
     msg = last_error() or f"{call} failed"
-    return GpuArenaError(code_from_message(msg, default), msg)
+    return GpuArenaError(code if code < 0 else GPU_ARENA_ERR_INTERNAL, msg)
 
 
 def fn_address(name: str) -> int:
