@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import ctypes
 import json
-import operator
 from typing import Any, Dict
 
 from . import _lib
+from ._lib import as_int as _int
 from ._lib import (  # noqa: F401  (re-exported)
     GPU_ARENA_ERR_BACKEND,
     GPU_ARENA_ERR_INTERNAL,
@@ -112,13 +112,6 @@ __all__ = [
     "InternalError",
     "LibraryNotFoundError",
 ]
-
-
-def _int(value: Any, what: str) -> int:
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be an int, not {type(value).__name__}") from None
 
 
 def configure(conf: str) -> None:

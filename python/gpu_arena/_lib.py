@@ -17,6 +17,7 @@ without it.
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import threading
 from pathlib import Path
@@ -382,6 +383,14 @@ def error_from_last(call: str) -> GpuArenaError:
     code = lib().gpu_arena_last_error_code()
     msg = last_error() or f"{call} failed"
     return GpuArenaError(code if code < 0 else GPU_ARENA_ERR_INTERNAL, msg)
+
+
+def as_int(value, what: str) -> int:
+    """``value`` as an int (anything with ``__index__``), or a TypeError naming ``what``."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}") from None
 
 
 def fn_address(name: str) -> int:

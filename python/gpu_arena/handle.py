@@ -1,0 +1,125 @@
+"""The share handle: 128 plain bytes (C: ``gpu_arena_share_t``; layout in
+alloc/src/ipc/handle.rs). No pointer, no fd: it travels any way bytes travel."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from typing import Any, Union
+
+from ._lib import SHARE_BYTES, GpuArenaShare
+
+__all__ = ["ShareHandle", "as_handle"]
+
+_MAGIC = b"GPUARENA"
+
+
+class ShareHandle(bytes):
+    """A share handle: exactly 128 bytes (``gpu_arena_share_t``). It is ``bytes``: send it,
+    store it, ``.hex()`` it; ``ShareHandle(b)`` / ``ShareHandle.from_hex(s)`` bring it back.
+
+    The properties decode the fields for display and routing (layout in
+    alloc/src/ipc/handle.rs); the library validates the handle on every use."""
+
+    __slots__ = ()
+
+    SIZE = SHARE_BYTES
+
+    def __new__(cls, data: Union[bytes, bytearray, memoryview, "ShareHandle"]):
+        if isinstance(data, str):
+            raise TypeError("ShareHandle takes bytes; use ShareHandle.from_hex() for a hex string")
+        b = bytes(data)
+        if len(b) != SHARE_BYTES:
+            raise ValueError(f"a share handle is {SHARE_BYTES} bytes, not {len(b)}")
+        return super().__new__(cls, b)
+
+    @classmethod
+    def from_hex(cls, text: str) -> "ShareHandle":
+        return cls(bytes.fromhex(text))
+
+    def to_bytes(self) -> bytes:
+        """The 128 bytes as a plain ``bytes``."""
+        return bytes(self)
+
+    def __reduce__(self):
+        return (ShareHandle, (bytes(self),))
+
+    def _struct(self) -> GpuArenaShare:
+        s = GpuArenaShare()
+        ctypes.memmove(ctypes.addressof(s), bytes(self), SHARE_BYTES)
+        return s
+
+    def _u(self, fmt: str, at: int) -> int:
+        return struct.unpack_from("<" + fmt, self, at)[0]
+
+    @property
+    def is_gpu_arena(self) -> bool:
+        """Whether it starts with gpu-arena's magic."""
+        return self[:8] == _MAGIC
+
+    @property
+    def version(self) -> int:
+        return self._u("H", 8)
+
+    @property
+    def device(self) -> int:
+        """The producer's device index."""
+        return self._u("i", 12)
+
+    @property
+    def producer_pid(self) -> int:
+        return self._u("I", 16)
+
+    @property
+    def share_key(self) -> int:
+        return self._u("I", 20)
+
+    @property
+    def arena_id(self) -> int:
+        return self._u("Q", 24)
+
+    @property
+    def generation(self) -> int:
+        return self._u("I", 32)
+
+    @property
+    def offset(self) -> int:
+        """Offset of the shared range in its arena, in bytes."""
+        return self._u("Q", 40)
+
+    @property
+    def length(self) -> int:
+        """Length of the shared range, in bytes."""
+        return self._u("Q", 48)
+
+    @property
+    def arena_bytes(self) -> int:
+        return self._u("Q", 56)
+
+    @property
+    def socket_name(self) -> str:
+        return bytes(self[80:128]).split(b"\0", 1)[0].decode("ascii", "replace")
+
+    def __repr__(self) -> str:
+        if not self.is_gpu_arena:
+            return f"ShareHandle(<not a gpu-arena handle> {bytes(self[:16]).hex()}...)"
+        return (
+            f"ShareHandle(producer_pid={self.producer_pid}, device={self.device}, "
+            f"arena={self.arena_id}, offset={self.offset}, length={self.length})"
+        )
+
+    __str__ = __repr__
+
+
+def as_handle(handle: Any) -> ShareHandle:
+    """``handle`` as a :class:`ShareHandle`: a handle, its 128 bytes, or a ``Share`` (its
+    ``.handle``)."""
+    if isinstance(handle, ShareHandle):
+        return handle
+    if isinstance(getattr(handle, "handle", None), ShareHandle):  # a gpu_arena.Share
+        return handle.handle
+    if isinstance(handle, (bytes, bytearray, memoryview)):
+        return ShareHandle(handle)
+    raise TypeError(
+        f"expected a ShareHandle (or its 128 bytes, or a Share), not {type(handle).__name__}"
+    )

@@ -1,0 +1,82 @@
+"""Sharing by pointer, no PyTorch needed (C: ``gpu_arena_share`` / ``unshare`` /
+``import`` / ``close`` / ``imports_live``, ffi/src/ipc_api.rs). See :mod:`gpu_arena.ipc`."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+from . import _lib
+from ._lib import (
+    GPU_ARENA_ERR_INVALID_ARGUMENT,
+    GPU_ARENA_ERR_UNAVAILABLE,
+    GpuArenaError,
+    GpuArenaShare,
+    as_int,
+)
+from .handle import ShareHandle, as_handle
+
+__all__ = ["share_ptr", "unshare", "import_handle", "close_import", "imports_live"]
+
+
+def _ipc_lib() -> ctypes.CDLL:
+    lib = _lib.lib()
+    if not _lib.has_ipc():
+        raise GpuArenaError(
+            GPU_ARENA_ERR_UNAVAILABLE,
+            f"{_lib.lib_path()} has no IPC functions (gpu_arena_share, gpu_arena_import...): "
+            "it is an older build; rebuild it with `cargo build -p gpu-arena-ffi`",
+        )
+    return lib
+
+
+def share_ptr(ptr: int, nbytes: int) -> ShareHandle:
+    """Share ``nbytes`` at ``ptr`` (inside one live gpu-arena allocation of this process)
+    with other processes. The arena is exported on its first share (later shares of the same
+    arena reuse the export). Raises ``InvalidArgumentError`` for a range that runs past its
+    allocation, ``UnknownPointerError`` for memory gpu-arena did not allocate."""
+    ptr = as_int(ptr, "ptr")
+    nbytes = as_int(nbytes, "nbytes")
+    if ptr < 0 or nbytes < 0:
+        raise GpuArenaError(
+            GPU_ARENA_ERR_INVALID_ARGUMENT,
+            f"share_ptr(ptr={ptr:#x}, nbytes={nbytes}): negative pointer or size",
+        )
+    s = GpuArenaShare()
+    _lib.check(_ipc_lib().gpu_arena_share(ptr or None, nbytes, ctypes.byref(s)), "gpu_arena_share")
+    return ShareHandle(bytes(s.bytes))
+
+
+def unshare(handle: Any) -> None:
+    """Revoke a share made by this process: no new import succeeds; imports already made
+    stay valid until their consumers close them. A second unshare raises ``IpcError``."""
+    s = as_handle(handle)._struct()
+    _lib.check(_ipc_lib().gpu_arena_unshare(ctypes.byref(s)), "gpu_arena_unshare")
+
+
+def import_handle(handle: Any) -> int:
+    """Import a share (made by another process, or this one) and return the address of its
+    first byte in this process, valid until :func:`close_import`. gpu-arena must be
+    initialized (``gpu_arena.init()`` or ``gpu_arena.torch.install()``) with the backend
+    the producer uses. Raises ``IpcError`` for a bad or revoked handle, a wrong token or an
+    unreachable producer."""
+    s = as_handle(handle)._struct()
+    out = ctypes.c_void_p()
+    _lib.check(_ipc_lib().gpu_arena_import(ctypes.byref(s), ctypes.byref(out)), "gpu_arena_import")
+    if not out.value:
+        raise GpuArenaError(_lib.GPU_ARENA_ERR_INTERNAL, "gpu_arena_import returned NULL")
+    return int(out.value)
+
+
+def close_import(ptr: int) -> None:
+    """Close one import of ``ptr`` (from :func:`import_handle`). The last import of an arena
+    unmaps it and tells the producer (a producer that exited is fine). The consumer orders
+    its own work: finish (synchronize) every use of the memory before closing. Closing a
+    pointer that is not imported (or no longer) raises ``UnknownPointerError``."""
+    ptr = as_int(ptr, "ptr")
+    _lib.check(_ipc_lib().gpu_arena_close(ptr or None), "gpu_arena_close")
+
+
+def imports_live() -> int:
+    """Imports this process holds as a consumer (0 before the first import)."""
+    return _lib.check(_ipc_lib().gpu_arena_imports_live(), "gpu_arena_imports_live")
