@@ -8,6 +8,10 @@
 //! - [`pool_adapter`]: the real [`gpu_arena::Pool`] as a [`replay::TraceAllocator`].
 //! - [`suite`]: the whole comparison (and the arena-size sweep) as the criterion bench
 //!   `kv_cache` and the `kv_replay` binary run it; [`report`] renders it as markdown.
+//! - [`units`]: sizes and times as text, for all of the above.
+//!
+//! Imports go one way, each module importing only modules listed before it: `units`,
+//! `trace`, `trace_file`, `replay`, `pool_adapter`, `report`, `suite`.
 
 pub mod pool_adapter;
 pub mod replay;
@@ -15,6 +19,7 @@ pub mod report;
 pub mod suite;
 pub mod trace;
 pub mod trace_file;
+pub mod units;
 
 pub use pool_adapter::PoolAllocator;
 pub use replay::{replay, FirstFitArena, PerAllocationBackend, ReplayResult, TraceAllocator};

@@ -78,7 +78,7 @@ impl TraceAllocator for PoolAllocator {
     fn name(&self) -> String {
         format!(
             "gpu-arena pool ({} arenas)",
-            crate::report::fmt_bytes(self.pool.config().arena_size)
+            crate::units::fmt_bytes(self.pool.config().arena_size)
         )
     }
 

@@ -325,7 +325,7 @@ impl TraceAllocator for FirstFitArena {
     fn name(&self) -> String {
         format!(
             "first-fit, one {} arena",
-            crate::report::fmt_bytes(self.arena_bytes())
+            crate::units::fmt_bytes(self.arena_bytes())
         )
     }
 

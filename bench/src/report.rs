@@ -4,35 +4,7 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use crate::replay::ReplayResult;
-
-/// `bytes` in binary units with two decimals at most (`2.00 MiB`, `31.5 GiB`).
-pub fn fmt_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut v = bytes as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{bytes} B")
-    } else if v.fract() == 0.0 {
-        format!("{v:.0} {}", UNITS[u])
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
-}
-
-/// Nanoseconds with a sensible precision.
-pub fn fmt_ns(ns: f64) -> String {
-    if ns >= 100_000.0 {
-        format!("{:.1} µs", ns / 1000.0)
-    } else if ns >= 100.0 {
-        format!("{ns:.0} ns")
-    } else {
-        format!("{ns:.1} ns")
-    }
-}
+use crate::units::{fmt_bytes, fmt_ns};
 
 /// The main table: one row per allocator, with each row's ns/op divided by the ns/op of
 /// `results[reference]` (the pool) in the last column.
@@ -135,13 +107,6 @@ pub fn write_summary(markdown: &str) -> Result<PathBuf, String> {
 mod tests {
     use super::*;
     use std::time::Duration;
-
-    #[test]
-    fn bytes_format() {
-        assert_eq!(fmt_bytes(512), "512 B");
-        assert_eq!(fmt_bytes(2 << 20), "2 MiB");
-        assert_eq!(fmt_bytes(3 << 29), "1.50 GiB");
-    }
 
     #[test]
     fn table_has_the_ratio_to_the_reference() {

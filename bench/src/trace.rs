@@ -258,7 +258,7 @@ impl Trace {
             self.ops.len(),
             self.allocs,
             self.kv_block_allocs,
-            crate::report::fmt_bytes(self.peak_live_bytes),
+            crate::units::fmt_bytes(self.peak_live_bytes),
             self.peak_live_allocs,
             self.steps,
             self.preemptions

@@ -10,9 +10,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use gpu_arena_bench::report::fmt_bytes;
 use gpu_arena_bench::trace::{generate, TraceConfig};
 use gpu_arena_bench::trace_file::{read_file, write_file};
+use gpu_arena_bench::units::fmt_bytes;
 
 const USAGE: &str = "usage: kv_trace_dump [--seed N] [--requests N] [--out PATH]";
 
