@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run on the GPU machine from the repo root, after scripts/gpu-build.sh staged .gpu/.
+# Run on the GPU machine from the repo root, after scripts/gpu-build.sh staged .gpu/. It runs
+# the GPU-only tests: the cuda backend's, tests/python with torch, and the tests/gpu/ scripts.
 # Every step's full log goes to $OUT (or ./gpu-out); a short table is printed last.
 # Usage: bash scripts/gpu-check.sh [step ...]   (default: all steps)
 set -uo pipefail
@@ -19,12 +20,12 @@ run() { # name, command...
 for s in "${steps[@]}"; do case $s in
   info) run info bash -c 'nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; date -u' ;;
   backend) run backend .gpu/bin/cuda_backend --ignored --test-threads=1 --nocapture ;;
-  torch) run torch python3 -m pytest -q -rs python/tests ;;
-  torch_check) run torch_check python3 scripts/gpu_torch_check.py ;;
+  torch) run torch python3 -m pytest -q -rs tests/python ;;
+  torch_check) run torch_check python3 tests/gpu/gpu_torch_check.py ;;
   kvbench) run kvbench bash bench/gpu/run.sh .gpu/kv_trace.bin "$OUT/kv_bench.md" ;;
   kvsim) run kvsim .gpu/bin/kv_replay --backend sim --no-per-allocation --no-sweep ;;
   kv) run kv .gpu/bin/kv_replay --backend cuda --no-per-allocation ;;
-  ipc) [ -f scripts/gpu_ipc_check.py ] && run ipc python3 scripts/gpu_ipc_check.py ;;
-  *) [ -f "scripts/gpu_$s.py" ] && run "$s" python3 "scripts/gpu_$s.py" ;;
+  ipc) run ipc python3 tests/gpu/gpu_ipc_check.py ;;
+  *) [ -f "tests/gpu/gpu_$s.py" ] && run "$s" python3 "tests/gpu/gpu_$s.py" ;;
 esac; done
 echo; echo "step | status"; for k in "${!status[@]}"; do echo "$k | ${status[$k]}"; done | sort

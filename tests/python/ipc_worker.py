@@ -14,7 +14,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# tests/python/ipc_worker.py -> the repository's python/ (the package).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 
 import gpu_arena  # noqa: E402
 

@@ -11,8 +11,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-PYTHON_DIR = Path(__file__).resolve().parent.parent
-REPO_DIR = PYTHON_DIR.parent
+# tests/python/conftest.py -> the repository root; the package lives in python/.
+REPO_DIR = Path(__file__).resolve().parents[2]
+PYTHON_DIR = REPO_DIR / "python"
 
 if str(PYTHON_DIR) not in sys.path:
     sys.path.insert(0, str(PYTHON_DIR))

@@ -8,7 +8,7 @@ then PyTorch, cold then warm, pair latency included), each pinned to one CPU, an
 every run's ratio and the median, smallest and largest ratio: the figure to quote is the
 median, the spread says how far one run can be trusted.
 
-    python3 scripts/gpu_kv_repeat.py [--runs 7] [--cpu 2] [--trace .gpu/kv_trace.bin]
+    python3 tests/gpu/gpu_kv_repeat.py [--runs 7] [--cpu 2] [--trace .gpu/kv_trace.bin]
 
 Builds .gpu/kv_bench with bench/gpu/build.sh when missing; needs .gpu/libgpu_arena.so. Writes the report
 to stdout and, when OUT is set, to $OUT/kv_repeat.md with each run's kv_bench report beside
@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # tests/gpu/ -> the repository root
 ROWS = {"gpu-arena": "gpu-arena (C API", "torch": "PyTorch CUDACachingAllocator"}
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""A gpu-arena process (producer or consumer) for scripts/gpu_ipc_check.py, driven over a pipe.
+"""A gpu-arena process (producer or consumer) for tests/gpu/gpu_ipc_check.py, driven over a pipe.
 
-    python3 scripts/gpu_ipc_consumer.py --mode torch [--conf "arena_size=64MiB"]
-    python3 scripts/gpu_ipc_consumer.py --mode sim   [--conf "..."]
+    python3 tests/gpu/gpu_ipc_consumer.py --mode torch [--conf "arena_size=64MiB"]
+    python3 tests/gpu/gpu_ipc_consumer.py --mode sim   [--conf "..."]
 
 ``torch`` mode installs gpu-arena as PyTorch's allocator first thing (before CUDA is
 initialized), warms up every kernel the check uses (so lazily loaded kernel modules do not
@@ -31,7 +31,7 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PYDIR = os.path.join(os.path.dirname(HERE), "python")
+PYDIR = os.path.join(os.path.dirname(os.path.dirname(HERE)), "python")  # tests/gpu/ -> python/
 if os.path.isdir(PYDIR) and PYDIR not in sys.path:
     sys.path.insert(0, PYDIR)
 

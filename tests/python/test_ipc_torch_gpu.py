@@ -1,5 +1,5 @@
 """gpu_arena.share / open / close across two processes on a CUDA GPU (skipped without torch
-or without a CUDA device). scripts/gpu_ipc_check.py measures the memory figures; this is
+or without a CUDA device). tests/gpu/gpu_ipc_check.py measures the memory figures; this is
 the short regression test of the tensor-level API on the real backend."""
 
 from __future__ import annotations

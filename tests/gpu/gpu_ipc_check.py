@@ -2,8 +2,8 @@
 """Cross-process sharing with gpu-arena on a real GPU: the figures of the IPC issue
 (shared/seed/rocm-ipc-pin-request.txt), as a markdown report.
 
-    GPU_ARENA_LIB=.gpu/libgpu_arena.so PYTHONPATH=python python3 scripts/gpu_ipc_check.py
-    python3 scripts/gpu_ipc_check.py --sim        # the same plumbing on the sim backend,
+    GPU_ARENA_LIB=.gpu/libgpu_arena.so PYTHONPATH=python python3 tests/gpu/gpu_ipc_check.py
+    python3 tests/gpu/gpu_ipc_check.py --sim        # the same plumbing on the sim backend,
                                                   # no torch, no GPU, sizes / 1024
 
 Sections:
@@ -21,7 +21,7 @@ Sections:
       imported, and the number of driver exports to share a 16 GiB KV cache block by block.
 
 Every process is fresh and installs gpu-arena before touching CUDA; producers and consumers
-are scripts/gpu_ipc_consumer.py workers driven over pipes with timeouts, and share handles
+are tests/gpu/gpu_ipc_consumer.py workers driven over pipes with timeouts, and share handles
 travel between them as bytes (Share.to_bytes, base64). The report goes to stdout and, when
 OUT is set, to $OUT/ipc_report.md. Exit status 1 when a check fails.
 """
@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "gpu_ipc_consumer.py")
-PYDIR = os.path.join(os.path.dirname(HERE), "python")
+PYDIR = os.path.join(os.path.dirname(os.path.dirname(HERE)), "python")  # tests/gpu/ -> python/
 if os.path.isdir(PYDIR) and PYDIR not in sys.path:
     sys.path.insert(0, PYDIR)
 
@@ -134,7 +134,7 @@ class WorkerFailed(RuntimeError):
 
 
 class Worker:
-    """A scripts/gpu_ipc_consumer.py process; call(op, **args) -> its result."""
+    """A tests/gpu/gpu_ipc_consumer.py process; call(op, **args) -> its result."""
 
     live: List["Worker"] = []
     first_info: Dict[str, Any] = {}

@@ -5,7 +5,7 @@ Issue: "CUDA backend and the PyTorch pluggable allocator, verified on the H200".
 
 Run it on the GPU machine from anywhere (it finds the repository from its own path):
 
-    GPU_ARENA_LIB=/path/to/libgpu_arena.so OUT=/some/dir python3 scripts/gpu_torch_check.py
+    GPU_ARENA_LIB=/path/to/libgpu_arena.so OUT=/some/dir python3 tests/gpu/gpu_torch_check.py
     # or, with the staged build:  bash scripts/gpu-check.sh torch_check
 
 The report is printed on stdout and written to ``$OUT/torch_report.md`` (raw numbers in
@@ -88,7 +88,7 @@ import traceback
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve()
-REPO = SCRIPT.parent.parent
+REPO = SCRIPT.parents[2]  # tests/gpu/ -> the repository root
 PYDIR = REPO / "python"
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
