@@ -320,47 +320,45 @@ def test_configure_rejects_non_str():
         gpu_arena.configure("arena_size=1MiB\0")
 
 
-def test_init_failure_unavailable_backend():
+def failed_init(env: dict) -> dict:
+    """In a fresh process with `env`: the error gpu_arena.init() raised (class name, code,
+    message), whether gpu-arena then says it is initialized, its backend name, and the
+    message of a malloc after the failed init."""
     proc = run_python(
         """
         import json, gpu_arena
+        out = {"error": None}
         try:
             gpu_arena.init()
-            r = None
         except gpu_arena.GpuArenaError as e:
-            r = [type(e).__name__, e.code, e.message]
-        print("RESULT=" + json.dumps([r, gpu_arena.is_initialized(), gpu_arena.backend_name()]))
+            out["error"] = [type(e).__name__, e.code, e.message]
+        out["initialized"] = gpu_arena.is_initialized()
+        out["backend"] = gpu_arena.backend_name()
+        try:
+            gpu_arena.malloc(100)
+        except gpu_arena.NotInitializedError as e:
+            out["malloc"] = e.message
+        print("RESULT=" + json.dumps(out))
         """,
-        env={"GPU_ARENA_BACKEND": "hip"},
+        env=env,
     )
-    r, initialized, backend = result_of(proc)
-    assert r is not None and not initialized and backend == ""
-    cls, code, msg = r
+    return result_of(proc)
+
+
+def test_init_failure_unavailable_backend():
+    r = failed_init({"GPU_ARENA_BACKEND": "hip"})
+    assert r["error"] is not None and not r["initialized"] and r["backend"] == "", r
+    cls, code, msg = r["error"]
     assert cls == "UnavailableError" and code == gpu_arena.GPU_ARENA_ERR_UNAVAILABLE, r
     assert "hip" in msg and "failed to initialize" in msg
 
 
 def test_init_failure_bad_conf_env():
-    proc = run_python(
-        """
-        import json, gpu_arena
-        try:
-            gpu_arena.init()
-            r = None
-        except gpu_arena.GpuArenaError as e:
-            r = [type(e).__name__, e.code, e.message]
-        try:
-            gpu_arena.malloc(100)
-        except gpu_arena.NotInitializedError as e:
-            r.append(e.message)
-        print("RESULT=" + json.dumps(r))
-        """,
-        env={"GPU_ARENA_CONF": "arena_size=lots"},
-    )
-    cls, code, msg, malloc_msg = result_of(proc)
+    r = failed_init({"GPU_ARENA_CONF": "arena_size=lots"})
+    cls, code, msg = r["error"]
     assert cls == "InvalidArgumentError" and code == gpu_arena.GPU_ARENA_ERR_INVALID_ARGUMENT
     assert "GPU_ARENA_CONF" in msg and "lots" in msg
-    assert "gpu_arena_malloc" in malloc_msg and "failed to initialize" in malloc_msg
+    assert "gpu_arena_malloc" in r["malloc"] and "failed to initialize" in r["malloc"]
 
 
 def test_raw_init_status_code_of_failed_init():
