@@ -11,6 +11,7 @@ use std::fmt;
 use std::os::fd::{BorrowedFd, OwnedFd};
 
 use crate::error::Result;
+pub use crate::ids::{DeviceId, StreamId};
 
 pub mod sim;
 
@@ -19,19 +20,6 @@ pub mod cuda;
 
 #[cfg(feature = "hip")]
 pub mod hip;
-
-/// A device index as the C API and PyTorch pass it (`int device`).
-pub type DeviceId = i32;
-
-/// A raw stream handle (`cudaStream_t` / `hipStream_t` as an integer). `StreamId(0)` is the
-/// legacy default stream.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct StreamId(pub u64);
-
-impl StreamId {
-    /// The legacy default stream.
-    pub const DEFAULT: StreamId = StreamId(0);
-}
 
 /// One block of physical device memory, mapped at `base` for `bytes` bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
