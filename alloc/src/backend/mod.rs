@@ -14,6 +14,7 @@ use crate::error::Result;
 pub use crate::ids::{DeviceId, StreamId};
 
 pub mod sim;
+pub mod vmm;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
