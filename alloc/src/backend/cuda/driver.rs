@@ -21,14 +21,18 @@
 //! every result goes straight through [`check`], which only compares it with
 //! `CUDA_SUCCESS`; binding the newest toolkit the driver supports keeps the enum complete.
 
-use std::ffi::{c_void, CStr};
+use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr;
 
 use cudarc::driver::sys;
 
-use crate::backend::vmm::{DeviceSupport, Driver, DriverError, DriverResult, Failure, LegacyIpc};
+use crate::backend::vmm::{
+    driver_string, DeviceSupport, Driver, DriverError, DriverResult, Failure, LegacyIpc,
+    StartFailures,
+};
+use crate::error::{Error, Result};
 use crate::ids::DeviceId;
 
 /// The backend's name in errors.
@@ -37,7 +41,7 @@ pub(super) const NAME: &str = "cuda";
 /// The symbols the wrappers below make cudarc resolve, exactly as cudarc looks them up.
 ///
 /// Keep in step with the wrappers: [`load_library`] checks them all before the first call.
-pub(super) const SYMBOLS: &[&str] = &[
+const SYMBOLS: &[&str] = &[
     "cuGetErrorName",
     "cuGetErrorString",
     "cuInit",
@@ -73,36 +77,23 @@ pub(super) const SYMBOLS: &[&str] = &[
 
 /// `Ok` for `CUDA_SUCCESS`, else the call's [`DriverError`] with the driver's own words.
 fn check(call: &'static str, result: sys::CUresult) -> DriverResult<()> {
-    if result == sys::CUresult::CUDA_SUCCESS {
-        return Ok(());
+    match result {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(failed(call, Failure::OutOfMemory, result)),
+        _ => Err(failed(call, Failure::Other, result)),
     }
-    let failure = if result == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-        Failure::OutOfMemory
-    } else {
-        Failure::Other
-    };
-    Err(DriverError {
-        backend: NAME,
-        call,
-        failure,
-        message: message(result),
-    })
 }
 
-/// The driver's own words for a `CUresult`: `CUDA_ERROR_INVALID_VALUE: invalid argument`.
-fn message(result: sys::CUresult) -> String {
-    let code = result as u32;
-    match (error_name(result), error_string(result)) {
-        (Some(name), Some(text)) => format!("{name}: {text}"),
-        (Some(name), None) => name,
-        (None, Some(text)) => format!("CUresult {code}: {text}"),
-        (None, None) => format!("CUresult {code}"),
-    }
+/// The [`DriverError`] for `result`: `CUDA_ERROR_INVALID_VALUE: invalid argument`.
+fn failed(call: &'static str, failure: Failure, result: sys::CUresult) -> DriverError {
+    let code = format!("CUresult {}", result as u32);
+    let words = (error_name(result), error_string(result));
+    DriverError::in_words(NAME, call, failure, code, words)
 }
 
 /// Why libcuda could not be used.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum LoadError {
+enum LoadError {
     /// No candidate library name could be opened.
     NotFound(Vec<String>),
     /// cudarc's loader panicked although the presence check passed.
@@ -113,7 +104,7 @@ pub(super) enum LoadError {
 
 /// Load libcuda (once per process, by cudarc) and check that every symbol in [`SYMBOLS`]
 /// resolves. Never panics on a machine without libcuda.
-pub(super) fn load_library() -> Result<(), LoadError> {
+fn load_library() -> Result<(), LoadError> {
     // SAFETY: is_culib_present only dlopen()s candidate library names and closes them again;
     // running a found libcuda's initialisers is what loading the driver means.
     if !unsafe { sys::is_culib_present() } {
@@ -149,15 +140,8 @@ fn error_name(result: sys::CUresult) -> Option<String> {
     let mut name: *const std::ffi::c_char = ptr::null();
     // SAFETY: the out-pointer is a valid local; cuGetErrorName needs no initialisation.
     let r = unsafe { sys::cuGetErrorName(result, &mut name) };
-    if r != sys::CUresult::CUDA_SUCCESS || name.is_null() {
-        return None;
-    }
     // SAFETY: on success the driver points `name` at a static NUL-terminated string.
-    Some(
-        unsafe { CStr::from_ptr(name) }
-            .to_string_lossy()
-            .into_owned(),
-    )
+    (r == sys::CUresult::CUDA_SUCCESS).then(|| unsafe { driver_string(name) })?
 }
 
 /// `cuGetErrorString`.
@@ -165,41 +149,8 @@ fn error_string(result: sys::CUresult) -> Option<String> {
     let mut text: *const std::ffi::c_char = ptr::null();
     // SAFETY: the out-pointer is a valid local; cuGetErrorString needs no initialisation.
     let r = unsafe { sys::cuGetErrorString(result, &mut text) };
-    if r != sys::CUresult::CUDA_SUCCESS || text.is_null() {
-        return None;
-    }
     // SAFETY: on success the driver points `text` at a static NUL-terminated string.
-    Some(
-        unsafe { CStr::from_ptr(text) }
-            .to_string_lossy()
-            .into_owned(),
-    )
-}
-
-/// `cuInit(0)`. Call only after [`load_library`] succeeded (as every wrapper below).
-pub(super) fn init() -> DriverResult<()> {
-    // SAFETY: cuInit takes only flags (0) and may be called any number of times.
-    check("cuInit", unsafe { sys::cuInit(0) })
-}
-
-/// `cuDriverGetVersion`: e.g. 13000 for CUDA 13.0.
-pub(super) fn driver_version() -> DriverResult<i32> {
-    let mut version = 0;
-    // SAFETY: the out-pointer is a valid local.
-    check("cuDriverGetVersion", unsafe {
-        sys::cuDriverGetVersion(&mut version)
-    })?;
-    Ok(version)
-}
-
-/// `cuDeviceGetCount`.
-pub(super) fn device_count() -> DriverResult<i32> {
-    let mut count = 0;
-    // SAFETY: the out-pointer is a valid local.
-    check("cuDeviceGetCount", unsafe {
-        sys::cuDeviceGetCount(&mut count)
-    })?;
-    Ok(count)
+    (r == sys::CUresult::CUDA_SUCCESS).then(|| unsafe { driver_string(text) })?
 }
 
 /// `cuDeviceGet`: the `CUdevice` of an ordinal.
@@ -259,7 +210,7 @@ pub(super) unsafe fn primary_ctx_release(device: sys::CUdevice) -> DriverResult<
 }
 
 /// `cuCtxGetCurrent`: this thread's current context as an integer (0 = none).
-pub(super) fn ctx_get_current() -> DriverResult<u64> {
+fn ctx_get_current() -> DriverResult<u64> {
     let mut ctx: sys::CUcontext = ptr::null_mut();
     // SAFETY: the out-pointer is a valid local; only reads this thread's context stack.
     check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut ctx) })?;
@@ -308,7 +259,24 @@ impl Drop for CtxGuard {
 #[derive(Debug)]
 pub struct CudaDriver {
     /// `cuDriverGetVersion` (e.g. 13000).
-    pub(super) version: i32,
+    version: i32,
+}
+
+/// The error for a failed library load.
+fn load_error(e: LoadError) -> Error {
+    match e {
+        LoadError::NotFound(tried) => Error::Unavailable(format!(
+            "libcuda not found (tried {}): is the NVIDIA driver installed and on the loader path?",
+            tried.join(", ")
+        )),
+        LoadError::LoaderPanicked => {
+            Error::Unavailable("libcuda could not be loaded (cudarc's loader panicked)".into())
+        }
+        LoadError::MissingSymbols(missing) => Error::Unavailable(format!(
+            "libcuda lacks driver symbols the cuda backend needs (driver too old?): {}",
+            missing.join(", ")
+        )),
+    }
 }
 
 /// What the CUDA driver keeps per open device.
@@ -364,6 +332,53 @@ impl Driver for CudaDriver {
     const VENDOR: &'static str = "CUDA";
     /// CUDA's legacy IPC does not pin (GPU.md), and arenas are VMM only.
     const LEGACY_IPC: Option<LegacyIpc> = None;
+    const START_FAILURES: StartFailures = StartFailures {
+        init: "the CUDA driver did not initialise",
+        version: "could not read the CUDA driver version",
+        count: "could not count CUDA devices",
+    };
+
+    /// Load libcuda through cudarc (see the module documentation: never panics).
+    fn load() -> Result<()> {
+        load_library().map_err(load_error)
+    }
+
+    /// `cuInit(0)`; every other call comes after it.
+    fn init() -> DriverResult<()> {
+        // SAFETY: load() succeeded (the library and every symbol are there); cuInit takes only
+        // flags (0) and may be called any number of times.
+        check("cuInit", unsafe { sys::cuInit(0) })
+    }
+
+    /// `cuDriverGetVersion`: e.g. 13000 for CUDA 13.0.
+    fn read_version() -> DriverResult<i32> {
+        let mut version = 0;
+        // SAFETY: the out-pointer is a valid local.
+        let r = unsafe { sys::cuDriverGetVersion(&mut version) };
+        check("cuDriverGetVersion", r).map(|()| version)
+    }
+
+    /// `cuDeviceGetCount`.
+    fn count_devices() -> DriverResult<i32> {
+        let mut count = 0;
+        // SAFETY: the out-pointer is a valid local.
+        check("cuDeviceGetCount", unsafe {
+            sys::cuDeviceGetCount(&mut count)
+        })?;
+        Ok(count)
+    }
+
+    fn started(version: i32) -> CudaDriver {
+        CudaDriver { version }
+    }
+
+    fn version(&self) -> i32 {
+        self.version
+    }
+
+    fn current_on_thread(&self) -> DriverResult<u64> {
+        ctx_get_current()
+    }
 
     fn version_text(&self) -> String {
         format!(
@@ -516,12 +531,11 @@ impl Driver for CudaDriver {
             )
         })?;
         if fd < 0 {
-            return Err(DriverError {
-                backend: NAME,
-                call: CALL,
-                failure: Failure::Other,
-                message: message(sys::CUresult::CUDA_ERROR_UNKNOWN),
-            });
+            return Err(failed(
+                CALL,
+                Failure::Other,
+                sys::CUresult::CUDA_ERROR_UNKNOWN,
+            ));
         }
         // SAFETY: on success the driver returned a new fd that nothing else owns.
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })

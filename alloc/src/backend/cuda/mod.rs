@@ -36,66 +36,12 @@
 mod driver;
 
 use crate::backend::vmm::VmmBackend;
-use crate::error::{Error, Result};
+#[cfg(doc)]
+use crate::error::Error;
 
-use driver::LoadError;
 pub use driver::{CtxGuard, CudaDevice, CudaDriver};
 
-/// The CUDA backend (see the module documentation).
+/// The CUDA backend (see the module documentation): `CudaBackend::new()` loads libcuda,
+/// initialises the driver and counts devices; `driver_version()` is `cuDriverGetVersion`;
+/// `current_on_thread()` is `cuCtxGetCurrent`.
 pub type CudaBackend = VmmBackend<CudaDriver>;
-
-/// The error for a failed library load.
-fn load_error(e: LoadError) -> Error {
-    match e {
-        LoadError::NotFound(tried) => Error::Unavailable(format!(
-            "libcuda not found (tried {}): is the NVIDIA driver installed and on the loader path?",
-            tried.join(", ")
-        )),
-        LoadError::LoaderPanicked => {
-            Error::Unavailable("libcuda could not be loaded (cudarc's loader panicked)".into())
-        }
-        LoadError::MissingSymbols(missing) => Error::Unavailable(format!(
-            "libcuda lacks driver symbols the cuda backend needs (driver too old?): {}",
-            missing.join(", ")
-        )),
-    }
-}
-
-impl VmmBackend<CudaDriver> {
-    /// Load libcuda, initialise the driver and count devices.
-    ///
-    /// Retains no context yet: that happens on the first call for each device.
-    ///
-    /// # Errors
-    /// [`Error::Unavailable`] when libcuda is missing or lacks a needed symbol, when `cuInit`
-    /// fails (no usable driver or device), or when there is no device.
-    pub fn new() -> Result<CudaBackend> {
-        driver::load_library().map_err(load_error)?;
-        driver::init().map_err(|e| e.into_unavailable("the CUDA driver did not initialise"))?;
-        let version = driver::driver_version()
-            .map_err(|e| e.into_unavailable("could not read the CUDA driver version"))?;
-        let count = driver::device_count()
-            .map_err(|e| e.into_unavailable("could not count CUDA devices"))?;
-        VmmBackend::start(CudaDriver { version }, count)
-    }
-
-    /// Whether [`CudaBackend::new`] would succeed: libcuda loads, the driver initialises and
-    /// there is at least one device. Never panics.
-    pub fn is_available() -> bool {
-        CudaBackend::new().is_ok()
-    }
-
-    /// The driver's CUDA version as `cuDriverGetVersion` reports it (13000 = CUDA 13.0).
-    pub fn driver_version(&self) -> i32 {
-        self.driver().version
-    }
-
-    /// The calling thread's current CUDA context as an integer (0 = none): for tests that
-    /// check the backend leaves the caller's context alone.
-    ///
-    /// # Errors
-    /// [`Error::Backend`] if `cuCtxGetCurrent` fails.
-    pub fn current_context(&self) -> Result<u64> {
-        driver::ctx_get_current().map_err(|e| e.into_error(-1, 0))
-    }
-}

@@ -27,27 +27,31 @@
 //! - The special stream `hipStreamPerThread` (`(hipStream_t)2`) is a C macro, absent from the
 //!   bindings; it is passed through as the integer 2 like any stream handle.
 
-use std::ffi::{c_int, c_void, CStr};
+use std::ffi::{c_int, c_void};
 use std::marker::PhantomData;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr;
 
 use hip_sys::hiprt as sys;
 
-use crate::backend::vmm::{DeviceSupport, Driver, DriverError, DriverResult, Failure, LegacyIpc};
+use crate::backend::vmm::{
+    driver_string, DeviceSupport, Driver, DriverError, DriverResult, Failure, LegacyIpc,
+    StartFailures,
+};
 use crate::ids::DeviceId;
 
 /// The backend's name in errors.
 pub(super) const NAME: &str = "hip";
 
 /// The size of a legacy IPC handle (`hipIpcMemHandle_t`, `HIP_IPC_HANDLE_SIZE`).
-pub(super) const IPC_HANDLE_BYTES: usize = 64;
+const IPC_HANDLE_BYTES: usize = 64;
 
 /// `hipRuntimeGetVersion` from which the bindings' device-attribute numbering (ROCm 5.4) is
 /// trusted for `hipDeviceAttributeVirtualMemoryManagementSupported`.
-pub(super) const MIN_RUNTIME_FOR_VMM_ATTRIBUTE: i32 = 50_400_000;
+const MIN_RUNTIME_FOR_VMM_ATTRIBUTE: i32 = 50_400_000;
 
-/// `Ok` for `hipSuccess`, else the call's [`DriverError`] with the runtime's own words.
+/// `Ok` for `hipSuccess`, else the call's [`DriverError`] with the runtime's own words
+/// (`hipErrorInvalidValue: invalid argument`).
 fn check(call: &'static str, result: sys::hipError_t) -> DriverResult<()> {
     use sys::hipError_t as E;
     let failure = match result {
@@ -56,86 +60,26 @@ fn check(call: &'static str, result: sys::hipError_t) -> DriverResult<()> {
         E::hipErrorNotSupported => Failure::NotSupported,
         _ => Failure::Other,
     };
-    Err(DriverError {
-        backend: NAME,
-        call,
-        failure,
-        message: message(result),
-    })
-}
-
-/// The runtime's own words for a `hipError_t`: `hipErrorInvalidValue: invalid argument`.
-fn message(result: sys::hipError_t) -> String {
-    let code = result as i32;
-    match (error_name(result), error_string(result)) {
-        (Some(name), Some(text)) if name != text => format!("{name}: {text}"),
-        (Some(name), _) => name,
-        (None, Some(text)) => format!("hipError_t {code}: {text}"),
-        (None, None) => format!("hipError_t {code}"),
-    }
+    let code = format!("hipError_t {}", result as i32);
+    let words = (error_name(result), error_string(result));
+    Err(DriverError::in_words(NAME, call, failure, code, words))
 }
 
 /// `hipGetErrorName`.
 fn error_name(result: sys::hipError_t) -> Option<String> {
-    // SAFETY: takes the code by value and returns a pointer to a static string (or null).
-    let name = unsafe { sys::hipGetErrorName(result) };
-    if name.is_null() {
-        return None;
-    }
-    // SAFETY: a non-null result points at a static NUL-terminated string.
-    Some(
-        unsafe { CStr::from_ptr(name) }
-            .to_string_lossy()
-            .into_owned(),
-    )
+    // SAFETY: takes the code by value and returns a pointer to a static NUL-terminated string
+    // (or null), which driver_string reads.
+    unsafe { driver_string(sys::hipGetErrorName(result)) }
 }
 
 /// `hipGetErrorString`.
 fn error_string(result: sys::hipError_t) -> Option<String> {
-    // SAFETY: takes the code by value and returns a pointer to a static string (or null).
-    let text = unsafe { sys::hipGetErrorString(result) };
-    if text.is_null() {
-        return None;
-    }
-    // SAFETY: a non-null result points at a static NUL-terminated string.
-    Some(
-        unsafe { CStr::from_ptr(text) }
-            .to_string_lossy()
-            .into_owned(),
-    )
-}
-
-/// `hipInit(0)`. Without an AMD GPU ROCm 5.2 answers `hipErrorInvalidDevice`.
-pub(super) fn init() -> DriverResult<()> {
-    // SAFETY: hipInit takes only flags (0) and may be called any number of times.
-    check("hipInit", unsafe { sys::hipInit(0) })
-}
-
-/// `hipRuntimeGetVersion`: e.g. 50221153 for ROCm 5.2 (major * 10^7 + minor * 10^5 + patch).
-pub(super) fn runtime_version() -> DriverResult<i32> {
-    let mut version = 0;
-    // SAFETY: the out-pointer is a valid local.
-    check("hipRuntimeGetVersion", unsafe {
-        sys::hipRuntimeGetVersion(&mut version)
-    })?;
-    Ok(version)
-}
-
-/// `hipGetDeviceCount`.
-pub(super) fn device_count() -> DriverResult<i32> {
-    let mut count = 0;
-    // SAFETY: the out-pointer is a valid local.
-    check("hipGetDeviceCount", unsafe {
-        sys::hipGetDeviceCount(&mut count)
-    })?;
-    Ok(count)
+    // SAFETY: as for hipGetErrorName.
+    unsafe { driver_string(sys::hipGetErrorString(result)) }
 }
 
 /// `hipDeviceGetAttribute`.
-pub(super) fn device_attribute(
-    ordinal: DeviceId,
-    attribute: sys::hipDeviceAttribute_t,
-) -> DriverResult<i32> {
+fn device_attribute(ordinal: DeviceId, attribute: sys::hipDeviceAttribute_t) -> DriverResult<i32> {
     let mut value = 0;
     // SAFETY: the out-pointer is a valid local; the runtime checks device and attribute.
     check("hipDeviceGetAttribute", unsafe {
@@ -145,7 +89,7 @@ pub(super) fn device_attribute(
 }
 
 /// `hipGetDevice`: this thread's current device.
-pub(super) fn get_device() -> DriverResult<DeviceId> {
+fn get_device() -> DriverResult<DeviceId> {
     let mut device = 0;
     // SAFETY: the out-pointer is a valid local; only reads this thread's current device.
     check("hipGetDevice", unsafe { sys::hipGetDevice(&mut device) })?;
@@ -153,7 +97,7 @@ pub(super) fn get_device() -> DriverResult<DeviceId> {
 }
 
 /// `hipSetDevice`: make `ordinal` this thread's current device.
-pub(super) fn set_device(ordinal: DeviceId) -> DriverResult<()> {
+fn set_device(ordinal: DeviceId) -> DriverResult<()> {
     // SAFETY: only changes this thread's current device; the runtime checks the ordinal.
     check("hipSetDevice", unsafe { sys::hipSetDevice(ordinal) })
 }
@@ -171,7 +115,7 @@ pub struct DeviceGuard {
 
 impl DeviceGuard {
     /// `hipGetDevice` then `hipSetDevice(ordinal)` when it differs.
-    pub(super) fn set(ordinal: DeviceId) -> DriverResult<DeviceGuard> {
+    fn set(ordinal: DeviceId) -> DriverResult<DeviceGuard> {
         let previous = get_device()?;
         if previous == ordinal {
             return Ok(DeviceGuard {
@@ -201,7 +145,7 @@ impl Drop for DeviceGuard {
 #[derive(Debug)]
 pub struct HipDriver {
     /// `hipRuntimeGetVersion` (e.g. 50221153 for ROCm 5.2).
-    pub(super) version: i32,
+    version: i32,
 }
 
 /// What the HIP driver keeps per open device: its index (HIP has no context to retain).
@@ -212,7 +156,7 @@ pub struct HipDevice {
 }
 
 /// `major.minor.patch` of a HIP version number.
-pub(super) fn version_text(v: i32) -> String {
+fn version_text(v: i32) -> String {
     format!("{}.{}.{}", v / 10_000_000, v / 100_000 % 100, v % 100_000)
 }
 
@@ -268,6 +212,50 @@ impl Driver for HipDriver {
         handle_name: "hipIpc",
         granularity: 2 << 20,
     });
+
+    const START_FAILURES: StartFailures = StartFailures {
+        init: "no HIP device",
+        version: "could not read the HIP runtime version",
+        count: "no HIP device",
+    };
+
+    /// `hipInit(0)`. Without an AMD GPU ROCm 5.2 answers `hipErrorInvalidDevice`.
+    fn init() -> DriverResult<()> {
+        // SAFETY: hipInit takes only flags (0) and may be called any number of times.
+        check("hipInit", unsafe { sys::hipInit(0) })
+    }
+
+    fn started(version: i32) -> HipDriver {
+        HipDriver { version }
+    }
+
+    /// `hipRuntimeGetVersion`: e.g. 50221153 for ROCm 5.2 (major * 10^7 + minor * 10^5 +
+    /// patch).
+    fn read_version() -> DriverResult<i32> {
+        let mut version = 0;
+        // SAFETY: the out-pointer is a valid local.
+        check("hipRuntimeGetVersion", unsafe {
+            sys::hipRuntimeGetVersion(&mut version)
+        })?;
+        Ok(version)
+    }
+
+    fn version(&self) -> i32 {
+        self.version
+    }
+
+    /// `hipGetDeviceCount` (`hipErrorNoDevice` without a GPU).
+    fn count_devices() -> DriverResult<i32> {
+        let mut count = 0;
+        // SAFETY: the out-pointer is a valid local.
+        let r = unsafe { sys::hipGetDeviceCount(&mut count) };
+        check("hipGetDeviceCount", r).map(|()| count)
+    }
+
+    /// `hipGetDevice`: the current device's index.
+    fn current_on_thread(&self) -> DriverResult<u64> {
+        get_device().map(|device| device as u64)
+    }
 
     fn version_text(&self) -> String {
         format!("HIP runtime {}", version_text(self.version))

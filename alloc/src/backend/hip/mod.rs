@@ -45,30 +45,15 @@ mod driver;
 use crate::backend::vmm::VmmBackend;
 #[cfg(doc)]
 use crate::error::Error;
-use crate::error::Result;
-use crate::ids::DeviceId;
 
 pub use driver::{DeviceGuard, HipDevice, HipDriver};
 
-/// The HIP backend (see the module documentation).
+/// The HIP backend (see the module documentation): `HipBackend::new()` runs `hipInit` and
+/// counts devices; `driver_version()` is `hipRuntimeGetVersion`; `current_on_thread()` is
+/// `hipGetDevice`.
 pub type HipBackend = VmmBackend<HipDriver>;
 
 impl VmmBackend<HipDriver> {
-    /// Initialise the HIP runtime and count devices. Arenas use VMM where the device has it
-    /// (see [`HipBackend::with_legacy_ipc`]).
-    ///
-    /// # Errors
-    /// [`Error::Unavailable`] ("no HIP device: ...") when `hipInit` fails (no AMD GPU or
-    /// driver: ROCm 5.2 answers `hipErrorInvalidDevice`), when devices cannot be counted, or
-    /// when there is none.
-    pub fn new() -> Result<HipBackend> {
-        driver::init().map_err(|e| e.into_unavailable("no HIP device"))?;
-        let version = driver::runtime_version()
-            .map_err(|e| e.into_unavailable("could not read the HIP runtime version"))?;
-        let count = driver::device_count().map_err(|e| e.into_unavailable("no HIP device"))?;
-        VmmBackend::start(HipDriver { version }, count)
-    }
-
     /// Use the legacy IPC path (`hipMalloc` arenas, 64-byte `hipIpcGetMemHandle` exports of
     /// kind [`ExportKind::Pinning`]) on every device, even where VMM works: for consumers that
     /// only open `hipIpc*` handles. Takes effect for devices not used yet (call it right after
@@ -79,24 +64,5 @@ impl VmmBackend<HipDriver> {
     pub fn with_legacy_ipc(mut self, legacy: bool) -> HipBackend {
         self.set_legacy_ipc(legacy);
         self
-    }
-
-    /// Whether [`HipBackend::new`] would succeed. Never panics.
-    pub fn is_available() -> bool {
-        HipBackend::new().is_ok()
-    }
-
-    /// The HIP runtime version as `hipRuntimeGetVersion` reports it (50221153 = ROCm 5.2).
-    pub fn runtime_version(&self) -> i32 {
-        self.driver().version
-    }
-
-    /// The calling thread's current HIP device: for tests that check the backend leaves the
-    /// caller's device alone.
-    ///
-    /// # Errors
-    /// [`Error::Backend`] if `hipGetDevice` fails.
-    pub fn current_device(&self) -> Result<DeviceId> {
-        driver::get_device().map_err(|e| e.into_error(-1, 0))
     }
 }

@@ -9,10 +9,11 @@
 //! mappings and events. The implementations hold no state beyond what the driver needs and
 //! make no decisions: what to call, in which order, and how to undo it is the core's.
 
+use std::ffi::{c_char, CStr};
 use std::fmt;
 use std::os::fd::{BorrowedFd, OwnedFd};
 
-use crate::error::Error;
+use crate::error::{Error, Result};
 use crate::ids::DeviceId;
 
 /// How a failed driver call is to be treated.
@@ -43,6 +44,29 @@ pub struct DriverError {
 pub type DriverResult<T> = Result<T, DriverError>;
 
 impl DriverError {
+    /// A failed call in the driver's words: `name: text` (`name` alone where both say the
+    /// same), else what the driver has after `code` (e.g. `CUresult 999`).
+    pub fn in_words(
+        backend: &'static str,
+        call: &'static str,
+        failure: Failure,
+        code: String,
+        (name, text): (Option<String>, Option<String>),
+    ) -> DriverError {
+        let message = match (name, text) {
+            (Some(name), Some(text)) if name != text => format!("{name}: {text}"),
+            (Some(name), _) => name,
+            (None, Some(text)) => format!("{code}: {text}"),
+            (None, None) => code,
+        };
+        DriverError {
+            backend,
+            call,
+            failure,
+            message,
+        }
+    }
+
     /// A primitive the vendor does not have (the trait's default for the legacy IPC calls).
     pub fn not_supported(backend: &'static str, call: &'static str) -> DriverError {
         DriverError {
@@ -80,6 +104,32 @@ impl DriverError {
     pub fn into_unavailable(self, what: &str) -> Error {
         Error::Unavailable(format!("{what}: {} failed: {}", self.call, self.message))
     }
+}
+
+/// A string the driver returned (an error name or description), `None` for null.
+///
+/// # Safety
+/// `text` is null or points at a NUL-terminated string that stays valid for the call (the
+/// drivers' error strings are static).
+pub unsafe fn driver_string(text: *const c_char) -> Option<String> {
+    if text.is_null() {
+        return None;
+    }
+    // SAFETY: non-null, NUL-terminated and valid (the caller's contract).
+    let text = unsafe { CStr::from_ptr(text) };
+    Some(text.to_string_lossy().into_owned())
+}
+
+/// What to say when starting a driver fails, step by step (each followed by the call and
+/// the driver's words).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StartFailures {
+    /// [`Driver::init`] failed: `the CUDA driver did not initialise`, `no HIP device`.
+    pub init: &'static str,
+    /// [`Driver::read_version`] failed.
+    pub version: &'static str,
+    /// [`Driver::count_devices`] failed.
+    pub count: &'static str,
 }
 
 /// What a device supports, as far as the driver can say before it is used.
@@ -123,8 +173,32 @@ pub trait Driver: Send + Sync + fmt::Debug + Sized + 'static {
     /// The legacy IPC path, where the vendor has one.
     const LEGACY_IPC: Option<LegacyIpc>;
 
+    /// What to say when a start-up step fails.
+    const START_FAILURES: StartFailures;
+
+    /// Load the driver library where it is loaded at run time, checking it has every symbol
+    /// the primitives use. The default (a library linked at build time) has nothing to do.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] saying what is missing.
+    fn load() -> Result<()> {
+        Ok(())
+    }
+    /// Initialise the driver (after [`Driver::load`]).
+    fn init() -> DriverResult<()>;
+    /// The driver's version number (`cuDriverGetVersion`, `hipRuntimeGetVersion`).
+    fn read_version() -> DriverResult<i32>;
+    /// How many devices the driver sees.
+    fn count_devices() -> DriverResult<i32>;
+    /// The driver, started, with its version number.
+    fn started(version: i32) -> Self;
+    /// The version number [`Driver::started`] got.
+    fn version(&self) -> i32;
     /// The driver's version in words, e.g. `driver 13.0` or `HIP runtime 5.2.21153`.
     fn version_text(&self) -> String;
+    /// The calling thread's current context (CUDA) or device (HIP) as an integer: for tests
+    /// that check the backend leaves the caller's state alone.
+    fn current_on_thread(&self) -> DriverResult<u64>;
 
     /// What device `ordinal` supports.
     fn device_support(&self, ordinal: DeviceId) -> DriverResult<DeviceSupport>;

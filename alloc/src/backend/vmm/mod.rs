@@ -47,6 +47,7 @@
 //! behaviour. Streams are the exception: a [`StreamId`] is the caller's stream handle and must
 //! be 0, one of the vendor's special handles, or a live stream of the device.
 
+mod device;
 pub mod driver;
 mod registry;
 
@@ -61,19 +62,12 @@ use crate::backend::{
 use crate::error::{Error, Result};
 use crate::ids::{DeviceId, StreamId};
 
-pub use driver::{DeviceSupport, Driver, DriverError, DriverResult, Failure, LegacyIpc};
+use device::DeviceState;
+pub use driver::{
+    driver_string, DeviceSupport, Driver, DriverError, DriverResult, Failure, LegacyIpc,
+    StartFailures,
+};
 use registry::{Region, RegionKind, Regions};
-
-/// What the backend caches per device once it first used it.
-#[derive(Debug, Clone, Copy)]
-struct DeviceState<Dev> {
-    /// The driver's open device.
-    device: Dev,
-    /// Arena granularity in bytes (VMM minimum, or the legacy path's).
-    granularity: u64,
-    /// Whether arenas use VMM (else the legacy IPC path).
-    vmm: bool,
-}
 
 /// A [`Backend`] on one vendor's VMM driver (see the module documentation).
 #[derive(Debug)]
@@ -108,11 +102,20 @@ fn warn_undo(device: DeviceId, result: DriverResult<()>) {
 }
 
 impl<D: Driver> VmmBackend<D> {
-    /// A backend on an initialised `driver` that reported `count` devices.
+    /// Load and initialise the driver and count devices. Opens no device yet: that happens
+    /// on the first call for each (CUDA retains its primary context then).
     ///
     /// # Errors
-    /// [`Error::Unavailable`] ("no CUDA device (driver 13.0)") when there is no device.
-    pub fn start(driver: D, count: i32) -> Result<Self> {
+    /// [`Error::Unavailable`] when the library is missing or lacks a needed symbol, when the
+    /// driver does not initialise (no usable driver or device), or when there is no device
+    /// ("no CUDA device (driver 13.0)", "no HIP device (HIP runtime 5.2.21153)").
+    pub fn new() -> Result<Self> {
+        let words = D::START_FAILURES;
+        D::load()?;
+        D::init().map_err(|e| e.into_unavailable(words.init))?;
+        let version = D::read_version().map_err(|e| e.into_unavailable(words.version))?;
+        let count = D::count_devices().map_err(|e| e.into_unavailable(words.count))?;
+        let driver = D::started(version);
         let device_count = usize::try_from(count).unwrap_or(0);
         if device_count == 0 {
             return Err(Error::Unavailable(format!(
@@ -133,9 +136,27 @@ impl<D: Driver> VmmBackend<D> {
         })
     }
 
-    /// The vendor's driver.
-    pub fn driver(&self) -> &D {
-        &self.driver
+    /// Whether [`VmmBackend::new`] would succeed: the library loads, the driver initialises
+    /// and there is at least one device. Never panics.
+    pub fn is_available() -> bool {
+        Self::new().is_ok()
+    }
+
+    /// The driver's version number as the vendor reports it: `cuDriverGetVersion` (13000 =
+    /// CUDA 13.0), `hipRuntimeGetVersion` (50221153 = ROCm 5.2).
+    pub fn driver_version(&self) -> i32 {
+        self.driver.version()
+    }
+
+    /// The calling thread's current CUDA context (0 = none) or HIP device, as an integer: for
+    /// tests that check the backend leaves the caller's context or device alone.
+    ///
+    /// # Errors
+    /// [`Error::Backend`] if the driver's query (`cuCtxGetCurrent`, `hipGetDevice`) fails.
+    pub fn current_on_thread(&self) -> Result<u64> {
+        self.driver
+            .current_on_thread()
+            .map_err(|e| e.into_error(-1, 0))
     }
 
     /// Ask for the legacy IPC path on every device (for drivers that have one): see the
@@ -161,15 +182,11 @@ impl<D: Driver> VmmBackend<D> {
     /// # Errors
     /// [`Error::UnknownPointer`] outside a live range, [`Error::Backend`] if the copy fails.
     pub fn memcpy_htod(&self, dst: u64, src: &[u8]) -> Result<()> {
-        if src.is_empty() {
-            return Ok(());
-        }
-        let regions = self.regions.read();
-        let device = registry::range_device(&regions, D::NAME, dst, src.len() as u64)?;
-        let (_state, _current) = self.make_current(device)?;
-        // SAFETY: the range lies in a live arena or mapping of this backend (checked above),
-        // kept mapped by the read lock we hold for the copy; device memory is never host memory.
-        unsafe { self.driver.memcpy_htod(dst, src) }.map_err(|e| e.into_error(device, 0))
+        // SAFETY: in_live_range calls this only for a range inside a live arena or mapping,
+        // kept mapped while it runs; device memory is never host memory that Rust owns.
+        self.in_live_range(dst, src.len() as u64, |d| unsafe {
+            d.memcpy_htod(dst, src)
+        })
     }
 
     /// Copy from device address `src` into `dst` (blocking). For tests and benches.
@@ -179,15 +196,9 @@ impl<D: Driver> VmmBackend<D> {
     /// # Errors
     /// [`Error::UnknownPointer`] outside a live range, [`Error::Backend`] if the copy fails.
     pub fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> Result<()> {
-        if dst.is_empty() {
-            return Ok(());
-        }
-        let regions = self.regions.read();
-        let device = registry::range_device(&regions, D::NAME, src, dst.len() as u64)?;
-        let (_state, _current) = self.make_current(device)?;
-        // SAFETY: the range lies in a live arena or mapping of this backend (checked above),
-        // kept mapped by the read lock we hold for the copy.
-        unsafe { self.driver.memcpy_dtoh(dst, src) }.map_err(|e| e.into_error(device, 0))
+        let len = dst.len() as u64;
+        // SAFETY: as in memcpy_htod: a live range, kept mapped while the copy runs.
+        self.in_live_range(src, len, |d| unsafe { d.memcpy_dtoh(dst, src) })
     }
 
     /// Set `bytes` bytes at device address `dst` to `value` (on the default stream: ordered
@@ -196,151 +207,27 @@ impl<D: Driver> VmmBackend<D> {
     /// # Errors
     /// [`Error::UnknownPointer`] outside a live range, [`Error::Backend`] if the call fails.
     pub fn memset_d8(&self, dst: u64, value: u8, bytes: u64) -> Result<()> {
-        if bytes == 0 {
+        let n = to_usize(bytes)?;
+        // SAFETY: as in memcpy_htod: a live range, kept mapped while the call runs.
+        self.in_live_range(dst, bytes, |d| unsafe { d.memset_d8(dst, value, n) })
+    }
+
+    /// Run `call` on `addr..addr + len` (nothing for an empty range) after checking that the
+    /// range lies inside one live arena or mapping, with its device made current and the
+    /// registry's read lock held (so the range stays mapped) until `call` returns.
+    fn in_live_range(
+        &self,
+        addr: u64,
+        len: u64,
+        call: impl FnOnce(&D) -> DriverResult<()>,
+    ) -> Result<()> {
+        if len == 0 {
             return Ok(());
         }
-        let n = to_usize(bytes)?;
         let regions = self.regions.read();
-        let device = registry::range_device(&regions, D::NAME, dst, bytes)?;
+        let device = registry::range_device(&regions, D::NAME, addr, len)?;
         let (_state, _current) = self.make_current(device)?;
-        // SAFETY: the range lies in a live arena or mapping of this backend (checked above),
-        // kept mapped by the read lock we hold for the call.
-        unsafe { self.driver.memset_d8(dst, value, n) }.map_err(|e| e.into_error(device, 0))
-    }
-
-    /// Check a device index.
-    fn index(&self, device: DeviceId) -> Result<usize> {
-        usize::try_from(device)
-            .ok()
-            .filter(|&i| i < self.device_count)
-            .ok_or(Error::InvalidDevice {
-                device,
-                count: self.device_count,
-            })
-    }
-
-    /// The device's cached state, opening the device on first use.
-    fn state(&self, device: DeviceId) -> Result<DeviceState<D::Device>> {
-        let index = self.index(device)?;
-        let slot = self
-            .devices
-            .get(index)
-            .ok_or_else(|| Error::Internal(format!("no device slot {index}")))?;
-        if let Some(state) = slot.get() {
-            return Ok(*state);
-        }
-        let _init = self.init_lock.lock();
-        if let Some(state) = slot.get() {
-            return Ok(*state);
-        }
-        let state = self.init_device(device)?;
-        Ok(*slot.get_or_init(|| state))
-    }
-
-    /// The legacy IPC state of a device (`why` is logged), where the driver has that path.
-    fn legacy_state(&self, device: DeviceId, why: &str) -> Result<DeviceState<D::Device>> {
-        let legacy = D::LEGACY_IPC.ok_or_else(|| {
-            Error::Internal(format!("the {} backend has no legacy IPC path", D::NAME))
-        })?;
-        tracing::info!(
-            backend = D::NAME,
-            device,
-            version = %self.driver.version_text(),
-            "{why}: legacy IPC ({}-handle arenas, pinning exports)",
-            legacy.handle_name
-        );
-        Ok(DeviceState {
-            device: self
-                .driver
-                .open_device(device, false)
-                .map_err(|e| e.into_error(device, 0))?,
-            granularity: legacy.granularity,
-            vmm: false,
-        })
-    }
-
-    /// First use of a device: check VMM and POSIX-fd support, open it, read the granularity;
-    /// the legacy IPC path where asked for or where VMM is missing and the driver has it.
-    fn init_device(&self, device: DeviceId) -> Result<DeviceState<D::Device>> {
-        if self.legacy_ipc {
-            return self.legacy_state(device, "legacy IPC asked for");
-        }
-        let support = self
-            .driver
-            .device_support(device)
-            .map_err(|e| e.into_error(device, 0))?;
-        if support.vmm == Some(false) {
-            if D::LEGACY_IPC.is_some() {
-                return self.legacy_state(device, "device lacks VMM");
-            }
-            return Err(Error::Unavailable(format!(
-                "{} device {device} does not support virtual memory management (VMM)",
-                D::VENDOR
-            )));
-        }
-        if support.posix_fd == Some(false) {
-            return Err(Error::Unavailable(format!(
-                "{} device {device} cannot export memory as POSIX file descriptors",
-                D::VENDOR
-            )));
-        }
-        let opened = self
-            .driver
-            .open_device(device, support.rdma)
-            .map_err(|e| e.into_error(device, 0))?;
-        let granularity = {
-            // SAFETY: `opened` was just opened.
-            let current = unsafe { self.driver.make_current(&opened) };
-            current.and_then(|_current| self.driver.granularity(&opened))
-        };
-        let granularity = match granularity {
-            Ok(g) if g > 0 => Ok(g),
-            Ok(_) => Err(Error::Internal(format!(
-                "{} device {device} reported granularity 0",
-                D::VENDOR
-            ))),
-            Err(e) if e.is_not_supported() && D::LEGACY_IPC.is_some() => {
-                // SAFETY: closes the device opened above, which nothing else uses; the legacy
-                // state opens it again.
-                warn_undo(device, unsafe { self.driver.close_device(opened) });
-                return self.legacy_state(device, "granularity query not supported");
-            }
-            Err(e) => Err(e.into_error(device, 0)),
-        };
-        let granularity = match granularity {
-            Ok(g) => g,
-            Err(e) => {
-                // SAFETY: closes the device opened above, which nothing else uses.
-                warn_undo(device, unsafe { self.driver.close_device(opened) });
-                return Err(e);
-            }
-        };
-        tracing::debug!(backend = D::NAME, device, granularity, rdma = support.rdma, opened = ?opened, "device ready");
-        Ok(DeviceState {
-            device: opened,
-            granularity,
-            vmm: true,
-        })
-    }
-
-    /// The device's state with the device made current for the caller's driver calls.
-    fn make_current(&self, device: DeviceId) -> Result<(DeviceState<D::Device>, D::Current)> {
-        let state = self.state(device)?;
-        // SAFETY: an open device stays open while the backend lives (closed only in Drop).
-        let current = unsafe { self.driver.make_current(&state.device) }
-            .map_err(|e| e.into_error(device, 0))?;
-        Ok((state, current))
-    }
-
-    /// Check an arena size against the device's granularity.
-    fn check_size(state: &DeviceState<D::Device>, device: DeviceId, bytes: u64) -> Result<usize> {
-        if bytes == 0 || bytes % state.granularity != 0 {
-            return Err(Error::invalid(format!(
-                "{bytes} bytes is not a positive multiple of device {device}'s granularity ({} bytes)",
-                state.granularity
-            )));
-        }
-        to_usize(bytes)
+        call(&self.driver).map_err(|e| e.into_error(device, 0))
     }
 
     /// Reserve an address range for `n` bytes, map `handle` there and make it read-write for
