@@ -325,12 +325,9 @@ fn event_ptr(raw: u64) -> sys::CUevent {
 }
 
 impl Driver for CudaDriver {
-    type Device = CudaDevice;
-    type Current = CtxGuard;
-
     const NAME: &'static str = NAME;
     const VENDOR: &'static str = "CUDA";
-    /// CUDA's legacy IPC does not pin (GPU.md), and arenas are VMM only.
+    /// Arenas are VMM only (CUDA's legacy `cuIpc*` IPC is not used: byte handles are refused).
     const LEGACY_IPC: Option<LegacyIpc> = None;
     const START_FAILURES: StartFailures = StartFailures {
         init: "the CUDA driver did not initialise",
@@ -362,10 +359,8 @@ impl Driver for CudaDriver {
     fn count_devices() -> DriverResult<i32> {
         let mut count = 0;
         // SAFETY: the out-pointer is a valid local.
-        check("cuDeviceGetCount", unsafe {
-            sys::cuDeviceGetCount(&mut count)
-        })?;
-        Ok(count)
+        let r = unsafe { sys::cuDeviceGetCount(&mut count) };
+        check("cuDeviceGetCount", r).map(|()| count)
     }
 
     fn started(version: i32) -> CudaDriver {
@@ -379,6 +374,11 @@ impl Driver for CudaDriver {
     fn current_on_thread(&self) -> DriverResult<u64> {
         ctx_get_current()
     }
+
+    /// The device handle, its retained primary context, the RDMA flag.
+    type Device = CudaDevice;
+    /// The primary context pushed, popped when dropped.
+    type Current = CtxGuard;
 
     fn version_text(&self) -> String {
         format!(

@@ -234,10 +234,8 @@ impl Driver for HipDriver {
     fn read_version() -> DriverResult<i32> {
         let mut version = 0;
         // SAFETY: the out-pointer is a valid local.
-        check("hipRuntimeGetVersion", unsafe {
-            sys::hipRuntimeGetVersion(&mut version)
-        })?;
-        Ok(version)
+        let r = unsafe { sys::hipRuntimeGetVersion(&mut version) };
+        check("hipRuntimeGetVersion", r).map(|()| version)
     }
 
     fn version(&self) -> i32 {

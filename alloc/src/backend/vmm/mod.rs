@@ -359,8 +359,14 @@ impl<D: Driver> VmmBackend<D> {
         result.map_err(|e| e.into_error(device, 0))
     }
 
-    /// Record a new live region and hand out its base.
+    /// Record a new live region: an arena just created or an import just mapped.
     fn insert_region(&self, base: u64, device: DeviceId, bytes: u64, kind: RegionKind) {
+        let what = if kind.is_arena() {
+            "arena created"
+        } else {
+            "import mapped"
+        };
+        tracing::debug!(backend = D::NAME, device, base, bytes, ?kind, "{what}");
         self.regions.write().insert(
             base,
             Region {
@@ -431,14 +437,6 @@ impl<D: Driver> Backend for VmmBackend<D> {
         };
         drop(current);
         self.insert_region(base, device, bytes, kind);
-        tracing::debug!(
-            backend = D::NAME,
-            device,
-            base,
-            bytes,
-            vmm = state.vmm,
-            "arena created"
-        );
         Ok(ArenaMem {
             device,
             base,
@@ -553,14 +551,6 @@ impl<D: Driver> Backend for VmmBackend<D> {
             }
         };
         self.insert_region(base, device, bytes, kind);
-        tracing::debug!(
-            backend = D::NAME,
-            device,
-            base,
-            bytes,
-            ?kind,
-            "import mapped"
-        );
         Ok(Mapping {
             device,
             base,
