@@ -133,8 +133,10 @@ fn granule(b: &impl Backend) -> u64 {
     b.granularity(0).expect("granularity")
 }
 
-/// Free memory is back to `baseline` (within one granularity).
-fn assert_back(b: &impl Backend, baseline: u64, what: &str) {
+/// Free memory is back to `baseline` (within one granularity), and the backend holds nothing
+/// where it can tell.
+fn assert_back<B: Subject>(b: &B, baseline: u64, what: &str) {
+    b.assert_clean();
     let (now, slack) = (free(b), granule(b));
     assert!(
         now + slack >= baseline && now <= baseline + slack,
@@ -152,7 +154,7 @@ fn assert_held(b: &impl Backend, baseline: u64, bytes: u64, what: &str) {
 }
 
 /// One `#[test]` per contract body for backend type `$backend`, each with the attributes
-/// given (`#[ignore = "..."]` for GPU backends).
+/// given (`#[ignore = "..."]` for GPU backends), on a fresh backend, one test at a time.
 macro_rules! backend_contract_tests {
     ($backend:ty $(, #[$attr:meta])*) => {
         $crate::contract::backend_contract_tests!(@each $backend, [$(#[$attr])*],
@@ -176,17 +178,16 @@ macro_rules! backend_contract_tests {
         #[test]
         $(#[$attr])*
         fn $name() {
-            contract::$name::<$backend>();
+            let _serial = $crate::contract::serial();
+            $crate::contract::$name(&<$backend as $crate::contract::Subject>::open());
         }
     };
 }
 pub(crate) use backend_contract_tests;
 
 /// Granularity and memory info are sane.
-pub fn reports_driver_and_granularity<B: Subject>() {
-    let _serial = serial();
-    let b = B::open();
-    let g = granule(&b);
+pub fn reports_driver_and_granularity<B: Subject>(b: &B) {
+    let g = granule(b);
     let info = b.mem_info(0).expect("mem_info");
     eprintln!(
         "{}: {} device(s), granularity {g}, legacy IPC {}, free {} / total {}",
@@ -201,19 +202,17 @@ pub fn reports_driver_and_granularity<B: Subject>() {
 }
 
 /// A 1 GiB arena holds its memory until destroyed; so do several sizes one after the other.
-pub fn create_destroy_returns_memory<B: Subject>() {
-    let _serial = serial();
-    let b = B::open();
-    let baseline = free(&b);
+pub fn create_destroy_returns_memory<B: Subject>(b: &B) {
+    let baseline = free(b);
     let arena = b.create_arena(0, GIB).expect("create 1 GiB");
     assert_eq!((arena.device, arena.bytes), (0, GIB));
     assert_ne!(arena.base, 0);
-    assert_held(&b, baseline, GIB, "after create");
+    assert_held(b, baseline, GIB, "after create");
     b.synchronize(0).expect("synchronize");
     b.destroy_arena(arena).expect("destroy");
-    assert_back(&b, baseline, "after destroy");
+    assert_back(b, baseline, "after destroy");
 
-    let g = granule(&b);
+    let g = granule(b);
     let arenas: Vec<ArenaMem> = [1, 2, 7, 64]
         .iter()
         .map(|&k| b.create_arena(0, k * g).expect("create"))
@@ -221,15 +220,12 @@ pub fn create_destroy_returns_memory<B: Subject>() {
     for a in arenas {
         b.destroy_arena(a).expect("destroy");
     }
-    assert_back(&b, baseline, "after several");
-    b.assert_clean();
+    assert_back(b, baseline, "after several");
 }
 
 /// Bytes written read back, at offsets too, and a memset lands exactly where asked.
-pub fn write_and_read_through_an_arena<B: Subject>() {
-    let _serial = serial();
-    let b = B::open();
-    let g = granule(&b);
+pub fn write_and_read_through_an_arena<B: Subject>(b: &B) {
+    let g = granule(b);
     let arena = b.create_arena(0, 4 * g).expect("create");
     let data = pattern((4 * g) as usize, 7);
     b.write(arena.base, &data).expect("htod");
@@ -252,10 +248,8 @@ pub fn write_and_read_through_an_arena<B: Subject>() {
 }
 
 /// An export fd left open keeps 1 GiB after destroy; closing it releases it.
-pub fn open_export_holds_memory_after_destroy_until_closed<B: Subject>() {
-    let _serial = serial();
-    let b = B::open();
-    let baseline = free(&b);
+pub fn open_export_holds_memory_after_destroy_until_closed<B: Subject>(b: &B) {
+    let baseline = free(b);
     let arena = b.create_arena(0, GIB).expect("create 1 GiB");
     let export = b.export(&arena).expect("export");
     assert!(export.fd().is_some());
@@ -263,18 +257,15 @@ pub fn open_export_holds_memory_after_destroy_until_closed<B: Subject>() {
     let keep = arena.clone();
     b.synchronize(0).expect("synchronize");
     b.destroy_arena(arena).expect("destroy");
-    assert_held(&b, baseline, GIB, "destroyed, export fd still open");
+    assert_held(b, baseline, GIB, "destroyed, export fd still open");
     b.close_export(&keep, export).expect("close export");
-    assert_back(&b, baseline, "after closing the export fd");
-    b.assert_clean();
+    assert_back(b, baseline, "after closing the export fd");
 }
 
 /// Importing one's own export maps the same memory at another address, both ways.
-pub fn in_process_import_sees_the_same_memory<B: Subject>() {
-    let _serial = serial();
-    let b = B::open();
-    let baseline = free(&b);
-    let g = granule(&b);
+pub fn in_process_import_sees_the_same_memory<B: Subject>(b: &B) {
+    let baseline = free(b);
+    let g = granule(b);
     let bytes = 8 * g;
     let arena = b.create_arena(0, bytes).expect("create");
     let export = b.export(&arena).expect("export");
@@ -309,15 +300,12 @@ pub fn in_process_import_sees_the_same_memory<B: Subject>() {
     b.unmap_import(mapping).expect("unmap import");
     b.close_export(&arena, export).expect("close");
     b.destroy_arena(arena).expect("destroy");
-    assert_back(&b, baseline, "after unmap, close and destroy");
-    b.assert_clean();
+    assert_back(b, baseline, "after unmap, close and destroy");
 }
 
 /// The importer's mapping holds 1 GiB after the owner destroyed and closed, until unmapped.
-pub fn importer_mapping_holds_memory_until_unmapped<B: Subject>() {
-    let _serial = serial();
-    let b = B::open();
-    let baseline = free(&b);
+pub fn importer_mapping_holds_memory_until_unmapped<B: Subject>(b: &B) {
+    let baseline = free(b);
     let arena = b.create_arena(0, GIB).expect("create 1 GiB");
     b.fill(arena.base, 0x42, MIB).expect("memset");
     let export = b.export(&arena).expect("export");
@@ -328,7 +316,7 @@ pub fn importer_mapping_holds_memory_until_unmapped<B: Subject>() {
     b.synchronize(0).expect("synchronize");
     b.destroy_arena(arena).expect("destroy");
     b.close_export(&keep, export).expect("close");
-    assert_held(&b, baseline, GIB, "exporter done, importer still mapped");
+    assert_held(b, baseline, GIB, "exporter done, importer still mapped");
 
     // The mapping still reads the data.
     let mut part = vec![0u8; MIB as usize];
@@ -337,16 +325,13 @@ pub fn importer_mapping_holds_memory_until_unmapped<B: Subject>() {
     assert!(part.iter().all(|&x| x == 0x42));
 
     b.unmap_import(mapping).expect("unmap");
-    assert_back(&b, baseline, "after the importer unmapped");
-    b.assert_clean();
+    assert_back(b, baseline, "after the importer unmapped");
 }
 
 /// Events on the default stream and the backend's special streams are done after a
 /// synchronize.
-pub fn events_complete_after_synchronize<B: Subject>() {
-    let _serial = serial();
-    let b = B::open();
-    let g = granule(&b);
+pub fn events_complete_after_synchronize<B: Subject>(b: &B) {
+    let g = granule(b);
     let arena = b.create_arena(0, 64 * g).expect("create");
     b.fill(arena.base, 1, 64 * g).expect("memset");
     let events: Vec<Event> = facts(b.name())
@@ -370,9 +355,7 @@ pub fn events_complete_after_synchronize<B: Subject>() {
 
 /// No call, failed ones included, changes the calling thread's current context (CUDA) or
 /// device (HIP); on the last device too, which the backend must make current and undo.
-pub fn caller_context_or_device_left_unchanged<B: Subject>() {
-    let _serial = serial();
-    let b = B::open();
+pub fn caller_context_or_device_left_unchanged<B: Subject>(b: &B) {
     let Some(before) = b.current_on_thread() else {
         return; // sim has no current context or device
     };
@@ -442,12 +425,10 @@ pub fn caller_context_or_device_left_unchanged<B: Subject>() {
 
 /// Bad sizes and devices, double destroys, forged records, stray copies and foreign files
 /// are errors of the right kind, and leave nothing held.
-pub fn bad_inputs_are_errors<B: Subject>() {
-    let _serial = serial();
-    let b = B::open();
+pub fn bad_inputs_are_errors<B: Subject>(b: &B) {
     let facts = facts(b.name());
-    let baseline = free(&b);
-    let g = granule(&b);
+    let baseline = free(b);
+    let g = granule(b);
     let count = b.device_count().expect("count");
 
     for bytes in [0, 1, g + 1, g / 2] {
@@ -519,7 +500,7 @@ pub fn bad_inputs_are_errors<B: Subject>() {
         ));
     }
     if !b.legacy_ipc() {
-        fd_import_errors(&b, &facts, g);
+        fd_import_errors(b, &facts, g);
     }
 
     // Events: destroy twice, query after destroy.
@@ -529,8 +510,7 @@ pub fn bad_inputs_are_errors<B: Subject>() {
     assert!(b.event_done(&copy).is_err());
     assert!(b.destroy_event(copy).is_err());
 
-    assert_back(&b, baseline, "after the bad inputs");
-    b.assert_clean();
+    assert_back(b, baseline, "after the bad inputs");
 }
 
 /// The fd-import part of [`bad_inputs_are_errors`] (VMM paths only).
@@ -583,11 +563,9 @@ fn fd_import_errors<B: Subject>(b: &B, facts: &Facts, g: u64) {
 }
 
 /// More than the device has is `DriverOutOfMemory` naming the create call, holding nothing.
-pub fn too_large_an_arena_is_driver_out_of_memory<B: Subject>() {
-    let _serial = serial();
-    let b = B::open();
-    let baseline = free(&b);
-    let g = granule(&b);
+pub fn too_large_an_arena_is_driver_out_of_memory<B: Subject>(b: &B) {
+    let baseline = free(b);
+    let g = granule(b);
     let total = b.mem_info(0).expect("mem_info").total;
     let bytes = (total / g + 1) * g;
     match b.create_arena(0, bytes) {
@@ -604,39 +582,36 @@ pub fn too_large_an_arena_is_driver_out_of_memory<B: Subject>() {
         }
         other => panic!("create_arena({bytes}) should be DriverOutOfMemory, got {other:?}"),
     }
-    assert_back(&b, baseline, "after the failed create");
-    b.assert_clean();
+    assert_back(b, baseline, "after the failed create");
 }
 
 /// Two backends do not know each other's arenas; dropping one destroys what it left behind.
-pub fn two_backends_and_drop_clean_up<B: Subject>() {
-    let baseline = free(&B::open());
-    let _serial = serial();
-    let b = B::open();
+pub fn two_backends_and_drop_clean_up<B: Subject>(b: &B) {
+    let baseline = free(b);
+    let first = B::open();
     let c = B::open();
-    let g = granule(&b);
-    let left_behind = b.create_arena(0, 16 * g).expect("create");
-    let _live_event = b.record_event(0, StreamId::DEFAULT).expect("record");
+    let g = granule(&first);
+    let left_behind = first.create_arena(0, 16 * g).expect("create");
+    let _live_event = first.record_event(0, StreamId::DEFAULT).expect("record");
     let other = c.create_arena(0, g).expect("create on the second backend");
     // The second backend does not know the first one's arena.
     assert!(c.destroy_arena(left_behind).is_err());
-    drop(b); // destroys what was left behind (CUDA: releases its context retain)
+    drop(first); // destroys what was left behind (CUDA: releases its context retain)
     c.destroy_arena(other).expect("destroy");
     assert_back(&c, baseline, "after dropping a backend with a live arena");
-    c.assert_clean();
 }
 
-/// Every body above in turn (each on its own backend).
-pub fn meets_the_backend_contract<B: Subject>() {
-    reports_driver_and_granularity::<B>();
-    create_destroy_returns_memory::<B>();
-    write_and_read_through_an_arena::<B>();
-    open_export_holds_memory_after_destroy_until_closed::<B>();
-    in_process_import_sees_the_same_memory::<B>();
-    importer_mapping_holds_memory_until_unmapped::<B>();
-    events_complete_after_synchronize::<B>();
-    caller_context_or_device_left_unchanged::<B>();
-    bad_inputs_are_errors::<B>();
-    too_large_an_arena_is_driver_out_of_memory::<B>();
-    two_backends_and_drop_clean_up::<B>();
+/// Every body above in turn, on one backend.
+pub fn meets_the_backend_contract<B: Subject>(b: &B) {
+    reports_driver_and_granularity(b);
+    create_destroy_returns_memory(b);
+    write_and_read_through_an_arena(b);
+    open_export_holds_memory_after_destroy_until_closed(b);
+    in_process_import_sees_the_same_memory(b);
+    importer_mapping_holds_memory_until_unmapped(b);
+    events_complete_after_synchronize(b);
+    caller_context_or_device_left_unchanged(b);
+    bad_inputs_are_errors(b);
+    too_large_an_arena_is_driver_out_of_memory(b);
+    two_backends_and_drop_clean_up(b);
 }
