@@ -1,8 +1,19 @@
 //! The Backend trait: physical device memory, its mapping, exports, imports, events.
 //!
-//! The pool above knows only this trait, never a driver type. Each backend keeps every raw
-//! driver call in one module (`sim`, `cuda::driver`, `hip::driver`), one small function per
-//! call returning [`Result`], each `unsafe` block with a `// SAFETY:` line.
+//! The pool above knows only this trait, never a driver type. Two implementations:
+//!
+//! - [`sim`]: host memory backed by memfd, with an exact ledger of what is held, fault
+//!   injection and a `legacy_pin` mode; CI and laptops use it.
+//! - [`vmm::VmmBackend`]: the VMM core, one implementation for every GPU vendor (registries of
+//!   live arenas, mappings and events, per-device state, teardown, copies, `Drop`), built on a
+//!   vendor's [`vmm::Driver`] primitives. `cuda` (feature `cuda`: cudarc, libcuda loaded at
+//!   run time) and `hip` (feature `hip`: hip-sys, libamdhip64 linked) hold only those
+//!   primitives and their start-up; `cuda::CudaBackend` is `VmmBackend<CudaDriver>`,
+//!   `hip::HipBackend` is `VmmBackend<HipDriver>`.
+//!
+//! Every raw driver call stays in one module per vendor (`sim::sys`, `cuda::driver`,
+//! `hip::driver`), one small function per call returning a `Result`, each `unsafe` block with
+//! a `// SAFETY:` line.
 //!
 //! Addresses are plain `u64` device virtual addresses. On `sim` they are host addresses of
 //! memfd mappings (so tests can read and write them); on `cuda` they are `CUdeviceptr`s.

@@ -11,8 +11,8 @@
 //! All logic lives here: which primitives run in which order, what is undone when one fails,
 //! what is checked before the driver sees an argument. A vendor's folder holds only its raw
 //! calls (the [`Driver`] implementation) and what is its own alone: how the library is loaded
-//! and initialised, and test helpers such as the current context. [`super::cuda::CudaBackend`]
-//! is `VmmBackend<CudaDriver>`, [`super::hip::HipBackend`] is `VmmBackend<HipDriver>`.
+//! and initialised, and test helpers such as the current context. `cuda::CudaBackend`
+//! is `VmmBackend<CudaDriver>`, `hip::HipBackend` is `VmmBackend<HipDriver>`.
 //!
 //! # Devices
 //! The backend lives with PyTorch's device and context: every call that needs a device makes
