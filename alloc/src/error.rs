@@ -1,6 +1,6 @@
 //! The one error type of the crate.
 
-use crate::backend::DeviceId;
+use crate::ids::DeviceId;
 
 /// Everything that can go wrong in gpu-arena.
 ///
