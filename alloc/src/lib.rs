@@ -5,14 +5,13 @@ pub mod backend;
 pub mod config;
 pub mod error;
 pub mod ipc;
+pub mod lifetime;
 pub mod pool;
 pub mod range;
-pub mod share;
 pub mod stats;
 
 pub use backend::{Backend, DeviceId, StreamId};
 pub use config::{BackendChoice, Config};
 pub use error::{Error, Result};
-pub use pool::{Allocation, Pool, PoolConfig};
-pub use share::{LeaseGrant, ShareInfo};
+pub use pool::{Allocation, LeaseGrant, Pool, PoolConfig, ShareInfo};
 pub use stats::PoolStats;

@@ -2,8 +2,9 @@
 //! (message boundaries kept by the kernel), the export fd riding along with SCM_RIGHTS.
 //!
 //! Request (consumer → broker), 40 bytes: `op u8 | want_fd u8 | 0 0 | device i32 |
-//! key u32 | 0 u32 | arena_id u64 | token [16]`. `op` 1 = open a lease on share `key`,
-//! 2 = close lease `key`.
+//! key u32 | 0 u32 | arena_id u64 | token [16]`, or 44 with `| generation u32` after them:
+//! the export generation the handle names, checked by the broker (a stale handle is refused
+//! with a clear error). `op` 1 = open a lease on share `key`, 2 = close lease `key`.
 //!
 //! Reply (broker → consumer): `ok u8 | pinning u8 | 0 0 | lease_key u32 | arena_bytes u64 |
 //! message (UTF-8, rest of the packet)`, plus one fd for an open with `want_fd`.
@@ -23,6 +24,8 @@ use crate::error::{Error, Result};
 /// Largest packet either side sends.
 pub(crate) const MAX_PACKET: usize = 512;
 pub(crate) const REQUEST_BYTES: usize = 40;
+/// A request that carries the export generation its handle names.
+pub(crate) const REQUEST_WITH_GENERATION_BYTES: usize = REQUEST_BYTES + 4;
 
 /// Request kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,22 +44,27 @@ pub(crate) struct Request {
     pub key: u32,
     pub arena_id: u64,
     pub token: [u8; 16],
+    /// The export generation the handle names (opens from a handle; `None`: not checked).
+    pub generation: Option<u32>,
 }
 
 impl Request {
-    pub(crate) fn encode(&self) -> [u8; REQUEST_BYTES] {
-        let mut b = [0u8; REQUEST_BYTES];
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut b = vec![0u8; REQUEST_BYTES];
         b[0] = self.op as u8;
         b[1] = u8::from(self.want_fd);
         b[4..8].copy_from_slice(&self.device.to_le_bytes());
         b[8..12].copy_from_slice(&self.key.to_le_bytes());
         b[16..24].copy_from_slice(&self.arena_id.to_le_bytes());
         b[24..40].copy_from_slice(&self.token);
+        if let Some(g) = self.generation {
+            b.extend_from_slice(&g.to_le_bytes());
+        }
         b
     }
 
     pub(crate) fn decode(b: &[u8]) -> Result<Request> {
-        if b.len() != REQUEST_BYTES {
+        if b.len() != REQUEST_BYTES && b.len() != REQUEST_WITH_GENERATION_BYTES {
             return Err(Error::Ipc(format!(
                 "request of {} bytes, expected {REQUEST_BYTES}",
                 b.len()
@@ -81,6 +89,10 @@ impl Request {
             key: u32::from_le_bytes([b[8], b[9], b[10], b[11]]),
             arena_id: u64::from_le_bytes(a8),
             token,
+            generation: b
+                .get(REQUEST_BYTES..)
+                .and_then(|g| g.try_into().ok())
+                .map(u32::from_le_bytes),
         })
     }
 }
@@ -232,8 +244,17 @@ mod tests {
             key: 99,
             arena_id: 12,
             token: [7; 16],
+            generation: None,
         };
         assert_eq!(Request::decode(&r.encode()).unwrap(), r);
+        let with_generation = Request {
+            generation: Some(0x0102_0304),
+            ..r.clone()
+        };
+        let bytes = with_generation.encode();
+        assert_eq!(bytes.len(), REQUEST_WITH_GENERATION_BYTES);
+        assert_eq!(Request::decode(&bytes).unwrap(), with_generation);
+        assert!(Request::decode(&bytes[..42]).is_err());
         let mut bad = r.encode();
         bad[0] = 9;
         assert!(Request::decode(&bad).is_err());
