@@ -416,13 +416,9 @@ impl Pool {
                     "share names another arena (stale handle)".into(),
                 ));
             }
-            if let Some(stale) = generation.and_then(|g| {
-                let named = rec.hold.generation();
-                (g != named).then(|| LifetimeError::Stale {
-                    named: g,
-                    current: named,
-                })
-            }) {
+            let current = rec.hold.generation();
+            if let Some(named) = generation.filter(|&g| g != current) {
+                let stale = LifetimeError::Stale { named, current };
                 return Err(Error::Ipc(format!(
                     "share {share_key}: stale handle: {stale}"
                 )));
