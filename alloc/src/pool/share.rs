@@ -352,16 +352,7 @@ impl Pool {
             .unshare(&mut rec.hold, hold)
             .map_err(|e| refused("unshare", e))?;
         st.stats.shares_live -= 1;
-        let to_close = st.apply_ended(
-            ended,
-            arena,
-            ptr,
-            Some(share_key),
-            self.backend.as_ref(),
-            dp.device,
-        );
-        drop(guard);
-        self.close_exports(dp, to_close);
+        self.end_ref(dp, guard, ended, arena, ptr, share_key);
         Ok(())
     }
 
@@ -494,7 +485,22 @@ impl Pool {
             .map_err(|e| refused("close_lease", e))?;
         st.shares.leases.remove(lease_key as usize);
         st.stats.imports_live -= 1;
-        let to_close = st.apply_ended(
+        self.end_ref(dp, guard, ended, arena, ptr, share_key);
+        Ok(())
+    }
+
+    /// Do what the end of a share's or lease's reference asks: the records under the lock
+    /// (`apply_ended`), then the close of the export, if any, with the lock released.
+    fn end_ref(
+        &self,
+        dp: &DevicePool,
+        mut guard: parking_lot::MutexGuard<'_, DeviceState>,
+        ended: Ended<Export>,
+        arena: usize,
+        ptr: u64,
+        share_key: u32,
+    ) {
+        let to_close = guard.apply_ended(
             ended,
             arena,
             ptr,
@@ -504,7 +510,6 @@ impl Pool {
         );
         drop(guard);
         self.close_exports(dp, to_close);
-        Ok(())
     }
 
     /// Close an export that `drop_ref` took out, with the lock released. A concurrent
