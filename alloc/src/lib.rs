@@ -6,15 +6,14 @@ pub mod config;
 pub mod error;
 mod ids;
 pub mod ipc;
+pub mod lifetime;
 pub mod pool;
 pub mod range;
-pub mod share;
 pub mod stats;
 
 pub use backend::Backend;
 pub use config::{BackendChoice, Config};
 pub use error::{Error, Result};
 pub use ids::{DeviceId, StreamId};
-pub use pool::{Allocation, Pool, PoolConfig};
-pub use share::{LeaseGrant, ShareInfo};
+pub use pool::{Allocation, LeaseGrant, Pool, PoolConfig, ShareInfo};
 pub use stats::PoolStats;

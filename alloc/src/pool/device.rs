@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use super::{DeviceState, Live, PendingFree, ANY_STREAM, FLUSH_FIRST_ABOVE, LIMBO_BASE};
 use crate::backend::{ArenaMem, Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
+use crate::lifetime::ArenaLifetime;
 use crate::pool::Arena;
-use crate::share::ArenaLifetime;
 use crate::stats::DeviceMetrics;
 
 impl DeviceState {
@@ -265,7 +265,7 @@ impl DeviceState {
     /// The live, not yet freed allocation at `ptr`, or a clear error.
     pub(crate) fn check_live(&self, ptr: u64, device: DeviceId) -> Result<Live> {
         match self.allocs.get(&ptr) {
-            Some(l) if !l.freed => Ok(l.clone()),
+            Some(l) if !l.hold.freed() => Ok(l.clone()),
             Some(_) => Err(Error::UnknownPointer {
                 ptr,
                 why: "already freed (double free)".into(),
@@ -380,18 +380,29 @@ impl DeviceState {
                 self.stats.allocated_bytes, rs.used_bytes
             ));
         }
-        let mut per_arena: HashMap<usize, u64> = HashMap::new();
+        // Per arena: live allocations, and the references they hold.
+        let mut per_arena: HashMap<usize, (u64, u64)> = HashMap::new();
         for (&ptr, l) in &self.allocs {
             if self.ranges.allocated_len(ptr) != Some(l.bytes()) {
                 return Err(format!("allocation {ptr:#x} not allocated in the ranges"));
             }
-            *per_arena.entry(l.arena).or_default() += 1;
+            let n = per_arena.entry(l.arena).or_default();
+            n.0 += 1;
+            n.1 += u64::from(l.hold.refs());
         }
         for (k, a) in &self.arenas {
-            if per_arena.get(&k).copied().unwrap_or(0) != a.live_allocs {
+            let (live, refs) = per_arena.get(&k).copied().unwrap_or((0, 0));
+            if live != a.live_allocs {
                 return Err(format!(
                     "arena {} live count {} is wrong",
                     a.id, a.live_allocs
+                ));
+            }
+            if refs != a.lifetime.refs() {
+                return Err(format!(
+                    "arena {} holds {} references, its allocations {refs}",
+                    a.id,
+                    a.lifetime.refs()
                 ));
             }
         }

@@ -45,13 +45,18 @@ use rustc_hash::FxHashMap;
 use parking_lot::Mutex;
 use slab::Slab;
 
-use crate::backend::{ArenaMem, Backend, DeviceId, Event, StreamId};
+use crate::backend::{ArenaMem, Backend, DeviceId, Event, Export, StreamId};
 use crate::error::{Error, Result};
+use crate::lifetime::{AllocHold, ArenaLifetime, FreeStep};
 use crate::range::{self, RangeAllocator};
-use crate::share::ArenaLifetime;
 use crate::stats::{DeviceMetrics, PoolStats};
+use records::ShareTables;
 
 mod device;
+mod records;
+mod share;
+
+pub use records::{LeaseGrant, ShareInfo};
 
 /// Tag of free ranges that any stream may reuse.
 pub const ANY_STREAM: u64 = u64::MAX;
@@ -164,8 +169,8 @@ pub(crate) struct Arena {
     pub(crate) id: u64,
     /// Live (or freed-but-still-referenced) allocations inside.
     pub(crate) live_allocs: u64,
-    /// Export and sharing state.
-    pub(crate) lifetime: ArenaLifetime,
+    /// Export and sharing state (`crate::lifetime`).
+    pub(crate) lifetime: ArenaLifetime<Export>,
 }
 
 /// The record of a live allocation: one entry of the pool's busiest hash map, so kept small
@@ -177,10 +182,9 @@ pub(crate) struct Live {
     pub(crate) stream: StreamId,
     /// Streams added by `record_stream` (rare: `None` until the first).
     pub(crate) extra_streams: Option<Box<[StreamId]>>,
-    /// Shares and consumer leases holding this allocation's memory.
-    pub(crate) refs: u32,
-    /// Freed by its owner while still referenced: released when `refs` reaches 0.
-    pub(crate) freed: bool,
+    /// Shares and consumer leases holding it, and whether its owner freed it (changed only
+    /// by the arena's [`ArenaLifetime`]).
+    pub(crate) hold: AllocHold,
 }
 
 impl Live {
@@ -229,8 +233,8 @@ pub(crate) struct DeviceState {
     pub(crate) next_arena_id: u64,
     /// Arenas out of the pool whose destroy failed: retried by `empty_cache` and teardown.
     pub(crate) orphans: Vec<ArenaMem>,
-    /// Shares and leases (share.rs).
-    pub(crate) shares: crate::share::ShareTables,
+    /// Shares and leases (`records.rs`, `share.rs`).
+    pub(crate) shares: ShareTables,
 }
 
 /// One device's pool.
@@ -471,8 +475,7 @@ impl Pool {
                 requested,
                 stream,
                 extra_streams: None,
-                refs: 0,
-                freed: false,
+                hold: AllocHold::default(),
             },
         );
         let s = &mut st.stats;
@@ -527,8 +530,7 @@ impl Pool {
         let mut st = dp.state.lock();
         // Fast path: not shared, no other streams, size as recorded — one hash removal.
         let plain = st.allocs.get(&ptr).is_some_and(|l| {
-            !l.freed
-                && l.refs == 0
+            l.hold.is_plain()
                 && l.extra_streams.is_none()
                 && requested.is_none_or(|r| r == l.requested)
         });
@@ -558,13 +560,26 @@ impl Pool {
                 )));
             }
         }
-        let (stream, extra, refs) = (live.stream, live.extra_streams().to_vec(), live.refs);
-        st.stats.free_count += 1;
-        if refs > 0 {
-            // Still shared: the range waits for its last share (share.rs releases it).
-            if let Some(l) = st.allocs.get_mut(&ptr) {
-                l.freed = true;
+        let (stream, extra) = (live.stream, live.extra_streams().to_vec());
+        let step = {
+            let st = &mut *st;
+            let lifetime = st.arenas.get(live.arena).map(|a| &a.lifetime);
+            match (lifetime, st.allocs.get_mut(&ptr)) {
+                (Some(lt), Some(l)) => lt.free(&mut l.hold).map_err(|e| Error::UnknownPointer {
+                    ptr,
+                    why: e.to_string(),
+                })?,
+                _ => {
+                    return Err(Error::Internal(format!(
+                        "free of {ptr:#x}: record or arena gone"
+                    )))
+                }
             }
+        };
+        st.stats.free_count += 1;
+        if step == FreeStep::Deferred {
+            // Still shared: the range waits for its last reference (pool/share.rs releases
+            // it when the lifetime says so).
             st.stats.deferred_free_bytes += live.bytes();
         } else if !extra.is_empty() {
             let mut events = Vec::with_capacity(extra.len());
@@ -584,9 +599,6 @@ impl Pool {
                         break;
                     }
                 }
-            }
-            if let Some(l) = st.allocs.get_mut(&ptr) {
-                l.freed = true;
             }
             st.stats.pending_free_bytes += live.bytes();
             st.pending.push(PendingFree {
@@ -613,7 +625,7 @@ impl Pool {
         let live = st
             .allocs
             .get_mut(&ptr)
-            .filter(|l| !l.freed)
+            .filter(|l| !l.hold.freed())
             .ok_or_else(|| Error::UnknownPointer {
                 ptr,
                 why: "record_stream on a pointer that is not a live allocation".into(),
@@ -718,7 +730,12 @@ impl Pool {
                             "base": a.mem.base,
                             "bytes": a.mem.bytes,
                             "live_allocations": a.live_allocs,
-                            "lifetime": a.lifetime.describe(),
+                            "lifetime": {
+                                "state": a.lifetime.state_name(),
+                                "refs": a.lifetime.refs(),
+                                "pinned": a.lifetime.pinned(),
+                                "generation": a.lifetime.generation(),
+                            },
                             "ranges": st.ranges.ranges(a.mem.base),
                         })
                     })
