@@ -298,6 +298,24 @@ fn a_full_device_says_what_is_held_and_by_whom() {
 }
 
 #[test]
+fn requested_bytes_count_what_callers_asked_for() {
+    let (_sim, pool) = pool();
+    let a = pool.alloc(0, 1000, S1).unwrap();
+    let b = pool.alloc(0, 3 * MIB + 1, S1).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.requested_bytes, 1000 + 3 * MIB + 1);
+    assert_eq!(s.allocated_bytes, 1024 + 4 * MIB, "rounded sizes");
+    pool.free(a.ptr).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.requested_bytes, 3 * MIB + 1);
+    assert_eq!(s.peak_requested_bytes, 1000 + 3 * MIB + 1);
+    pool.free(b.ptr).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.requested_bytes, s.allocated_bytes), (0, 0));
+    pool.validate(0).unwrap();
+}
+
+#[test]
 fn arena_size_below_the_minimum_is_refused() {
     let backend = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
     for tiny in [1, 4096, MIB] {

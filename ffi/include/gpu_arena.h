@@ -89,7 +89,9 @@ typedef struct gpu_arena_stats_t {
      */
     uint64_t reserved_bytes;
     /**
-     * Bytes in live allocations, rounded to 512 B (freed-but-shared ranges included).
+     * Bytes in live allocations as served: each request rounded up to its block size
+     * (512 B granules, size classes, 2 MiB multiples above 1 MiB); freed-but-shared ranges
+     * included. Compare `requested_bytes`.
      */
     uint64_t allocated_bytes;
     /**
@@ -156,6 +158,16 @@ typedef struct gpu_arena_stats_t {
      * Bytes freed with `record_stream` streams, waiting for their events.
      */
     uint64_t pending_free_bytes;
+    /**
+     * Bytes callers asked for in live allocations, before rounding (PyTorch's
+     * `requested_bytes`): `allocated_bytes - requested_bytes` is what rounding costs.
+     * Counted over the same allocations as `allocated_bytes`.
+     */
+    uint64_t requested_bytes;
+    /**
+     * Highest `requested_bytes` seen.
+     */
+    uint64_t peak_requested_bytes;
 } gpu_arena_stats_t;
 
 /**

@@ -191,6 +191,8 @@ class GpuArenaStats(ctypes.Structure):
         ("oom_count", ctypes.c_uint64),
         ("deferred_free_bytes", ctypes.c_uint64),
         ("pending_free_bytes", ctypes.c_uint64),
+        ("requested_bytes", ctypes.c_uint64),
+        ("peak_requested_bytes", ctypes.c_uint64),
     ]
 
     def to_dict(self) -> dict:

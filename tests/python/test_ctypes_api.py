@@ -401,6 +401,8 @@ def test_malloc_free_stats(arena):
     mid = arena.stats(0)
     assert mid["allocations"] == before["allocations"] + 1
     assert mid["allocated_bytes"] == before["allocated_bytes"] + 1024  # 512-byte rounding
+    assert mid["requested_bytes"] == before["requested_bytes"] + 1000  # what was asked for
+    assert mid["peak_requested_bytes"] >= mid["requested_bytes"]
     assert mid["alloc_count"] == before["alloc_count"] + 1
     assert mid["reserved_bytes"] >= 64 * MiB and mid["arenas"] >= 1
     assert mid["peak_allocated_bytes"] >= mid["allocated_bytes"]
@@ -412,6 +414,7 @@ def test_malloc_free_stats(arena):
     after = arena.stats(0)
     assert after["allocations"] == before["allocations"]
     assert after["allocated_bytes"] == before["allocated_bytes"]
+    assert after["requested_bytes"] == before["requested_bytes"]
     assert after["free_count"] == before["free_count"] + 1
     arena.validate(0)
 

@@ -464,6 +464,8 @@ impl Pool {
         let s = &mut st.stats;
         s.allocated_bytes += len;
         s.peak_allocated_bytes = s.peak_allocated_bytes.max(s.allocated_bytes);
+        s.requested_bytes += requested;
+        s.peak_requested_bytes = s.peak_requested_bytes.max(s.requested_bytes);
         s.allocations += 1;
         s.alloc_count += 1;
         dp.metrics.publish_allocated(s);
