@@ -227,14 +227,14 @@ impl Config {
                     }
                     Err(e) => e,
                 };
-                tracing::info!(reason = %cuda, "gpu-arena: backend=auto: cuda unavailable");
+                tracing::info!(reason = %cuda, "gpu-arena: backend=auto passed over cuda");
                 match open_hip() {
                     Ok(b) => {
                         tracing::info!("gpu-arena: backend=auto chose hip");
                         Ok(b)
                     }
                     Err(hip) => {
-                        tracing::info!(reason = %hip, "gpu-arena: backend=auto: hip unavailable, using sim");
+                        tracing::info!(reason = %hip, "gpu-arena: backend=auto passed over hip; using sim");
                         Ok(Arc::new(SimBackend::new(self.sim.clone())?))
                     }
                 }
