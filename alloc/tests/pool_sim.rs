@@ -145,6 +145,18 @@ fn out_of_memory_releases_cached_arenas_retries_then_fails_cleanly() {
     assert!(backend.is_clean(0));
 }
 
+/// `e` is an out-of-memory error of the cause `is` accepts, and its message has every `wants`.
+fn assert_oom(e: &Error, is: fn(&OomCause) -> bool, wants: &[&str]) {
+    assert!(
+        matches!(e, Error::OutOfMemory { cause, .. } if is(cause)),
+        "{e}"
+    );
+    let m = e.to_string();
+    for want in wants {
+        assert!(m.contains(want), "{m:?} lacks {want:?}");
+    }
+}
+
 fn capped_pool(sim: SimConfig, arena_size: u64, cap: MaxReserved) -> Pool {
     let backend = Arc::new(SimBackend::new(sim).unwrap());
     Pool::new(
@@ -168,27 +180,17 @@ fn max_reserved_caps_the_pool_and_says_so() {
     );
     let _a = pool.alloc(0, 64 * MIB, S1).unwrap();
     let _b = pool.alloc(0, 64 * MIB, S1).unwrap();
-    let e = pool.alloc(0, MIB, S1).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::OutOfMemory {
-                cause: OomCause::MaxReserved { .. },
-                ..
-            }
-        ),
-        "{e}"
+    assert_oom(
+        &pool.alloc(0, MIB, S1).unwrap_err(),
+        |c| matches!(c, OomCause::MaxReserved { .. }),
+        &[
+            "out of memory on device 0",
+            "max_reserved=128 MiB cap",
+            "128 MiB reserved",
+            "needs 64 MiB more",
+            "raise max_reserved",
+        ],
     );
-    let m = e.to_string();
-    for want in [
-        "out of memory on device 0",
-        "max_reserved=128 MiB cap",
-        "128 MiB reserved",
-        "needs 64 MiB more",
-        "raise max_reserved",
-    ] {
-        assert!(m.contains(want), "{m:?} lacks {want:?}");
-    }
     assert_eq!(pool.stats(0).unwrap().oom_count, 1);
 }
 
@@ -226,21 +228,10 @@ fn arena_larger_than_the_device_names_arena_size() {
         ..SimConfig::default()
     };
     let (backend, pool) = pool_with(sim, 4 * GIB);
-    let e = pool.alloc(0, 4096, S1).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::OutOfMemory {
-                cause: OomCause::ArenaLargerThanDevice { .. },
-                ..
-            }
-        ),
-        "{e}"
-    );
-    let m = e.to_string();
-    assert!(
-        m.contains("arena_size=4 GiB is larger than device 0's 1 GiB; lower arena_size"),
-        "{m}"
+    assert_oom(
+        &pool.alloc(0, 4096, S1).unwrap_err(),
+        |c| matches!(c, OomCause::ArenaLargerThanDevice { .. }),
+        &["arena_size=4 GiB is larger than device 0's 1 GiB; lower arena_size"],
     );
     assert_eq!(
         backend.ledger(0).held_bytes,
@@ -269,31 +260,22 @@ fn a_full_device_says_what_is_held_and_by_whom() {
         ..SimConfig::default()
     };
     let (_backend, pool) = pool_with(sim, 256 * MIB);
-    // Four arenas fill the device; one holds a small live block and otherwise free space.
+    // Four arenas fill the device, each with a 200 MiB block and 56 MiB free.
     let blocks: Vec<_> = (0..4)
         .map(|_| pool.alloc(0, 200 * MIB, S1).unwrap())
         .collect();
-    let e = pool.alloc(0, 200 * MIB, S1).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::OutOfMemory {
-                cause: OomCause::DeviceFull { .. },
-                ..
-            }
-        ),
-        "{e}"
+    assert_oom(
+        &pool.alloc(0, 200 * MIB, S1).unwrap_err(),
+        |c| matches!(c, OomCause::DeviceFull { .. }),
+        &[
+            "device 0 is full: 0 B free of 1 GiB",
+            "a new arena needs 256 MiB",
+            "gpu-arena holds 1 GiB reserved",
+            "224 MiB of it cached",
+            "others hold 0 B",
+            "free tensors",
+        ],
     );
-    let m = e.to_string();
-    for want in [
-        "device 0 is full: 0 B free of 1 GiB",
-        "a new arena needs 256 MiB",
-        "gpu-arena holds 1 GiB reserved",
-        "224 MiB of it cached",
-        "free tensors",
-    ] {
-        assert!(m.contains(want), "{m:?} lacks {want:?}");
-    }
     drop(blocks);
 }
 
