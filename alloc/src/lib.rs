@@ -10,6 +10,7 @@ pub mod lifetime;
 pub mod pool;
 pub mod range;
 pub mod stats;
+pub mod units;
 
 pub use backend::Backend;
 pub use config::{BackendChoice, Config};

@@ -199,6 +199,7 @@ impl DeviceState {
         }
         let bytes = live.bytes();
         self.stats.allocated_bytes -= bytes;
+        self.stats.requested_bytes -= live.requested;
         self.stats.allocations -= 1;
         self.cached_bytes += bytes;
         self.cache
@@ -258,6 +259,7 @@ impl DeviceState {
             a.live_allocs -= 1;
         }
         self.stats.allocated_bytes -= live.bytes();
+        self.stats.requested_bytes -= live.requested;
         self.stats.allocations -= 1;
         Ok(())
     }
@@ -360,6 +362,13 @@ impl DeviceState {
             ));
         }
         let used: u64 = self.allocs.values().map(Live::bytes).sum();
+        let requested: u64 = self.allocs.values().map(|l| l.requested).sum();
+        if requested != self.stats.requested_bytes {
+            return Err(format!(
+                "requested {} in stats, {requested} in records",
+                self.stats.requested_bytes
+            ));
+        }
         let cached: u64 = self.cache.iter().map(|(k, v)| k.1 * v.len() as u64).sum();
         if cached != self.cached_bytes {
             return Err(format!(
