@@ -511,6 +511,8 @@ fn silent_broker(name: &str) -> std::os::fd::OwnedFd {
 
 #[test]
 fn a_producer_that_never_answers_delays_only_its_own_imports() {
+    // Serialized with the others: its sockets would move their process-wide fd counts.
+    let _g = SERIAL.lock();
     let (sim, pool, broker) = producer(SimConfig::default(), 64 * MIB);
     let importer = Arc::new(Importer::new(sim.clone() as Arc<dyn Backend>));
     let a = pool.alloc(0, 4 * MIB, S).unwrap();
