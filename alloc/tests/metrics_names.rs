@@ -10,9 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use gpu_arena::backend::sim::{SimBackend, SimConfig};
 use gpu_arena::{Pool, PoolConfig, PoolStats};
-use metrics::{
-    Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
-};
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 
 /// A row of the table: (name, type, field, rust).
 type Row = (String, String, String, bool);
@@ -27,16 +25,24 @@ fn table() -> Vec<Row> {
             let cells: Vec<&str> = l.trim_matches('|').split(" | ").map(str::trim).collect();
             assert_eq!(cells.len(), 5, "{l}");
             let unquote = |s: &str| s.trim_matches('`').to_string();
-            (unquote(cells[0]), cells[1].to_string(), unquote(cells[2]), cells[3] == "yes")
+            (
+                unquote(cells[0]),
+                cells[1].to_string(),
+                unquote(cells[2]),
+                cells[3] == "yes",
+            )
         })
         .collect();
     assert!(!rows.is_empty(), "no rows in {}", path.display());
     rows
 }
 
-/// Records what is registered: (name, type, labels).
+/// One registration: (name, type, labels).
+type Registration = (String, &'static str, Vec<(String, String)>);
+
+/// Records what is registered.
 #[derive(Default)]
-struct Registrations(Mutex<BTreeSet<(String, &'static str, Vec<(String, String)>)>>);
+struct Registrations(Mutex<BTreeSet<Registration>>);
 
 impl Registrations {
     fn add(&self, key: &Key, kind: &'static str) {
@@ -73,9 +79,8 @@ impl Recorder for Registrations {
 fn pool_registers_the_tables_rust_rows() {
     let rec = Registrations::default();
     let backend = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
-    let pool = metrics::with_local_recorder(&rec, || {
-        Pool::new(backend, PoolConfig::default()).unwrap()
-    });
+    let pool =
+        metrics::with_local_recorder(&rec, || Pool::new(backend, PoolConfig::default()).unwrap());
     let registered = rec.0.lock().unwrap().clone();
     let expected: BTreeSet<_> = table()
         .into_iter()
