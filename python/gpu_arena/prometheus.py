@@ -40,38 +40,30 @@ class MetricDef(NamedTuple):
     help: str
 
 
-# The rows of docs/metrics.md, in its order (tests/python/test_prometheus.py compares them).
-METRICS: Tuple[MetricDef, ...] = (
-    MetricDef("gpu_arena_reserved_bytes", "gauge", "reserved_bytes",
-              "Bytes in arenas held from the backend."),
-    MetricDef("gpu_arena_allocated_bytes", "gauge", "allocated_bytes",
-              "Bytes in live allocations, rounded to 512 B (freed-but-shared ranges included)."),
-    MetricDef("gpu_arena_peak_reserved_bytes", "gauge", "peak_reserved_bytes",
-              "Highest reserved bytes seen."),
-    MetricDef("gpu_arena_peak_allocated_bytes", "gauge", "peak_allocated_bytes",
-              "Highest allocated bytes seen."),
-    MetricDef("gpu_arena_arenas", "gauge", "arenas", "Arenas held."),
-    MetricDef("gpu_arena_backend_creates_total", "counter", "backend_creates",
-              "Arenas created through the backend."),
-    MetricDef("gpu_arena_backend_destroys_total", "counter", "backend_destroys",
-              "Arenas handed back to the backend."),
-    MetricDef("gpu_arena_exports_live", "gauge", "exports_live", "Arenas exported right now."),
-    MetricDef("gpu_arena_exports_total", "counter", "exports_total", "Driver exports made."),
-    MetricDef("gpu_arena_shares_live", "gauge", "shares_live",
-              "Shares handed out and not yet unshared."),
-    MetricDef("gpu_arena_imports_live", "gauge", "imports_live",
-              "Consumer leases (imports by other processes) on this pool's memory, live now."),
-    MetricDef("gpu_arena_pinned_bytes", "gauge", "pinned_bytes",
-              "Bytes in arenas pinned by a non-releasable export (recycled, never destroyed)."),
-    MetricDef("gpu_arena_allocations_live", "gauge", "allocations", "Live allocations."),
-    MetricDef("gpu_arena_allocations_total", "counter", "alloc_count", "Allocations served."),
-    MetricDef("gpu_arena_frees_total", "counter", "free_count", "Frees."),
-    MetricDef("gpu_arena_oom_total", "counter", "oom_count",
-              "Allocations that failed for lack of memory."),
-    MetricDef("gpu_arena_deferred_free_bytes", "gauge", "deferred_free_bytes",
-              "Bytes freed by the producer but still shared (reused once the shares end)."),
-    MetricDef("gpu_arena_pending_free_bytes", "gauge", "pending_free_bytes",
-              "Bytes freed with record_stream streams, waiting for their events."),
+# The rows of docs/metrics.md, in its order (tests/python/test_prometheus.py compares them):
+# name | type | gpu_arena.stats() key | help.
+_TABLE = """\
+gpu_arena_reserved_bytes | gauge | reserved_bytes | Bytes in arenas held from the backend.
+gpu_arena_allocated_bytes | gauge | allocated_bytes | Bytes in live allocations, rounded to 512 B (freed-but-shared ranges included).
+gpu_arena_peak_reserved_bytes | gauge | peak_reserved_bytes | Highest reserved bytes seen.
+gpu_arena_peak_allocated_bytes | gauge | peak_allocated_bytes | Highest allocated bytes seen.
+gpu_arena_arenas | gauge | arenas | Arenas held.
+gpu_arena_backend_creates_total | counter | backend_creates | Arenas created through the backend.
+gpu_arena_backend_destroys_total | counter | backend_destroys | Arenas handed back to the backend.
+gpu_arena_exports_live | gauge | exports_live | Arenas exported right now.
+gpu_arena_exports_total | counter | exports_total | Driver exports made.
+gpu_arena_shares_live | gauge | shares_live | Shares handed out and not yet unshared.
+gpu_arena_imports_live | gauge | imports_live | Consumer leases (imports by other processes) on this pool's memory, live now.
+gpu_arena_pinned_bytes | gauge | pinned_bytes | Bytes in arenas pinned by a non-releasable export (recycled, never destroyed).
+gpu_arena_allocations_live | gauge | allocations | Live allocations.
+gpu_arena_allocations_total | counter | alloc_count | Allocations served.
+gpu_arena_frees_total | counter | free_count | Frees.
+gpu_arena_oom_total | counter | oom_count | Allocations that failed for lack of memory.
+gpu_arena_deferred_free_bytes | gauge | deferred_free_bytes | Bytes freed by the producer but still shared (reused once the shares end).
+gpu_arena_pending_free_bytes | gauge | pending_free_bytes | Bytes freed with record_stream streams, waiting for their events.
+"""
+METRICS: Tuple[MetricDef, ...] = tuple(
+    MetricDef(*(cell.strip() for cell in line.split(" | "))) for line in _TABLE.splitlines()
 )
 
 
