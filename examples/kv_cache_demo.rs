@@ -4,7 +4,13 @@
 //! CUDA where a GPU is present, else the simulated device), needs no GPU.
 //!
 //! 1. Replays a seeded KV trace (2 MiB blocks as sequences grow, temporaries per step)
-//!    through the pool: ns per operation, peak reserved / peak live.
+//!    through the pool: ns per operation, peak reserved / peak live. It is the README
+//!    headline's setup (`TraceConfig::default()`: 2240 requests, a 16 GiB KV budget, 1 GiB
+//!    arenas; 1.055 in `bench/results/sim-2026-11-29.md`) whenever the device has room for
+//!    it; the sim device gets 64 GiB of capacity for it (a ledger: only memory that is
+//!    written uses RAM) unless `GPU_ARENA_CONF` sets `sim_capacity`. On a smaller device the budget shrinks
+//!    to half its free memory and the demo says so: reserved is a whole number of arenas,
+//!    so a smaller peak reads a larger ratio.
 //! 2. Shares every live KV block (as a prefill/decode split would): one driver export per
 //!    arena, not per block.
 //! 3. Tears down: unshare, free, `empty_cache`; the device's free memory returns to the
@@ -30,7 +36,11 @@ fn main() {
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let config = Config::from_env()?;
+    let mut config = Config::from_env()?;
+    let conf = std::env::var("GPU_ARENA_CONF").unwrap_or_default();
+    if !conf.contains("sim_capacity") {
+        config.sim.capacity = 64 << 30;
+    }
     let backend = config.open_backend()?;
     let device = 0;
     let baseline = backend.mem_info(device)?;
@@ -42,10 +52,27 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         gib(baseline.total)
     );
 
-    // 1. The KV trace: 1000 requests, KV budget a third of the free memory (at most 8 GiB).
-    let mut tc = TraceConfig::with_requests(1000);
-    tc.kv_budget_bytes = (baseline.free / 3).min(8 << 30);
+    // 1. The KV trace: the headline's (16 GiB KV budget) when the device has room for it
+    // and its temporaries, else half the free memory.
+    let mut tc = TraceConfig::default();
+    let headline = baseline.free >= tc.kv_budget_bytes + (4 << 30);
+    if !headline {
+        tc.kv_budget_bytes = baseline.free / 2;
+    }
     let trace = generate(&tc);
+    let arena = pool.config().arena_size;
+    println!(
+        "KV trace: seed {:#x}, {} requests, KV budget {:.2} GiB, arena_size {:.2} GiB{}",
+        tc.seed,
+        tc.requests,
+        gib(tc.kv_budget_bytes),
+        gib(arena),
+        if headline && arena == 1 << 30 {
+            " (the README headline's setup)"
+        } else {
+            ""
+        }
+    );
     let mut live: HashMap<u32, u64> = HashMap::new();
     let t = Instant::now();
     for op in &trace.ops {
@@ -73,6 +100,17 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         s.peak_reserved_bytes as f64 / trace.peak_live_bytes as f64
     );
     println!("| arenas created | {} |", s.backend_creates);
+    // Reserved is a whole number of arenas: the least it can be for this peak.
+    let floor = trace.peak_live_bytes.div_ceil(arena) * arena;
+    let note = (!(headline && arena == 1 << 30)).then(|| {
+        format!(
+            "\nNot the README's setup (16 GiB KV budget, 1 GiB arenas: 1.055): reserved is a \
+             whole number of {:.2} GiB arenas, so this {:.2} GiB peak cannot read below {:.3}.",
+            gib(arena),
+            gib(trace.peak_live_bytes),
+            floor as f64 / trace.peak_live_bytes as f64
+        )
+    });
 
     // 2. Share what is still live, block by block.
     let keep: Vec<_> = (0..2000)
@@ -108,6 +146,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         "| free memory vs baseline | {:+.1} MiB |",
         (after.free as f64 - baseline.free as f64) / (1u64 << 20) as f64
     );
+    if let Some(note) = note {
+        println!("{note}");
+    }
     pool.validate(device)?;
     Ok(())
 }

@@ -4,8 +4,8 @@
 //! | key | value | default |
 //! |---|---|---|
 //! | `backend` | `auto`, `sim`, `cuda`, `hip` | `auto` (also `GPU_ARENA_BACKEND`) |
-//! | `arena_size` | size, e.g. `1GiB`, `256MiB`, `4096` | `1GiB` |
-//! | `max_reserved` | size cap per device, or `none` | `none` |
+//! | `arena_size` | size of a regular arena, at least `2MiB`, e.g. `1GiB`, `256MiB` | `1GiB` |
+//! | `max_reserved` | cap on reserved bytes per device: a size (`40GiB`), a fraction of the device's total memory (`0.9`, `90%`; above 0, at most 1), or `none` | `none` |
 //! | `validate` | `0`/`1`: check every invariant after each operation | `1` in debug builds |
 //! | `sim_devices` | number of simulated devices | `1` |
 //! | `sim_capacity` | simulated memory per device | `16GiB` |
@@ -14,15 +14,23 @@
 //! | `unsafe_ignore_streams` | `0`/`1`: demonstration only, disables the stream rules | `0` |
 //! | `allowed_uids` | `:`-separated uids allowed to import, besides our own | (none) |
 //!
+//! Sizes: bytes (`4096`), or a number (fractions too: `1.5GiB`) with a unit: `KiB`, `MiB`,
+//! `GiB`, `TiB` and `K`, `M`, `G`, `T` alone are binary (2^10...), `KB`, `MB`, `GB`, `TB`
+//! decimal (10^3...); see [`crate::units`]. In `max_reserved`, a plain number up to 1 is a
+//! fraction, a larger whole number a byte count. A fraction is resolved against each
+//! device's total memory (`mem_info`) on the device's first allocation that grows the pool.
+//!
 //! `auto` picks cuda if libcuda loads and has a device, else hip if built in and a device
-//! exists, else sim; the choice and the reasons are logged.
+//! exists, else sim; the choice and the reasons are logged (`info`).
 
 use std::sync::Arc;
 
 use crate::backend::sim::{SimBackend, SimConfig};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::pool::{Pool, PoolConfig};
+use crate::pool::{MaxReserved, Pool, PoolConfig};
+pub use crate::units::parse_size;
+use crate::units::{parse_fraction, SIZE_FORMS};
 
 /// Which backend to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -66,34 +74,50 @@ pub struct Config {
     pub allowed_uids: Vec<u32>,
 }
 
-/// Parse a size: a number with an optional unit `B`, `K`/`KiB`/`KB`, `M`/`MiB`/`MB`,
-/// `G`/`GiB`/`GB`, `T`/`TiB`/`TB` (all binary: 1K = 1024). Whitespace and `_` are ignored.
-pub fn parse_size(text: &str) -> Result<u64> {
-    let t: String = text
-        .chars()
-        .filter(|c| !c.is_whitespace() && *c != '_')
-        .collect();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: u64 = num.parse().map_err(|_| {
-        Error::invalid(format!(
-            "size `{text}`: expected a number with a unit like 1GiB"
-        ))
-    })?;
-    let shift = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        "t" | "tb" | "tib" => 40,
-        _ => {
-            return Err(Error::invalid(format!(
-                "size `{text}`: unknown unit `{unit}`"
-            )))
+/// `key=value` as a size, or an error naming the key, the value and the accepted forms.
+fn size_of(key: &str, value: &str) -> Result<u64> {
+    parse_size(value).map_err(|e| match e {
+        Error::InvalidArgument(why) => {
+            Error::invalid(format!("{key}=`{value}`: {why}; expected {SIZE_FORMS}"))
         }
+        e => e,
+    })
+}
+
+/// `max_reserved`'s value: `none`, a fraction (`0.9`, `1`, `90%`) or a size.
+fn max_reserved_of(value: &str) -> Result<Option<MaxReserved>> {
+    let forms =
+        "expected none, a fraction of the device above 0 and at most 1 (0.9, 90%), or a size";
+    if value.is_empty() || value.eq_ignore_ascii_case("none") {
+        return Ok(None);
+    }
+    let refuse = |why: String| {
+        Error::invalid(format!(
+            "max_reserved=`{value}`: {why}; {forms} ({SIZE_FORMS})"
+        ))
     };
-    n.checked_mul(1u64 << shift)
-        .ok_or_else(|| Error::invalid(format!("size `{text}` overflows")))
+    match parse_fraction(value) {
+        Ok(Some(f)) => return Ok(Some(MaxReserved::Fraction(f))),
+        Err(Error::InvalidArgument(why)) => return Err(refuse(why)),
+        Err(e) => return Err(e),
+        Ok(None) => {}
+    }
+    if value
+        .trim()
+        .bytes()
+        .all(|b| b.is_ascii_digit() || b == b'.')
+        && value.contains('.')
+    {
+        return Err(refuse(format!(
+            "`{value}` is neither a fraction (at most 1) nor a size with a unit"
+        )));
+    }
+    match parse_size(value) {
+        Ok(0) => Err(refuse("the cap must be above 0".into())),
+        Ok(b) => Ok(Some(MaxReserved::Bytes(b))),
+        Err(Error::InvalidArgument(why)) => Err(refuse(why)),
+        Err(e) => Err(e),
+    }
 }
 
 fn parse_bool(key: &str, v: &str) -> Result<bool> {
@@ -123,18 +147,15 @@ impl Config {
             match key {
                 "backend" => next.backend = value.parse()?,
                 "arena_size" => {
-                    let v = parse_size(value)?;
-                    if v == 0 {
-                        return Err(Error::invalid("arena_size must be > 0"));
-                    }
-                    next.pool.arena_size = v;
+                    next.pool.arena_size = size_of(key, value)?;
+                    next.pool.check().map_err(|e| match e {
+                        Error::InvalidArgument(why) => {
+                            Error::invalid(format!("arena_size=`{value}`: {why}"))
+                        }
+                        e => e,
+                    })?;
                 }
-                "max_reserved" => {
-                    next.pool.max_reserved_bytes = match value {
-                        "none" | "" => None,
-                        v => Some(parse_size(v)?),
-                    }
-                }
+                "max_reserved" => next.pool.max_reserved = max_reserved_of(value)?,
                 "validate" => next.pool.validate = parse_bool(key, value)?,
                 "unsafe_ignore_streams" => {
                     next.pool.unsafe_ignore_streams = parse_bool(key, value)?;
@@ -149,8 +170,8 @@ impl Config {
                         .filter(|n| (1..=64).contains(n))
                         .ok_or_else(|| Error::invalid(format!("sim_devices=`{value}`: expected 1..64")))?
                 }
-                "sim_capacity" => next.sim.capacity = parse_size(value)?,
-                "sim_granularity" => next.sim.granularity = parse_size(value)?,
+                "sim_capacity" => next.sim.capacity = size_of(key, value)?,
+                "sim_granularity" => next.sim.granularity = size_of(key, value)?,
                 "legacy_pin" => next.sim.legacy_pin = parse_bool(key, value)?,
                 "allowed_uids" => {
                     next.allowed_uids = value
@@ -206,14 +227,14 @@ impl Config {
                     }
                     Err(e) => e,
                 };
-                tracing::info!(reason = %cuda, "gpu-arena: backend=auto: cuda unavailable");
+                tracing::info!(reason = %cuda, "gpu-arena: backend=auto passed over cuda");
                 match open_hip() {
                     Ok(b) => {
                         tracing::info!("gpu-arena: backend=auto chose hip");
                         Ok(b)
                     }
                     Err(hip) => {
-                        tracing::info!(reason = %hip, "gpu-arena: backend=auto: hip unavailable, using sim");
+                        tracing::info!(reason = %hip, "gpu-arena: backend=auto passed over hip; using sim");
                         Ok(Arc::new(SimBackend::new(self.sim.clone())?))
                     }
                 }
@@ -257,20 +278,63 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sizes() {
-        for (text, want) in [
-            ("4096", 4096),
-            ("1GiB", 1 << 30),
-            ("256 MiB", 256 << 20),
-            ("2M", 2 << 20),
-            ("1_024k", 1 << 20),
-            ("3tb", 3 << 40),
+    fn max_reserved_forms() {
+        let cap =
+            |v: &str| Config::parse(&format!("max_reserved={v}")).map(|c| c.pool.max_reserved);
+        assert_eq!(cap("40GiB").unwrap(), Some(MaxReserved::Bytes(40 << 30)));
+        assert_eq!(
+            cap("40GB").unwrap(),
+            Some(MaxReserved::Bytes(40_000_000_000))
+        );
+        assert_eq!(
+            cap("4294967296").unwrap(),
+            Some(MaxReserved::Bytes(1 << 32))
+        );
+        assert_eq!(cap("0.9").unwrap(), Some(MaxReserved::Fraction(0.9)));
+        assert_eq!(cap("90%").unwrap(), Some(MaxReserved::Fraction(0.9)));
+        assert_eq!(cap("1").unwrap(), Some(MaxReserved::Fraction(1.0)));
+        assert_eq!(cap("none").unwrap(), None);
+        for bad in ["0", "0%", "150%", "1.5", "0GiB", "lots", "-0.5"] {
+            let e = cap(bad).unwrap_err().to_string();
+            assert!(e.contains("max_reserved") && e.contains(bad), "{bad}: {e}");
+            assert!(
+                e.contains("fraction") && e.contains("GiB"),
+                "{bad}: names the forms: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn sizes_are_refused_with_key_value_and_forms() {
+        for (conf, value) in [
+            ("arena_size=banana", "banana"),
+            ("arena_size=12XB", "12XB"),
+            ("sim_capacity=1e9", "1e9"),
         ] {
-            assert_eq!(parse_size(text).unwrap(), want, "{text}");
+            let e = Config::parse(conf).unwrap_err().to_string();
+            let key = conf.split('=').next().unwrap();
+            assert!(e.contains(key) && e.contains(value), "{conf}: {e}");
+            assert!(
+                e.contains("KiB/MiB/GiB/TiB") && e.contains("KB/MB/GB/TB"),
+                "{conf}: {e}"
+            );
         }
-        for bad in ["", "GiB", "1.5GiB", "12XB", "-1", "99999999999T"] {
-            assert!(parse_size(bad).is_err(), "{bad}");
+        // Below the 2 MiB minimum: refused, naming the knob and the minimum.
+        for tiny in ["1", "4096", "1MiB", "2MB"] {
+            let e = Config::parse(&format!("arena_size={tiny}"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("arena_size") && e.contains("2 MiB"),
+                "{tiny}: {e}"
+            );
         }
+        let c = Config::parse("arena_size=1.5GiB,sim_capacity=32GiB").unwrap();
+        assert_eq!(c.pool.arena_size, 3 << 29);
+        assert_eq!(
+            Config::parse("arena_size=2MiB").unwrap().pool.arena_size,
+            2 << 20
+        );
     }
 
     #[test]

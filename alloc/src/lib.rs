@@ -4,15 +4,17 @@
 pub mod backend;
 pub mod config;
 pub mod error;
+mod ids;
 pub mod ipc;
+pub mod lifetime;
 pub mod pool;
 pub mod range;
-pub mod share;
 pub mod stats;
+pub mod units;
 
-pub use backend::{Backend, DeviceId, StreamId};
+pub use backend::Backend;
 pub use config::{BackendChoice, Config};
 pub use error::{Error, Result};
-pub use pool::{Allocation, Pool, PoolConfig};
-pub use share::{LeaseGrant, ShareInfo};
+pub use ids::{DeviceId, StreamId};
+pub use pool::{Allocation, LeaseGrant, Pool, PoolConfig, ShareInfo};
 pub use stats::PoolStats;

@@ -19,7 +19,9 @@ use crate::backend::DeviceId;
 pub struct PoolStats {
     /// Bytes in arenas held from the backend.
     pub reserved_bytes: u64,
-    /// Bytes in live allocations, rounded to 512 B (freed-but-shared ranges included).
+    /// Bytes in live allocations as served: each request rounded up to its block size
+    /// (512 B granules, size classes, 2 MiB multiples above 1 MiB); freed-but-shared ranges
+    /// included. Compare `requested_bytes`.
     pub allocated_bytes: u64,
     /// Highest `reserved_bytes` seen.
     pub peak_reserved_bytes: u64,
@@ -53,6 +55,12 @@ pub struct PoolStats {
     pub deferred_free_bytes: u64,
     /// Bytes freed with `record_stream` streams, waiting for their events.
     pub pending_free_bytes: u64,
+    /// Bytes callers asked for in live allocations, before rounding (PyTorch's
+    /// `requested_bytes`): `allocated_bytes - requested_bytes` is what rounding costs.
+    /// Counted over the same allocations as `allocated_bytes`.
+    pub requested_bytes: u64,
+    /// Highest `requested_bytes` seen.
+    pub peak_requested_bytes: u64,
 }
 
 /// `metrics` handles for one device, registered once so the hot path does not format labels.
@@ -60,6 +68,7 @@ pub struct PoolStats {
 pub(crate) struct DeviceMetrics {
     reserved: metrics::Gauge,
     allocated: metrics::Gauge,
+    requested: metrics::Gauge,
     arenas: metrics::Gauge,
     pinned: metrics::Gauge,
     exports_live: metrics::Gauge,
@@ -75,6 +84,7 @@ impl DeviceMetrics {
         DeviceMetrics {
             reserved: metrics::gauge!("gpu_arena_reserved_bytes", "device" => d.clone()),
             allocated: metrics::gauge!("gpu_arena_allocated_bytes", "device" => d.clone()),
+            requested: metrics::gauge!("gpu_arena_requested_bytes", "device" => d.clone()),
             arenas: metrics::gauge!("gpu_arena_arenas", "device" => d.clone()),
             pinned: metrics::gauge!("gpu_arena_pinned_bytes", "device" => d.clone()),
             exports_live: metrics::gauge!("gpu_arena_exports_live", "device" => d.clone()),
@@ -85,16 +95,18 @@ impl DeviceMetrics {
         }
     }
 
-    /// Publish the allocated-bytes gauge (the only one an allocation or free from the
-    /// pool's free ranges changes).
+    /// Publish the allocated- and requested-bytes gauges (the only ones an allocation or
+    /// free from the pool's free ranges changes).
     pub(crate) fn publish_allocated(&self, s: &PoolStats) {
         self.allocated.set(s.allocated_bytes as f64);
+        self.requested.set(s.requested_bytes as f64);
     }
 
     /// Publish the gauges from the counters.
     pub(crate) fn publish(&self, s: &PoolStats) {
         self.reserved.set(s.reserved_bytes as f64);
         self.allocated.set(s.allocated_bytes as f64);
+        self.requested.set(s.requested_bytes as f64);
         self.arenas.set(s.arenas as f64);
         self.pinned.set(s.pinned_bytes as f64);
         self.exports_live.set(s.exports_live as f64);

@@ -82,8 +82,8 @@ fn imports_live(pool: &Pool) -> u64 {
 
 // ---------------------------------------------------------------------------------------
 // A raw consumer speaking the private wire protocol (see alloc/src/ipc/wire.rs):
-// request, 40 bytes: op u8 | want_fd u8 | 0 0 | device i32 | key u32 | 0 u32 | arena_id u64
-// | token [16]; reply: ok u8 | pinning u8 | 0 0 | lease_key u32 | arena_bytes u64 | message.
+// request, 44 bytes: op u8 | want_fd u8 | 0 0 | device i32 | key u32 | 0 u32 | arena_id u64
+// | token [16] | generation u32; reply: ok u8 | pinning u8 | 0 0 | lease_key u32 | arena_bytes u64 | message.
 // ---------------------------------------------------------------------------------------
 
 const OPEN: u8 = 1;
@@ -96,14 +96,16 @@ fn request(
     key: u32,
     arena_id: u64,
     token: &[u8; 16],
+    generation: u32,
 ) -> Vec<u8> {
-    let mut b = vec![0u8; 40];
+    let mut b = vec![0u8; 44];
     b[0] = op;
     b[1] = u8::from(want_fd);
     b[4..8].copy_from_slice(&device.to_le_bytes());
     b[8..12].copy_from_slice(&key.to_le_bytes());
     b[16..24].copy_from_slice(&arena_id.to_le_bytes());
     b[24..40].copy_from_slice(token);
+    b[40..44].copy_from_slice(&generation.to_le_bytes());
     b
 }
 
@@ -115,11 +117,12 @@ fn open_req(h: &ShareHandle, want_fd: bool) -> Vec<u8> {
         h.info.share_key,
         h.info.arena_id,
         &h.info.token,
+        h.info.generation,
     )
 }
 
 fn close_req(device: i32, lease: u32) -> Vec<u8> {
-    request(CLOSE, false, device, lease, 0, &[0; 16])
+    request(CLOSE, false, device, lease, 0, &[0; 16], 0)
 }
 
 #[derive(Debug)]
@@ -431,14 +434,14 @@ fn garbage_on_the_socket_gets_error_replies_and_other_peers_are_unaffected() {
         let n = rng.gen_range(1..=512);
         let mut b = vec![0u8; n];
         rng.fill(&mut b[..]);
-        if n == 40 {
-            b[0] = rng.gen_range(3..=255); // a random 40-byte packet with op 1 or 2 is not garbage
+        if n == 44 {
+            b[0] = rng.gen_range(3..=255); // a random 44-byte packet with op 1 or 2 is not garbage
         }
         expect_error(&b, &[], "");
     }
     // Wrong lengths around the right one, up to the largest packet.
     let valid = open_req(&h, false);
-    for n in [1usize, 16, 39, 41, 48, 511, 512] {
+    for n in [1usize, 16, 39, 40, 43, 45, 52, 511, 512] {
         let mut b = valid.clone();
         b.resize(n, 0);
         expect_error(&b, &[], &format!("request of {n} bytes"));
@@ -464,6 +467,7 @@ fn garbage_on_the_socket_gets_error_replies_and_other_peers_are_unaffected() {
             h.info.share_key,
             h.info.arena_id,
             &h.info.token,
+            h.info.generation,
         );
         expect_error(&b, &[], "");
     }
@@ -484,6 +488,7 @@ fn garbage_on_the_socket_gets_error_replies_and_other_peers_are_unaffected() {
         h.info.share_key,
         h.info.arena_id + 1,
         &h.info.token,
+        h.info.generation,
     );
     expect_error(&b, &[], "another arena");
     assert_eq!(imports_live(&p.pool), 1, "the stale open left no lease");
@@ -493,7 +498,7 @@ fn garbage_on_the_socket_gets_error_replies_and_other_peers_are_unaffected() {
     let (one, rest) = probes.split_at(1);
     expect_error(b"garbage", &[one[0].0.as_fd()], "request of 7 bytes");
     let many: Vec<BorrowedFd<'_>> = rest.iter().map(|p| p.0.as_fd()).collect();
-    expect_error(&[0xAB; 40], &many, "unknown request op");
+    expect_error(&[0xAB; 44], &many, "unknown request op");
     for (i, (ours, theirs)) in probes.into_iter().enumerate() {
         drop(ours);
         assert!(
@@ -960,7 +965,7 @@ fn wire_requests_from_another_version_are_refused_and_leave_no_lease() {
     let mut longer = open_req(&h, true);
     longer.extend_from_slice(&[0; 8]);
     let r = round_trip(&raw, &longer);
-    assert!(!r.ok && r.message.contains("request of 48 bytes"), "{r:?}");
+    assert!(!r.ok && r.message.contains("request of 52 bytes"), "{r:?}");
     let mut op3 = open_req(&h, true);
     op3[0] = 3;
     let r = round_trip(&raw, &op3);
@@ -999,7 +1004,15 @@ fn a_thousand_forged_tokens_are_refused_and_open_nothing() {
         t[bit / 8] ^= 1 << (bit % 8);
         let r = round_trip(
             &raw,
-            &request(OPEN, true, 0, h.info.share_key, h.info.arena_id, &t),
+            &request(
+                OPEN,
+                true,
+                0,
+                h.info.share_key,
+                h.info.arena_id,
+                &t,
+                h.info.generation,
+            ),
         );
         assert!(!r.ok && r.fds.is_empty(), "bit {bit}: {r:?}");
         refused += 1;
@@ -1009,7 +1022,15 @@ fn a_thousand_forged_tokens_are_refused_and_open_nothing() {
         assert!(
             !round_trip(
                 &raw,
-                &request(OPEN, true, 0, h.info.share_key, h.info.arena_id, &t)
+                &request(
+                    OPEN,
+                    true,
+                    0,
+                    h.info.share_key,
+                    h.info.arena_id,
+                    &t,
+                    h.info.generation
+                )
             )
             .ok
         );
@@ -1018,7 +1039,15 @@ fn a_thousand_forged_tokens_are_refused_and_open_nothing() {
     for key in (0..64).chain([u32::MAX]).filter(|&k| k != h.info.share_key) {
         let r = round_trip(
             &raw,
-            &request(OPEN, true, 0, key, h.info.arena_id, &h.info.token),
+            &request(
+                OPEN,
+                true,
+                0,
+                key,
+                h.info.arena_id,
+                &h.info.token,
+                h.info.generation,
+            ),
         );
         assert!(!r.ok, "key {key}");
         refused += 1;

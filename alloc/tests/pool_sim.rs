@@ -5,6 +5,8 @@
 use std::sync::Arc;
 
 use gpu_arena::backend::sim::{SimBackend, SimCall, SimConfig};
+use gpu_arena::error::OomCause;
+use gpu_arena::pool::MaxReserved;
 use gpu_arena::{Error, Pool, PoolConfig, StreamId};
 
 const MIB: u64 = 1 << 20;
@@ -143,25 +145,176 @@ fn out_of_memory_releases_cached_arenas_retries_then_fails_cleanly() {
     assert!(backend.is_clean(0));
 }
 
-#[test]
-fn max_reserved_caps_the_pool() {
-    let backend = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
-    let pool = Pool::new(
+/// `e` is an out-of-memory error of the cause `is` accepts, and its message has every `wants`.
+fn assert_oom(e: &Error, is: fn(&OomCause) -> bool, wants: &[&str]) {
+    assert!(
+        matches!(e, Error::OutOfMemory { cause, .. } if is(cause)),
+        "{e}"
+    );
+    let m = e.to_string();
+    for want in wants {
+        assert!(m.contains(want), "{m:?} lacks {want:?}");
+    }
+}
+
+fn capped_pool(sim: SimConfig, arena_size: u64, cap: MaxReserved) -> Pool {
+    let backend = Arc::new(SimBackend::new(sim).unwrap());
+    Pool::new(
         backend,
         PoolConfig {
-            arena_size: 64 * MIB,
-            max_reserved_bytes: Some(128 * MIB),
+            arena_size,
+            max_reserved: Some(cap),
             validate: true,
             ..PoolConfig::default()
         },
     )
-    .unwrap();
+    .unwrap()
+}
+
+#[test]
+fn max_reserved_caps_the_pool_and_says_so() {
+    let pool = capped_pool(
+        SimConfig::default(),
+        64 * MIB,
+        MaxReserved::Bytes(128 * MIB),
+    );
     let _a = pool.alloc(0, 64 * MIB, S1).unwrap();
     let _b = pool.alloc(0, 64 * MIB, S1).unwrap();
-    assert!(matches!(
-        pool.alloc(0, MIB, S1),
-        Err(Error::OutOfMemory { .. })
-    ));
+    assert_oom(
+        &pool.alloc(0, MIB, S1).unwrap_err(),
+        |c| matches!(c, OomCause::MaxReserved { .. }),
+        &[
+            "out of memory on device 0",
+            "max_reserved=128 MiB cap",
+            "128 MiB reserved",
+            "needs 64 MiB more",
+            "raise max_reserved",
+        ],
+    );
+    assert_eq!(pool.stats(0).unwrap().oom_count, 1);
+}
+
+#[test]
+fn max_reserved_fraction_is_resolved_against_the_device() {
+    // 0.25 of a 1 GiB device: 256 MiB, four 64 MiB arenas.
+    let sim = SimConfig {
+        capacity: GIB,
+        ..SimConfig::default()
+    };
+    let pool = capped_pool(sim, 64 * MIB, MaxReserved::Fraction(0.25));
+    let blocks: Vec<_> = (0..4)
+        .map(|_| pool.alloc(0, 64 * MIB, S1).unwrap())
+        .collect();
+    let m = pool.alloc(0, 64 * MIB, S1).unwrap_err().to_string();
+    assert!(
+        m.contains("max_reserved=0.25 (256 MiB of 1 GiB) cap") && m.contains("raise max_reserved"),
+        "{m}"
+    );
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 256 * MIB);
+    // An arena larger than the cap: the message says which knob to lower.
+    let small = capped_pool(SimConfig::default(), GIB, MaxReserved::Bytes(512 * MIB));
+    let m = small.alloc(0, 4096, S1).unwrap_err().to_string();
+    assert!(
+        m.contains("lower arena_size") && m.contains("raise max_reserved"),
+        "{m}"
+    );
+    drop(blocks);
+}
+
+#[test]
+fn arena_larger_than_the_device_names_arena_size() {
+    let sim = SimConfig {
+        capacity: GIB,
+        ..SimConfig::default()
+    };
+    let (backend, pool) = pool_with(sim, 4 * GIB);
+    assert_oom(
+        &pool.alloc(0, 4096, S1).unwrap_err(),
+        |c| matches!(c, OomCause::ArenaLargerThanDevice { .. }),
+        &["arena_size=4 GiB is larger than device 0's 1 GiB; lower arena_size"],
+    );
+    assert_eq!(
+        backend.ledger(0).held_bytes,
+        0,
+        "no driver allocation tried"
+    );
+    // A request larger than the device (its own arena): said as such.
+    let (_b, pool) = pool_with(
+        SimConfig {
+            capacity: GIB,
+            ..SimConfig::default()
+        },
+        64 * MIB,
+    );
+    let m = pool.alloc(0, 2 * GIB, S1).unwrap_err().to_string();
+    assert!(
+        m.contains("needs a 2 GiB arena, more than device 0's 1 GiB"),
+        "{m}"
+    );
+}
+
+#[test]
+fn a_full_device_says_what_is_held_and_by_whom() {
+    let sim = SimConfig {
+        capacity: GIB,
+        ..SimConfig::default()
+    };
+    let (_backend, pool) = pool_with(sim, 256 * MIB);
+    // Four arenas fill the device, each with a 200 MiB block and 56 MiB free.
+    let blocks: Vec<_> = (0..4)
+        .map(|_| pool.alloc(0, 200 * MIB, S1).unwrap())
+        .collect();
+    assert_oom(
+        &pool.alloc(0, 200 * MIB, S1).unwrap_err(),
+        |c| matches!(c, OomCause::DeviceFull { .. }),
+        &[
+            "device 0 is full: 0 B free of 1 GiB",
+            "a new arena needs 256 MiB",
+            "gpu-arena holds 1 GiB reserved",
+            "224 MiB of it cached",
+            "others hold 0 B",
+            "free tensors",
+        ],
+    );
+    drop(blocks);
+}
+
+#[test]
+fn requested_bytes_count_what_callers_asked_for() {
+    let (_sim, pool) = pool();
+    let a = pool.alloc(0, 1000, S1).unwrap();
+    let b = pool.alloc(0, 3 * MIB + 1, S1).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.requested_bytes, 1000 + 3 * MIB + 1);
+    assert_eq!(s.allocated_bytes, 1024 + 4 * MIB, "rounded sizes");
+    pool.free(a.ptr).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.requested_bytes, 3 * MIB + 1);
+    assert_eq!(s.peak_requested_bytes, 1000 + 3 * MIB + 1);
+    pool.free(b.ptr).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.requested_bytes, s.allocated_bytes), (0, 0));
+    pool.validate(0).unwrap();
+}
+
+#[test]
+fn arena_size_below_the_minimum_is_refused() {
+    let backend = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+    for tiny in [1, 4096, MIB] {
+        let e = Pool::new(
+            backend.clone(),
+            PoolConfig {
+                arena_size: tiny,
+                ..PoolConfig::default()
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("arena_size") && e.contains("at least 2 MiB"),
+            "{e}"
+        );
+    }
 }
 
 #[test]

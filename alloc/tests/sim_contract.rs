@@ -5,24 +5,35 @@ mod contract;
 
 use gpu_arena::backend::sim::{SimBackend, SimConfig};
 
-#[test]
-fn sim_meets_the_backend_contract() {
-    let sim = SimBackend::new(SimConfig::default()).unwrap();
-    let write = |dst: u64, src: &[u8]| {
-        // SAFETY: sim device addresses are host addresses of live mappings; the contract
-        // only writes inside arenas and imports it holds.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) }
-    };
-    let read = |dst: &mut [u8], src: u64| {
-        // SAFETY: as above, reads inside live mappings.
-        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) }
-    };
-    contract::Contract {
-        backend: &sim,
-        device: 0,
-        write: &write,
-        read: &read,
+impl contract::Subject for SimBackend {
+    fn open() -> Self {
+        SimBackend::new(SimConfig::default()).unwrap()
     }
-    .run_all();
-    assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+    fn write(&self, dst: u64, src: &[u8]) -> gpu_arena::Result<()> {
+        // SAFETY: sim device addresses are host addresses of live mappings; the contract only
+        // copies inside arenas and imports it holds on sim (Facts::checked_copies is false).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+    fn read(&self, dst: &mut [u8], src: u64) -> gpu_arena::Result<()> {
+        // SAFETY: as above, reads inside live mappings.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+    fn fill(&self, dst: u64, value: u8, bytes: u64) -> gpu_arena::Result<()> {
+        // SAFETY: as above, writes inside live mappings.
+        unsafe { std::ptr::write_bytes(dst as *mut u8, value, bytes as usize) };
+        Ok(())
+    }
+    fn current_on_thread(&self) -> Option<u64> {
+        None
+    }
+    fn legacy_ipc(&self) -> bool {
+        self.config().legacy_pin
+    }
+    fn assert_clean(&self) {
+        assert!(self.is_clean(0), "{:?}", self.ledger(0));
+    }
 }
+
+contract::backend_contract_tests!(SimBackend);

@@ -48,7 +48,8 @@
 #define GPU_ARENA_ERR_INVALID_DEVICE -5
 
 /**
- * Called before `gpu_arena_init`, or init failed.
+ * gpu-arena failed to initialize (the message says why), or a call that takes back a
+ * pointer or share came before anything was initialized.
  */
 #define GPU_ARENA_ERR_NOT_INITIALIZED -6
 
@@ -89,7 +90,9 @@ typedef struct gpu_arena_stats_t {
      */
     uint64_t reserved_bytes;
     /**
-     * Bytes in live allocations, rounded to 512 B (freed-but-shared ranges included).
+     * Bytes in live allocations as served: each request rounded up to its block size
+     * (512 B granules, size classes, 2 MiB multiples above 1 MiB); freed-but-shared ranges
+     * included. Compare `requested_bytes`.
      */
     uint64_t allocated_bytes;
     /**
@@ -156,6 +159,16 @@ typedef struct gpu_arena_stats_t {
      * Bytes freed with `record_stream` streams, waiting for their events.
      */
     uint64_t pending_free_bytes;
+    /**
+     * Bytes callers asked for in live allocations, before rounding (PyTorch's
+     * `requested_bytes`): `allocated_bytes - requested_bytes` is what rounding costs.
+     * Counted over the same allocations as `allocated_bytes`.
+     */
+    uint64_t requested_bytes;
+    /**
+     * Highest `requested_bytes` seen.
+     */
+    uint64_t peak_requested_bytes;
 } gpu_arena_stats_t;
 
 /**
@@ -173,28 +186,35 @@ extern "C" {
 #endif // __cplusplus
 
 /**
- * Initialize gpu-arena (PyTorch's `set_init_fn` hook). `device_count` is the caller's
- * device count, checked against the backend's. Safe to call more than once. Check
- * `gpu_arena_init_status()` for the outcome.
+ * Initialize gpu-arena (PyTorch's `set_init_fn` hook): backend and devices from
+ * `gpu_arena_configure`'s settings, else `GPU_ARENA_CONF` / `GPU_ARENA_BACKEND`.
+ * `device_count` is the caller's device count, checked against the backend's. Safe to call
+ * more than once, and optional: `gpu_arena_malloc`, `gpu_arena_stats`,
+ * `gpu_arena_empty_cache`, `gpu_arena_validate`, `gpu_arena_device_count`,
+ * `gpu_arena_snapshot_json`, `gpu_arena_share` and `gpu_arena_import` initialize the same
+ * way on first use (once, even when threads race). Check `gpu_arena_init_status()` for
+ * the outcome.
  */
 void gpu_arena_init(int device_count);
 
 /**
- * 0 when gpu-arena is initialized and usable, else the error code of the failed (or
- * missing) init, with `gpu_arena_last_error()` saying why.
+ * 0 when gpu-arena is initialized and usable, else the error code of the failed init (or
+ * `GPU_ARENA_ERR_NOT_INITIALIZED` when nothing initialized it yet; this call does not),
+ * with `gpu_arena_last_error()` saying why.
  */
 int gpu_arena_init_status(void);
 
 /**
  * Configure before first use, e.g. `"backend=sim,arena_size=1GiB"`. Keys: see the README.
- * After `gpu_arena_init` it fails with `GPU_ARENA_ERR_INVALID_STATE`.
+ * Once gpu-arena is initialized (by `gpu_arena_init` or lazily, by the first call that
+ * needs it) it fails with `GPU_ARENA_ERR_INVALID_STATE`.
  */
 int gpu_arena_configure(const char *conf);
 
 /**
  * Allocate `size` bytes on `device` for use on `stream` (PyTorch's pluggable `alloc`).
  * Returns NULL on failure (see `gpu_arena_last_error()`); `size == 0` returns NULL and is
- * not an error.
+ * not an error. Initializes gpu-arena on first use (see `gpu_arena_init`).
  */
 void *gpu_arena_malloc(ssize_t size, int device, void *stream);
 
@@ -229,33 +249,34 @@ void gpu_arena_reset(void);
 
 /**
  * Synchronize and destroy every arena of `device` (-1: all devices) that holds no live
- * allocation and no share. Pinned arenas stay (recycled).
+ * allocation and no share. Pinned arenas stay (recycled). Initializes lazily.
  */
 int gpu_arena_empty_cache(int device);
 
 /**
- * Fill `*out` with the counters of `device`.
+ * Fill `*out` with the counters of `device`. Initializes lazily (then all counters are 0).
  */
 int gpu_arena_stats(int device, struct gpu_arena_stats_t *out);
 
 /**
- * Check every invariant of `device`'s pool; 0 when they all hold.
+ * Check every invariant of `device`'s pool; 0 when they all hold. Initializes lazily.
  */
 int gpu_arena_validate(int device);
 
 /**
- * Number of devices of the backend, or a negative error code.
+ * Number of devices of the backend, or a negative error code. Initializes lazily.
  */
 int gpu_arena_device_count(void);
 
 /**
- * The backend's name (`"sim"`, `"cuda"`, `"hip"`), or `""` before init. Never NULL.
+ * The backend's name (`"sim"`, `"cuda"`, `"hip"`), or `""` before init (it does not
+ * initialize). Never NULL.
  */
 const char *gpu_arena_backend_name(void);
 
 /**
  * A JSON snapshot of every arena and range. Free it with `gpu_arena_string_free`.
- * NULL on error.
+ * NULL on error. Initializes lazily.
  */
 char *gpu_arena_snapshot_json(void);
 
@@ -277,7 +298,7 @@ const char *gpu_arena_last_error(void);
 
 /**
  * Share `len` bytes at `ptr` (inside one live gpu-arena allocation) with other processes.
- * The arena is exported on its first share; the handle goes to `*out`.
+ * The arena is exported on its first share; the handle goes to `*out`. Initializes lazily.
  */
 int gpu_arena_share(const void *ptr, size_t len, struct gpu_arena_share_t *out);
 
@@ -289,7 +310,8 @@ int gpu_arena_unshare(const struct gpu_arena_share_t *share);
 
 /**
  * Import a share made by another process (or this one): `*out_ptr` receives the address
- * of its first byte, valid until `gpu_arena_close`.
+ * of its first byte, valid until `gpu_arena_close`. Initializes lazily (a consumer need not
+ * call `gpu_arena_init`).
  */
 int gpu_arena_import(const struct gpu_arena_share_t *share, void **out_ptr);
 
@@ -303,6 +325,14 @@ int gpu_arena_close(void *imported_ptr);
  * Imports live in this process (as a consumer).
  */
 int gpu_arena_imports_live(void);
+
+/**
+ * Set the level of gpu-arena's stderr log: `"off"`, `"error"`, `"warn"`, `"info"`,
+ * `"debug"` or `"trace"` (`GPU_ARENA_LOG` sets the first one). Fails with
+ * `GPU_ARENA_ERR_INVALID_STATE` when the process installed its own `tracing` subscriber
+ * (gpu-arena's logs then go there, at its levels).
+ */
+int gpu_arena_set_log_level(const char *level);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use gpu_arena::ipc::{Broker, BrokerConfig, Importer, ShareHandle};
 use gpu_arena::Error;
 
-use crate::{fail, guard, pool, status, GPU_ARENA_OK};
+use crate::{existing_pool, fail, guard, pool, status, GPU_ARENA_OK};
 
 /// Size of a share handle in bytes.
 pub const GPU_ARENA_SHARE_BYTES: usize = 128;
@@ -59,7 +59,7 @@ fn read_handle(
 }
 
 /// Share `len` bytes at `ptr` (inside one live gpu-arena allocation) with other processes.
-/// The arena is exported on its first share; the handle goes to `*out`.
+/// The arena is exported on its first share; the handle goes to `*out`. Initializes lazily.
 #[no_mangle]
 pub extern "C" fn gpu_arena_share(
     ptr: *const c_void,
@@ -91,12 +91,14 @@ pub extern "C" fn gpu_arena_unshare(share: *const gpu_arena_share_t) -> c_int {
     const CALL: &str = "gpu_arena_unshare";
     guard(CALL, || {
         let h = read_handle(CALL, share)?;
+        existing_pool(CALL)?;
         status(|| CALL.into(), broker(CALL)?.unshare(&h))
     })
 }
 
 /// Import a share made by another process (or this one): `*out_ptr` receives the address
-/// of its first byte, valid until `gpu_arena_close`.
+/// of its first byte, valid until `gpu_arena_close`. Initializes lazily (a consumer need not
+/// call `gpu_arena_init`).
 #[no_mangle]
 pub extern "C" fn gpu_arena_import(
     share: *const gpu_arena_share_t,
@@ -126,6 +128,7 @@ pub extern "C" fn gpu_arena_import(
 #[no_mangle]
 pub extern "C" fn gpu_arena_close(imported_ptr: *mut c_void) -> c_int {
     guard("gpu_arena_close", || {
+        existing_pool("gpu_arena_close")?;
         status(
             || format!("gpu_arena_close(ptr={imported_ptr:p})"),
             importer("gpu_arena_close")?.close(imported_ptr as u64),

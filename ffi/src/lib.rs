@@ -11,6 +11,23 @@
 //! Life cycle: `gpu_arena_configure` (optional, before first use) → `gpu_arena_init` (PyTorch
 //! calls it when the allocator is installed) → allocations → process exit. Configuration is
 //! also read from `GPU_ARENA_CONF` / `GPU_ARENA_BACKEND` at init.
+//!
+//! Lazy init: a call that needs the pool and finds it not initialized initializes it as
+//! `gpu_arena_init` would (from `gpu_arena_configure`'s settings, else the environment), once
+//! per process even when threads race (`OnceLock`): `gpu_arena_malloc`, `gpu_arena_stats`,
+//! `gpu_arena_empty_cache` / `gpu_arena_reset`, `gpu_arena_validate`,
+//! `gpu_arena_device_count`, `gpu_arena_snapshot_json`, `gpu_arena_share`,
+//! `gpu_arena_import`. So a C program, or a framework that never calls init, just allocates.
+//! The calls that take back something gpu-arena handed out (`gpu_arena_free(_checked)`,
+//! `gpu_arena_record_stream(_checked)`, `gpu_arena_unshare`, `gpu_arena_close`) do not
+//! initialize: before init nothing can be gpu-arena's, and they fail with
+//! `GPU_ARENA_ERR_NOT_INITIALIZED`. Neither do the queries `gpu_arena_init_status`,
+//! `gpu_arena_backend_name` and `gpu_arena_imports_live`. A failed init (lazy or not) is
+//! final: every call that needs the pool then fails with `GPU_ARENA_ERR_NOT_INITIALIZED` and
+//! the reason, `gpu_arena_init_status` with the failure's own code.
+//!
+//! Logs: the first init (or `gpu_arena_configure`) installs a stderr subscriber at the level
+//! of `GPU_ARENA_LOG` (default `warn`) unless the process already has one (`logging.rs`).
 
 // The exported functions check their pointer arguments themselves and are documented in the
 // header; marking them `unsafe` would only change the generated Rust signatures.
@@ -40,7 +57,8 @@ pub const GPU_ARENA_ERR_UNKNOWN_POINTER: c_int = -3;
 pub const GPU_ARENA_ERR_BACKEND: c_int = -4;
 /// Device index out of range.
 pub const GPU_ARENA_ERR_INVALID_DEVICE: c_int = -5;
-/// Called before `gpu_arena_init`, or init failed.
+/// gpu-arena failed to initialize (the message says why), or a call that takes back a
+/// pointer or share came before anything was initialized.
 pub const GPU_ARENA_ERR_NOT_INITIALIZED: c_int = -6;
 /// Not valid now (e.g. configure after first use).
 pub const GPU_ARENA_ERR_INVALID_STATE: c_int = -7;
@@ -56,6 +74,12 @@ static POOL: OnceLock<std::result::Result<Arc<Pool>, Error>> = OnceLock::new();
 
 /// The configuration the pool was built with.
 pub(crate) static CONFIG: OnceLock<Config> = OnceLock::new();
+
+/// The call that initialized gpu-arena: `gpu_arena_init`, or the first that needed the pool.
+static INIT_BY: OnceLock<String> = OnceLock::new();
+
+mod logging;
+pub use logging::gpu_arena_set_log_level;
 
 /// Configuration set by `gpu_arena_configure`, and whether init already took it.
 struct PendingConf {
@@ -124,8 +148,8 @@ pub(crate) fn guard(call: &str, f: impl FnOnce() -> Outcome) -> c_int {
     }
 }
 
-/// [`guard`] around `f(pool)`: the one place that turns a missing (or failed) init into
-/// `GPU_ARENA_ERR_NOT_INITIALIZED` for a call.
+/// [`guard`] around `f(pool)`, initializing the pool first if needed (lazy init); a failed
+/// init is `GPU_ARENA_ERR_NOT_INITIALIZED` for the call.
 pub(crate) fn with_pool(call: &str, f: impl FnOnce(&'static Arc<Pool>) -> Outcome) -> c_int {
     guard(call, || f(pool(call)?))
 }
@@ -135,20 +159,22 @@ pub(crate) fn status(call: impl FnOnce() -> String, r: Result<(), Error>) -> Out
     r.map(|()| GPU_ARENA_OK).map_err(|e| fail(&call(), e))
 }
 
-/// The pool, or the reason there is none.
+/// The pool, initializing it first if needed (lazy init), or the reason there is none.
 pub(crate) fn pool(call: &str) -> std::result::Result<&'static Arc<Pool>, c_int> {
     match POOL.get() {
         Some(Ok(p)) => Ok(p),
-        Some(Err(e)) => {
-            set_error_code(
-                format!("{call}: gpu-arena failed to initialize: {e}"),
-                GPU_ARENA_ERR_NOT_INITIALIZED,
-            );
-            Err(GPU_ARENA_ERR_NOT_INITIALIZED)
-        }
+        _ => initialized(call, init_pool(call)),
+    }
+}
+
+/// The pool if it is initialized, without initializing it: for the calls that take back
+/// something gpu-arena handed out, which cannot exist before init.
+pub(crate) fn existing_pool(call: &str) -> std::result::Result<&'static Arc<Pool>, c_int> {
+    match POOL.get() {
+        Some(r) => initialized(call, r),
         None => {
             set_error_code(
-                format!("{call}: called before gpu_arena_init (install the allocator first)"),
+                format!("{call}: gpu-arena is not initialized yet, so nothing is its to take back (gpu_arena_init, or the first gpu_arena_malloc, initializes it)"),
                 GPU_ARENA_ERR_NOT_INITIALIZED,
             );
             Err(GPU_ARENA_ERR_NOT_INITIALIZED)
@@ -156,8 +182,25 @@ pub(crate) fn pool(call: &str) -> std::result::Result<&'static Arc<Pool>, c_int>
     }
 }
 
-fn init_pool() -> &'static std::result::Result<Arc<Pool>, Error> {
+fn initialized(
+    call: &str,
+    r: &'static std::result::Result<Arc<Pool>, Error>,
+) -> std::result::Result<&'static Arc<Pool>, c_int> {
+    r.as_ref().map_err(|e| {
+        set_error_code(
+            format!("{call}: gpu-arena failed to initialize: {e}"),
+            GPU_ARENA_ERR_NOT_INITIALIZED,
+        );
+        GPU_ARENA_ERR_NOT_INITIALIZED
+    })
+}
+
+/// Initialize once per process (threads racing here wait for the first), on behalf of `call`.
+fn init_pool(call: &str) -> &'static std::result::Result<Arc<Pool>, Error> {
     POOL.get_or_init(|| {
+        logging::init();
+        let by = call.split('(').next().unwrap_or(call);
+        let _ = INIT_BY.set(by.to_string());
         let conf = {
             let mut pending = PENDING_CONF.lock();
             pending.consumed = true;
@@ -175,6 +218,7 @@ fn init_pool() -> &'static std::result::Result<Arc<Pool>, Error> {
             Ok(p) => tracing::info!(
                 backend = p.backend().name(),
                 devices = p.device_count(),
+                by,
                 "gpu-arena initialized"
             ),
             Err(e) => tracing::error!(error = %e, "gpu-arena failed to initialize"),
@@ -183,13 +227,18 @@ fn init_pool() -> &'static std::result::Result<Arc<Pool>, Error> {
     })
 }
 
-/// Initialize gpu-arena (PyTorch's `set_init_fn` hook). `device_count` is the caller's
-/// device count, checked against the backend's. Safe to call more than once. Check
-/// `gpu_arena_init_status()` for the outcome.
+/// Initialize gpu-arena (PyTorch's `set_init_fn` hook): backend and devices from
+/// `gpu_arena_configure`'s settings, else `GPU_ARENA_CONF` / `GPU_ARENA_BACKEND`.
+/// `device_count` is the caller's device count, checked against the backend's. Safe to call
+/// more than once, and optional: `gpu_arena_malloc`, `gpu_arena_stats`,
+/// `gpu_arena_empty_cache`, `gpu_arena_validate`, `gpu_arena_device_count`,
+/// `gpu_arena_snapshot_json`, `gpu_arena_share` and `gpu_arena_import` initialize the same
+/// way on first use (once, even when threads race). Check `gpu_arena_init_status()` for
+/// the outcome.
 #[no_mangle]
 pub extern "C" fn gpu_arena_init(device_count: c_int) {
     guard("gpu_arena_init", || {
-        let p = init_pool()
+        let p = init_pool("gpu_arena_init")
             .as_ref()
             .map_err(|e| fail("gpu_arena_init", e.clone()))?;
         if device_count >= 0 && device_count as usize > p.device_count() {
@@ -203,8 +252,9 @@ pub extern "C" fn gpu_arena_init(device_count: c_int) {
     });
 }
 
-/// 0 when gpu-arena is initialized and usable, else the error code of the failed (or
-/// missing) init, with `gpu_arena_last_error()` saying why.
+/// 0 when gpu-arena is initialized and usable, else the error code of the failed init (or
+/// `GPU_ARENA_ERR_NOT_INITIALIZED` when nothing initialized it yet; this call does not),
+/// with `gpu_arena_last_error()` saying why.
 #[no_mangle]
 pub extern "C" fn gpu_arena_init_status() -> c_int {
     guard("gpu_arena_init_status", || match POOL.get() {
@@ -213,18 +263,31 @@ pub extern "C" fn gpu_arena_init_status() -> c_int {
             "gpu_arena_init_status: gpu-arena failed to initialize",
             e.clone(),
         )),
-        _ => pool("gpu_arena_init_status").map(|_| GPU_ARENA_OK),
+        Some(Ok(_)) => Ok(GPU_ARENA_OK),
+        None => {
+            set_error_code(
+                "gpu_arena_init_status: not initialized yet (gpu_arena_init, or the first call that needs the pool, initializes it)".into(),
+                GPU_ARENA_ERR_NOT_INITIALIZED,
+            );
+            Err(GPU_ARENA_ERR_NOT_INITIALIZED)
+        }
     })
 }
 
 /// Configure before first use, e.g. `"backend=sim,arena_size=1GiB"`. Keys: see the README.
-/// After `gpu_arena_init` it fails with `GPU_ARENA_ERR_INVALID_STATE`.
+/// Once gpu-arena is initialized (by `gpu_arena_init` or lazily, by the first call that
+/// needs it) it fails with `GPU_ARENA_ERR_INVALID_STATE`.
 #[no_mangle]
 pub extern "C" fn gpu_arena_configure(conf: *const c_char) -> c_int {
     guard("gpu_arena_configure", || {
+        logging::init();
         let refuse = |e: Error| Err(fail("gpu_arena_configure", e));
-        let after_init =
-            || Error::InvalidState("configure after first use (gpu_arena_init already ran)".into());
+        let after_init = || {
+            let by = INIT_BY.get().map_or("gpu_arena_init", String::as_str);
+            Error::InvalidState(format!(
+                "configure after first use (gpu-arena was already initialized by {by})"
+            ))
+        };
         if conf.is_null() {
             return refuse(Error::invalid("conf is NULL"));
         }
@@ -265,17 +328,21 @@ fn check_size(call: impl Fn() -> String, size: isize) -> std::result::Result<u64
         .map_err(|_| fail(&call(), Error::invalid(format!("size {size} is negative"))))
 }
 
-/// The pool, fast when initialized; the call's name is built only on error.
-fn pool_for(call: impl Fn() -> String) -> std::result::Result<&'static Arc<Pool>, c_int> {
+/// The pool, fast when initialized, else `lazy` (`pool` or `existing_pool`); the call's
+/// name is built only then.
+fn pool_for(
+    call: impl Fn() -> String,
+    lazy: fn(&str) -> std::result::Result<&'static Arc<Pool>, c_int>,
+) -> std::result::Result<&'static Arc<Pool>, c_int> {
     match POOL.get() {
         Some(Ok(p)) => Ok(p),
-        _ => pool(&call()),
+        _ => lazy(&call()),
     }
 }
 
 /// Allocate `size` bytes on `device` for use on `stream` (PyTorch's pluggable `alloc`).
 /// Returns NULL on failure (see `gpu_arena_last_error()`); `size == 0` returns NULL and is
-/// not an error.
+/// not an error. Initializes gpu-arena on first use (see `gpu_arena_init`).
 #[no_mangle]
 pub extern "C" fn gpu_arena_malloc(
     size: libc::ssize_t,
@@ -289,7 +356,7 @@ pub extern "C" fn gpu_arena_malloc(
         if size == 0 {
             return Ok(GPU_ARENA_OK);
         }
-        let a = pool_for(call)?
+        let a = pool_for(call, pool)?
             .alloc(device, size, StreamId(stream as u64))
             .map_err(|e| fail(&call(), e))?;
         out = a.ptr as *mut c_void;
@@ -325,7 +392,10 @@ pub extern "C" fn gpu_arena_free_checked(
         }
         let call = || format!("gpu_arena_free(ptr={ptr:p}, size={size}, device={device})");
         let size = check_size(call, size)?;
-        status(call, pool_for(call)?.free_checked(ptr as u64, size, device))
+        status(
+            call,
+            pool_for(call, existing_pool)?.free_checked(ptr as u64, size, device),
+        )
     })
 }
 
@@ -339,10 +409,11 @@ pub extern "C" fn gpu_arena_record_stream(ptr: *mut c_void, stream: *mut c_void)
 /// `gpu_arena_record_stream` returning its status.
 #[no_mangle]
 pub extern "C" fn gpu_arena_record_stream_checked(ptr: *mut c_void, stream: *mut c_void) -> c_int {
-    with_pool("gpu_arena_record_stream", |p| {
+    const CALL: &str = "gpu_arena_record_stream";
+    guard(CALL, || {
         status(
-            || format!("gpu_arena_record_stream(ptr={ptr:p})"),
-            p.record_stream(ptr as u64, StreamId(stream as u64)),
+            || format!("{CALL}(ptr={ptr:p})"),
+            existing_pool(CALL)?.record_stream(ptr as u64, StreamId(stream as u64)),
         )
     })
 }
@@ -355,7 +426,7 @@ pub extern "C" fn gpu_arena_reset() {
 }
 
 /// Synchronize and destroy every arena of `device` (-1: all devices) that holds no live
-/// allocation and no share. Pinned arenas stay (recycled).
+/// allocation and no share. Pinned arenas stay (recycled). Initializes lazily.
 #[no_mangle]
 pub extern "C" fn gpu_arena_empty_cache(device: c_int) -> c_int {
     with_pool("gpu_arena_empty_cache", |p| {
@@ -370,7 +441,7 @@ pub extern "C" fn gpu_arena_empty_cache(device: c_int) -> c_int {
     })
 }
 
-/// Fill `*out` with the counters of `device`.
+/// Fill `*out` with the counters of `device`. Initializes lazily (then all counters are 0).
 #[no_mangle]
 pub extern "C" fn gpu_arena_stats(device: c_int, out: *mut PoolStats) -> c_int {
     guard("gpu_arena_stats", || {
@@ -388,7 +459,7 @@ pub extern "C" fn gpu_arena_stats(device: c_int, out: *mut PoolStats) -> c_int {
     })
 }
 
-/// Check every invariant of `device`'s pool; 0 when they all hold.
+/// Check every invariant of `device`'s pool; 0 when they all hold. Initializes lazily.
 #[no_mangle]
 pub extern "C" fn gpu_arena_validate(device: c_int) -> c_int {
     with_pool("gpu_arena_validate", |p| {
@@ -399,7 +470,7 @@ pub extern "C" fn gpu_arena_validate(device: c_int) -> c_int {
     })
 }
 
-/// Number of devices of the backend, or a negative error code.
+/// Number of devices of the backend, or a negative error code. Initializes lazily.
 #[no_mangle]
 pub extern "C" fn gpu_arena_device_count() -> c_int {
     with_pool("gpu_arena_device_count", |p| {
@@ -407,7 +478,8 @@ pub extern "C" fn gpu_arena_device_count() -> c_int {
     })
 }
 
-/// The backend's name (`"sim"`, `"cuda"`, `"hip"`), or `""` before init. Never NULL.
+/// The backend's name (`"sim"`, `"cuda"`, `"hip"`), or `""` before init (it does not
+/// initialize). Never NULL.
 #[no_mangle]
 pub extern "C" fn gpu_arena_backend_name() -> *const c_char {
     let name = catch_unwind(|| match POOL.get() {
@@ -423,7 +495,7 @@ pub extern "C" fn gpu_arena_backend_name() -> *const c_char {
 }
 
 /// A JSON snapshot of every arena and range. Free it with `gpu_arena_string_free`.
-/// NULL on error.
+/// NULL on error. Initializes lazily.
 #[no_mangle]
 pub extern "C" fn gpu_arena_snapshot_json() -> *mut c_char {
     let mut out = std::ptr::null_mut();

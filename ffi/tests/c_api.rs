@@ -212,7 +212,13 @@ fn wait_with_timeout(child: &mut std::process::Child, limit: Duration) -> Option
 }
 
 /// Run the C program in `mode` on the sim backend and require exit status 0.
-fn run_mode(mode: &str) {
+fn run_mode(mode: &str) -> String {
+    run_mode_with(mode, &[])
+}
+
+/// [`run_mode`] with more environment (which may override `GPU_ARENA_BACKEND`); returns the
+/// program's stdout and stderr.
+fn run_mode_with(mode: &str, env: &[(&str, &str)]) -> String {
     let b = built();
     let log_path = b.exe.with_file_name(format!("api_test-{mode}.log"));
     let log = File::create(&log_path).expect("create the C program's log");
@@ -230,6 +236,8 @@ fn run_mode(mode: &str) {
         .arg(mode)
         .env("GPU_ARENA_BACKEND", "sim")
         .env_remove("GPU_ARENA_CONF")
+        .env_remove("GPU_ARENA_LOG")
+        .envs(env.iter().copied())
         .env("GPU_ARENA_EXPECT_LIB", &b.lib)
         .env("LD_LIBRARY_PATH", ld_path)
         .stdin(Stdio::null())
@@ -247,6 +255,7 @@ fn run_mode(mode: &str) {
                 output.contains("checks passed"),
                 "api_test {mode} exited 0 without finishing:\n{output}"
             );
+            output
         }
         Some(s) => panic!(
             "api_test {mode} failed ({s}); output:\n{output}\n(program: {}, log: {})",
@@ -265,10 +274,55 @@ fn c_program_api() {
     run_mode("api");
 }
 
-/// Every call before `gpu_arena_init`: NULL / `GPU_ARENA_ERR_NOT_INITIALIZED`, no trace.
+/// Before init: the calls that take back a pointer fail and initialize nothing; then the
+/// first malloc initializes lazily. At the default log level (warn) nothing is logged.
 #[test]
 fn c_program_before_init() {
-    run_mode("before-init");
+    let out = run_mode("before-init");
+    assert!(
+        !out.contains(" INFO "),
+        "info lines at the default level:\n{out}"
+    );
+}
+
+/// The first call is `gpu_arena_stats`: it initializes from the environment.
+#[test]
+fn c_program_lazy_stats() {
+    run_mode("lazy-stats");
+}
+
+/// Threads race the first malloc: the pool is initialized once (one "gpu-arena
+/// initialized" line at `GPU_ARENA_LOG=info`).
+#[test]
+fn c_program_lazy_race_initializes_once() {
+    let out = run_mode_with("lazy-race", &[("GPU_ARENA_LOG", "info")]);
+    assert_eq!(
+        out.matches("gpu-arena initialized").count(),
+        1,
+        "initialized once:\n{out}"
+    );
+}
+
+/// `GPU_ARENA_LOG=debug` shows on stderr why `backend=auto` passed over each GPU backend
+/// (without a GPU; on a CUDA machine it says it chose cuda).
+#[test]
+fn gpu_arena_log_shows_why_auto_passed_over_backends() {
+    let out = run_mode_with(
+        "lazy-stats-auto",
+        &[("GPU_ARENA_LOG", "debug"), ("GPU_ARENA_BACKEND", "auto")],
+    );
+    assert!(
+        out.contains("gpu-arena initialized"),
+        "no init line:\n{out}"
+    );
+    if !out.contains("backend=auto chose cuda") {
+        for want in [
+            "backend=auto passed over cuda",
+            "backend=auto passed over hip; using sim",
+        ] {
+            assert!(out.contains(want), "no {want:?} on stderr:\n{out}");
+        }
+    }
 }
 
 /// A malformed `GPU_ARENA_CONF`: configure and init fail with the reason, nothing crashes.

@@ -3,8 +3,8 @@
 Without PyTorch::
 
     import gpu_arena
-    gpu_arena.configure("backend=sim,arena_size=64MiB")   # optional, before init
-    gpu_arena.init()
+    gpu_arena.configure("backend=sim,arena_size=64MiB")   # optional, before first use
+    gpu_arena.init()                                      # optional: the first call initializes
     p = gpu_arena.malloc(1 << 20)
     gpu_arena.free(p, 1 << 20)
     gpu_arena.stats()["reserved_bytes"]
@@ -19,6 +19,12 @@ Every failure raises :class:`GpuArenaError` (``.code`` is the ``GPU_ARENA_ERR_*`
 the message names the call), or the subclass of its code: ``OutOfMemoryError`` (also a
 ``MemoryError``), ``InvalidArgumentError`` (also a ``ValueError``), ``UnknownPointerError``,
 ``InvalidStateError``, ``NotInitializedError``...
+
+gpu-arena initializes itself on the first call that needs the pool (``malloc``, ``stats``,
+``empty_cache``, ``snapshot``, ``validate``, ``device_count``, sharing), from
+:func:`configure`'s settings or ``GPU_ARENA_CONF`` / ``GPU_ARENA_BACKEND``; :func:`init`
+does it explicitly and raises the failure's own error. Logs go to stderr at the level of
+``GPU_ARENA_LOG`` (default ``warn``), or :func:`set_log_level`.
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ __all__ = [
     "configure",
     "init",
     "is_initialized",
+    "set_log_level",
     "stats",
     "empty_cache",
     "snapshot",
@@ -117,7 +124,8 @@ __all__ = [
 def configure(conf: str) -> None:
     """Configure before first use, e.g. ``"backend=sim,arena_size=1GiB"`` (keys: backend,
     arena_size, max_reserved, validate, sim_devices, sim_capacity, sim_granularity,
-    legacy_pin). Several calls accumulate. After :func:`init`: ``InvalidStateError``."""
+    legacy_pin). Several calls accumulate. Once initialized (by :func:`init` or the first
+    call that needs the pool): ``InvalidStateError``."""
     if not isinstance(conf, str):
         raise TypeError(f"conf must be a str, not {type(conf).__name__}")
     if "\0" in conf:
@@ -140,12 +148,27 @@ def init(device_count: int = -1) -> None:
 
 
 def is_initialized() -> bool:
-    """Whether gpu-arena is initialized and usable (never raises for a missing init)."""
+    """Whether gpu-arena is initialized and usable (never raises, never initializes)."""
     return _lib.lib().gpu_arena_init_status() == GPU_ARENA_OK
 
 
+def set_log_level(level: str) -> None:
+    """Set the level of gpu-arena's stderr log: ``"off"``, ``"error"``, ``"warn"``,
+    ``"info"``, ``"debug"`` or ``"trace"`` (``GPU_ARENA_LOG`` sets the first one)."""
+    if not isinstance(level, str):
+        raise TypeError(f"level must be a str, not {type(level).__name__}")
+    if "\0" in level:
+        raise ValueError("level must not contain NUL characters")
+    _lib.check(
+        _lib.lib().gpu_arena_set_log_level(level.encode("utf-8", "replace")),
+        "gpu_arena_set_log_level",
+    )
+
+
 def stats(device: int = 0) -> Dict[str, int]:
-    """The counters of ``device``'s pool (``gpu_arena_stats_t``) as a dict of ints."""
+    """The counters of ``device``'s pool (``gpu_arena_stats_t``) as a dict of ints
+    (``allocated_bytes``: the rounded sizes served; ``requested_bytes``: what callers asked
+    for). Initializes gpu-arena if needed."""
     out = GpuArenaStats()
     _lib.check(
         _lib.lib().gpu_arena_stats(_int(device, "device"), ctypes.byref(out)), "gpu_arena_stats"
@@ -185,7 +208,7 @@ def backend_name() -> str:
 
 
 def device_count() -> int:
-    """Number of devices of the backend (needs init)."""
+    """Number of devices of the backend (initializes gpu-arena if needed)."""
     return _lib.check(_lib.lib().gpu_arena_device_count(), "gpu_arena_device_count")
 
 

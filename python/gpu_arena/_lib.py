@@ -122,7 +122,8 @@ class InvalidDeviceError(GpuArenaError, ValueError):
 
 
 class NotInitializedError(GpuArenaError):
-    """Called before ``init()``, or init failed."""
+    """gpu-arena failed to initialize (the message says why), or a call that takes back a
+    pointer (``free``, ``record_stream``...) came before anything initialized it."""
 
     code = GPU_ARENA_ERR_NOT_INITIALIZED
 
@@ -198,6 +199,8 @@ class GpuArenaStats(ctypes.Structure):
         ("oom_count", ctypes.c_uint64),
         ("deferred_free_bytes", ctypes.c_uint64),
         ("pending_free_bytes", ctypes.c_uint64),
+        ("requested_bytes", ctypes.c_uint64),
+        ("peak_requested_bytes", ctypes.c_uint64),
     ]
 
     def to_dict(self) -> dict:
@@ -303,6 +306,7 @@ _SIGNATURES = {
     "gpu_arena_string_free": (None, [c_void_p]),
     "gpu_arena_last_error": (c_char_p, []),
     "gpu_arena_last_error_code": (c_int, []),
+    "gpu_arena_set_log_level": (c_int, [c_char_p]),
 }
 
 # The IPC part (ffi/src/ipc_api.rs), declared when the library has it (has_ipc() says

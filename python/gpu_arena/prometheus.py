@@ -44,7 +44,7 @@ class MetricDef(NamedTuple):
 # name | type | gpu_arena.stats() key | help.
 _TABLE = """\
 gpu_arena_reserved_bytes | gauge | reserved_bytes | Bytes in arenas held from the backend.
-gpu_arena_allocated_bytes | gauge | allocated_bytes | Bytes in live allocations, rounded to 512 B (freed-but-shared ranges included).
+gpu_arena_allocated_bytes | gauge | allocated_bytes | Bytes in live allocations as served, each request rounded up to its block size (freed-but-shared ranges included).
 gpu_arena_peak_reserved_bytes | gauge | peak_reserved_bytes | Highest reserved bytes seen.
 gpu_arena_peak_allocated_bytes | gauge | peak_allocated_bytes | Highest allocated bytes seen.
 gpu_arena_arenas | gauge | arenas | Arenas held.
@@ -61,6 +61,8 @@ gpu_arena_frees_total | counter | free_count | Frees.
 gpu_arena_oom_total | counter | oom_count | Allocations that failed for lack of memory.
 gpu_arena_deferred_free_bytes | gauge | deferred_free_bytes | Bytes freed by the producer but still shared (reused once the shares end).
 gpu_arena_pending_free_bytes | gauge | pending_free_bytes | Bytes freed with record_stream streams, waiting for their events.
+gpu_arena_requested_bytes | gauge | requested_bytes | Bytes callers asked for in live allocations, before rounding.
+gpu_arena_peak_requested_bytes | gauge | peak_requested_bytes | Highest requested bytes seen.
 """
 METRICS: Tuple[MetricDef, ...] = tuple(
     MetricDef(*(cell.strip() for cell in line.split(" | "))) for line in _TABLE.splitlines()

@@ -232,32 +232,92 @@ def test_missing_lib_error_in_fresh_process(tmp_path):
 # ----------------------------------------------------------------------------------------
 
 
-def test_before_init():
+def test_before_init_pointer_calls_refuse_and_initialize_nothing():
     proc = run_python(
         """
         import json, gpu_arena
         out = {"initialized": gpu_arena.is_initialized(), "backend": gpu_arena.backend_name()}
-        for name, call in [("stats", lambda: gpu_arena.stats()),
-                           ("malloc", lambda: gpu_arena.malloc(10)),
-                           ("free", lambda: gpu_arena.free(0x1000, 10)),
-                           ("device_count", gpu_arena.device_count),
-                           ("snapshot", gpu_arena.snapshot),
-                           ("empty_cache", gpu_arena.empty_cache),
-                           ("validate", gpu_arena.validate)]:
+        for name, call in [("free", lambda: gpu_arena.free(0x1000, 10)),
+                           ("record_stream", lambda: gpu_arena.record_stream(0x1000, 7))]:
             try:
                 call()
                 out[name] = None
             except gpu_arena.GpuArenaError as e:
                 out[name] = [type(e).__name__, e.code, e.message]
+        out["still"] = gpu_arena.is_initialized()
         print("RESULT=" + json.dumps(out))
         """
     )
     r = result_of(proc)
-    assert r.pop("initialized") is False
+    assert r.pop("initialized") is False and r.pop("still") is False
     assert r.pop("backend") == ""
     for name, (cls, code, msg) in r.items():
         assert cls == "NotInitializedError" and code == gpu_arena.GPU_ARENA_ERR_NOT_INITIALIZED, (name, msg)
-        assert f"gpu_arena_{name}" in msg and "before gpu_arena_init" in msg, (name, msg)
+        assert f"gpu_arena_{name}" in msg and "not initialized yet" in msg, (name, msg)
+
+
+@pytest.mark.parametrize("first", ["stats", "malloc", "device_count", "snapshot", "empty_cache",
+                                   "validate"])
+def test_lazy_init_straight_after_import(first):
+    """No init(): the first call that needs the pool initializes it from the environment."""
+    proc = run_python(
+        f"""
+        import json, gpu_arena
+        first = {first!r}
+        if first == "malloc":
+            p = gpu_arena.malloc(1000)
+            gpu_arena.free(p, 1000)
+        else:
+            getattr(gpu_arena, first)()
+        s = gpu_arena.stats()
+        print("RESULT=" + json.dumps([gpu_arena.is_initialized(), gpu_arena.backend_name(),
+                                      s["reserved_bytes"], s["requested_bytes"]]))
+        """,
+        env={"GPU_ARENA_BACKEND": "sim"},
+        drop=["GPU_ARENA_CONF"],
+    )
+    initialized, backend, reserved, requested = result_of(proc)
+    assert initialized and backend == "sim"
+    assert requested == 0
+    assert reserved == (1 << 30 if first == "malloc" else 0)
+
+
+def test_gpu_arena_log_shows_why_auto_passed_over_backends():
+    proc = run_python(
+        """
+        import json, gpu_arena
+        gpu_arena.stats()
+        print("RESULT=" + json.dumps(gpu_arena.backend_name()))
+        """,
+        env={"GPU_ARENA_BACKEND": "auto", "GPU_ARENA_LOG": "debug"},
+        drop=["GPU_ARENA_CONF"],
+    )
+    backend = result_of(proc)
+    assert "gpu-arena initialized" in proc.stderr, proc.stderr
+    if backend == "sim":
+        assert "backend=auto passed over cuda" in proc.stderr, proc.stderr
+        assert "backend=auto passed over hip; using sim" in proc.stderr, proc.stderr
+
+
+def test_set_log_level():
+    proc = run_python(
+        """
+        import json, gpu_arena
+        gpu_arena.set_log_level("info")
+        gpu_arena.stats()
+        try:
+            gpu_arena.set_log_level("loud")
+            bad = None
+        except gpu_arena.InvalidArgumentError as e:
+            bad = e.message
+        print("RESULT=" + json.dumps(bad))
+        """,
+        env={"GPU_ARENA_BACKEND": "sim"},
+        drop=["GPU_ARENA_LOG", "GPU_ARENA_CONF"],
+    )
+    bad = result_of(proc)
+    assert "gpu-arena initialized" in proc.stderr, proc.stderr
+    assert "loud" in bad and "debug" in bad, bad
 
 
 def test_configure_then_init_applies():
@@ -395,7 +455,7 @@ def test_configure_after_init(arena):
     with pytest.raises(gpu_arena.GpuArenaError) as ei:
         arena.configure("arena_size=1MiB")
     assert_error(ei, gpu_arena.InvalidStateError, gpu_arena.GPU_ARENA_ERR_INVALID_STATE,
-                 "gpu_arena_configure", "gpu_arena_init already ran")
+                 "gpu_arena_configure", "already initialized by gpu_arena_")
 
 
 def test_malloc_free_stats(arena):
@@ -405,6 +465,8 @@ def test_malloc_free_stats(arena):
     mid = arena.stats(0)
     assert mid["allocations"] == before["allocations"] + 1
     assert mid["allocated_bytes"] == before["allocated_bytes"] + 1024  # 512-byte rounding
+    assert mid["requested_bytes"] == before["requested_bytes"] + 1000  # what was asked for
+    assert mid["peak_requested_bytes"] >= mid["requested_bytes"]
     assert mid["alloc_count"] == before["alloc_count"] + 1
     assert mid["reserved_bytes"] >= 64 * MiB and mid["arenas"] >= 1
     assert mid["peak_allocated_bytes"] >= mid["allocated_bytes"]
@@ -416,6 +478,7 @@ def test_malloc_free_stats(arena):
     after = arena.stats(0)
     assert after["allocations"] == before["allocations"]
     assert after["allocated_bytes"] == before["allocated_bytes"]
+    assert after["requested_bytes"] == before["requested_bytes"]
     assert after["free_count"] == before["free_count"] + 1
     arena.validate(0)
 

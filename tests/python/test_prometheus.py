@@ -123,6 +123,7 @@ def test_endpoint_on_localhost_moves_with_an_allocation():
         after, _ = scrape(port)
         d1 = lambda name: after[(name, "1")] - before[(name, "1")]  # noqa: E731
         assert d1("gpu_arena_allocated_bytes") == 4 * MiB
+        assert d1("gpu_arena_requested_bytes") == 4 * MiB
         assert d1("gpu_arena_allocations_live") == 1
         assert d1("gpu_arena_allocations_total") == 1
         assert d1("gpu_arena_reserved_bytes") == 64 * MiB

@@ -1,8 +1,19 @@
 //! The Backend trait: physical device memory, its mapping, exports, imports, events.
 //!
-//! The pool above knows only this trait, never a driver type. Each backend keeps every raw
-//! driver call in one module (`sim`, `cuda::driver`, `hip::driver`), one small function per
-//! call returning [`Result`], each `unsafe` block with a `// SAFETY:` line.
+//! The pool above knows only this trait, never a driver type. Two implementations:
+//!
+//! - [`sim`]: host memory backed by memfd, with an exact ledger of what is held, fault
+//!   injection and a `legacy_pin` mode; CI and laptops use it.
+//! - [`vmm::VmmBackend`]: the VMM core, one implementation for every GPU vendor (registries of
+//!   live arenas, mappings and events, per-device state, teardown, copies, `Drop`), built on a
+//!   vendor's [`vmm::Driver`] primitives. `cuda` (feature `cuda`: cudarc, libcuda loaded at
+//!   run time) and `hip` (feature `hip`: hip-sys, libamdhip64 linked) hold only those
+//!   primitives and their start-up; `cuda::CudaBackend` is `VmmBackend<CudaDriver>`,
+//!   `hip::HipBackend` is `VmmBackend<HipDriver>`.
+//!
+//! Every raw driver call stays in one module per vendor (`sim::sys`, `cuda::driver`,
+//! `hip::driver`), one small function per call returning a `Result`, each `unsafe` block with
+//! a `// SAFETY:` line.
 //!
 //! Addresses are plain `u64` device virtual addresses. On `sim` they are host addresses of
 //! memfd mappings (so tests can read and write them); on `cuda` they are `CUdeviceptr`s.
@@ -11,27 +22,16 @@ use std::fmt;
 use std::os::fd::{BorrowedFd, OwnedFd};
 
 use crate::error::Result;
+pub use crate::ids::{DeviceId, StreamId};
 
 pub mod sim;
+pub mod vmm;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
 #[cfg(feature = "hip")]
 pub mod hip;
-
-/// A device index as the C API and PyTorch pass it (`int device`).
-pub type DeviceId = i32;
-
-/// A raw stream handle (`cudaStream_t` / `hipStream_t` as an integer). `StreamId(0)` is the
-/// legacy default stream.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct StreamId(pub u64);
-
-impl StreamId {
-    /// The legacy default stream.
-    pub const DEFAULT: StreamId = StreamId(0);
-}
 
 /// One block of physical device memory, mapped at `base` for `bytes` bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -393,14 +393,13 @@ fn handle(
     leases: &mut HashSet<(DeviceId, u32)>,
 ) -> (Reply, Option<OwnedFd>) {
     match req.op {
-        Op::Open => match shared.pool.open_lease(req.device, req.key, &req.token) {
-            Ok(grant) if grant.share.arena_id != req.arena_id => {
-                let _ = shared.pool.close_lease(req.device, grant.lease_key);
-                (
-                    Reply::error("share names another arena (stale handle)"),
-                    None,
-                )
-            }
+        Op::Open => match shared.pool.open_lease_named(
+            req.device,
+            req.key,
+            &req.token,
+            req.arena_id,
+            req.generation,
+        ) {
             Ok(grant) => {
                 leases.insert((req.device, grant.lease_key));
                 let reply = Reply {

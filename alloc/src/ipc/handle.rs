@@ -24,7 +24,7 @@
 
 use crate::backend::DeviceId;
 use crate::error::{Error, Result};
-use crate::share::ShareInfo;
+use crate::pool::ShareInfo;
 
 /// Size of an encoded handle in bytes.
 pub const HANDLE_BYTES: usize = 128;

@@ -131,6 +131,7 @@ impl Importer {
             key: info.share_key,
             arena_id: info.arena_id,
             token: info.token,
+            generation: info.generation,
         };
         let answer = round_trip(&mut conn.lock(), &req);
         let mut st = self.state.lock();
@@ -421,6 +422,7 @@ fn close_request(device: DeviceId, lease: u32) -> Request {
         key: lease,
         arena_id: 0,
         token: [0; 16],
+        generation: 0,
     }
 }
 
@@ -531,6 +533,7 @@ mod tests {
             key,
             arena_id: 1,
             token: [0; 16],
+            generation: 0,
         };
         let first = round_trip(&mut conn, &open(5)).unwrap_err();
         assert!(first.to_string().contains("did not answer"), "{first}");

@@ -1,9 +1,11 @@
 //! The broker's wire protocol: fixed-layout messages over a `SOCK_SEQPACKET` Unix socket
 //! (message boundaries kept by the kernel), the export fd riding along with SCM_RIGHTS.
 //!
-//! Request (consumer → broker), 40 bytes: `op u8 | want_fd u8 | 0 0 | device i32 |
-//! key u32 | 0 u32 | arena_id u64 | token [16]`. `op` 1 = open a lease on share `key`,
-//! 2 = close lease `key`.
+//! Request (consumer → broker), 44 bytes: `op u8 | want_fd u8 | 0 0 | device i32 |
+//! key u32 | 0 u32 | arena_id u64 | token [16] | generation u32`. `op` 1 = open a lease on
+//! share `key`; `generation` is the export generation the handle names, checked by the broker
+//! (a stale handle is refused with a clear error). `op` 2 = close lease `key`; its
+//! `arena_id`, `token` and `generation` are 0.
 //!
 //! Reply (broker → consumer): `ok u8 | pinning u8 | 0 0 | lease_key u32 | arena_bytes u64 |
 //! message (UTF-8, rest of the packet)`, plus one fd for an open with `want_fd`.
@@ -22,7 +24,7 @@ use crate::error::{Error, Result};
 
 /// Largest packet either side sends.
 pub(crate) const MAX_PACKET: usize = 512;
-pub(crate) const REQUEST_BYTES: usize = 40;
+pub(crate) const REQUEST_BYTES: usize = 44;
 
 /// Request kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +43,8 @@ pub(crate) struct Request {
     pub key: u32,
     pub arena_id: u64,
     pub token: [u8; 16],
+    /// The export generation the handle names (`Open`; 0 for `Close`).
+    pub generation: u32,
 }
 
 impl Request {
@@ -52,6 +56,7 @@ impl Request {
         b[8..12].copy_from_slice(&self.key.to_le_bytes());
         b[16..24].copy_from_slice(&self.arena_id.to_le_bytes());
         b[24..40].copy_from_slice(&self.token);
+        b[40..44].copy_from_slice(&self.generation.to_le_bytes());
         b
     }
 
@@ -81,6 +86,7 @@ impl Request {
             key: u32::from_le_bytes([b[8], b[9], b[10], b[11]]),
             arena_id: u64::from_le_bytes(a8),
             token,
+            generation: u32::from_le_bytes([b[40], b[41], b[42], b[43]]),
         })
     }
 }
@@ -232,8 +238,10 @@ mod tests {
             key: 99,
             arena_id: 12,
             token: [7; 16],
+            generation: 0x0102_0304,
         };
         assert_eq!(Request::decode(&r.encode()).unwrap(), r);
+        assert!(Request::decode(&r.encode()[..40]).is_err());
         let mut bad = r.encode();
         bad[0] = 9;
         assert!(Request::decode(&bad).is_err());

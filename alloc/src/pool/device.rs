@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use super::{DeviceState, Live, PendingFree, ANY_STREAM, FLUSH_FIRST_ABOVE, LIMBO_BASE};
 use crate::backend::{ArenaMem, Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
+use crate::lifetime::ArenaLifetime;
 use crate::pool::Arena;
-use crate::share::ArenaLifetime;
 use crate::stats::DeviceMetrics;
 
 impl DeviceState {
@@ -199,6 +199,7 @@ impl DeviceState {
         }
         let bytes = live.bytes();
         self.stats.allocated_bytes -= bytes;
+        self.stats.requested_bytes -= live.requested;
         self.stats.allocations -= 1;
         self.cached_bytes += bytes;
         self.cache
@@ -258,6 +259,7 @@ impl DeviceState {
             a.live_allocs -= 1;
         }
         self.stats.allocated_bytes -= live.bytes();
+        self.stats.requested_bytes -= live.requested;
         self.stats.allocations -= 1;
         Ok(())
     }
@@ -265,7 +267,7 @@ impl DeviceState {
     /// The live, not yet freed allocation at `ptr`, or a clear error.
     pub(crate) fn check_live(&self, ptr: u64, device: DeviceId) -> Result<Live> {
         match self.allocs.get(&ptr) {
-            Some(l) if !l.freed => Ok(l.clone()),
+            Some(l) if !l.hold.freed() => Ok(l.clone()),
             Some(_) => Err(Error::UnknownPointer {
                 ptr,
                 why: "already freed (double free)".into(),
@@ -360,6 +362,13 @@ impl DeviceState {
             ));
         }
         let used: u64 = self.allocs.values().map(Live::bytes).sum();
+        let requested: u64 = self.allocs.values().map(|l| l.requested).sum();
+        if requested != self.stats.requested_bytes {
+            return Err(format!(
+                "requested {} in stats, {requested} in records",
+                self.stats.requested_bytes
+            ));
+        }
         let cached: u64 = self.cache.iter().map(|(k, v)| k.1 * v.len() as u64).sum();
         if cached != self.cached_bytes {
             return Err(format!(
@@ -380,18 +389,29 @@ impl DeviceState {
                 self.stats.allocated_bytes, rs.used_bytes
             ));
         }
-        let mut per_arena: HashMap<usize, u64> = HashMap::new();
+        // Per arena: live allocations, and the references they hold.
+        let mut per_arena: HashMap<usize, (u64, u64)> = HashMap::new();
         for (&ptr, l) in &self.allocs {
             if self.ranges.allocated_len(ptr) != Some(l.bytes()) {
                 return Err(format!("allocation {ptr:#x} not allocated in the ranges"));
             }
-            *per_arena.entry(l.arena).or_default() += 1;
+            let n = per_arena.entry(l.arena).or_default();
+            n.0 += 1;
+            n.1 += u64::from(l.hold.refs());
         }
         for (k, a) in &self.arenas {
-            if per_arena.get(&k).copied().unwrap_or(0) != a.live_allocs {
+            let (live, refs) = per_arena.get(&k).copied().unwrap_or((0, 0));
+            if live != a.live_allocs {
                 return Err(format!(
                     "arena {} live count {} is wrong",
                     a.id, a.live_allocs
+                ));
+            }
+            if refs != a.lifetime.refs() {
+                return Err(format!(
+                    "arena {} holds {} references, its allocations {refs}",
+                    a.id,
+                    a.lifetime.refs()
                 ));
             }
         }

@@ -45,13 +45,20 @@ use rustc_hash::FxHashMap;
 use parking_lot::Mutex;
 use slab::Slab;
 
-use crate::backend::{ArenaMem, Backend, DeviceId, Event, StreamId};
+use crate::backend::{ArenaMem, Backend, DeviceId, Event, Export, StreamId};
 use crate::error::{Error, Result};
+use crate::lifetime::{AllocHold, ArenaLifetime, FreeStep};
 use crate::range::{self, RangeAllocator};
-use crate::share::ArenaLifetime;
 use crate::stats::{DeviceMetrics, PoolStats};
+use records::ShareTables;
 
 mod device;
+mod limits;
+mod records;
+mod share;
+
+pub use limits::{MaxReserved, MIN_ARENA_SIZE};
+pub use records::{LeaseGrant, ShareInfo};
 
 /// Tag of free ranges that any stream may reuse.
 pub const ANY_STREAM: u64 = u64::MAX;
@@ -113,14 +120,16 @@ pub const FLUSH_FIRST_ABOVE: u64 = 8 * MIB;
 /// Pool settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolConfig {
-    /// Size of a regular arena in bytes, rounded up to the backend granularity. Requests
-    /// larger than this get a dedicated arena. Default 1 GiB, measured on the KV trace
+    /// Size of a regular arena in bytes (at least [`MIN_ARENA_SIZE`]), rounded up to the
+    /// backend granularity. Requests larger than this get a dedicated arena. Default 1 GiB, measured on the KV trace
     /// (`bench/results/sim-2026-11-29.md`): reserved/live 1.055 with 17 arenas, against
     /// 1.082 with 279 arenas at 64 MiB, 1.055 with 68 at 256 MiB and 1.117 with 9 at 2 GiB;
     /// each arena is at most one driver export when shared, so fewer is better.
     pub arena_size: u64,
-    /// Cap on reserved bytes per device (PyTorch's memory fraction), `None` for no cap.
-    pub max_reserved_bytes: Option<u64>,
+    /// Cap on reserved bytes per device, in bytes or as a fraction of the device's memory
+    /// (PyTorch's memory fraction); `None` for no cap. A fraction is resolved on the
+    /// device's first growth (`pool/limits.rs`).
+    pub max_reserved: Option<MaxReserved>,
     /// Run `validate()` after every operation (default: on in debug builds).
     pub validate: bool,
     /// UNSAFE, for demonstrations only: ignore streams (every free range is reusable by
@@ -133,7 +142,7 @@ impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
             arena_size: 1024 * MIB,
-            max_reserved_bytes: None,
+            max_reserved: None,
             validate: cfg!(debug_assertions),
             unsafe_ignore_streams: false,
         }
@@ -164,8 +173,8 @@ pub(crate) struct Arena {
     pub(crate) id: u64,
     /// Live (or freed-but-still-referenced) allocations inside.
     pub(crate) live_allocs: u64,
-    /// Export and sharing state.
-    pub(crate) lifetime: ArenaLifetime,
+    /// Export and sharing state (`crate::lifetime`).
+    pub(crate) lifetime: ArenaLifetime<Export>,
 }
 
 /// The record of a live allocation: one entry of the pool's busiest hash map, so kept small
@@ -177,10 +186,9 @@ pub(crate) struct Live {
     pub(crate) stream: StreamId,
     /// Streams added by `record_stream` (rare: `None` until the first).
     pub(crate) extra_streams: Option<Box<[StreamId]>>,
-    /// Shares and consumer leases holding this allocation's memory.
-    pub(crate) refs: u32,
-    /// Freed by its owner while still referenced: released when `refs` reaches 0.
-    pub(crate) freed: bool,
+    /// Shares and consumer leases holding it, and whether its owner freed it (changed only
+    /// by the arena's [`ArenaLifetime`]).
+    pub(crate) hold: AllocHold,
 }
 
 impl Live {
@@ -229,15 +237,15 @@ pub(crate) struct DeviceState {
     pub(crate) next_arena_id: u64,
     /// Arenas out of the pool whose destroy failed: retried by `empty_cache` and teardown.
     pub(crate) orphans: Vec<ArenaMem>,
-    /// Shares and leases (share.rs).
-    pub(crate) shares: crate::share::ShareTables,
+    /// Shares and leases (`records.rs`, `share.rs`).
+    pub(crate) shares: ShareTables,
 }
 
 /// One device's pool.
 #[derive(Debug)]
 pub(crate) struct DevicePool {
     pub(crate) device: DeviceId,
-    granularity: OnceLock<u64>,
+    limits: OnceLock<limits::DeviceLimits>,
     pub(crate) state: Mutex<DeviceState>,
     pub(crate) metrics: DeviceMetrics,
 }
@@ -254,19 +262,14 @@ pub struct Pool {
 impl Pool {
     /// A pool over `backend`, one per device the backend reports.
     pub fn new(backend: Arc<dyn Backend>, config: PoolConfig) -> Result<Pool> {
-        if config.arena_size == 0 || config.arena_size > MAX_REQUEST_BYTES {
-            return Err(Error::invalid(format!(
-                "arena_size {} bytes: must be between 1 byte and {MAX_REQUEST_BYTES}",
-                config.arena_size
-            )));
-        }
+        config.check()?;
         let count = backend.device_count()?;
         let devices = (0..count)
             .map(|d| {
                 let device = d as DeviceId;
                 DevicePool {
                     device,
-                    granularity: OnceLock::new(),
+                    limits: OnceLock::new(),
                     state: Mutex::new(DeviceState {
                         next_arena_id: 1,
                         ..DeviceState::default()
@@ -307,19 +310,6 @@ impl Pool {
             })
     }
 
-    fn granularity(&self, dp: &DevicePool) -> Result<u64> {
-        if let Some(g) = dp.granularity.get() {
-            return Ok(*g);
-        }
-        let g = self.backend.granularity(dp.device)?;
-        if !g.is_power_of_two() || g < range::GRANULE {
-            return Err(Error::Internal(format!(
-                "backend granularity {g} is not a power of two >= 512"
-            )));
-        }
-        Ok(*dp.granularity.get_or_init(|| g))
-    }
-
     /// Allocate `bytes` on `device` for use on `stream`.
     pub fn alloc(&self, device: DeviceId, bytes: u64, stream: StreamId) -> Result<Allocation> {
         let dp = self.dev(device)?;
@@ -357,13 +347,13 @@ impl Pool {
         stream: StreamId,
     ) -> Result<Allocation> {
         let device = dp.device;
-        let gran = self.granularity(dp)?;
-        let arena_bytes = if len > self.config.arena_size {
-            range::round_up_to(len, gran)
+        let limits = self.limits(dp)?;
+        let arena_bytes = if len > limits.arena_bytes {
+            range::round_up_to(len, limits.granularity)
+                .ok_or_else(|| Error::invalid("size overflows"))?
         } else {
-            range::round_up_to(self.config.arena_size, gran)
-        }
-        .ok_or_else(|| Error::invalid("size overflows"))?;
+            limits.arena_bytes
+        };
         let mut retried = false;
         loop {
             // Recycled (pinned) arenas and any range freed meanwhile come first. Ranges that
@@ -382,18 +372,12 @@ impl Pool {
                 drop(st);
                 std::thread::yield_now();
             }
-            let capped = self.config.max_reserved_bytes.is_some_and(|cap| {
-                dp.state
-                    .lock()
-                    .stats
-                    .reserved_bytes
-                    .saturating_add(arena_bytes)
-                    > cap
-            });
-            let created = if capped {
+            let capped = limits.over_cap(dp.state.lock().stats.reserved_bytes, arena_bytes);
+            // An arena larger than the device fails at once, without a driver call.
+            let created = if capped || arena_bytes > limits.total {
                 Err(Error::DriverOutOfMemory {
                     backend: self.backend.name(),
-                    call: "max_reserved_bytes",
+                    call: if capped { "max_reserved" } else { "arena_size" },
                     device,
                     bytes: arena_bytes,
                 })
@@ -424,11 +408,14 @@ impl Pool {
                     st.stats.oom_count += 1;
                     dp.metrics.ooms.increment(1);
                     let free = self.backend.mem_info(device).map(|m| m.free).unwrap_or(0);
+                    let cause =
+                        limits.oom_cause(&self.config, arena_bytes, capped, &st.stats, free);
                     return Err(Error::OutOfMemory {
                         device,
                         requested: len,
                         reserved: st.stats.reserved_bytes,
                         free,
+                        cause,
                     });
                 }
                 Err(e) => return Err(e),
@@ -471,13 +458,14 @@ impl Pool {
                 requested,
                 stream,
                 extra_streams: None,
-                refs: 0,
-                freed: false,
+                hold: AllocHold::default(),
             },
         );
         let s = &mut st.stats;
         s.allocated_bytes += len;
         s.peak_allocated_bytes = s.peak_allocated_bytes.max(s.allocated_bytes);
+        s.requested_bytes += requested;
+        s.peak_requested_bytes = s.peak_requested_bytes.max(s.requested_bytes);
         s.allocations += 1;
         s.alloc_count += 1;
         dp.metrics.publish_allocated(s);
@@ -527,8 +515,7 @@ impl Pool {
         let mut st = dp.state.lock();
         // Fast path: not shared, no other streams, size as recorded — one hash removal.
         let plain = st.allocs.get(&ptr).is_some_and(|l| {
-            !l.freed
-                && l.refs == 0
+            l.hold.is_plain()
                 && l.extra_streams.is_none()
                 && requested.is_none_or(|r| r == l.requested)
         });
@@ -558,13 +545,26 @@ impl Pool {
                 )));
             }
         }
-        let (stream, extra, refs) = (live.stream, live.extra_streams().to_vec(), live.refs);
-        st.stats.free_count += 1;
-        if refs > 0 {
-            // Still shared: the range waits for its last share (share.rs releases it).
-            if let Some(l) = st.allocs.get_mut(&ptr) {
-                l.freed = true;
+        let (stream, extra) = (live.stream, live.extra_streams().to_vec());
+        let step = {
+            let st = &mut *st;
+            let lifetime = st.arenas.get(live.arena).map(|a| &a.lifetime);
+            match (lifetime, st.allocs.get_mut(&ptr)) {
+                (Some(lt), Some(l)) => lt.free(&mut l.hold).map_err(|e| Error::UnknownPointer {
+                    ptr,
+                    why: e.to_string(),
+                })?,
+                _ => {
+                    return Err(Error::Internal(format!(
+                        "free of {ptr:#x}: record or arena gone"
+                    )))
+                }
             }
+        };
+        st.stats.free_count += 1;
+        if step == FreeStep::Deferred {
+            // Still shared: the range waits for its last reference (pool/share.rs releases
+            // it when the lifetime says so).
             st.stats.deferred_free_bytes += live.bytes();
         } else if !extra.is_empty() {
             let mut events = Vec::with_capacity(extra.len());
@@ -584,9 +584,6 @@ impl Pool {
                         break;
                     }
                 }
-            }
-            if let Some(l) = st.allocs.get_mut(&ptr) {
-                l.freed = true;
             }
             st.stats.pending_free_bytes += live.bytes();
             st.pending.push(PendingFree {
@@ -613,7 +610,7 @@ impl Pool {
         let live = st
             .allocs
             .get_mut(&ptr)
-            .filter(|l| !l.freed)
+            .filter(|l| !l.hold.freed())
             .ok_or_else(|| Error::UnknownPointer {
                 ptr,
                 why: "record_stream on a pointer that is not a live allocation".into(),
@@ -718,7 +715,12 @@ impl Pool {
                             "base": a.mem.base,
                             "bytes": a.mem.bytes,
                             "live_allocations": a.live_allocs,
-                            "lifetime": a.lifetime.describe(),
+                            "lifetime": {
+                                "state": a.lifetime.state_name(),
+                                "refs": a.lifetime.refs(),
+                                "pinned": a.lifetime.pinned(),
+                                "generation": a.lifetime.generation(),
+                            },
                             "ranges": st.ranges.ranges(a.mem.base),
                         })
                     })

@@ -1,11 +1,10 @@
 //! Every raw CUDA driver call of the CUDA backend: one small function per call.
 //!
 //! Each wrapper calls one `cudarc::driver::sys` function (libcuda, loaded at run time by
-//! cudarc's `dynamic-loading`) and turns its `CUresult` into [`CuError`], which names the call.
-//! Wrappers whose arguments the driver cannot check on its own (contexts, events, streams,
-//! allocation handles, device address ranges) are `unsafe fn`s with a `# Safety` section; the
-//! backend (`super`) proves those preconditions with its registries of live arenas, mappings
-//! and events.
+//! cudarc's `dynamic-loading`) and turns its `CUresult` into a [`DriverError`] that names the
+//! call and carries the driver's own words. Most wrappers are the methods of [`CudaDriver`]'s
+//! [`Driver`] implementation, whose `# Safety` contracts the trait states once and the VMM core
+//! (`backend::vmm`) proves with its registries; the rest serve loading, contexts and tests.
 //!
 //! # Loading
 //! cudarc panics when libcuda is missing (`culib()`) or when a symbol is missing (the first
@@ -22,23 +21,27 @@
 //! every result goes straight through [`check`], which only compares it with
 //! `CUDA_SUCCESS`; binding the newest toolkit the driver supports keeps the enum complete.
 
-use std::ffi::{c_void, CStr};
+use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr;
 
 use cudarc::driver::sys;
 
-use crate::backend::DeviceId;
-use crate::error::Error;
+use crate::backend::vmm::{
+    driver_string, DeviceSupport, Driver, DriverError, DriverResult, Failure, LegacyIpc,
+    StartFailures,
+};
+use crate::error::{Error, Result};
+use crate::ids::DeviceId;
 
 /// The backend's name in errors.
-pub(super) const BACKEND: &str = "cuda";
+pub(super) const NAME: &str = "cuda";
 
 /// The symbols the wrappers below make cudarc resolve, exactly as cudarc looks them up.
 ///
 /// Keep in step with the wrappers: [`load_library`] checks them all before the first call.
-pub(super) const SYMBOLS: &[&str] = &[
+const SYMBOLS: &[&str] = &[
     "cuGetErrorName",
     "cuGetErrorString",
     "cuInit",
@@ -72,69 +75,25 @@ pub(super) const SYMBOLS: &[&str] = &[
     "cuMemsetD8_v2",
 ];
 
-/// A failed driver call: which call, and the `CUresult` it returned.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct CuError {
-    /// The driver call, e.g. `cuMemCreate`.
-    pub(super) call: &'static str,
-    /// What it returned.
-    pub(super) result: sys::CUresult,
-}
-
-impl CuError {
-    /// Whether the driver ran out of device memory.
-    pub(super) fn is_out_of_memory(&self) -> bool {
-        self.result == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY
-    }
-
-    /// The driver's own words: `CUDA_ERROR_INVALID_VALUE: invalid argument`.
-    pub(super) fn message(&self) -> String {
-        let code = self.result as u32;
-        match (error_name(self.result), error_string(self.result)) {
-            (Some(name), Some(text)) => format!("{name}: {text}"),
-            (Some(name), None) => name,
-            (None, Some(text)) => format!("CUresult {code}: {text}"),
-            (None, None) => format!("CUresult {code}"),
-        }
-    }
-
-    /// The crate error: [`Error::DriverOutOfMemory`] for `CUDA_ERROR_OUT_OF_MEMORY` (with the
-    /// device and the bytes asked for), [`Error::Backend`] otherwise.
-    pub(super) fn into_error(self, device: DeviceId, bytes: u64) -> Error {
-        if self.is_out_of_memory() {
-            Error::DriverOutOfMemory {
-                backend: BACKEND,
-                call: self.call,
-                device,
-                bytes,
-            }
-        } else {
-            Error::Backend {
-                backend: BACKEND,
-                call: self.call,
-                message: self.message(),
-            }
-        }
-    }
-
-    /// The error as [`Error::Unavailable`] (set-up failures: `cuInit`, no device...).
-    pub(super) fn into_unavailable(self, what: &str) -> Error {
-        Error::Unavailable(format!("{what}: {} failed: {}", self.call, self.message()))
+/// `Ok` for `CUDA_SUCCESS`, else the call's [`DriverError`] with the driver's own words.
+fn check(call: &'static str, result: sys::CUresult) -> DriverResult<()> {
+    match result {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(failed(call, Failure::OutOfMemory, result)),
+        _ => Err(failed(call, Failure::Other, result)),
     }
 }
 
-/// `Ok` for `CUDA_SUCCESS`, else the call's [`CuError`].
-fn check(call: &'static str, result: sys::CUresult) -> Result<(), CuError> {
-    if result == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(CuError { call, result })
-    }
+/// The [`DriverError`] for `result`: `CUDA_ERROR_INVALID_VALUE: invalid argument`.
+fn failed(call: &'static str, failure: Failure, result: sys::CUresult) -> DriverError {
+    let code = format!("CUresult {}", result as u32);
+    let words = (error_name(result), error_string(result));
+    DriverError::in_words(NAME, call, failure, code, words)
 }
 
 /// Why libcuda could not be used.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum LoadError {
+enum LoadError {
     /// No candidate library name could be opened.
     NotFound(Vec<String>),
     /// cudarc's loader panicked although the presence check passed.
@@ -145,7 +104,7 @@ pub(super) enum LoadError {
 
 /// Load libcuda (once per process, by cudarc) and check that every symbol in [`SYMBOLS`]
 /// resolves. Never panics on a machine without libcuda.
-pub(super) fn load_library() -> Result<(), LoadError> {
+fn load_library() -> Result<(), LoadError> {
     // SAFETY: is_culib_present only dlopen()s candidate library names and closes them again;
     // running a found libcuda's initialisers is what loading the driver means.
     if !unsafe { sys::is_culib_present() } {
@@ -181,15 +140,8 @@ fn error_name(result: sys::CUresult) -> Option<String> {
     let mut name: *const std::ffi::c_char = ptr::null();
     // SAFETY: the out-pointer is a valid local; cuGetErrorName needs no initialisation.
     let r = unsafe { sys::cuGetErrorName(result, &mut name) };
-    if r != sys::CUresult::CUDA_SUCCESS || name.is_null() {
-        return None;
-    }
     // SAFETY: on success the driver points `name` at a static NUL-terminated string.
-    Some(
-        unsafe { CStr::from_ptr(name) }
-            .to_string_lossy()
-            .into_owned(),
-    )
+    (r == sys::CUresult::CUDA_SUCCESS).then(|| unsafe { driver_string(name) })?
 }
 
 /// `cuGetErrorString`.
@@ -197,45 +149,12 @@ fn error_string(result: sys::CUresult) -> Option<String> {
     let mut text: *const std::ffi::c_char = ptr::null();
     // SAFETY: the out-pointer is a valid local; cuGetErrorString needs no initialisation.
     let r = unsafe { sys::cuGetErrorString(result, &mut text) };
-    if r != sys::CUresult::CUDA_SUCCESS || text.is_null() {
-        return None;
-    }
     // SAFETY: on success the driver points `text` at a static NUL-terminated string.
-    Some(
-        unsafe { CStr::from_ptr(text) }
-            .to_string_lossy()
-            .into_owned(),
-    )
-}
-
-/// `cuInit(0)`. Call only after [`load_library`] succeeded (as every wrapper below).
-pub(super) fn init() -> Result<(), CuError> {
-    // SAFETY: cuInit takes only flags (0) and may be called any number of times.
-    check("cuInit", unsafe { sys::cuInit(0) })
-}
-
-/// `cuDriverGetVersion`: e.g. 13000 for CUDA 13.0.
-pub(super) fn driver_version() -> Result<i32, CuError> {
-    let mut version = 0;
-    // SAFETY: the out-pointer is a valid local.
-    check("cuDriverGetVersion", unsafe {
-        sys::cuDriverGetVersion(&mut version)
-    })?;
-    Ok(version)
-}
-
-/// `cuDeviceGetCount`.
-pub(super) fn device_count() -> Result<i32, CuError> {
-    let mut count = 0;
-    // SAFETY: the out-pointer is a valid local.
-    check("cuDeviceGetCount", unsafe {
-        sys::cuDeviceGetCount(&mut count)
-    })?;
-    Ok(count)
+    (r == sys::CUresult::CUDA_SUCCESS).then(|| unsafe { driver_string(text) })?
 }
 
 /// `cuDeviceGet`: the `CUdevice` of an ordinal.
-pub(super) fn device_get(ordinal: DeviceId) -> Result<sys::CUdevice, CuError> {
+pub(super) fn device_get(ordinal: DeviceId) -> DriverResult<sys::CUdevice> {
     let mut device: sys::CUdevice = 0;
     // SAFETY: the out-pointer is a valid local; the driver checks the ordinal.
     check("cuDeviceGet", unsafe {
@@ -248,7 +167,7 @@ pub(super) fn device_get(ordinal: DeviceId) -> Result<sys::CUdevice, CuError> {
 pub(super) fn device_attribute(
     device: sys::CUdevice,
     attribute: sys::CUdevice_attribute,
-) -> Result<i32, CuError> {
+) -> DriverResult<i32> {
     let mut value = 0;
     // SAFETY: the out-pointer is a valid local; the driver checks device and attribute.
     check("cuDeviceGetAttribute", unsafe {
@@ -267,16 +186,9 @@ unsafe impl Send for Context {}
 // SAFETY: as for Send: shared references only copy the handle value to pass it to the driver.
 unsafe impl Sync for Context {}
 
-impl Context {
-    /// The handle as an integer (for logs and tests).
-    pub(super) fn as_u64(self) -> u64 {
-        self.0 as usize as u64
-    }
-}
-
 /// `cuDevicePrimaryCtxRetain`: retain (and create if needed) the device's primary context,
 /// the one the CUDA runtime and PyTorch use.
-pub(super) fn primary_ctx_retain(device: sys::CUdevice) -> Result<Context, CuError> {
+pub(super) fn primary_ctx_retain(device: sys::CUdevice) -> DriverResult<Context> {
     let mut ctx: sys::CUcontext = ptr::null_mut();
     // SAFETY: the out-pointer is a valid local; the driver checks the device.
     check("cuDevicePrimaryCtxRetain", unsafe {
@@ -290,7 +202,7 @@ pub(super) fn primary_ctx_retain(device: sys::CUdevice) -> Result<Context, CuErr
 /// # Safety
 /// The caller holds a retain of this device's primary context from [`primary_ctx_retain`]
 /// and gives exactly that one back: it does not use the context afterwards.
-pub(super) unsafe fn primary_ctx_release(device: sys::CUdevice) -> Result<(), CuError> {
+pub(super) unsafe fn primary_ctx_release(device: sys::CUdevice) -> DriverResult<()> {
     // SAFETY: the caller gives back a retain it holds (see the function's contract).
     check("cuDevicePrimaryCtxRelease", unsafe {
         sys::cuDevicePrimaryCtxRelease_v2(device)
@@ -298,7 +210,7 @@ pub(super) unsafe fn primary_ctx_release(device: sys::CUdevice) -> Result<(), Cu
 }
 
 /// `cuCtxGetCurrent`: this thread's current context as an integer (0 = none).
-pub(super) fn ctx_get_current() -> Result<u64, CuError> {
+fn ctx_get_current() -> DriverResult<u64> {
     let mut ctx: sys::CUcontext = ptr::null_mut();
     // SAFETY: the out-pointer is a valid local; only reads this thread's context stack.
     check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut ctx) })?;
@@ -309,7 +221,7 @@ pub(super) fn ctx_get_current() -> Result<u64, CuError> {
 /// (`cuCtxPopCurrent`) when dropped, so the caller's current context is what it was.
 #[derive(Debug)]
 #[must_use = "the context is popped when the guard drops"]
-pub(super) struct CtxGuard {
+pub struct CtxGuard {
     /// The context stack is per thread: the guard must drop on the thread that pushed.
     _not_send: PhantomData<*mut ()>,
 }
@@ -319,7 +231,7 @@ impl CtxGuard {
     ///
     /// # Safety
     /// `ctx` is live: a primary context the backend retained and has not released.
-    pub(super) unsafe fn push(ctx: Context) -> Result<CtxGuard, CuError> {
+    pub(super) unsafe fn push(ctx: Context) -> DriverResult<CtxGuard> {
         // SAFETY: the caller guarantees `ctx` is live; pushing only changes this thread's
         // context stack, and the guard's Drop pops it on the same thread (the guard is !Send).
         check("cuCtxPushCurrent", unsafe {
@@ -338,26 +250,46 @@ impl Drop for CtxGuard {
         // wrappers never leave other contexts pushed); the out-pointer is a valid local.
         let r = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
         if let Err(e) = check("cuCtxPopCurrent", r) {
-            tracing::error!(error = %e.message(), "cuda: cuCtxPopCurrent failed");
+            tracing::error!(error = %e.message, "cuda: cuCtxPopCurrent failed");
         }
     }
 }
 
-/// `cuCtxSynchronize` on the current context (push one first).
-pub(super) fn ctx_synchronize() -> Result<(), CuError> {
-    // SAFETY: no arguments; waits for the current context's work (the driver reports an
-    // error when no context is current).
-    check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+/// The CUDA driver (libcuda through cudarc), loaded and initialised by `CudaBackend::new`.
+#[derive(Debug)]
+pub struct CudaDriver {
+    /// `cuDriverGetVersion` (e.g. 13000).
+    version: i32,
 }
 
-/// `cuMemGetInfo`: (free, total) bytes of the current context's device.
-pub(super) fn mem_get_info() -> Result<(u64, u64), CuError> {
-    let (mut free, mut total) = (0usize, 0usize);
-    // SAFETY: both out-pointers are valid locals.
-    check("cuMemGetInfo", unsafe {
-        sys::cuMemGetInfo_v2(&mut free, &mut total)
-    })?;
-    Ok((free as u64, total as u64))
+/// The error for a failed library load.
+fn load_error(e: LoadError) -> Error {
+    match e {
+        LoadError::NotFound(tried) => Error::Unavailable(format!(
+            "libcuda not found (tried {}): is the NVIDIA driver installed and on the loader path?",
+            tried.join(", ")
+        )),
+        LoadError::LoaderPanicked => {
+            Error::Unavailable("libcuda could not be loaded (cudarc's loader panicked)".into())
+        }
+        LoadError::MissingSymbols(missing) => Error::Unavailable(format!(
+            "libcuda lacks driver symbols the cuda backend needs (driver too old?): {}",
+            missing.join(", ")
+        )),
+    }
+}
+
+/// What the CUDA driver keeps per open device.
+#[derive(Debug, Clone, Copy)]
+pub struct CudaDevice {
+    /// The device index.
+    ordinal: DeviceId,
+    /// The driver's device handle.
+    cu_device: sys::CUdevice,
+    /// The device's primary context, retained by the backend.
+    ctx: Context,
+    /// Whether arenas are created GPUDirect-RDMA capable.
+    rdma_capable: bool,
 }
 
 /// The location of memory on device `ordinal`.
@@ -369,8 +301,9 @@ fn device_location(ordinal: DeviceId) -> sys::CUmemLocation {
 }
 
 /// The properties of every arena: pinned device memory on `ordinal`, exportable as a POSIX
-/// fd, GPUDirect-RDMA capable when the device supports that for VMM memory.
-pub(super) fn allocation_prop(ordinal: DeviceId, rdma_capable: bool) -> sys::CUmemAllocationProp {
+/// fd, GPUDirect-RDMA capable when the device supports that for VMM memory (as PyTorch's
+/// expandable segments do, for UCX/NIXL transfers).
+fn allocation_prop(ordinal: DeviceId, rdma_capable: bool) -> sys::CUmemAllocationProp {
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
         requestedHandleTypes:
@@ -386,241 +319,301 @@ pub(super) fn allocation_prop(ordinal: DeviceId, rdma_capable: bool) -> sys::CUm
     }
 }
 
-/// `cuMemGetAllocationGranularity` (MINIMUM) for `prop`.
-pub(super) fn mem_get_allocation_granularity(
-    prop: &sys::CUmemAllocationProp,
-) -> Result<u64, CuError> {
-    let mut granularity = 0usize;
-    // SAFETY: the out-pointer is a valid local and `prop` a valid, initialised struct.
-    check("cuMemGetAllocationGranularity", unsafe {
-        sys::cuMemGetAllocationGranularity(
-            &mut granularity,
-            prop,
-            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-        )
-    })?;
-    Ok(granularity as u64)
-}
-
-/// `cuMemCreate`: physical memory of `bytes` with `prop`; returns the allocation handle.
-pub(super) fn mem_create(bytes: usize, prop: &sys::CUmemAllocationProp) -> Result<u64, CuError> {
-    let mut handle: sys::CUmemGenericAllocationHandle = 0;
-    // SAFETY: the out-pointer is a valid local and `prop` a valid, initialised struct; the
-    // driver checks the size.
-    check("cuMemCreate", unsafe {
-        sys::cuMemCreate(&mut handle, bytes, prop, 0)
-    })?;
-    Ok(handle)
-}
-
-/// `cuMemRelease`.
-///
-/// # Safety
-/// `handle` is a live allocation handle this process owns (from [`mem_create`] or
-/// [`mem_import_fd`]), released once.
-pub(super) unsafe fn mem_release(handle: u64) -> Result<(), CuError> {
-    // SAFETY: the caller gives back a handle it owns, once.
-    check("cuMemRelease", unsafe { sys::cuMemRelease(handle) })
-}
-
-/// `cuMemAddressReserve`: `bytes` of device virtual address space aligned to `alignment`.
-pub(super) fn mem_address_reserve(bytes: usize, alignment: usize) -> Result<u64, CuError> {
-    let mut base: sys::CUdeviceptr = 0;
-    // SAFETY: the out-pointer is a valid local; no address hint (0), no flags.
-    check("cuMemAddressReserve", unsafe {
-        sys::cuMemAddressReserve(&mut base, bytes, alignment, 0, 0)
-    })?;
-    Ok(base)
-}
-
-/// `cuMemAddressFree`.
-///
-/// # Safety
-/// `base..base + bytes` is a whole range this process reserved with [`mem_address_reserve`],
-/// nothing is mapped in it any more, and it is freed once.
-pub(super) unsafe fn mem_address_free(base: u64, bytes: usize) -> Result<(), CuError> {
-    // SAFETY: the caller frees its own, unmapped reservation, once.
-    check("cuMemAddressFree", unsafe {
-        sys::cuMemAddressFree(base, bytes)
-    })
-}
-
-/// `cuMemMap`: map the whole of `handle` (offset 0) at `base`.
-///
-/// # Safety
-/// `base..base + bytes` lies in a reservation of this process with nothing mapped there, and
-/// `handle` is a live allocation handle.
-pub(super) unsafe fn mem_map(base: u64, bytes: usize, handle: u64) -> Result<(), CuError> {
-    // SAFETY: the caller guarantees the range and the handle; offset 0, no flags.
-    check("cuMemMap", unsafe {
-        sys::cuMemMap(base, bytes, 0, handle, 0)
-    })
-}
-
-/// `cuMemUnmap`.
-///
-/// # Safety
-/// `base..base + bytes` is a whole mapping made with [`mem_map`] that no queued or running
-/// device work uses any more (the caller synchronized).
-pub(super) unsafe fn mem_unmap(base: u64, bytes: usize) -> Result<(), CuError> {
-    // SAFETY: the caller unmaps its own mapping, no longer in use.
-    check("cuMemUnmap", unsafe { sys::cuMemUnmap(base, bytes) })
-}
-
-/// `cuMemSetAccess`: read-write access from device `ordinal`.
-///
-/// # Safety
-/// `base..base + bytes` is mapped by this process (with [`mem_map`]).
-pub(super) unsafe fn mem_set_access(
-    base: u64,
-    bytes: usize,
-    ordinal: DeviceId,
-) -> Result<(), CuError> {
-    let desc = sys::CUmemAccessDesc {
-        location: device_location(ordinal),
-        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-    };
-    // SAFETY: the caller guarantees the mapping; `desc` is one valid, initialised descriptor
-    // (count 1).
-    check("cuMemSetAccess", unsafe {
-        sys::cuMemSetAccess(base, bytes, &desc, 1)
-    })
-}
-
-/// `cuMemExportToShareableHandle` as a POSIX fd, owned by the caller.
-///
-/// # Safety
-/// `handle` is a live allocation handle created exportable as a POSIX fd.
-pub(super) unsafe fn mem_export_fd(handle: u64) -> Result<OwnedFd, CuError> {
-    let mut fd: std::ffi::c_int = -1;
-    // SAFETY: the caller guarantees the handle; for POSIX_FILE_DESCRIPTOR the driver writes
-    // one int through the pointer, which points at a valid local int.
-    check("cuMemExportToShareableHandle", unsafe {
-        sys::cuMemExportToShareableHandle(
-            ptr::addr_of_mut!(fd).cast::<c_void>(),
-            handle,
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            0,
-        )
-    })?;
-    if fd < 0 {
-        return Err(CuError {
-            call: "cuMemExportToShareableHandle",
-            result: sys::CUresult::CUDA_ERROR_UNKNOWN,
-        });
-    }
-    // SAFETY: on success the driver returned a new fd that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-/// `cuMemImportFromShareableHandle` from a POSIX fd (the fd stays the caller's); returns a
-/// new allocation handle that this process owns.
-pub(super) fn mem_import_fd(fd: BorrowedFd<'_>) -> Result<u64, CuError> {
-    let mut handle: sys::CUmemGenericAllocationHandle = 0;
-    // For POSIX_FILE_DESCRIPTOR the "OS handle" is the fd's value cast to a pointer.
-    let os_handle = fd.as_raw_fd() as isize as *mut c_void;
-    // SAFETY: the out-pointer is a valid local; the fd is open for the call (borrowed), the
-    // driver only reads it (dup semantics) and checks that it is a CUDA shareable handle.
-    check("cuMemImportFromShareableHandle", unsafe {
-        sys::cuMemImportFromShareableHandle(
-            &mut handle,
-            os_handle,
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-        )
-    })?;
-    Ok(handle)
-}
-
 /// A `CUevent` from its integer form.
 fn event_ptr(raw: u64) -> sys::CUevent {
     raw as usize as sys::CUevent
 }
 
-/// `cuEventCreate` with `CU_EVENT_DISABLE_TIMING`, in the current context (push one first);
-/// returns the event as an integer.
-pub(super) fn event_create() -> Result<u64, CuError> {
-    let mut event: sys::CUevent = ptr::null_mut();
-    // SAFETY: the out-pointer is a valid local; the flag is a valid CUevent_flags value.
-    check("cuEventCreate", unsafe {
-        sys::cuEventCreate(
-            &mut event,
-            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
-        )
-    })?;
-    Ok(event as usize as u64)
-}
+impl Driver for CudaDriver {
+    const NAME: &'static str = NAME;
+    const VENDOR: &'static str = "CUDA";
+    /// Arenas are VMM only (CUDA's legacy `cuIpc*` IPC is not used: byte handles are refused).
+    const LEGACY_IPC: Option<LegacyIpc> = None;
+    const START_FAILURES: StartFailures = StartFailures {
+        init: "the CUDA driver did not initialise",
+        version: "could not read the CUDA driver version",
+        count: "could not count CUDA devices",
+    };
 
-/// `cuEventRecord` on `stream` (0 = the legacy default stream of the current context).
-///
-/// # Safety
-/// `event` is live (from [`event_create`], not destroyed) and `stream` is 0, one of the
-/// special handles `CU_STREAM_LEGACY` (1) / `CU_STREAM_PER_THREAD` (2), or a live stream of
-/// the event's context.
-pub(super) unsafe fn event_record(event: u64, stream: u64) -> Result<(), CuError> {
-    // SAFETY: the caller guarantees both handles.
-    check("cuEventRecord", unsafe {
-        sys::cuEventRecord(event_ptr(event), stream as usize as sys::CUstream)
-    })
-}
-
-/// `cuEventQuery`: `Ok(true)` when done, `Ok(false)` when not ready, else the error.
-///
-/// # Safety
-/// `event` is live (from [`event_create`], not destroyed).
-pub(super) unsafe fn event_query(event: u64) -> Result<bool, CuError> {
-    // SAFETY: the caller guarantees the event.
-    let r = unsafe { sys::cuEventQuery(event_ptr(event)) };
-    if r == sys::CUresult::CUDA_ERROR_NOT_READY {
-        return Ok(false);
+    /// Load libcuda through cudarc (see the module documentation: never panics).
+    fn load() -> Result<()> {
+        load_library().map_err(load_error)
     }
-    check("cuEventQuery", r)?;
-    Ok(true)
-}
 
-/// `cuEventDestroy`.
-///
-/// # Safety
-/// `event` is live (from [`event_create`]) and destroyed once.
-pub(super) unsafe fn event_destroy(event: u64) -> Result<(), CuError> {
-    // SAFETY: the caller destroys its own live event, once.
-    check("cuEventDestroy", unsafe {
-        sys::cuEventDestroy_v2(event_ptr(event))
-    })
-}
+    /// `cuInit(0)`; every other call comes after it.
+    fn init() -> DriverResult<()> {
+        // SAFETY: load() succeeded (the library and every symbol are there); cuInit takes only
+        // flags (0) and may be called any number of times.
+        check("cuInit", unsafe { sys::cuInit(0) })
+    }
 
-/// `cuMemcpyHtoD`: copy `src` to device address `dst` (synchronous for pageable memory).
-///
-/// # Safety
-/// `dst..dst + src.len()` is device memory mapped by this process that nothing else uses
-/// concurrently (and not host memory that Rust code owns).
-pub(super) unsafe fn memcpy_htod(dst: u64, src: &[u8]) -> Result<(), CuError> {
-    // SAFETY: `src` is valid for reads of src.len() bytes; the caller guarantees the
-    // destination range.
-    check("cuMemcpyHtoD", unsafe {
-        sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len())
-    })
-}
+    /// `cuDriverGetVersion`: e.g. 13000 for CUDA 13.0.
+    fn read_version() -> DriverResult<i32> {
+        let mut version = 0;
+        // SAFETY: the out-pointer is a valid local.
+        let r = unsafe { sys::cuDriverGetVersion(&mut version) };
+        check("cuDriverGetVersion", r).map(|()| version)
+    }
 
-/// `cuMemcpyDtoH`: copy from device address `src` into `dst`.
-///
-/// # Safety
-/// `src..src + dst.len()` is device memory mapped by this process.
-pub(super) unsafe fn memcpy_dtoh(dst: &mut [u8], src: u64) -> Result<(), CuError> {
-    // SAFETY: `dst` is valid for writes of dst.len() bytes and borrowed mutably for the
-    // (synchronous) copy; the caller guarantees the source range.
-    check("cuMemcpyDtoH", unsafe {
-        sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len())
-    })
-}
+    /// `cuDeviceGetCount`.
+    fn count_devices() -> DriverResult<i32> {
+        let mut count = 0;
+        // SAFETY: the out-pointer is a valid local.
+        let r = unsafe { sys::cuDeviceGetCount(&mut count) };
+        check("cuDeviceGetCount", r).map(|()| count)
+    }
 
-/// `cuMemsetD8`: set `bytes` bytes at device address `dst` to `value`.
-///
-/// # Safety
-/// `dst..dst + bytes` is device memory mapped by this process that nothing else uses
-/// concurrently (and not host memory that Rust code owns).
-pub(super) unsafe fn memset_d8(dst: u64, value: u8, bytes: usize) -> Result<(), CuError> {
-    // SAFETY: the caller guarantees the destination range.
-    check("cuMemsetD8", unsafe {
-        sys::cuMemsetD8_v2(dst, value, bytes)
-    })
+    fn started(version: i32) -> CudaDriver {
+        CudaDriver { version }
+    }
+
+    fn version(&self) -> i32 {
+        self.version
+    }
+
+    fn current_on_thread(&self) -> DriverResult<u64> {
+        ctx_get_current()
+    }
+
+    /// The device handle, its retained primary context, the RDMA flag.
+    type Device = CudaDevice;
+    /// The primary context pushed, popped when dropped.
+    type Current = CtxGuard;
+
+    fn version_text(&self) -> String {
+        format!(
+            "driver {}.{}",
+            self.version / 1000,
+            self.version % 1000 / 10
+        )
+    }
+
+    /// `cuDeviceGet` + `cuDeviceGetAttribute` for VMM, POSIX-fd handles and RDMA on VMM memory
+    /// (an older driver that does not know the RDMA attribute means no).
+    fn device_support(&self, ordinal: DeviceId) -> DriverResult<DeviceSupport> {
+        use sys::CUdevice_attribute as A;
+        let device = device_get(ordinal)?;
+        let flag = |attribute| device_attribute(device, attribute).map(|value| value != 0);
+        Ok(DeviceSupport {
+            vmm: Some(flag(
+                A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+            )?),
+            posix_fd: Some(flag(
+                A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            )?),
+            rdma: flag(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)
+                .unwrap_or(false),
+        })
+    }
+
+    /// `cuDeviceGet` + `cuDevicePrimaryCtxRetain`.
+    fn open_device(&self, ordinal: DeviceId, rdma: bool) -> DriverResult<CudaDevice> {
+        let cu_device = device_get(ordinal)?;
+        Ok(CudaDevice {
+            ordinal,
+            cu_device,
+            ctx: primary_ctx_retain(cu_device)?,
+            rdma_capable: rdma,
+        })
+    }
+
+    unsafe fn close_device(&self, device: CudaDevice) -> DriverResult<()> {
+        // SAFETY: gives back the one retain open_device took (the trait's contract).
+        unsafe { primary_ctx_release(device.cu_device) }
+    }
+
+    unsafe fn make_current(&self, device: &CudaDevice) -> DriverResult<CtxGuard> {
+        // SAFETY: an open device's primary context is retained (the trait's contract).
+        unsafe { CtxGuard::push(device.ctx) }
+    }
+
+    /// `cuMemGetAllocationGranularity` (MINIMUM) for the arena properties.
+    fn granularity(&self, device: &CudaDevice) -> DriverResult<u64> {
+        let prop = allocation_prop(device.ordinal, device.rdma_capable);
+        let mut granularity = 0usize;
+        // SAFETY: the out-pointer is a valid local and `prop` a valid, initialised struct.
+        check("cuMemGetAllocationGranularity", unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut granularity,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        })?;
+        Ok(granularity as u64)
+    }
+
+    /// `cuMemGetInfo` of the current context's device.
+    fn mem_info(&self) -> DriverResult<(u64, u64)> {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: both out-pointers are valid locals.
+        check("cuMemGetInfo", unsafe {
+            sys::cuMemGetInfo_v2(&mut free, &mut total)
+        })?;
+        Ok((free as u64, total as u64))
+    }
+
+    /// `cuCtxSynchronize` on the current context.
+    fn synchronize(&self) -> DriverResult<()> {
+        // SAFETY: no arguments; waits for the current context's work (the driver reports an
+        // error when no context is current).
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
+    /// `cuMemCreate`.
+    fn mem_create(&self, device: &CudaDevice, bytes: usize) -> DriverResult<u64> {
+        let prop = allocation_prop(device.ordinal, device.rdma_capable);
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: the out-pointer is a valid local and `prop` a valid, initialised struct; the
+        // driver checks the size.
+        check("cuMemCreate", unsafe {
+            sys::cuMemCreate(&mut handle, bytes, &prop, 0)
+        })?;
+        Ok(handle)
+    }
+
+    unsafe fn mem_release(&self, handle: u64) -> DriverResult<()> {
+        // SAFETY: the caller gives back a handle it owns, once.
+        check("cuMemRelease", unsafe { sys::cuMemRelease(handle) })
+    }
+
+    /// `cuMemAddressReserve` (no address hint, no flags).
+    fn address_reserve(&self, bytes: usize, alignment: usize) -> DriverResult<u64> {
+        let mut base: sys::CUdeviceptr = 0;
+        // SAFETY: the out-pointer is a valid local; no address hint (0), no flags.
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut base, bytes, alignment, 0, 0)
+        })?;
+        Ok(base)
+    }
+
+    unsafe fn address_free(&self, base: u64, bytes: usize) -> DriverResult<()> {
+        // SAFETY: the caller frees its own, unmapped reservation, once.
+        check("cuMemAddressFree", unsafe {
+            sys::cuMemAddressFree(base, bytes)
+        })
+    }
+
+    unsafe fn map(&self, base: u64, bytes: usize, handle: u64) -> DriverResult<()> {
+        // SAFETY: the caller guarantees the range and the handle; offset 0, no flags.
+        check("cuMemMap", unsafe {
+            sys::cuMemMap(base, bytes, 0, handle, 0)
+        })
+    }
+
+    unsafe fn unmap(&self, base: u64, bytes: usize) -> DriverResult<()> {
+        // SAFETY: the caller unmaps its own mapping, no longer in use.
+        check("cuMemUnmap", unsafe { sys::cuMemUnmap(base, bytes) })
+    }
+
+    unsafe fn set_access(&self, base: u64, bytes: usize, ordinal: DeviceId) -> DriverResult<()> {
+        let desc = sys::CUmemAccessDesc {
+            location: device_location(ordinal),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the caller guarantees the mapping; `desc` is one valid, initialised descriptor
+        // (count 1).
+        check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(base, bytes, &desc, 1)
+        })
+    }
+
+    unsafe fn export_fd(&self, handle: u64) -> DriverResult<OwnedFd> {
+        const CALL: &str = "cuMemExportToShareableHandle";
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: the caller guarantees the handle; for POSIX_FILE_DESCRIPTOR the driver writes
+        // one int through the pointer, which points at a valid local int.
+        check(CALL, unsafe {
+            sys::cuMemExportToShareableHandle(
+                ptr::addr_of_mut!(fd).cast::<c_void>(),
+                handle,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        if fd < 0 {
+            return Err(failed(
+                CALL,
+                Failure::Other,
+                sys::CUresult::CUDA_ERROR_UNKNOWN,
+            ));
+        }
+        // SAFETY: on success the driver returned a new fd that nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    fn import_fd(&self, fd: BorrowedFd<'_>) -> DriverResult<u64> {
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // For POSIX_FILE_DESCRIPTOR the "OS handle" is the fd's value cast to a pointer.
+        let os_handle = fd.as_raw_fd() as isize as *mut c_void;
+        // SAFETY: the out-pointer is a valid local; the fd is open for the call (borrowed), the
+        // driver only reads it (dup semantics) and checks that it is a CUDA shareable handle.
+        check("cuMemImportFromShareableHandle", unsafe {
+            sys::cuMemImportFromShareableHandle(
+                &mut handle,
+                os_handle,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        })?;
+        Ok(handle)
+    }
+
+    /// `cuEventCreate` with `CU_EVENT_DISABLE_TIMING`, in the current context.
+    fn event_create(&self) -> DriverResult<u64> {
+        let mut event: sys::CUevent = ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: the out-pointer is a valid local; the flag is a valid CUevent_flags value.
+        check("cuEventCreate", unsafe {
+            sys::cuEventCreate(&mut event, flags)
+        })?;
+        Ok(event as usize as u64)
+    }
+
+    /// `cuEventRecord`; the special streams are `CU_STREAM_LEGACY` (1) and
+    /// `CU_STREAM_PER_THREAD` (2).
+    unsafe fn event_record(&self, event: u64, stream: u64) -> DriverResult<()> {
+        let stream = stream as usize as sys::CUstream;
+        // SAFETY: the caller guarantees both handles.
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(event_ptr(event), stream)
+        })
+    }
+
+    unsafe fn event_query(&self, event: u64) -> DriverResult<bool> {
+        // SAFETY: the caller guarantees the event.
+        match unsafe { sys::cuEventQuery(event_ptr(event)) } {
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => check("cuEventQuery", r).map(|()| true),
+        }
+    }
+
+    unsafe fn event_destroy(&self, event: u64) -> DriverResult<()> {
+        // SAFETY: the caller destroys its own live event, once.
+        check("cuEventDestroy", unsafe {
+            sys::cuEventDestroy_v2(event_ptr(event))
+        })
+    }
+
+    /// `cuMemcpyHtoD` (synchronous for pageable memory).
+    unsafe fn memcpy_htod(&self, dst: u64, src: &[u8]) -> DriverResult<()> {
+        // SAFETY: `src` is valid for reads of src.len() bytes; the caller guarantees the
+        // destination range.
+        check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len())
+        })
+    }
+
+    unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> DriverResult<()> {
+        // SAFETY: `dst` is valid for writes of dst.len() bytes and borrowed mutably for the
+        // (synchronous) copy; the caller guarantees the source range.
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len())
+        })
+    }
+
+    unsafe fn memset_d8(&self, dst: u64, value: u8, bytes: usize) -> DriverResult<()> {
+        // SAFETY: the caller guarantees the destination range.
+        check("cuMemsetD8", unsafe {
+            sys::cuMemsetD8_v2(dst, value, bytes)
+        })
+    }
 }

@@ -1,11 +1,10 @@
 //! Every raw HIP runtime call of the HIP backend: one small function per call.
 //!
 //! Each wrapper calls one `hip_sys::hiprt` function (libamdhip64, linked at build time by
-//! hip-sys's build script) and turns its `hipError_t` into [`HipError`], which names the call.
-//! Wrappers whose arguments the runtime cannot check on its own (events, streams, allocation
-//! handles, device address ranges) are `unsafe fn`s with a `# Safety` section; the backend
-//! (`super`) proves those preconditions with its registries of live arenas, mappings and
-//! events.
+//! hip-sys's build script) and turns its `hipError_t` into a [`DriverError`] that names the
+//! call and carries the runtime's own words. Most wrappers are the methods of [`HipDriver`]'s
+//! [`Driver`] implementation, the legacy IPC calls (`hipMalloc`, `hipIpc*`) included; the trait
+//! states their `# Safety` contracts once and the VMM core (`backend::vmm`) proves them.
 //!
 //! # Linking and ROCm versions
 //! hip-sys 0.1.2 (hip-runtime-sys 0.1.2) ships bindings pre-generated from the ROCm 5.4
@@ -19,7 +18,7 @@
 //! - `hipDeviceAttributeVirtualMemoryManagementSupported` (89 in the 5.4 headers the bindings
 //!   come from) does not exist in ROCm 5.2's headers: on a runtime older than 5.4 the value 89
 //!   may mean another attribute. [`MIN_RUNTIME_FOR_VMM_ATTRIBUTE`] gates the query; below it the
-//!   backend probes VMM support with `hipMemGetAllocationGranularity` instead (see `super`).
+//!   backend probes VMM support with `hipMemGetAllocationGranularity` instead (see `backend::vmm`).
 //! - `hipError_t` is a Rust `enum` of the 5.4 codes. A newer runtime could return a code the
 //!   enum lacks (ROCm 6 added texture/graph codes), which would be an invalid enum value in
 //!   Rust. None of the calls below returns such a code for what we ask of them (the same
@@ -28,152 +27,59 @@
 //! - The special stream `hipStreamPerThread` (`(hipStream_t)2`) is a C macro, absent from the
 //!   bindings; it is passed through as the integer 2 like any stream handle.
 
-use std::ffi::{c_int, c_void, CStr};
+use std::ffi::{c_int, c_void};
 use std::marker::PhantomData;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr;
 
 use hip_sys::hiprt as sys;
 
-use crate::backend::DeviceId;
-use crate::error::Error;
+use crate::backend::vmm::{
+    driver_string, DeviceSupport, Driver, DriverError, DriverResult, Failure, LegacyIpc,
+    StartFailures,
+};
+use crate::ids::DeviceId;
 
 /// The backend's name in errors.
-pub(super) const BACKEND: &str = "hip";
+pub(super) const NAME: &str = "hip";
 
 /// The size of a legacy IPC handle (`hipIpcMemHandle_t`, `HIP_IPC_HANDLE_SIZE`).
-pub(super) const IPC_HANDLE_BYTES: usize = 64;
+const IPC_HANDLE_BYTES: usize = 64;
 
 /// `hipRuntimeGetVersion` from which the bindings' device-attribute numbering (ROCm 5.4) is
 /// trusted for `hipDeviceAttributeVirtualMemoryManagementSupported`.
-pub(super) const MIN_RUNTIME_FOR_VMM_ATTRIBUTE: i32 = 50_400_000;
+const MIN_RUNTIME_FOR_VMM_ATTRIBUTE: i32 = 50_400_000;
 
-/// A failed runtime call: which call, and the `hipError_t` it returned.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct HipError {
-    /// The runtime call, e.g. `hipMemCreate`.
-    pub(super) call: &'static str,
-    /// What it returned.
-    pub(super) result: sys::hipError_t,
-}
-
-impl HipError {
-    /// Whether the runtime ran out of device memory.
-    pub(super) fn is_out_of_memory(&self) -> bool {
-        self.result == sys::hipError_t::hipErrorOutOfMemory
-    }
-
-    /// Whether the runtime said the operation is not supported.
-    pub(super) fn is_not_supported(&self) -> bool {
-        self.result == sys::hipError_t::hipErrorNotSupported
-    }
-
-    /// The runtime's own words: `hipErrorInvalidValue: invalid argument`.
-    pub(super) fn message(&self) -> String {
-        let code = self.result as i32;
-        match (error_name(self.result), error_string(self.result)) {
-            (Some(name), Some(text)) if name != text => format!("{name}: {text}"),
-            (Some(name), _) => name,
-            (None, Some(text)) => format!("hipError_t {code}: {text}"),
-            (None, None) => format!("hipError_t {code}"),
-        }
-    }
-
-    /// The crate error: [`Error::DriverOutOfMemory`] for `hipErrorOutOfMemory` (with the
-    /// device and the bytes asked for), [`Error::Backend`] otherwise.
-    pub(super) fn into_error(self, device: DeviceId, bytes: u64) -> Error {
-        if self.is_out_of_memory() {
-            Error::DriverOutOfMemory {
-                backend: BACKEND,
-                call: self.call,
-                device,
-                bytes,
-            }
-        } else {
-            Error::Backend {
-                backend: BACKEND,
-                call: self.call,
-                message: self.message(),
-            }
-        }
-    }
-
-    /// The error as [`Error::Unavailable`] (set-up failures: `hipInit`, no device...).
-    pub(super) fn into_unavailable(self, what: &str) -> Error {
-        Error::Unavailable(format!("{what}: {} failed: {}", self.call, self.message()))
-    }
-}
-
-/// `Ok` for `hipSuccess`, else the call's [`HipError`].
-fn check(call: &'static str, result: sys::hipError_t) -> Result<(), HipError> {
-    if result == sys::hipError_t::hipSuccess {
-        Ok(())
-    } else {
-        Err(HipError { call, result })
-    }
+/// `Ok` for `hipSuccess`, else the call's [`DriverError`] with the runtime's own words
+/// (`hipErrorInvalidValue: invalid argument`).
+fn check(call: &'static str, result: sys::hipError_t) -> DriverResult<()> {
+    use sys::hipError_t as E;
+    let failure = match result {
+        E::hipSuccess => return Ok(()),
+        E::hipErrorOutOfMemory => Failure::OutOfMemory,
+        E::hipErrorNotSupported => Failure::NotSupported,
+        _ => Failure::Other,
+    };
+    let code = format!("hipError_t {}", result as i32);
+    let words = (error_name(result), error_string(result));
+    Err(DriverError::in_words(NAME, call, failure, code, words))
 }
 
 /// `hipGetErrorName`.
 fn error_name(result: sys::hipError_t) -> Option<String> {
-    // SAFETY: takes the code by value and returns a pointer to a static string (or null).
-    let name = unsafe { sys::hipGetErrorName(result) };
-    if name.is_null() {
-        return None;
-    }
-    // SAFETY: a non-null result points at a static NUL-terminated string.
-    Some(
-        unsafe { CStr::from_ptr(name) }
-            .to_string_lossy()
-            .into_owned(),
-    )
+    // SAFETY: takes the code by value and returns a pointer to a static NUL-terminated string
+    // (or null), which driver_string reads.
+    unsafe { driver_string(sys::hipGetErrorName(result)) }
 }
 
 /// `hipGetErrorString`.
 fn error_string(result: sys::hipError_t) -> Option<String> {
-    // SAFETY: takes the code by value and returns a pointer to a static string (or null).
-    let text = unsafe { sys::hipGetErrorString(result) };
-    if text.is_null() {
-        return None;
-    }
-    // SAFETY: a non-null result points at a static NUL-terminated string.
-    Some(
-        unsafe { CStr::from_ptr(text) }
-            .to_string_lossy()
-            .into_owned(),
-    )
-}
-
-/// `hipInit(0)`. Without an AMD GPU ROCm 5.2 answers `hipErrorInvalidDevice`.
-pub(super) fn init() -> Result<(), HipError> {
-    // SAFETY: hipInit takes only flags (0) and may be called any number of times.
-    check("hipInit", unsafe { sys::hipInit(0) })
-}
-
-/// `hipRuntimeGetVersion`: e.g. 50221153 for ROCm 5.2 (major * 10^7 + minor * 10^5 + patch).
-pub(super) fn runtime_version() -> Result<i32, HipError> {
-    let mut version = 0;
-    // SAFETY: the out-pointer is a valid local.
-    check("hipRuntimeGetVersion", unsafe {
-        sys::hipRuntimeGetVersion(&mut version)
-    })?;
-    Ok(version)
-}
-
-/// `hipGetDeviceCount`.
-pub(super) fn device_count() -> Result<i32, HipError> {
-    let mut count = 0;
-    // SAFETY: the out-pointer is a valid local.
-    check("hipGetDeviceCount", unsafe {
-        sys::hipGetDeviceCount(&mut count)
-    })?;
-    Ok(count)
+    // SAFETY: as for hipGetErrorName.
+    unsafe { driver_string(sys::hipGetErrorString(result)) }
 }
 
 /// `hipDeviceGetAttribute`.
-pub(super) fn device_attribute(
-    ordinal: DeviceId,
-    attribute: sys::hipDeviceAttribute_t,
-) -> Result<i32, HipError> {
+fn device_attribute(ordinal: DeviceId, attribute: sys::hipDeviceAttribute_t) -> DriverResult<i32> {
     let mut value = 0;
     // SAFETY: the out-pointer is a valid local; the runtime checks device and attribute.
     check("hipDeviceGetAttribute", unsafe {
@@ -183,7 +89,7 @@ pub(super) fn device_attribute(
 }
 
 /// `hipGetDevice`: this thread's current device.
-pub(super) fn get_device() -> Result<DeviceId, HipError> {
+fn get_device() -> DriverResult<DeviceId> {
     let mut device = 0;
     // SAFETY: the out-pointer is a valid local; only reads this thread's current device.
     check("hipGetDevice", unsafe { sys::hipGetDevice(&mut device) })?;
@@ -191,7 +97,7 @@ pub(super) fn get_device() -> Result<DeviceId, HipError> {
 }
 
 /// `hipSetDevice`: make `ordinal` this thread's current device.
-pub(super) fn set_device(ordinal: DeviceId) -> Result<(), HipError> {
+fn set_device(ordinal: DeviceId) -> DriverResult<()> {
     // SAFETY: only changes this thread's current device; the runtime checks the ordinal.
     check("hipSetDevice", unsafe { sys::hipSetDevice(ordinal) })
 }
@@ -200,7 +106,7 @@ pub(super) fn set_device(ordinal: DeviceId) -> Result<(), HipError> {
 /// the calling thread's current device after a backend call is what it was before.
 #[derive(Debug)]
 #[must_use = "the caller's device is restored when the guard drops"]
-pub(super) struct DeviceGuard {
+pub struct DeviceGuard {
     /// The device that was current before, restored on drop (None: it already was `ordinal`).
     previous: Option<DeviceId>,
     /// The current device is per thread: the guard must drop on the thread that set it.
@@ -209,7 +115,7 @@ pub(super) struct DeviceGuard {
 
 impl DeviceGuard {
     /// `hipGetDevice` then `hipSetDevice(ordinal)` when it differs.
-    pub(super) fn set(ordinal: DeviceId) -> Result<DeviceGuard, HipError> {
+    fn set(ordinal: DeviceId) -> DriverResult<DeviceGuard> {
         let previous = get_device()?;
         if previous == ordinal {
             return Ok(DeviceGuard {
@@ -229,28 +135,29 @@ impl Drop for DeviceGuard {
     fn drop(&mut self) {
         if let Some(previous) = self.previous {
             if let Err(e) = set_device(previous) {
-                tracing::error!(device = previous, error = %e.message(), "hip: restoring the caller's device failed");
+                tracing::error!(device = previous, error = %e.message, "hip: restoring the caller's device failed");
             }
         }
     }
 }
 
-/// `hipDeviceSynchronize` on the current device (set one first).
-pub(super) fn device_synchronize() -> Result<(), HipError> {
-    // SAFETY: no arguments; waits for the current device's work.
-    check("hipDeviceSynchronize", unsafe {
-        sys::hipDeviceSynchronize()
-    })
+/// The HIP runtime (libamdhip64), initialised by `HipBackend::new`.
+#[derive(Debug)]
+pub struct HipDriver {
+    /// `hipRuntimeGetVersion` (e.g. 50221153 for ROCm 5.2).
+    version: i32,
 }
 
-/// `hipMemGetInfo`: (free, total) bytes of the current device.
-pub(super) fn mem_get_info() -> Result<(u64, u64), HipError> {
-    let (mut free, mut total) = (0usize, 0usize);
-    // SAFETY: both out-pointers are valid locals.
-    check("hipMemGetInfo", unsafe {
-        sys::hipMemGetInfo(&mut free, &mut total)
-    })?;
-    Ok((free as u64, total as u64))
+/// What the HIP driver keeps per open device: its index (HIP has no context to retain).
+#[derive(Debug, Clone, Copy)]
+pub struct HipDevice {
+    /// The device index.
+    ordinal: DeviceId,
+}
+
+/// `major.minor.patch` of a HIP version number.
+fn version_text(v: i32) -> String {
+    format!("{}.{}.{}", v / 10_000_000, v / 100_000 % 100, v % 100_000)
 }
 
 /// The location of memory on device `ordinal`.
@@ -263,7 +170,7 @@ fn device_location(ordinal: DeviceId) -> sys::hipMemLocation {
 
 /// The properties of every VMM arena: pinned device memory on `ordinal`, exportable as a
 /// POSIX fd.
-pub(super) fn allocation_prop(ordinal: DeviceId) -> sys::hipMemAllocationProp {
+fn allocation_prop(ordinal: DeviceId) -> sys::hipMemAllocationProp {
     sys::hipMemAllocationProp {
         type_: sys::hipMemAllocationType::hipMemAllocationTypePinned,
         requestedHandleType: sys::hipMemAllocationHandleType::hipMemHandleTypePosixFileDescriptor,
@@ -277,22 +184,6 @@ pub(super) fn allocation_prop(ordinal: DeviceId) -> sys::hipMemAllocationProp {
     }
 }
 
-/// `hipMemGetAllocationGranularity` (minimum) for `prop`.
-pub(super) fn mem_get_allocation_granularity(
-    prop: &sys::hipMemAllocationProp,
-) -> Result<u64, HipError> {
-    let mut granularity = 0usize;
-    // SAFETY: the out-pointer is a valid local and `prop` a valid, initialised struct.
-    check("hipMemGetAllocationGranularity", unsafe {
-        sys::hipMemGetAllocationGranularity(
-            &mut granularity,
-            prop,
-            sys::hipMemAllocationGranularity_flags::hipMemAllocationGranularityMinimum,
-        )
-    })?;
-    Ok(granularity as u64)
-}
-
 /// An allocation handle (`hipMemGenericAllocationHandle_t`, a pointer) from its integer form.
 fn handle_ptr(handle: u64) -> sys::hipMemGenericAllocationHandle_t {
     handle as usize as sys::hipMemGenericAllocationHandle_t
@@ -303,289 +194,317 @@ fn dptr(address: u64) -> *mut c_void {
     address as usize as *mut c_void
 }
 
-/// `hipMemCreate`: physical memory of `bytes` with `prop`; returns the allocation handle.
-pub(super) fn mem_create(bytes: usize, prop: &sys::hipMemAllocationProp) -> Result<u64, HipError> {
-    let mut handle: sys::hipMemGenericAllocationHandle_t = ptr::null_mut();
-    // SAFETY: the out-pointer is a valid local and `prop` a valid, initialised struct; the
-    // runtime checks the size.
-    check("hipMemCreate", unsafe {
-        sys::hipMemCreate(&mut handle, bytes, prop, 0)
-    })?;
-    Ok(handle as usize as u64)
-}
-
-/// `hipMemRelease`.
-///
-/// # Safety
-/// `handle` is a live allocation handle this process owns (from [`mem_create`] or
-/// [`mem_import_fd`]), released once.
-pub(super) unsafe fn mem_release(handle: u64) -> Result<(), HipError> {
-    // SAFETY: the caller gives back a handle it owns, once.
-    check("hipMemRelease", unsafe {
-        sys::hipMemRelease(handle_ptr(handle))
-    })
-}
-
-/// `hipMemAddressReserve`: `bytes` of device virtual address space aligned to `alignment`.
-pub(super) fn mem_address_reserve(bytes: usize, alignment: usize) -> Result<u64, HipError> {
-    let mut base: *mut c_void = ptr::null_mut();
-    // SAFETY: the out-pointer is a valid local; no address hint (null), no flags.
-    check("hipMemAddressReserve", unsafe {
-        sys::hipMemAddressReserve(&mut base, bytes, alignment, ptr::null_mut(), 0)
-    })?;
-    Ok(base as usize as u64)
-}
-
-/// `hipMemAddressFree`.
-///
-/// # Safety
-/// `base..base + bytes` is a whole range this process reserved with [`mem_address_reserve`],
-/// nothing is mapped in it any more, and it is freed once.
-pub(super) unsafe fn mem_address_free(base: u64, bytes: usize) -> Result<(), HipError> {
-    // SAFETY: the caller frees its own, unmapped reservation, once.
-    check("hipMemAddressFree", unsafe {
-        sys::hipMemAddressFree(dptr(base), bytes)
-    })
-}
-
-/// `hipMemMap`: map the whole of `handle` (offset 0) at `base`.
-///
-/// # Safety
-/// `base..base + bytes` lies in a reservation of this process with nothing mapped there, and
-/// `handle` is a live allocation handle.
-pub(super) unsafe fn mem_map(base: u64, bytes: usize, handle: u64) -> Result<(), HipError> {
-    // SAFETY: the caller guarantees the range and the handle; offset 0, no flags.
-    check("hipMemMap", unsafe {
-        sys::hipMemMap(dptr(base), bytes, 0, handle_ptr(handle), 0)
-    })
-}
-
-/// `hipMemUnmap`.
-///
-/// # Safety
-/// `base..base + bytes` is a whole mapping made with [`mem_map`] that no queued or running
-/// device work uses any more (the caller synchronized).
-pub(super) unsafe fn mem_unmap(base: u64, bytes: usize) -> Result<(), HipError> {
-    // SAFETY: the caller unmaps its own mapping, no longer in use.
-    check("hipMemUnmap", unsafe {
-        sys::hipMemUnmap(dptr(base), bytes)
-    })
-}
-
-/// `hipMemSetAccess`: read-write access from device `ordinal`.
-///
-/// # Safety
-/// `base..base + bytes` is mapped by this process (with [`mem_map`]).
-pub(super) unsafe fn mem_set_access(
-    base: u64,
-    bytes: usize,
-    ordinal: DeviceId,
-) -> Result<(), HipError> {
-    let desc = sys::hipMemAccessDesc {
-        location: device_location(ordinal),
-        flags: sys::hipMemAccessFlags::hipMemAccessFlagsProtReadWrite,
-    };
-    // SAFETY: the caller guarantees the mapping; `desc` is one valid, initialised descriptor
-    // (count 1).
-    check("hipMemSetAccess", unsafe {
-        sys::hipMemSetAccess(dptr(base), bytes, &desc, 1)
-    })
-}
-
-/// `hipMemExportToShareableHandle` as a POSIX fd, owned by the caller.
-///
-/// # Safety
-/// `handle` is a live allocation handle created exportable as a POSIX fd.
-pub(super) unsafe fn mem_export_fd(handle: u64) -> Result<OwnedFd, HipError> {
-    let mut fd: c_int = -1;
-    // SAFETY: the caller guarantees the handle; for hipMemHandleTypePosixFileDescriptor the
-    // runtime writes one int through the pointer, which points at a valid local int.
-    check("hipMemExportToShareableHandle", unsafe {
-        sys::hipMemExportToShareableHandle(
-            ptr::addr_of_mut!(fd).cast::<c_void>(),
-            handle_ptr(handle),
-            sys::hipMemAllocationHandleType::hipMemHandleTypePosixFileDescriptor,
-            0,
-        )
-    })?;
-    if fd < 0 {
-        return Err(HipError {
-            call: "hipMemExportToShareableHandle",
-            result: sys::hipError_t::hipErrorUnknown,
-        });
-    }
-    // SAFETY: on success the runtime returned a new fd that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-/// `hipMemImportFromShareableHandle` from a POSIX fd (the fd stays the caller's); returns a
-/// new allocation handle that this process owns.
-pub(super) fn mem_import_fd(fd: BorrowedFd<'_>) -> Result<u64, HipError> {
-    let mut handle: sys::hipMemGenericAllocationHandle_t = ptr::null_mut();
-    // As in CUDA (and PyTorch's hipified expandable segments), the "OS handle" of a POSIX fd
-    // is the fd's value cast to a pointer.
-    let os_handle = fd.as_raw_fd() as isize as *mut c_void;
-    // SAFETY: the out-pointer is a valid local; the fd is open for the call (borrowed), the
-    // runtime only reads it and checks that it is a HIP shareable handle.
-    check("hipMemImportFromShareableHandle", unsafe {
-        sys::hipMemImportFromShareableHandle(
-            &mut handle,
-            os_handle,
-            sys::hipMemAllocationHandleType::hipMemHandleTypePosixFileDescriptor,
-        )
-    })?;
-    Ok(handle as usize as u64)
-}
-
-/// `hipMalloc` on the current device (legacy-IPC arenas): returns the device address.
-pub(super) fn malloc(bytes: usize) -> Result<u64, HipError> {
-    let mut base: *mut c_void = ptr::null_mut();
-    // SAFETY: the out-pointer is a valid local; the runtime checks the size.
-    check("hipMalloc", unsafe { sys::hipMalloc(&mut base, bytes) })?;
-    Ok(base as usize as u64)
-}
-
-/// `hipFree`.
-///
-/// # Safety
-/// `base` came from [`malloc`], no queued or running device work uses it (the caller
-/// synchronized), no importer of ours still has it open, and it is freed once.
-pub(super) unsafe fn free(base: u64) -> Result<(), HipError> {
-    // SAFETY: the caller frees its own allocation, once, no longer in use.
-    check("hipFree", unsafe { sys::hipFree(dptr(base)) })
-}
-
-/// `hipIpcGetMemHandle`: the 64-byte legacy IPC handle of a `hipMalloc` allocation.
-///
-/// # Safety
-/// `base` is the start of a live allocation from [`malloc`].
-pub(super) unsafe fn ipc_get_mem_handle(base: u64) -> Result<Vec<u8>, HipError> {
-    let mut handle = sys::hipIpcMemHandle_t {
-        reserved: [0; IPC_HANDLE_BYTES],
-    };
-    // SAFETY: the out-pointer is a valid local handle; the caller guarantees the allocation.
-    check("hipIpcGetMemHandle", unsafe {
-        sys::hipIpcGetMemHandle(&mut handle, dptr(base))
-    })?;
-    Ok(handle.reserved.iter().map(|&b| b as u8).collect())
-}
-
-/// `hipIpcOpenMemHandle` (with `hipIpcMemLazyEnablePeerAccess`) on the current device:
-/// returns the address of the opened memory in this process.
-pub(super) fn ipc_open_mem_handle(bytes: &[u8; IPC_HANDLE_BYTES]) -> Result<u64, HipError> {
-    let mut handle = sys::hipIpcMemHandle_t {
-        reserved: [0; IPC_HANDLE_BYTES],
-    };
-    for (dst, &src) in handle.reserved.iter_mut().zip(bytes.iter()) {
-        *dst = src as std::ffi::c_char;
-    }
-    let mut base: *mut c_void = ptr::null_mut();
-    // SAFETY: the out-pointer is a valid local; the handle is passed by value and the runtime
-    // checks that it names an exported allocation.
-    check("hipIpcOpenMemHandle", unsafe {
-        sys::hipIpcOpenMemHandle(&mut base, handle, sys::hipIpcMemLazyEnablePeerAccess)
-    })?;
-    Ok(base as usize as u64)
-}
-
-/// `hipIpcCloseMemHandle`.
-///
-/// # Safety
-/// `base` came from [`ipc_open_mem_handle`], no queued or running device work uses it, and it
-/// is closed once.
-pub(super) unsafe fn ipc_close_mem_handle(base: u64) -> Result<(), HipError> {
-    // SAFETY: the caller closes its own opened handle, once, no longer in use.
-    check("hipIpcCloseMemHandle", unsafe {
-        sys::hipIpcCloseMemHandle(dptr(base))
-    })
-}
-
 /// A `hipEvent_t` from its integer form.
 fn event_ptr(raw: u64) -> sys::hipEvent_t {
     raw as usize as sys::hipEvent_t
 }
 
-/// `hipEventCreateWithFlags(hipEventDisableTiming)` on the current device (set one first);
-/// returns the event as an integer.
-pub(super) fn event_create() -> Result<u64, HipError> {
-    let mut event: sys::hipEvent_t = ptr::null_mut();
-    // SAFETY: the out-pointer is a valid local; the flag is a valid event flag.
-    check("hipEventCreateWithFlags", unsafe {
-        sys::hipEventCreateWithFlags(&mut event, sys::hipEventDisableTiming)
-    })?;
-    Ok(event as usize as u64)
-}
+impl Driver for HipDriver {
+    type Device = HipDevice;
+    type Current = DeviceGuard;
 
-/// `hipEventRecord` on `stream` (0 = the null stream of the current device).
-///
-/// # Safety
-/// `event` is live (from [`event_create`], not destroyed) and `stream` is 0,
-/// `hipStreamPerThread` (2) or a live stream of the event's device.
-pub(super) unsafe fn event_record(event: u64, stream: u64) -> Result<(), HipError> {
-    // SAFETY: the caller guarantees both handles.
-    check("hipEventRecord", unsafe {
-        sys::hipEventRecord(event_ptr(event), stream as usize as sys::hipStream_t)
-    })
-}
+    const NAME: &'static str = NAME;
+    const VENDOR: &'static str = "HIP";
+    /// `hipMalloc` arenas with `hipIpcGetMemHandle` exports; 2 MiB arenas, the VMM minimum
+    /// granularity of current AMD GPUs, so arena sizes are the same on both paths.
+    const LEGACY_IPC: Option<LegacyIpc> = Some(LegacyIpc {
+        handle_bytes: IPC_HANDLE_BYTES,
+        handle_name: "hipIpc",
+        granularity: 2 << 20,
+    });
 
-/// `hipEventQuery`: `Ok(true)` when done, `Ok(false)` when not ready, else the error.
-///
-/// # Safety
-/// `event` is live (from [`event_create`], not destroyed).
-pub(super) unsafe fn event_query(event: u64) -> Result<bool, HipError> {
-    // SAFETY: the caller guarantees the event.
-    let r = unsafe { sys::hipEventQuery(event_ptr(event)) };
-    if r == sys::hipError_t::hipErrorNotReady {
-        return Ok(false);
+    const START_FAILURES: StartFailures = StartFailures {
+        init: "no HIP device",
+        version: "could not read the HIP runtime version",
+        count: "no HIP device",
+    };
+
+    /// `hipInit(0)`. Without an AMD GPU ROCm 5.2 answers `hipErrorInvalidDevice`.
+    fn init() -> DriverResult<()> {
+        // SAFETY: hipInit takes only flags (0) and may be called any number of times.
+        check("hipInit", unsafe { sys::hipInit(0) })
     }
-    check("hipEventQuery", r)?;
-    Ok(true)
-}
 
-/// `hipEventDestroy`.
-///
-/// # Safety
-/// `event` is live (from [`event_create`]) and destroyed once.
-pub(super) unsafe fn event_destroy(event: u64) -> Result<(), HipError> {
-    // SAFETY: the caller destroys its own live event, once.
-    check("hipEventDestroy", unsafe {
-        sys::hipEventDestroy(event_ptr(event))
-    })
-}
+    fn started(version: i32) -> HipDriver {
+        HipDriver { version }
+    }
 
-/// `hipMemcpyHtoD`: copy `src` to device address `dst` (synchronous for pageable memory).
-///
-/// # Safety
-/// `dst..dst + src.len()` is device memory mapped by this process that nothing else uses
-/// concurrently (and not host memory that Rust code owns).
-pub(super) unsafe fn memcpy_htod(dst: u64, src: &[u8]) -> Result<(), HipError> {
-    // SAFETY: `src` is valid for reads of src.len() bytes (the runtime only reads through the
-    // `*mut` the binding declares); the caller guarantees the destination range.
-    check("hipMemcpyHtoD", unsafe {
-        sys::hipMemcpyHtoD(dptr(dst), src.as_ptr().cast_mut().cast(), src.len())
-    })
-}
+    /// `hipRuntimeGetVersion`: e.g. 50221153 for ROCm 5.2 (major * 10^7 + minor * 10^5 +
+    /// patch).
+    fn read_version() -> DriverResult<i32> {
+        let mut version = 0;
+        // SAFETY: the out-pointer is a valid local.
+        let r = unsafe { sys::hipRuntimeGetVersion(&mut version) };
+        check("hipRuntimeGetVersion", r).map(|()| version)
+    }
 
-/// `hipMemcpyDtoH`: copy from device address `src` into `dst`.
-///
-/// # Safety
-/// `src..src + dst.len()` is device memory mapped by this process.
-pub(super) unsafe fn memcpy_dtoh(dst: &mut [u8], src: u64) -> Result<(), HipError> {
-    // SAFETY: `dst` is valid for writes of dst.len() bytes and borrowed mutably for the
-    // (synchronous) copy; the caller guarantees the source range.
-    check("hipMemcpyDtoH", unsafe {
-        sys::hipMemcpyDtoH(dst.as_mut_ptr().cast(), dptr(src), dst.len())
-    })
-}
+    fn version(&self) -> i32 {
+        self.version
+    }
 
-/// `hipMemsetD8`: set `bytes` bytes at device address `dst` to `value`.
-///
-/// # Safety
-/// `dst..dst + bytes` is device memory mapped by this process that nothing else uses
-/// concurrently (and not host memory that Rust code owns).
-pub(super) unsafe fn memset_d8(dst: u64, value: u8, bytes: usize) -> Result<(), HipError> {
-    // SAFETY: the caller guarantees the destination range.
-    check("hipMemsetD8", unsafe {
-        sys::hipMemsetD8(dptr(dst), value, bytes)
-    })
+    /// `hipGetDeviceCount` (`hipErrorNoDevice` without a GPU).
+    fn count_devices() -> DriverResult<i32> {
+        let mut count = 0;
+        // SAFETY: the out-pointer is a valid local.
+        let r = unsafe { sys::hipGetDeviceCount(&mut count) };
+        check("hipGetDeviceCount", r).map(|()| count)
+    }
+
+    /// `hipGetDevice`: the current device's index.
+    fn current_on_thread(&self) -> DriverResult<u64> {
+        get_device().map(|device| device as u64)
+    }
+
+    fn version_text(&self) -> String {
+        format!("HIP runtime {}", version_text(self.version))
+    }
+
+    /// `hipDeviceGetAttribute(hipDeviceAttributeVirtualMemoryManagementSupported)` on a
+    /// runtime whose attribute numbering the bindings match; otherwise unknown (the
+    /// granularity query decides). POSIX-fd export and RDMA are not queried.
+    fn device_support(&self, ordinal: DeviceId) -> DriverResult<DeviceSupport> {
+        let vmm = if self.version >= MIN_RUNTIME_FOR_VMM_ATTRIBUTE {
+            let attribute =
+                sys::hipDeviceAttribute_t::hipDeviceAttributeVirtualMemoryManagementSupported;
+            Some(device_attribute(ordinal, attribute)? != 0)
+        } else {
+            None
+        };
+        Ok(DeviceSupport {
+            vmm,
+            posix_fd: None,
+            rdma: false,
+        })
+    }
+
+    /// Nothing to open: HIP makes a device current by its index.
+    fn open_device(&self, ordinal: DeviceId, _rdma: bool) -> DriverResult<HipDevice> {
+        Ok(HipDevice { ordinal })
+    }
+
+    unsafe fn close_device(&self, _device: HipDevice) -> DriverResult<()> {
+        Ok(())
+    }
+
+    unsafe fn make_current(&self, device: &HipDevice) -> DriverResult<DeviceGuard> {
+        DeviceGuard::set(device.ordinal)
+    }
+
+    /// `hipMemGetAllocationGranularity` (minimum); `hipErrorNotSupported` without VMM.
+    fn granularity(&self, device: &HipDevice) -> DriverResult<u64> {
+        let prop = allocation_prop(device.ordinal);
+        let flags = sys::hipMemAllocationGranularity_flags::hipMemAllocationGranularityMinimum;
+        let mut granularity = 0usize;
+        // SAFETY: the out-pointer is a valid local and `prop` a valid, initialised struct.
+        check("hipMemGetAllocationGranularity", unsafe {
+            sys::hipMemGetAllocationGranularity(&mut granularity, &prop, flags)
+        })?;
+        Ok(granularity as u64)
+    }
+
+    /// `hipMemGetInfo` of the current device.
+    fn mem_info(&self) -> DriverResult<(u64, u64)> {
+        let mut free_total = (0usize, 0usize);
+        // SAFETY: both out-pointers are valid locals.
+        let r = unsafe { sys::hipMemGetInfo(&mut free_total.0, &mut free_total.1) };
+        check("hipMemGetInfo", r).map(|()| (free_total.0 as u64, free_total.1 as u64))
+    }
+
+    /// `hipDeviceSynchronize` on the current device.
+    fn synchronize(&self) -> DriverResult<()> {
+        // SAFETY: no arguments; waits for the current device's work.
+        check("hipDeviceSynchronize", unsafe {
+            sys::hipDeviceSynchronize()
+        })
+    }
+
+    /// `hipMemCreate`.
+    fn mem_create(&self, device: &HipDevice, bytes: usize) -> DriverResult<u64> {
+        let prop = allocation_prop(device.ordinal);
+        let mut handle: sys::hipMemGenericAllocationHandle_t = ptr::null_mut();
+        // SAFETY: the out-pointer is a valid local and `prop` a valid, initialised struct; the
+        // runtime checks the size.
+        let r = unsafe { sys::hipMemCreate(&mut handle, bytes, &prop, 0) };
+        check("hipMemCreate", r).map(|()| handle as usize as u64)
+    }
+
+    unsafe fn mem_release(&self, handle: u64) -> DriverResult<()> {
+        // SAFETY: the caller gives back a handle it owns, once.
+        check("hipMemRelease", unsafe {
+            sys::hipMemRelease(handle_ptr(handle))
+        })
+    }
+
+    /// `hipMemAddressReserve` (no address hint, no flags).
+    fn address_reserve(&self, bytes: usize, alignment: usize) -> DriverResult<u64> {
+        let mut base: *mut c_void = ptr::null_mut();
+        let hint = ptr::null_mut();
+        // SAFETY: the out-pointer is a valid local; no address hint (null), no flags.
+        let r = unsafe { sys::hipMemAddressReserve(&mut base, bytes, alignment, hint, 0) };
+        check("hipMemAddressReserve", r).map(|()| base as usize as u64)
+    }
+
+    unsafe fn address_free(&self, base: u64, bytes: usize) -> DriverResult<()> {
+        // SAFETY: the caller frees its own, unmapped reservation, once.
+        let r = unsafe { sys::hipMemAddressFree(dptr(base), bytes) };
+        check("hipMemAddressFree", r)
+    }
+
+    unsafe fn map(&self, base: u64, bytes: usize, handle: u64) -> DriverResult<()> {
+        // SAFETY: the caller guarantees the range and the handle; offset 0, no flags.
+        let r = unsafe { sys::hipMemMap(dptr(base), bytes, 0, handle_ptr(handle), 0) };
+        check("hipMemMap", r)
+    }
+
+    unsafe fn unmap(&self, base: u64, bytes: usize) -> DriverResult<()> {
+        // SAFETY: the caller unmaps its own mapping, no longer in use.
+        let r = unsafe { sys::hipMemUnmap(dptr(base), bytes) };
+        check("hipMemUnmap", r)
+    }
+
+    unsafe fn set_access(&self, base: u64, bytes: usize, ordinal: DeviceId) -> DriverResult<()> {
+        let desc = sys::hipMemAccessDesc {
+            location: device_location(ordinal),
+            flags: sys::hipMemAccessFlags::hipMemAccessFlagsProtReadWrite,
+        };
+        // SAFETY: the caller guarantees the mapping; `desc` is one valid, initialised
+        // descriptor (count 1).
+        let r = unsafe { sys::hipMemSetAccess(dptr(base), bytes, &desc, 1) };
+        check("hipMemSetAccess", r)
+    }
+
+    unsafe fn export_fd(&self, handle: u64) -> DriverResult<OwnedFd> {
+        let kind = sys::hipMemAllocationHandleType::hipMemHandleTypePosixFileDescriptor;
+        let mut fd: c_int = -1;
+        let out = ptr::addr_of_mut!(fd).cast::<c_void>();
+        // SAFETY: the caller guarantees the handle; for a POSIX fd handle type the runtime
+        // writes one int through `out`, which points at a valid local int.
+        let r = unsafe { sys::hipMemExportToShareableHandle(out, handle_ptr(handle), kind, 0) };
+        // A negative fd on success would be a runtime bug: report it as hipErrorUnknown.
+        let r = if r == sys::hipError_t::hipSuccess && fd < 0 {
+            sys::hipError_t::hipErrorUnknown
+        } else {
+            r
+        };
+        check("hipMemExportToShareableHandle", r)?;
+        // SAFETY: on success the runtime returned a new fd that nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    fn import_fd(&self, fd: BorrowedFd<'_>) -> DriverResult<u64> {
+        let kind = sys::hipMemAllocationHandleType::hipMemHandleTypePosixFileDescriptor;
+        let mut handle: sys::hipMemGenericAllocationHandle_t = ptr::null_mut();
+        // As in CUDA (and PyTorch's hipified expandable segments), the "OS handle" of a POSIX
+        // fd is the fd's value cast to a pointer.
+        let os_handle = fd.as_raw_fd() as isize as *mut c_void;
+        // SAFETY: the out-pointer is a valid local; the fd is open for the call (borrowed), the
+        // runtime only reads it and checks that it is a HIP shareable handle.
+        let r = unsafe { sys::hipMemImportFromShareableHandle(&mut handle, os_handle, kind) };
+        check("hipMemImportFromShareableHandle", r).map(|()| handle as usize as u64)
+    }
+
+    /// `hipMalloc` on the current device.
+    fn legacy_alloc(&self, bytes: usize) -> DriverResult<u64> {
+        let mut base: *mut c_void = ptr::null_mut();
+        // SAFETY: the out-pointer is a valid local; the runtime checks the size.
+        check("hipMalloc", unsafe { sys::hipMalloc(&mut base, bytes) })?;
+        Ok(base as usize as u64)
+    }
+
+    /// `hipFree`.
+    unsafe fn legacy_free(&self, base: u64) -> DriverResult<()> {
+        // SAFETY: the caller frees its own allocation, once, no longer in use.
+        check("hipFree", unsafe { sys::hipFree(dptr(base)) })
+    }
+
+    /// `hipIpcGetMemHandle`: 64 bytes.
+    unsafe fn ipc_get_handle(&self, base: u64) -> DriverResult<Vec<u8>> {
+        let mut handle = sys::hipIpcMemHandle_t {
+            reserved: [0; IPC_HANDLE_BYTES],
+        };
+        // SAFETY: the out-pointer is a valid local handle; the caller guarantees the allocation.
+        check("hipIpcGetMemHandle", unsafe {
+            sys::hipIpcGetMemHandle(&mut handle, dptr(base))
+        })?;
+        Ok(handle.reserved.iter().map(|&b| b as u8).collect())
+    }
+
+    /// `hipIpcOpenMemHandle` with `hipIpcMemLazyEnablePeerAccess`.
+    fn ipc_open_handle(&self, bytes: &[u8]) -> DriverResult<u64> {
+        let mut handle = sys::hipIpcMemHandle_t {
+            reserved: [0; IPC_HANDLE_BYTES],
+        };
+        for (dst, &src) in handle.reserved.iter_mut().zip(bytes.iter()) {
+            *dst = src as std::ffi::c_char;
+        }
+        let mut base: *mut c_void = ptr::null_mut();
+        // SAFETY: the out-pointer is a valid local; the handle is passed by value and the
+        // runtime checks that it names an exported allocation.
+        check("hipIpcOpenMemHandle", unsafe {
+            sys::hipIpcOpenMemHandle(&mut base, handle, sys::hipIpcMemLazyEnablePeerAccess)
+        })?;
+        Ok(base as usize as u64)
+    }
+
+    /// `hipIpcCloseMemHandle`.
+    unsafe fn ipc_close_handle(&self, base: u64) -> DriverResult<()> {
+        // SAFETY: the caller closes its own opened handle, once, no longer in use.
+        check("hipIpcCloseMemHandle", unsafe {
+            sys::hipIpcCloseMemHandle(dptr(base))
+        })
+    }
+
+    /// `hipEventCreateWithFlags(hipEventDisableTiming)` on the current device.
+    fn event_create(&self) -> DriverResult<u64> {
+        let mut event: sys::hipEvent_t = ptr::null_mut();
+        // SAFETY: the out-pointer is a valid local; the flag is a valid event flag.
+        let r = unsafe { sys::hipEventCreateWithFlags(&mut event, sys::hipEventDisableTiming) };
+        check("hipEventCreateWithFlags", r).map(|()| event as usize as u64)
+    }
+
+    /// `hipEventRecord`; the special stream is `hipStreamPerThread` (2), a C macro absent
+    /// from the bindings, passed through as the integer it is.
+    unsafe fn event_record(&self, event: u64, stream: u64) -> DriverResult<()> {
+        // SAFETY: the caller guarantees both handles.
+        let r =
+            unsafe { sys::hipEventRecord(event_ptr(event), stream as usize as sys::hipStream_t) };
+        check("hipEventRecord", r)
+    }
+
+    unsafe fn event_query(&self, event: u64) -> DriverResult<bool> {
+        // SAFETY: the caller guarantees the event.
+        let r = unsafe { sys::hipEventQuery(event_ptr(event)) };
+        let done = r != sys::hipError_t::hipErrorNotReady;
+        let r = if done { r } else { sys::hipError_t::hipSuccess };
+        check("hipEventQuery", r).map(|()| done)
+    }
+
+    unsafe fn event_destroy(&self, event: u64) -> DriverResult<()> {
+        // SAFETY: the caller destroys its own live event, once.
+        let r = unsafe { sys::hipEventDestroy(event_ptr(event)) };
+        check("hipEventDestroy", r)
+    }
+
+    /// `hipMemcpyHtoD` (synchronous for pageable memory).
+    unsafe fn memcpy_htod(&self, dst: u64, src: &[u8]) -> DriverResult<()> {
+        let from = src.as_ptr().cast_mut().cast();
+        // SAFETY: `src` is valid for reads of src.len() bytes (the runtime only reads through
+        // the `*mut` the binding declares); the caller guarantees the destination range.
+        let r = unsafe { sys::hipMemcpyHtoD(dptr(dst), from, src.len()) };
+        check("hipMemcpyHtoD", r)
+    }
+
+    unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> DriverResult<()> {
+        let len = dst.len();
+        // SAFETY: `dst` is valid for writes of its len() bytes and borrowed mutably for the
+        // (synchronous) copy; the caller guarantees the source range.
+        let r = unsafe { sys::hipMemcpyDtoH(dst.as_mut_ptr().cast(), dptr(src), len) };
+        check("hipMemcpyDtoH", r)
+    }
+
+    unsafe fn memset_d8(&self, dst: u64, value: u8, bytes: usize) -> DriverResult<()> {
+        // SAFETY: the caller guarantees the destination range.
+        let r = unsafe { sys::hipMemsetD8(dptr(dst), value, bytes) };
+        check("hipMemsetD8", r)
+    }
 }

@@ -1,143 +1,26 @@
-//! The export/share lifetime state machine of an arena: exports, shares, leases, deferred
-//! frees. Everything that decides when an export is made, when it is closed and when the
-//! arena may go back to the driver lives in this file.
-//!
-//! Terms: a **share** is the producer's grant of a sub-range of one live allocation to other
-//! processes (a [`ShareInfo`], sent as a handle). A **lease** is one consumer's import of a
-//! share, opened at the broker. Both hold a reference on the arena and on the allocation.
-//!
-//! | state | event | action | next state |
-//! |---|---|---|---|
-//! | `Private` | first share | take a ref, mark `Exporting`, export with the lock released | `Exported` |
-//! | `Exporting` | another share | wait for the export to finish | `Exported` |
-//! | `Exported` | share / lease opened | take a ref | `Exported` |
-//! | `Exported` | unshare / lease closed, refs > 0 | drop a ref | `Exported` |
-//! | `Exported` (releasable) | last ref dropped | close the export (after unlocking) | `Private` |
-//! | `Exported` (pinning) | last ref dropped | keep the export: it cannot end | `Exported`, pinned |
-//! | `Private`, no allocations, not pinned | `empty_cache` | synchronize, destroy | (gone) |
-//! | pinned | `empty_cache` | keep; its ranges serve later allocations first | pinned |
-//!
-//! Rules (ARCHITECTURE.md): an arena is exported at most once at a time, lazily, on its first
-//! share; every share and every lease holds a reference; the owner's free of a referenced
-//! allocation is deferred until the last reference ends (torch's "limbo"); the export is
-//! closed *before* the arena may be destroyed; a pinning export is never destroyed but
-//! recycled.
+//! Sharing, as the pool performs it: `share`, `unshare`, consumer leases, the export
+//! self-test and the teardown of exports. Every decision (take or drop a reference, export
+//! or wait, close the export, release a deferred free, refuse a revoked or stale share) is
+//! [`crate::lifetime::ArenaLifetime`]'s, whose module docs hold the state table; this file
+//! looks the records up, makes the driver calls it asks for (exports and closes with the
+//! device lock released) and keeps the counters.
 //!
 //! Pinning is known two ways: the backend says so ([`ExportKind::Pinning`]), or the start-up
 //! self-test ([`Pool::export_semantics`]: create, export, close, destroy, compare
 //! `mem_info`) finds the driver still holding the memory. The self-test costs one
 //! granularity of memory on a pinning driver, once per device per process.
 
-use std::os::fd::OwnedFd;
-use std::sync::OnceLock;
-
+use rustc_hash::FxHashMap;
 use slab::Slab;
 
+use super::records::{LeaseGrant, LeaseRecord, ShareInfo, ShareRecord};
+use super::{Arena, DevicePool, DeviceState, Live, Pool};
 use crate::backend::{ArenaMem, Backend, DeviceId, Export, ExportKind, ExportPayload};
 use crate::error::{Error, Result};
-use crate::pool::{DevicePool, DeviceState, Pool};
+use crate::lifetime::{AllocHold, ArenaLifetime, Ended, ExportStep, LifetimeError};
 
-/// Export state of one arena.
-#[derive(Debug, Default)]
-pub(crate) enum ExportState {
-    /// Not exported.
-    #[default]
-    Private,
-    /// A thread is exporting it with the lock released.
-    Exporting,
-    /// Exported; the export is closed when the last reference ends (unless pinning).
-    Exported(Export),
-}
-
-/// The sharing state of one arena.
-#[derive(Debug, Default)]
-pub(crate) struct ArenaLifetime {
-    state: ExportState,
-    /// Shares plus leases holding the arena.
-    refs: u64,
-    /// A pinning export was made: never destroy, recycle.
-    pinned: bool,
-    /// Exports made of this arena (the current one's number is the handle's generation).
-    generation: u32,
-}
-
-impl ArenaLifetime {
-    /// Whether the arena may go back to the backend (given it has no allocations).
-    pub(crate) fn destroyable(&self) -> bool {
-        self.refs == 0 && !self.pinned && matches!(self.state, ExportState::Private)
-    }
-
-    /// For snapshots.
-    pub(crate) fn describe(&self) -> serde_json::Value {
-        let state = match &self.state {
-            ExportState::Private => "private",
-            ExportState::Exporting => "exporting",
-            ExportState::Exported(_) => "exported",
-        };
-        serde_json::json!({ "state": state, "refs": self.refs, "pinned": self.pinned,
-                            "generation": self.generation })
-    }
-}
-
-/// What the producer hands out for one share: enough to build a share handle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ShareInfo {
-    /// Device of the memory.
-    pub device: DeviceId,
-    /// Key of the share in the producer's table.
-    pub share_key: u32,
-    /// Arena id (unique in the producer's pool).
-    pub arena_id: u64,
-    /// Export generation of the arena.
-    pub generation: u32,
-    /// Arena size in bytes (the importer maps the whole arena).
-    pub arena_bytes: u64,
-    /// Offset of the shared range inside the arena, in bytes.
-    pub offset: u64,
-    /// Length of the shared range in bytes.
-    pub len: u64,
-    /// Random 128-bit secret the importer must present.
-    pub token: [u8; 16],
-}
-
-/// What the broker sends a consumer who opened a lease.
-#[derive(Debug)]
-pub struct LeaseGrant {
-    /// Key of the lease in the producer's table (the consumer closes it by this key).
-    pub lease_key: u32,
-    /// A duplicate of the export fd, to send with SCM_RIGHTS and then drop.
-    pub fd: OwnedFd,
-    /// The share the lease is on.
-    pub share: ShareInfo,
-    /// Whether the export can be ended.
-    pub kind: ExportKind,
-}
-
-/// A share in the producer's table.
-#[derive(Debug)]
-pub(crate) struct ShareRecord {
-    info: ShareInfo,
-    arena: usize,
-    /// Start of the allocation the share lies in.
-    alloc_ptr: u64,
-    revoked: bool,
-    leases: u64,
-}
-
-/// A consumer's lease on a share.
-#[derive(Debug)]
-pub(crate) struct LeaseRecord {
-    share_key: u32,
-}
-
-/// Share and lease tables of one device.
-#[derive(Debug, Default)]
-pub(crate) struct ShareTables {
-    pub(crate) shares: Slab<ShareRecord>,
-    pub(crate) leases: Slab<LeaseRecord>,
-    /// Self-test result: does closing an export release memory on this device?
-    pub(crate) probed_kind: OnceLock<ExportKind>,
-}
+/// An export to close once the lock is released, with the memory it exports.
+type ToClose = Option<(ArenaMem, Export)>;
 
 fn random_token() -> Result<[u8; 16]> {
     let mut token = [0u8; 16];
@@ -151,38 +34,63 @@ fn random_token() -> Result<[u8; 16]> {
     Ok(token)
 }
 
+/// A transition the lifetime refused where the pool's records say it must succeed.
+fn refused(what: &str, e: LifetimeError) -> Error {
+    Error::Internal(format!("{what}: {e}"))
+}
+
+/// The lifetime of `arena` and the hold of the allocation at `ptr`, borrowed together.
+fn holds<'a>(
+    arenas: &'a mut Slab<Arena>,
+    allocs: &'a mut FxHashMap<u64, Live>,
+    arena: usize,
+    ptr: u64,
+) -> Result<(&'a mut ArenaLifetime<Export>, &'a mut AllocHold)> {
+    let a = arenas
+        .get_mut(arena)
+        .ok_or_else(|| Error::Internal(format!("arena {arena} of a shared range is gone")))?;
+    let live = allocs
+        .get_mut(&ptr)
+        .ok_or_else(|| Error::Internal(format!("shared allocation {ptr:#x} is gone")))?;
+    Ok((&mut a.lifetime, &mut live.hold))
+}
+
 impl DeviceState {
-    /// Drop one reference on `arena` and on the allocation at `alloc_ptr`. A freed
-    /// allocation whose last reference ends goes back to the sub-allocator. Returns the
-    /// export to close (after unlocking) when the arena's last reference ended.
+    /// Drop one reference on `arena` and on the allocation at `ptr` (a share that could not
+    /// be made). Returns the export to close after unlocking.
     fn drop_ref(
         &mut self,
         arena: usize,
-        alloc_ptr: u64,
+        ptr: u64,
         backend: &dyn Backend,
         device: DeviceId,
-    ) -> Option<(ArenaMem, Export)> {
-        if let Some(live) = self.allocs.get_mut(&alloc_ptr) {
-            live.refs -= 1;
-            if live.refs == 0 && live.freed {
-                self.release_deferred(alloc_ptr, backend, device);
-            }
+    ) -> Result<ToClose> {
+        let (lt, hold) = holds(&mut self.arenas, &mut self.allocs, arena, ptr)?;
+        let ended = lt.drop_ref(hold).map_err(|e| refused("drop_ref", e))?;
+        Ok(self.apply_ended(ended, arena, ptr, None, backend, device))
+    }
+
+    /// Do what the end of a reference asks, under the lock: remove the share's record,
+    /// release the allocation its owner freed, count the export to close (returned, to be
+    /// closed after unlocking).
+    fn apply_ended(
+        &mut self,
+        ended: Ended<Export>,
+        arena: usize,
+        ptr: u64,
+        share_key: Option<u32>,
+        backend: &dyn Backend,
+        device: DeviceId,
+    ) -> ToClose {
+        if let (true, Some(key)) = (ended.remove_share, share_key) {
+            self.shares.shares.try_remove(key as usize);
         }
-        let a = self.arenas.get_mut(arena)?;
-        a.lifetime.refs -= 1;
-        if a.lifetime.refs > 0 || a.lifetime.pinned {
-            return None;
+        if ended.release_freed {
+            self.release_deferred(ptr, backend, device);
         }
-        match std::mem::take(&mut a.lifetime.state) {
-            ExportState::Exported(export) => {
-                self.stats.exports_live -= 1;
-                Some((a.mem.clone(), export))
-            }
-            other => {
-                a.lifetime.state = other;
-                None
-            }
-        }
+        let export = ended.close_export?;
+        self.stats.exports_live -= 1;
+        Some((self.arenas.get(arena)?.mem.clone(), export))
     }
 
     fn share_record(&self, key: u32, token: &[u8; 16]) -> Result<&ShareRecord> {
@@ -192,6 +100,22 @@ impl DeviceState {
                 "share {key}: no such share (unknown key or wrong token)"
             ))),
         }
+    }
+
+    /// Why a handle naming export `generation` of arena `arena_id` found no share, when the
+    /// reason is that it is stale: the arena was released, or exported again since.
+    fn staleness(&self, arena_id: u64, generation: Option<u32>) -> Option<String> {
+        let Some((_, a)) = self.arenas.iter().find(|(_, a)| a.id == arena_id) else {
+            return Some(if arena_id != 0 && arena_id < self.next_arena_id {
+                format!("the handle is stale: arena {arena_id} was released")
+            } else {
+                format!("the handle names arena {arena_id}, which this pool never had")
+            });
+        };
+        let e = a.lifetime.check_generation(generation?).err()?;
+        Some(format!(
+            "the handle is stale: arena {arena_id}: {e} (its shares ended and it was exported again)"
+        ))
     }
 }
 
@@ -213,6 +137,7 @@ impl Pool {
                 ptr,
                 why: "share of memory gpu-arena did not allocate".into(),
             })?;
+        let token = random_token()?;
         let mut st = dp.state.lock();
         let (start, alen) =
             st.ranges
@@ -230,26 +155,42 @@ impl Pool {
         }
         let arena = live.arena;
         // Take the references first, so a concurrent free defers instead of releasing.
-        if let Some(l) = st.allocs.get_mut(&start) {
-            l.refs += 1;
+        {
+            let st = &mut *st;
+            let (lt, hold) = holds(&mut st.arenas, &mut st.allocs, arena, start)?;
+            lt.take_ref(hold).map_err(|e| refused("share", e))?;
         }
-        st.arenas[arena].lifetime.refs += 1;
-        if let Err(e) = self.ensure_exported(dp, &mut st, arena) {
-            let export = st.drop_ref(arena, start, self.backend.as_ref(), dp.device);
-            drop(st);
-            self.close_exports(dp, export);
-            return Err(e);
-        }
+        let made = self.ensure_exported(dp, &mut st, arena).and_then(|()| {
+            st.arenas[arena]
+                .lifetime
+                .new_share()
+                .map_err(|e| refused("share", e))
+        });
+        let hold = match made {
+            Ok(hold) => hold,
+            Err(e) => {
+                let to_close = st.drop_ref(arena, start, self.backend.as_ref(), dp.device);
+                drop(st);
+                self.close_exports(
+                    dp,
+                    to_close.unwrap_or_else(|e| {
+                        tracing::error!(error = %e, "dropping the reference of a failed share");
+                        None
+                    }),
+                );
+                return Err(e);
+            }
+        };
         let a = &st.arenas[arena];
         let mut info = ShareInfo {
             device: dp.device,
             share_key: 0,
             arena_id: a.id,
-            generation: a.lifetime.generation,
+            generation: hold.generation(),
             arena_bytes: a.mem.bytes,
             offset: ptr - a.mem.base,
             len,
-            token: random_token()?,
+            token,
         };
         let entry = st.shares.shares.vacant_entry();
         info.share_key = u32::try_from(entry.key())
@@ -258,8 +199,7 @@ impl Pool {
             info,
             arena,
             alloc_ptr: start,
-            revoked: false,
-            leases: 0,
+            hold,
         });
         st.stats.shares_live += 1;
         Ok(info)
@@ -272,48 +212,59 @@ impl Pool {
         st: &mut parking_lot::MutexGuard<'_, DeviceState>,
         arena: usize,
     ) -> Result<()> {
-        // The self-test may release the lock (on a device's first share): run it before
-        // looking at the state, so the Private -> Exporting step below stays atomic.
+        // The self-test may release the lock (on a device's first share): run it first, so
+        // the lifetime's Private -> Exporting step below is taken under one lock hold.
         let probed = self.export_semantics_locked(dp, st)?;
         loop {
-            match st.arenas[arena].lifetime.state {
-                ExportState::Exported(_) => return Ok(()),
-                ExportState::Exporting => {
+            let step = st.arenas[arena].lifetime.begin_export();
+            match step.map_err(|e| refused("export", e))? {
+                ExportStep::Ready => return Ok(()),
+                ExportStep::Wait => {
                     parking_lot::MutexGuard::unlocked(st, std::thread::yield_now);
                 }
-                ExportState::Private => break,
+                ExportStep::Export => break,
             }
         }
-        st.arenas[arena].lifetime.state = ExportState::Exporting;
         let mem = st.arenas[arena].mem.clone();
         let result = parking_lot::MutexGuard::unlocked(st, || self.backend.export(&mem));
         let a = &mut st.arenas[arena];
-        match result {
-            Ok(export) => {
-                let pinning = export.kind == ExportKind::Pinning || probed == ExportKind::Pinning;
-                a.lifetime.generation += 1;
-                a.lifetime.state = ExportState::Exported(export);
-                let bytes = a.mem.bytes;
-                if pinning && !a.lifetime.pinned {
-                    a.lifetime.pinned = true;
-                    st.stats.pinned_bytes += bytes;
-                    tracing::info!(
-                        device = dp.device,
-                        bytes,
-                        "arena pinned by its export: it will be recycled, never freed"
-                    );
-                }
-                st.stats.exports_live += 1;
-                st.stats.exports_total += 1;
-                dp.metrics.exports.increment(1);
-                dp.metrics.publish(&st.stats);
-                Ok(())
-            }
+        let export = match result {
+            Ok(export) => export,
             Err(e) => {
-                a.lifetime.state = ExportState::Private;
-                Err(e)
+                a.lifetime
+                    .export_failed()
+                    .map_err(|e| refused("export failed", e))?;
+                return Err(e);
             }
+        };
+        let pinning = export.kind == ExportKind::Pinning || probed == ExportKind::Pinning;
+        let done = match a.lifetime.finish_export(export, pinning) {
+            Ok(done) => done,
+            Err(export) => {
+                // Never reached (only this thread exports from `Exporting`); never drop an
+                // export unclosed.
+                parking_lot::MutexGuard::unlocked(st, || {
+                    self.close_exports(dp, Some((mem, export)))
+                });
+                return Err(Error::Internal(
+                    "an export finished while not exporting".into(),
+                ));
+            }
+        };
+        let bytes = a.mem.bytes;
+        if done.newly_pinned {
+            st.stats.pinned_bytes += bytes;
+            tracing::info!(
+                device = dp.device,
+                bytes,
+                "arena pinned by its export: it will be recycled, never freed"
+            );
         }
+        st.stats.exports_live += 1;
+        st.stats.exports_total += 1;
+        dp.metrics.exports.increment(1);
+        dp.metrics.publish(&st.stats);
+        Ok(())
     }
 
     /// The device's export semantics from the start-up self-test (cached): `Releasable` when
@@ -388,21 +339,20 @@ impl Pool {
     /// their consumers close them; the memory stays reserved until then.
     pub fn unshare(&self, device: DeviceId, share_key: u32, token: &[u8; 16]) -> Result<()> {
         let dp = self.dev(device)?;
-        let mut st = dp.state.lock();
+        let mut guard = dp.state.lock();
+        let st = &mut *guard;
         let rec = st.share_record(share_key, token)?;
-        if rec.revoked {
+        if rec.hold.revoked() {
             return Err(Error::Ipc(format!("share {share_key} already unshared")));
         }
-        let (arena, alloc_ptr, leases) = (rec.arena, rec.alloc_ptr, rec.leases);
-        if leases == 0 {
-            st.shares.shares.remove(share_key as usize);
-        } else if let Some(r) = st.shares.shares.get_mut(share_key as usize) {
-            r.revoked = true;
-        }
+        let (arena, ptr) = (rec.arena, rec.alloc_ptr);
+        let (lt, hold) = holds(&mut st.arenas, &mut st.allocs, arena, ptr)?;
+        let rec = &mut st.shares.shares[share_key as usize];
+        let ended = lt
+            .unshare(&mut rec.hold, hold)
+            .map_err(|e| refused("unshare", e))?;
         st.stats.shares_live -= 1;
-        let export = st.drop_ref(arena, alloc_ptr, self.backend.as_ref(), dp.device);
-        drop(st);
-        self.close_exports(dp, export);
+        self.end_ref(dp, guard, ended, arena, ptr, share_key);
         Ok(())
     }
 
@@ -413,22 +363,74 @@ impl Pool {
         share_key: u32,
         token: &[u8; 16],
     ) -> Result<LeaseGrant> {
+        self.open_lease_in(device, share_key, token, None)
+    }
+
+    /// Open a lease on the share a handle names, checking the handle's arena id and its
+    /// export generation: a handle of a released arena, of another arena or of an earlier
+    /// export of this one is refused as stale, and nothing changes.
+    pub fn open_lease_named(
+        &self,
+        device: DeviceId,
+        share_key: u32,
+        token: &[u8; 16],
+        arena_id: u64,
+        generation: u32,
+    ) -> Result<LeaseGrant> {
+        self.open_lease_in(device, share_key, token, Some((arena_id, Some(generation))))
+    }
+
+    fn open_lease_in(
+        &self,
+        device: DeviceId,
+        share_key: u32,
+        token: &[u8; 16],
+        named: Option<(u64, Option<u32>)>,
+    ) -> Result<LeaseGrant> {
         let dp = self.dev(device)?;
-        let mut st = dp.state.lock();
-        let rec = st.share_record(share_key, token)?;
-        if rec.revoked {
+        let mut guard = dp.state.lock();
+        let st = &mut *guard;
+        let rec = match st.share_record(share_key, token) {
+            Ok(rec) => rec,
+            Err(Error::Ipc(why)) => {
+                let stale = named.and_then(|(id, generation)| st.staleness(id, generation));
+                return Err(Error::Ipc(match stale {
+                    Some(stale) => format!("{why}; {stale}"),
+                    None => why,
+                }));
+            }
+            Err(e) => return Err(e),
+        };
+        if let Some((id, generation)) = named {
+            if rec.info.arena_id != id {
+                return Err(Error::Ipc(
+                    "share names another arena (stale handle)".into(),
+                ));
+            }
+            let current = rec.hold.generation();
+            if let Some(named) = generation.filter(|&g| g != current) {
+                let stale = LifetimeError::Stale { named, current };
+                return Err(Error::Ipc(format!(
+                    "share {share_key}: stale handle: {stale}"
+                )));
+            }
+        }
+        if rec.hold.revoked() {
             return Err(Error::Ipc(format!(
                 "share {share_key} was unshared: no new imports"
             )));
         }
-        let (arena, alloc_ptr, info) = (rec.arena, rec.alloc_ptr, rec.info);
-        let a = &st.arenas[arena];
-        let ExportState::Exported(export) = &a.lifetime.state else {
-            return Err(Error::Internal(format!(
-                "share {share_key} on an arena that is not exported"
-            )));
-        };
-        let kind = if a.lifetime.pinned {
+        let (arena, ptr, info) = (rec.arena, rec.alloc_ptr, rec.info);
+        let a = st
+            .arenas
+            .get(arena)
+            .ok_or_else(|| Error::Internal(format!("share {share_key} names a missing arena")))?;
+        let export = a.lifetime.check_lease(&rec.hold).map_err(|e| {
+            Error::Internal(format!(
+                "share {share_key} on an arena that is not exported: {e}"
+            ))
+        })?;
+        let kind = if a.lifetime.pinned() {
             ExportKind::Pinning
         } else {
             export.kind
@@ -443,15 +445,14 @@ impl Pool {
                 ))
             }
         };
-        let lease_key = u32::try_from(st.shares.leases.insert(LeaseRecord { share_key }))
+        let entry = st.shares.leases.vacant_entry();
+        let lease_key = u32::try_from(entry.key())
             .map_err(|_| Error::Internal("lease table overflow".into()))?;
-        if let Some(r) = st.shares.shares.get_mut(share_key as usize) {
-            r.leases += 1;
-        }
-        if let Some(l) = st.allocs.get_mut(&alloc_ptr) {
-            l.refs += 1;
-        }
-        st.arenas[arena].lifetime.refs += 1;
+        let (lt, hold) = holds(&mut st.arenas, &mut st.allocs, arena, ptr)?;
+        let rec = &mut st.shares.shares[share_key as usize];
+        lt.open_lease(&mut rec.hold, hold)
+            .map_err(|e| refused("open_lease", e))?;
+        entry.insert(LeaseRecord { share_key });
         st.stats.imports_live += 1;
         Ok(LeaseGrant {
             lease_key,
@@ -464,11 +465,12 @@ impl Pool {
     /// Close a consumer's lease (the consumer unmapped, or its connection ended).
     pub fn close_lease(&self, device: DeviceId, lease_key: u32) -> Result<()> {
         let dp = self.dev(device)?;
-        let mut st = dp.state.lock();
+        let mut guard = dp.state.lock();
+        let st = &mut *guard;
         let share_key = st
             .shares
             .leases
-            .try_remove(lease_key as usize)
+            .get(lease_key as usize)
             .ok_or_else(|| Error::Ipc(format!("lease {lease_key}: no such lease (closed twice?)")))?
             .share_key;
         let Some(rec) = st.shares.shares.get_mut(share_key as usize) else {
@@ -476,16 +478,38 @@ impl Pool {
                 "lease {lease_key} names missing share {share_key}"
             )));
         };
-        rec.leases -= 1;
-        let (arena, alloc_ptr) = (rec.arena, rec.alloc_ptr);
-        if rec.revoked && rec.leases == 0 {
-            st.shares.shares.remove(share_key as usize);
-        }
+        let (arena, ptr) = (rec.arena, rec.alloc_ptr);
+        let (lt, hold) = holds(&mut st.arenas, &mut st.allocs, arena, ptr)?;
+        let ended = lt
+            .close_lease(&mut rec.hold, hold)
+            .map_err(|e| refused("close_lease", e))?;
+        st.shares.leases.remove(lease_key as usize);
         st.stats.imports_live -= 1;
-        let export = st.drop_ref(arena, alloc_ptr, self.backend.as_ref(), dp.device);
-        drop(st);
-        self.close_exports(dp, export);
+        self.end_ref(dp, guard, ended, arena, ptr, share_key);
         Ok(())
+    }
+
+    /// Do what the end of a share's or lease's reference asks: the records under the lock
+    /// (`apply_ended`), then the close of the export, if any, with the lock released.
+    fn end_ref(
+        &self,
+        dp: &DevicePool,
+        mut guard: parking_lot::MutexGuard<'_, DeviceState>,
+        ended: Ended<Export>,
+        arena: usize,
+        ptr: u64,
+        share_key: u32,
+    ) {
+        let to_close = guard.apply_ended(
+            ended,
+            arena,
+            ptr,
+            Some(share_key),
+            self.backend.as_ref(),
+            dp.device,
+        );
+        drop(guard);
+        self.close_exports(dp, to_close);
     }
 
     /// Close an export that `drop_ref` took out, with the lock released. A concurrent
@@ -511,10 +535,10 @@ impl Pool {
                 tracing::error!(error = %e, "synchronize before teardown failed");
             }
             for (_, a) in std::mem::take(&mut st.arenas) {
-                if a.lifetime.pinned {
+                if a.lifetime.pinned() {
                     tracing::warn!(bytes = a.mem.bytes, "pool dropped with a pinned arena: the driver keeps it until the process exits");
                 }
-                if let ExportState::Exported(export) = a.lifetime.state {
+                if let Some(export) = a.lifetime.into_export() {
                     if let Err(e) = self.backend.close_export(&a.mem, export) {
                         tracing::error!(error = %e, "closing an export at teardown failed");
                     }

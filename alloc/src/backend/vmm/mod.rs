@@ -1,0 +1,662 @@
+//! The VMM core: one [`Backend`] for every vendor whose driver has a virtual memory
+//! management API (CUDA's `cuMem*`, HIP's `hipMem*`), built on that vendor's [`Driver`].
+//!
+//! # Layering
+//! ```text
+//! VmmBackend<D>     this module: registries, per-device state, teardown, copies, Drop
+//!   D: Driver       vmm::driver: the primitives, one per driver operation
+//!     cuda::driver  CudaDriver: every raw libcuda call (cudarc driver::sys)
+//!     hip::driver   HipDriver: every raw libamdhip64 call (hip-sys), the legacy IPC path too
+//! ```
+//! All logic lives here: which primitives run in which order, what is undone when one fails,
+//! what is checked before the driver sees an argument. A vendor's folder holds only its raw
+//! calls (the [`Driver`] implementation) and what is its own alone: how the library is loaded
+//! and initialised, and test helpers such as the current context. `cuda::CudaBackend`
+//! is `VmmBackend<CudaDriver>`, `hip::HipBackend` is `VmmBackend<HipDriver>`.
+//!
+//! # Devices
+//! The backend lives with PyTorch's device and context: every call that needs a device makes
+//! it current through [`Driver::make_current`] (CUDA pushes the device's primary context, HIP
+//! sets the device) and the returned guard restores the caller's state when the call is done,
+//! so the calling thread's current context or device after a call is what it was before. On
+//! the first call for a device the backend opens it ([`Driver::open_device`]: CUDA retains
+//! the primary context) and caches it with the arena granularity; [`Drop`] closes it again.
+//!
+//! # Memory and exports
+//! Per device, on first use, the backend picks one of two paths:
+//!
+//! - **VMM (the default)**: an arena is create (pinned, on the device, exportable as a POSIX
+//!   fd, RDMA-capable where the device supports it) + reserve + map + set access. Exports are
+//!   fds ([`ExportKind::Releasable`]): an open fd keeps the physical memory held after the
+//!   arena is destroyed, until it is closed. Imports map the whole shared allocation and
+//!   release their handle at once, so the mapping alone holds the memory until
+//!   [`Backend::unmap_import`].
+//! - **Legacy IPC**, only for a driver with [`Driver::LEGACY_IPC`] (HIP): an arena is plain
+//!   device memory; exports are byte handles ([`ExportPayload::Bytes`],
+//!   [`ExportKind::Pinning`]: ROCm 7.2.x keeps such memory for the life of the exporting
+//!   process, so the pool recycles these arenas); imports open such a handle. Used when
+//!   asked for (`HipBackend::with_legacy_ipc`) or when the device lacks VMM (the driver says
+//!   so, or the granularity query answers "not supported"). Without a legacy path a device
+//!   without VMM or POSIX-fd export is [`Error::Unavailable`].
+//!
+//! # Registries
+//! The backend records every live arena, import mapping and event it handed out. The
+//! [`Backend`] methods are safe functions taking plain integers, so each call checks its
+//! argument against these records before the driver sees it: destroying an arena twice,
+//! querying a destroyed event or copying outside a live arena is an error, not undefined
+//! behaviour. Streams are the exception: a [`StreamId`] is the caller's stream handle and must
+//! be 0, one of the vendor's special handles, or a live stream of the device.
+
+mod device;
+pub mod driver;
+mod registry;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::OnceLock;
+
+use parking_lot::{Mutex, RwLock};
+
+use crate::backend::{
+    ArenaMem, Backend, Event, Export, ExportKind, ExportPayload, ImportSource, Mapping, MemInfo,
+};
+use crate::error::{Error, Result};
+use crate::ids::{DeviceId, StreamId};
+
+use device::DeviceState;
+pub use driver::{
+    driver_string, DeviceSupport, Driver, DriverError, DriverResult, Failure, LegacyIpc,
+    StartFailures,
+};
+use registry::{Region, RegionKind, Regions};
+
+/// A [`Backend`] on one vendor's VMM driver (see the module documentation).
+#[derive(Debug)]
+pub struct VmmBackend<D: Driver> {
+    /// The vendor's primitives.
+    driver: D,
+    /// Devices the driver reported at start.
+    device_count: usize,
+    /// Use the legacy IPC path on every device, even where VMM works.
+    legacy_ipc: bool,
+    /// Per device, filled on first use.
+    devices: Vec<OnceLock<DeviceState<D::Device>>>,
+    /// Serialises the first use of a device (opening it once).
+    init_lock: Mutex<()>,
+    /// Live arenas and import mappings by base address. Calls that use a range hold the read
+    /// lock for their driver call; destroy/unmap remove the range under the write lock first.
+    regions: RwLock<Regions>,
+    /// Live events (as integers) and their device; same locking as `regions`.
+    events: RwLock<HashMap<u64, DeviceId>>,
+}
+
+/// A `u64` byte count as the driver's `size_t`.
+fn to_usize(bytes: u64) -> Result<usize> {
+    usize::try_from(bytes).map_err(|_| Error::invalid(format!("{bytes} bytes do not fit in usize")))
+}
+
+/// Log a failure while undoing a half-done operation (the first error is what we return).
+fn warn_undo(device: DeviceId, result: DriverResult<()>) {
+    if let Err(e) = result {
+        tracing::warn!(backend = e.backend, device, call = e.call, error = %e.message, "undo step failed");
+    }
+}
+
+impl<D: Driver> VmmBackend<D> {
+    /// Load and initialise the driver and count devices. Opens no device yet: that happens
+    /// on the first call for each (CUDA retains its primary context then).
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when the library is missing or lacks a needed symbol, when the
+    /// driver does not initialise (no usable driver or device), or when there is no device
+    /// ("no CUDA device (driver 13.0)", "no HIP device (HIP runtime 5.2.21153)").
+    pub fn new() -> Result<Self> {
+        let words = D::START_FAILURES;
+        D::load()?;
+        D::init().map_err(|e| e.into_unavailable(words.init))?;
+        let version = D::read_version().map_err(|e| e.into_unavailable(words.version))?;
+        let count = D::count_devices().map_err(|e| e.into_unavailable(words.count))?;
+        let driver = D::started(version);
+        let device_count = usize::try_from(count).unwrap_or(0);
+        if device_count == 0 {
+            return Err(Error::Unavailable(format!(
+                "no {} device ({})",
+                D::VENDOR,
+                driver.version_text()
+            )));
+        }
+        tracing::debug!(backend = D::NAME, device_count, version = %driver.version_text(), "backend ready");
+        Ok(VmmBackend {
+            driver,
+            device_count,
+            legacy_ipc: false,
+            devices: (0..device_count).map(|_| OnceLock::new()).collect(),
+            init_lock: Mutex::new(()),
+            regions: RwLock::new(BTreeMap::new()),
+            events: RwLock::new(HashMap::new()),
+        })
+    }
+
+    /// Whether [`VmmBackend::new`] would succeed: the library loads, the driver initialises
+    /// and there is at least one device. Never panics.
+    pub fn is_available() -> bool {
+        Self::new().is_ok()
+    }
+
+    /// The driver's version number as the vendor reports it: `cuDriverGetVersion` (13000 =
+    /// CUDA 13.0), `hipRuntimeGetVersion` (50221153 = ROCm 5.2).
+    pub fn driver_version(&self) -> i32 {
+        self.driver.version()
+    }
+
+    /// The calling thread's current CUDA context (0 = none) or HIP device, as an integer: for
+    /// tests that check the backend leaves the caller's context or device alone.
+    ///
+    /// # Errors
+    /// [`Error::Backend`] if the driver's query (`cuCtxGetCurrent`, `hipGetDevice`) fails.
+    pub fn current_on_thread(&self) -> Result<u64> {
+        self.driver
+            .current_on_thread()
+            .map_err(|e| e.into_error(-1, 0))
+    }
+
+    /// Ask for the legacy IPC path on every device (for drivers that have one): see the
+    /// vendor's `with_legacy_ipc`.
+    #[cfg(feature = "hip")]
+    pub(in crate::backend) fn set_legacy_ipc(&mut self, legacy: bool) {
+        self.legacy_ipc = legacy && D::LEGACY_IPC.is_some();
+    }
+
+    /// Whether arenas on `device` use the legacy IPC path (initialises the device).
+    ///
+    /// # Errors
+    /// [`Error::InvalidDevice`], or a driver error from the device's first use.
+    pub fn uses_legacy_ipc(&self, device: DeviceId) -> Result<bool> {
+        Ok(!self.state(device)?.vmm)
+    }
+
+    /// Copy `src` to device address `dst` (blocking). For tests and benches.
+    ///
+    /// `dst..dst + src.len()` must lie inside one live arena or import mapping of this
+    /// backend; the copy runs on the default stream with that device made current.
+    ///
+    /// # Errors
+    /// [`Error::UnknownPointer`] outside a live range, [`Error::Backend`] if the copy fails.
+    pub fn memcpy_htod(&self, dst: u64, src: &[u8]) -> Result<()> {
+        // SAFETY: in_live_range calls this only for a range inside a live arena or mapping,
+        // kept mapped while it runs; device memory is never host memory that Rust owns.
+        self.in_live_range(dst, src.len() as u64, |d| unsafe {
+            d.memcpy_htod(dst, src)
+        })
+    }
+
+    /// Copy from device address `src` into `dst` (blocking). For tests and benches.
+    ///
+    /// `src..src + dst.len()` must lie inside one live arena or import mapping.
+    ///
+    /// # Errors
+    /// [`Error::UnknownPointer`] outside a live range, [`Error::Backend`] if the copy fails.
+    pub fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> Result<()> {
+        let len = dst.len() as u64;
+        // SAFETY: as in memcpy_htod: a live range, kept mapped while the copy runs.
+        self.in_live_range(src, len, |d| unsafe { d.memcpy_dtoh(dst, src) })
+    }
+
+    /// Set `bytes` bytes at device address `dst` to `value` (on the default stream: ordered
+    /// before later copies and default-stream work). For tests and benches.
+    ///
+    /// # Errors
+    /// [`Error::UnknownPointer`] outside a live range, [`Error::Backend`] if the call fails.
+    pub fn memset_d8(&self, dst: u64, value: u8, bytes: u64) -> Result<()> {
+        let n = to_usize(bytes)?;
+        // SAFETY: as in memcpy_htod: a live range, kept mapped while the call runs.
+        self.in_live_range(dst, bytes, |d| unsafe { d.memset_d8(dst, value, n) })
+    }
+
+    /// Run `call` on `addr..addr + len` (nothing for an empty range) after checking that the
+    /// range lies inside one live arena or mapping, with its device made current and the
+    /// registry's read lock held (so the range stays mapped) until `call` returns.
+    fn in_live_range(
+        &self,
+        addr: u64,
+        len: u64,
+        call: impl FnOnce(&D) -> DriverResult<()>,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let regions = self.regions.read();
+        let device = registry::range_device(&regions, D::NAME, addr, len)?;
+        let (_state, _current) = self.make_current(device)?;
+        call(&self.driver).map_err(|e| e.into_error(device, 0))
+    }
+
+    /// Reserve an address range for `n` bytes, map `handle` there and make it read-write for
+    /// `device`. On failure everything this did is undone (the handle stays the caller's).
+    /// Call with the device made current.
+    fn reserve_map_access(
+        &self,
+        state: &DeviceState<D::Device>,
+        device: DeviceId,
+        handle: u64,
+        n: usize,
+    ) -> DriverResult<u64> {
+        let d = &self.driver;
+        let base = d.address_reserve(n, to_usize(state.granularity).unwrap_or(0))?;
+        // SAFETY: `base..base + n` is the reservation just made, with nothing mapped; `handle`
+        // is a live allocation handle (the caller's contract).
+        if let Err(e) = unsafe { d.map(base, n, handle) } {
+            // SAFETY: our own reservation, nothing mapped in it, freed once.
+            warn_undo(device, unsafe { d.address_free(base, n) });
+            return Err(e);
+        }
+        // SAFETY: `base..base + n` was just mapped.
+        if let Err(e) = unsafe { d.set_access(base, n, device) } {
+            // SAFETY: our own fresh mapping, never used by device work.
+            warn_undo(device, unsafe { d.unmap(base, n) });
+            // SAFETY: our own reservation, now unmapped, freed once.
+            warn_undo(device, unsafe { d.address_free(base, n) });
+            return Err(e);
+        }
+        Ok(base)
+    }
+
+    /// Import a VMM fd: import, map, release the import's handle. Call with the device made
+    /// current.
+    fn import_fd(
+        &self,
+        state: &DeviceState<D::Device>,
+        device: DeviceId,
+        fd: std::os::fd::BorrowedFd<'_>,
+        bytes: u64,
+        n: usize,
+    ) -> Result<u64> {
+        let d = &self.driver;
+        let handle = d.import_fd(fd).map_err(|e| e.into_error(device, bytes))?;
+        let mapped = self.reserve_map_access(state, device, handle, n);
+        // The mapping (if any) holds the memory now: give the import's handle back at once.
+        // SAFETY: the handle just imported, released once.
+        let released = unsafe { d.mem_release(handle) };
+        match (mapped, released) {
+            (Ok(base), Ok(())) => Ok(base),
+            (Err(e), released) => {
+                warn_undo(device, released);
+                Err(e.into_error(device, bytes))
+            }
+            (Ok(base), Err(e)) => {
+                // SAFETY: our own fresh mapping, never used by device work.
+                warn_undo(device, unsafe { d.unmap(base, n) });
+                // SAFETY: our own reservation, now unmapped, freed once.
+                warn_undo(device, unsafe { d.address_free(base, n) });
+                Err(e.into_error(device, bytes))
+            }
+        }
+    }
+
+    /// The region an [`ArenaMem`] describes (handle 0: a legacy arena).
+    fn arena_region(arena: &ArenaMem) -> Region {
+        Region {
+            device: arena.device,
+            bytes: arena.bytes,
+            kind: if arena.handle == 0 {
+                RegionKind::LegacyArena
+            } else {
+                RegionKind::Arena {
+                    handle: arena.handle,
+                }
+            },
+        }
+    }
+
+    /// Remove a live region, checking the caller's view of it.
+    fn take_region(
+        &self,
+        base: u64,
+        expect: impl Fn(&Region) -> bool,
+        what: &str,
+    ) -> Result<Region> {
+        registry::take_region(&mut self.regions.write(), D::NAME, base, expect, what)
+    }
+
+    /// Tear down one region (the caller removed it from the registry and synchronized). On an
+    /// error before the memory was touched the region goes back into the registry.
+    fn teardown(&self, base: u64, region: Region) -> Result<()> {
+        let device = region.device;
+        let current = to_usize(region.bytes).and_then(|n| {
+            self.make_current(device)
+                .map(|(_state, current)| (n, current))
+        });
+        let (n, _current) = match current {
+            Ok(current) => current,
+            Err(e) => {
+                self.regions.write().insert(base, region);
+                return Err(e);
+            }
+        };
+        let d = &self.driver;
+        let result = match region.kind {
+            RegionKind::Arena { .. } | RegionKind::Import => {
+                // SAFETY: a whole mapping of ours, just removed from the registry (nobody else
+                // can reach it through the backend); the caller synchronized the device.
+                if let Err(e) = unsafe { d.unmap(base, n) } {
+                    self.regions.write().insert(base, region);
+                    return Err(e.into_error(device, 0));
+                }
+                // SAFETY: our own reservation, now unmapped, freed once.
+                let freed = unsafe { d.address_free(base, n) };
+                let released = match region.kind {
+                    // SAFETY: the arena's own handle, released once (its record is gone).
+                    RegionKind::Arena { handle } => unsafe { d.mem_release(handle) },
+                    _ => Ok(()),
+                };
+                freed.and(released)
+            }
+            // SAFETY: our own legacy allocation, just removed from the registry, freed once;
+            // the caller synchronized.
+            RegionKind::LegacyArena => unsafe { d.legacy_free(base) },
+            // SAFETY: our own opened IPC handle, just removed from the registry, closed once.
+            RegionKind::LegacyImport => unsafe { d.ipc_close_handle(base) },
+        };
+        result.map_err(|e| e.into_error(device, 0))
+    }
+
+    /// Record a new live region: an arena just created or an import just mapped.
+    fn insert_region(&self, base: u64, device: DeviceId, bytes: u64, kind: RegionKind) {
+        let what = if kind.is_arena() {
+            "arena created"
+        } else {
+            "import mapped"
+        };
+        tracing::debug!(backend = D::NAME, device, base, bytes, ?kind, "{what}");
+        self.regions.write().insert(
+            base,
+            Region {
+                device,
+                bytes,
+                kind,
+            },
+        );
+    }
+
+    /// Check that `event` is live; `twice` words the error for a second destroy.
+    fn check_event(events: &HashMap<u64, DeviceId>, event: &Event, twice: &str) -> Result<()> {
+        if events.get(&event.raw) == Some(&event.device) {
+            return Ok(());
+        }
+        Err(Error::invalid(format!(
+            "event {:#x} on device {} is not a live event of the {} backend{twice}",
+            event.raw,
+            event.device,
+            D::NAME
+        )))
+    }
+}
+
+impl<D: Driver> Backend for VmmBackend<D> {
+    fn name(&self) -> &'static str {
+        D::NAME
+    }
+
+    fn device_count(&self) -> Result<usize> {
+        Ok(self.device_count)
+    }
+
+    fn granularity(&self, device: DeviceId) -> Result<u64> {
+        Ok(self.state(device)?.granularity)
+    }
+
+    fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
+        let (_state, _current) = self.make_current(device)?;
+        let (free, total) = self
+            .driver
+            .mem_info()
+            .map_err(|e| e.into_error(device, 0))?;
+        Ok(MemInfo { free, total })
+    }
+
+    fn create_arena(&self, device: DeviceId, bytes: u64) -> Result<ArenaMem> {
+        let state = self.state(device)?;
+        let n = Self::check_size(&state, device, bytes)?;
+        let (_, current) = self.make_current(device)?;
+        let d = &self.driver;
+        let (base, handle, kind) = if state.vmm {
+            let handle = d
+                .mem_create(&state.device, n)
+                .map_err(|e| e.into_error(device, bytes))?;
+            let base = match self.reserve_map_access(&state, device, handle, n) {
+                Ok(base) => base,
+                Err(e) => {
+                    // SAFETY: the handle just created, unmapped, released once.
+                    warn_undo(device, unsafe { d.mem_release(handle) });
+                    return Err(e.into_error(device, bytes));
+                }
+            };
+            (base, handle, RegionKind::Arena { handle })
+        } else {
+            let base = d.legacy_alloc(n).map_err(|e| e.into_error(device, bytes))?;
+            (base, 0, RegionKind::LegacyArena)
+        };
+        drop(current);
+        self.insert_region(base, device, bytes, kind);
+        Ok(ArenaMem {
+            device,
+            base,
+            bytes,
+            handle,
+        })
+    }
+
+    fn destroy_arena(&self, arena: ArenaMem) -> Result<()> {
+        let expect = Self::arena_region(&arena);
+        let region = self.take_region(arena.base, |r| *r == expect, "arena")?;
+        self.teardown(arena.base, region)?;
+        tracing::debug!(
+            backend = D::NAME,
+            device = arena.device,
+            base = arena.base,
+            bytes = arena.bytes,
+            "arena destroyed"
+        );
+        Ok(())
+    }
+
+    fn export(&self, arena: &ArenaMem) -> Result<Export> {
+        let regions = self.regions.read();
+        let expect = Self::arena_region(arena);
+        if regions.get(&arena.base) != Some(&expect) {
+            return Err(Error::UnknownPointer {
+                ptr: arena.base,
+                why: format!("not a live arena of the {} backend", D::NAME),
+            });
+        }
+        let (_state, _current) = self.make_current(arena.device)?;
+        let failed = |e: DriverError| e.into_error(arena.device, 0);
+        match expect.kind {
+            RegionKind::Arena { handle } => {
+                // SAFETY: the handle of a live arena (checked above; the read lock keeps it
+                // live), created exportable as a POSIX fd.
+                let fd = unsafe { self.driver.export_fd(handle) }.map_err(failed)?;
+                Ok(Export {
+                    payload: ExportPayload::Fd(fd),
+                    kind: ExportKind::Releasable,
+                })
+            }
+            _ => {
+                // SAFETY: the base of a live legacy arena (checked above; the read lock keeps
+                // it live).
+                let bytes = unsafe { self.driver.ipc_get_handle(arena.base) }.map_err(failed)?;
+                Ok(Export {
+                    payload: ExportPayload::Bytes(bytes),
+                    kind: ExportKind::Pinning,
+                })
+            }
+        }
+    }
+
+    fn close_export(&self, _arena: &ArenaMem, export: Export) -> Result<()> {
+        match export.payload {
+            // Dropping the OwnedFd closes it: the driver's reference ends with the fd.
+            ExportPayload::Fd(fd) => {
+                drop(fd);
+                Ok(())
+            }
+            // A legacy IPC handle has nothing to close on the exporting side: the memory stays
+            // pinned where the driver pins it (ExportKind::Pinning).
+            ExportPayload::Bytes(bytes) if D::LEGACY_IPC.is_some() => {
+                drop(bytes);
+                Ok(())
+            }
+            ExportPayload::Bytes(_) => Err(Error::invalid(format!(
+                "the {} backend only makes fd exports; this one holds bytes",
+                D::NAME
+            ))),
+        }
+    }
+
+    fn import(&self, device: DeviceId, source: ImportSource<'_>, bytes: u64) -> Result<Mapping> {
+        let state = self.state(device)?;
+        let n = Self::check_size(&state, device, bytes)?;
+        let (base, kind) = match source {
+            ImportSource::Fd(fd) => {
+                if !state.vmm {
+                    return Err(Error::invalid(format!(
+                        "{} device {device} uses legacy IPC: it cannot import VMM fds",
+                        D::VENDOR
+                    )));
+                }
+                let (_, _current) = self.make_current(device)?;
+                let base = self.import_fd(&state, device, fd, bytes, n)?;
+                (base, RegionKind::Import)
+            }
+            ImportSource::Bytes(handle) => {
+                let legacy = D::LEGACY_IPC.ok_or_else(|| {
+                    Error::invalid(format!(
+                        "the {} backend imports POSIX fds only (legacy IPC byte handles are not supported yet)",
+                        D::NAME
+                    ))
+                })?;
+                if handle.len() != legacy.handle_bytes {
+                    return Err(Error::invalid(format!(
+                        "a {} handle is {} bytes, got {}",
+                        legacy.handle_name,
+                        legacy.handle_bytes,
+                        handle.len()
+                    )));
+                }
+                let (_, _current) = self.make_current(device)?;
+                let base = self
+                    .driver
+                    .ipc_open_handle(handle)
+                    .map_err(|e| e.into_error(device, bytes))?;
+                (base, RegionKind::LegacyImport)
+            }
+        };
+        self.insert_region(base, device, bytes, kind);
+        Ok(Mapping {
+            device,
+            base,
+            bytes,
+            handle: 0,
+        })
+    }
+
+    fn unmap_import(&self, mapping: Mapping) -> Result<()> {
+        let region = self.take_region(
+            mapping.base,
+            |r| r.device == mapping.device && r.bytes == mapping.bytes && !r.kind.is_arena(),
+            "import mapping",
+        )?;
+        self.teardown(mapping.base, region)?;
+        tracing::debug!(
+            backend = D::NAME,
+            device = mapping.device,
+            base = mapping.base,
+            "import unmapped"
+        );
+        Ok(())
+    }
+
+    fn record_event(&self, device: DeviceId, stream: StreamId) -> Result<Event> {
+        let (_state, _current) = self.make_current(device)?;
+        let d = &self.driver;
+        let raw = d.event_create().map_err(|e| e.into_error(device, 0))?;
+        // SAFETY: `raw` was just created; the stream is the caller's (see the module docs).
+        if let Err(e) = unsafe { d.event_record(raw, stream.0) } {
+            // SAFETY: the event just created, destroyed once.
+            warn_undo(device, unsafe { d.event_destroy(raw) });
+            return Err(e.into_error(device, 0));
+        }
+        self.events.write().insert(raw, device);
+        Ok(Event { device, raw })
+    }
+
+    fn event_done(&self, event: &Event) -> Result<bool> {
+        let events = self.events.read();
+        Self::check_event(&events, event, "")?;
+        let (_state, _current) = self.make_current(event.device)?;
+        // SAFETY: a live event (checked above; the read lock keeps it from being destroyed).
+        unsafe { self.driver.event_query(event.raw) }.map_err(|e| e.into_error(event.device, 0))
+    }
+
+    fn destroy_event(&self, event: Event) -> Result<()> {
+        {
+            let mut events = self.events.write();
+            Self::check_event(&events, &event, " (destroyed twice?)")?;
+            events.remove(&event.raw);
+        }
+        let (_state, _current) = self.make_current(event.device)?;
+        // SAFETY: a live event, just removed from the registry, destroyed once.
+        unsafe { self.driver.event_destroy(event.raw) }.map_err(|e| e.into_error(event.device, 0))
+    }
+
+    fn synchronize(&self, device: DeviceId) -> Result<()> {
+        let (_state, _current) = self.make_current(device)?;
+        self.driver
+            .synchronize()
+            .map_err(|e| e.into_error(device, 0))
+    }
+}
+
+impl<D: Driver> Drop for VmmBackend<D> {
+    /// Destroys what the owner left behind (with a warning: the pool should have done it),
+    /// then closes every device the backend opened (CUDA: gives back the primary contexts).
+    fn drop(&mut self) {
+        let events: Vec<(u64, DeviceId)> = self.events.get_mut().drain().collect();
+        let regions: Vec<(u64, Region)> =
+            std::mem::take(self.regions.get_mut()).into_iter().collect();
+        if !events.is_empty() || !regions.is_empty() {
+            tracing::warn!(
+                backend = D::NAME,
+                events = events.len(),
+                regions = regions.len(),
+                "backend dropped with live events/arenas/imports: destroying them"
+            );
+        }
+        for (raw, device) in events {
+            if let Ok((_state, _current)) = self.make_current(device) {
+                // SAFETY: a live event of ours, taken out of the registry, destroyed once.
+                warn_undo(device, unsafe { self.driver.event_destroy(raw) });
+            }
+        }
+        let mut synced = Vec::new();
+        for (base, region) in regions {
+            if !synced.contains(&region.device) {
+                if let Err(e) = self.synchronize(region.device) {
+                    tracing::warn!(backend = D::NAME, device = region.device, error = %e, "synchronize before teardown failed");
+                }
+                synced.push(region.device);
+            }
+            if let Err(e) = self.teardown(base, region) {
+                tracing::warn!(backend = D::NAME, device = region.device, base, error = %e, "teardown in drop failed");
+            }
+        }
+        for slot in &mut self.devices {
+            if let Some(state) = slot.take() {
+                // SAFETY: closes the device this backend opened; the state was taken out of
+                // its slot, so nothing uses it afterwards.
+                if let Err(e) = unsafe { self.driver.close_device(state.device) } {
+                    tracing::warn!(backend = D::NAME, error = %e.message, "closing a device failed");
+                }
+            }
+        }
+    }
+}

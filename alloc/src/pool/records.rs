@@ -1,0 +1,73 @@
+//! The share and lease tables of one device, and what the producer hands out for a share
+//! ([`ShareInfo`]) or a lease ([`LeaseGrant`]). The decisions about them are
+//! [`crate::lifetime`]'s; `pool/share.rs` performs them.
+
+use std::os::fd::OwnedFd;
+use std::sync::OnceLock;
+
+use slab::Slab;
+
+use crate::backend::{DeviceId, ExportKind};
+use crate::lifetime::ShareHold;
+
+/// What the producer hands out for one share: enough to build a share handle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShareInfo {
+    /// Device of the memory.
+    pub device: DeviceId,
+    /// Key of the share in the producer's table.
+    pub share_key: u32,
+    /// Arena id (unique in the producer's pool).
+    pub arena_id: u64,
+    /// Export generation of the arena: a handle made under an earlier export of the arena
+    /// is refused as stale.
+    pub generation: u32,
+    /// Arena size in bytes (the importer maps the whole arena).
+    pub arena_bytes: u64,
+    /// Offset of the shared range inside the arena, in bytes.
+    pub offset: u64,
+    /// Length of the shared range in bytes.
+    pub len: u64,
+    /// Random 128-bit secret the importer must present.
+    pub token: [u8; 16],
+}
+
+/// What the broker sends a consumer who opened a lease.
+#[derive(Debug)]
+pub struct LeaseGrant {
+    /// Key of the lease in the producer's table (the consumer closes it by this key).
+    pub lease_key: u32,
+    /// A duplicate of the export fd, to send with SCM_RIGHTS and then drop.
+    pub fd: OwnedFd,
+    /// The share the lease is on.
+    pub share: ShareInfo,
+    /// Whether the export can be ended.
+    pub kind: ExportKind,
+}
+
+/// A share in the producer's table.
+#[derive(Debug)]
+pub(crate) struct ShareRecord {
+    pub(crate) info: ShareInfo,
+    /// Arena key (slab index) of the share's arena.
+    pub(crate) arena: usize,
+    /// Start of the allocation the share lies in.
+    pub(crate) alloc_ptr: u64,
+    /// Leases and revocation (changed only by the arena's lifetime).
+    pub(crate) hold: ShareHold,
+}
+
+/// A consumer's lease on a share.
+#[derive(Debug)]
+pub(crate) struct LeaseRecord {
+    pub(crate) share_key: u32,
+}
+
+/// Share and lease tables of one device.
+#[derive(Debug, Default)]
+pub(crate) struct ShareTables {
+    pub(crate) shares: Slab<ShareRecord>,
+    pub(crate) leases: Slab<LeaseRecord>,
+    /// Self-test result: does closing an export release memory on this device?
+    pub(crate) probed_kind: OnceLock<ExportKind>,
+}
