@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # Build everything the GPU check needs on a development machine (cargo lives here, not on
-# the GPU machine) and stage it, stripped, in .gpu/ (git-ignored; carried to the GPU).
+# the GPU machine) and stage it, stripped, in .gpu/ (git-ignored; carried to the GPU): the
+# Python wheel (scripts/build-wheel.sh, release) and its library as .gpu/libgpu_arena.so, the
+# bench binaries, the GPU test executables, the header and the KV trace.
 # Usage: scripts/gpu-build.sh && then on the GPU machine: bash scripts/gpu-check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release -p gpu-arena-ffi --lib
 cargo build --release -p gpu-arena-bench --bins
 cargo test --release --no-run -p gpu-arena --test cuda_backend --test pool_sim --test ipc_sim 2>&1 \
   | tee /tmp/gpu-build.log
 rm -rf .gpu && mkdir -p .gpu/bin
-cp target/release/libgpu_arena.so .gpu/
+# The wheel (pip install .gpu/gpu_arena-*.whl); the library in it is the one .gpu/ uses, so
+# the fat-LTO link runs once.
+wheel=$(bash scripts/build-wheel.sh .gpu | tail -1)
+python3 -c 'import sys, zipfile; sys.stdout.buffer.write(zipfile.ZipFile(sys.argv[1]).read("gpu_arena/_native/lib_native.so"))' \
+  "$wheel" >.gpu/libgpu_arena.so
 for b in kv_replay kv_trace_dump; do cp "target/release/$b" .gpu/bin/; done
 for t in cuda_backend pool_sim ipc_sim; do
   exe=$(grep -oE "target/release/deps/${t}-[0-9a-f]+" /tmp/gpu-build.log | tail -1)

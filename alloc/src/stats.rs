@@ -1,20 +1,9 @@
 //! Statistics in layers: cheap counters per device ([`PoolStats`]), `metrics` gauges fed
 //! from them, and a JSON snapshot of every arena and range (`Pool::snapshot_json`).
 //!
-//! Metric names (all labelled `device`):
-//!
-//! | name | kind | meaning |
-//! |---|---|---|
-//! | `gpu_arena_reserved_bytes` | gauge | bytes in arenas held from the backend |
-//! | `gpu_arena_allocated_bytes` | gauge | bytes in live allocations (rounded to 512 B) |
-//! | `gpu_arena_requested_bytes` | gauge | bytes callers asked for in live allocations (not rounded) |
-//! | `gpu_arena_arenas` | gauge | arenas held |
-//! | `gpu_arena_pinned_bytes` | gauge | bytes in arenas pinned by a non-releasable export |
-//! | `gpu_arena_exports_live` | gauge | arenas exported right now |
-//! | `gpu_arena_backend_creates_total` | counter | arenas created through the backend |
-//! | `gpu_arena_backend_destroys_total` | counter | arenas handed back to the backend |
-//! | `gpu_arena_exports_total` | counter | driver exports made |
-//! | `gpu_arena_oom_total` | counter | allocations that failed for lack of memory |
+//! Metric names: the table in docs/metrics.md, shared with the Python collector
+//! (`gpu_arena.prometheus`); `alloc/tests/metrics_names.rs` checks that `DeviceMetrics`
+//! registers exactly its rows marked for Rust, with their types and the label `device`.
 
 use crate::backend::DeviceId;
 

@@ -1,13 +1,17 @@
 """ctypes binding of ``libgpu_arena.so`` (the C API in ``ffi/src/lib.rs``).
 
-The library is found at run time (pip never builds Rust), searched in this order:
+``pip install ./python`` builds the library (with maturin, from ``ffi/``) and installs it
+inside the package. It is searched in this order:
 
-1. the environment variable ``GPU_ARENA_LIB`` (a path to the ``.so``; if it is set, it must
-   exist: a wrong path is an error, not a silent fall-through);
-2. beside the package: ``gpu_arena/libgpu_arena.so``;
+1. the environment variable ``GPU_ARENA_LIB`` (a path to the ``.so``, or a folder holding
+   ``libgpu_arena.so``; if it is set, it must exist: a wrong path is an error, not a silent
+   fall-through);
+2. the packaged library, ``gpu_arena/_native/lib_native.so`` (where the wheel puts it; maturin
+   names it after the ``_native`` module it sits in, beside a cffi wrapper that is never
+   imported: the file is this library, loaded with ctypes like any other);
 3. ``$CARGO_TARGET_DIR/release`` then ``$CARGO_TARGET_DIR/debug`` when that variable is set;
-4. the cargo target dir of the repository this package sits in (when it runs from a checkout
-   or an editable install): ``<repo>/target/release`` then ``<repo>/target/debug``
+4. the cargo target dir of the repository this package sits in (when it runs from a checkout,
+   not from site-packages): ``<repo>/target/release`` then ``<repo>/target/debug``
    (``<repo>`` is ``python/..``).
 
 The library is loaded lazily, on the first call that needs it: ``import gpu_arena`` works
@@ -24,6 +28,9 @@ from pathlib import Path
 from typing import List, Optional
 
 LIB_NAME = "libgpu_arena.so"
+# Where the wheel puts the library, relative to the package (python/pyproject.toml's
+# `module-name = "gpu_arena._native"`: maturin writes `lib<module>.so`).
+PACKAGED_LIB = Path("_native") / "lib_native.so"
 
 # Error codes: keep in step with `GPU_ARENA_ERR_*` in ffi/include/gpu_arena.h (a test checks).
 GPU_ARENA_OK = 0
@@ -220,7 +227,7 @@ _REPO_DIR = _PKG_DIR.parent.parent
 
 def candidate_paths() -> List[Path]:
     """The places searched, in order (``GPU_ARENA_LIB`` excluded)."""
-    places = [_PKG_DIR / LIB_NAME]
+    places = [packaged_path()]
     target = os.environ.get("CARGO_TARGET_DIR")
     if target:
         t = Path(target)
@@ -233,6 +240,12 @@ def candidate_paths() -> List[Path]:
             _REPO_DIR / "target" / "debug" / LIB_NAME,
         ]
     return places
+
+
+def packaged_path() -> Path:
+    """Where ``pip install`` puts the library (it may not exist: a checkout run without an
+    install has none)."""
+    return _PKG_DIR / PACKAGED_LIB
 
 
 def in_checkout() -> bool:
@@ -264,8 +277,9 @@ def find_library() -> Path:
         + "".join(f"  - {p}\n" for p in places)
         + ("" if in_checkout() else "  (the repository's target/ is searched only when the package "
            "runs from a checkout or an editable install)\n")
-        + "Build it with `cargo build -p gpu-arena-ffi` (or --release) in the repository, "
-        "copy it beside the package, or set GPU_ARENA_LIB=/path/to/libgpu_arena.so."
+        + "Install the package with `pip install ./python` from the repository root (it builds "
+        "and ships the library), build it with `cargo build -p gpu-arena-ffi` (or --release) "
+        "in the repository, or set GPU_ARENA_LIB=/path/to/libgpu_arena.so."
     )
 
 

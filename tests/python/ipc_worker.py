@@ -1,7 +1,7 @@
 """A gpu-arena process driven over stdin/stdout, for the cross-process IPC tests.
 
 Run as ``python ipc_worker.py [CONF]``: it configures gpu-arena (sim backend unless CONF
-says otherwise), initializes it, prints ``READY <pid>`` and then serves one JSON request per
+says otherwise), initializes it, prints ``READY <pid> <gpu_arena.__file__>`` and then serves one JSON request per
 stdin line, answering one JSON line ``{"ok": ...}`` or ``{"error": code, "message": ...}``.
 Sim pointers are host memory, so reads and writes are plain memmoves.
 """
@@ -14,8 +14,10 @@ import os
 import sys
 import time
 
-# tests/python/ipc_worker.py -> the repository's python/ (the package).
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+# tests/python/ipc_worker.py -> the repository's python/ (the package), unless the installed
+# package is under test (GPU_ARENA_EXPECT_INSTALLED=1, see conftest.py).
+if os.environ.get("GPU_ARENA_EXPECT_INSTALLED") != "1":
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 
 import gpu_arena  # noqa: E402
 
@@ -71,7 +73,7 @@ def main() -> None:
     conf = sys.argv[1] if len(sys.argv) > 1 else "backend=sim,arena_size=64MiB"
     gpu_arena.configure(conf)
     gpu_arena.init()
-    print(f"READY {os.getpid()}", flush=True)
+    print(f"READY {os.getpid()} {gpu_arena.__file__}", flush=True)
     for line in sys.stdin:
         if not line.strip():
             continue

@@ -159,7 +159,7 @@ def test_not_found_lists_places(monkeypatch, tmp_path):
         _lib.find_library()
     msg = str(ei.value)
     expected = [
-        pkg / "libgpu_arena.so",
+        pkg / _lib.PACKAGED_LIB,
         repo / "target" / "release" / "libgpu_arena.so",
         repo / "target" / "debug" / "libgpu_arena.so",
     ]
@@ -174,20 +174,24 @@ def test_outside_a_checkout_target_is_not_searched(monkeypatch, tmp_path):
     (repo / "target" / "debug" / "libgpu_arena.so").write_bytes(b"")
     with pytest.raises(gpu_arena.LibraryNotFoundError, match="only when the package runs from a checkout"):
         _lib.find_library()
-    (pkg / "libgpu_arena.so").write_bytes(b"")
-    assert _lib.find_library() == (pkg / "libgpu_arena.so").resolve()
+    (pkg / "_native").mkdir()
+    (pkg / _lib.PACKAGED_LIB).write_bytes(b"")
+    assert _lib.find_library() == (pkg / _lib.PACKAGED_LIB).resolve()
 
 
 def test_search_order(monkeypatch, tmp_path):
     pkg, repo = fake_checkout(monkeypatch, tmp_path)
     cargo_target = tmp_path / "ct"
     monkeypatch.setenv("CARGO_TARGET_DIR", str(cargo_target))
-    places = [repo / "target" / "debug", repo / "target" / "release",
-              cargo_target / "debug", cargo_target / "release", pkg]
-    for d in places:  # from the last choice to the first: each new one must win
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "libgpu_arena.so").write_bytes(b"")
-        assert _lib.find_library() == (d / "libgpu_arena.so").resolve()
+    places = [repo / "target" / "debug" / "libgpu_arena.so",
+              repo / "target" / "release" / "libgpu_arena.so",
+              cargo_target / "debug" / "libgpu_arena.so",
+              cargo_target / "release" / "libgpu_arena.so",
+              pkg / _lib.PACKAGED_LIB]
+    for f in places:  # from the last choice to the first: each new one must win
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"")
+        assert _lib.find_library() == f.resolve()
     monkeypatch.setenv("GPU_ARENA_LIB", str(tmp_path / "elsewhere.so"))
     with pytest.raises(gpu_arena.LibraryNotFoundError, match="GPU_ARENA_LIB"):
         _lib.find_library()  # set but missing: an error, not a fall-through

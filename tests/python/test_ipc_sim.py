@@ -21,7 +21,7 @@ from pathlib import Path
 os.environ["GPU_ARENA_BACKEND"] = "sim"  # the workers inherit it
 
 import pytest  # noqa: E402
-from conftest import PYTHON_DIR  # noqa: E402
+from conftest import INSTALLED, child_env  # noqa: E402
 
 import gpu_arena  # noqa: E402
 from gpu_arena import _lib  # noqa: E402
@@ -57,9 +57,7 @@ class Worker:
     """A gpu-arena process answering JSON requests (tests/ipc_worker.py)."""
 
     def __init__(self, conf: str = CONF, timeout: float = 10.0):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(PYTHON_DIR) + (
-            os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env = child_env()
         self.timeout = timeout
         self.proc = subprocess.Popen(
             [sys.executable, str(WORKER), conf],
@@ -70,7 +68,10 @@ class Worker:
         threading.Thread(target=self._pump, daemon=True).start()
         first = self._line()
         assert first.startswith("READY "), first
-        self.pid = int(first.split()[1])
+        _, pid, package = first.split(maxsplit=2)
+        self.pid = int(pid)
+        if INSTALLED:  # the worker's package is the installed one too
+            assert Path(package).resolve().is_relative_to(Path(sys.prefix).resolve()), package
 
     def _pump(self):
         for line in self.proc.stdout:

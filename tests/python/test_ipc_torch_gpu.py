@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
-from conftest import PYTHON_DIR
+from conftest import child_env
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 if HAVE_TORCH:
@@ -70,11 +69,7 @@ print("RESULT=" + json.dumps(out), flush=True)
 
 
 def _env():
-    e = dict(os.environ)
-    e.pop("GPU_ARENA_BACKEND", None)
-    e.pop("GPU_ARENA_CONF", None)
-    e["PYTHONPATH"] = str(PYTHON_DIR) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
-    return e
+    return child_env(drop=("GPU_ARENA_BACKEND", "GPU_ARENA_CONF"))
 
 
 def _result(text: str) -> dict:
