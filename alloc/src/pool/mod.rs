@@ -47,6 +47,7 @@ use slab::Slab;
 
 use crate::backend::{ArenaMem, Backend, DeviceId, Event, Export, StreamId};
 use crate::error::{Error, Result};
+use crate::history::{Action, History};
 use crate::lifetime::{AllocHold, ArenaLifetime, FreeStep};
 use crate::range::{self, RangeAllocator};
 use crate::stats::{DeviceMetrics, PoolStats};
@@ -55,8 +56,10 @@ use records::ShareTables;
 mod device;
 mod records;
 mod share;
+mod trace;
 
 pub use records::{LeaseGrant, ShareInfo};
+pub use trace::DEFAULT_HISTORY_ENTRIES;
 
 /// Tag of free ranges that any stream may reuse.
 pub const ANY_STREAM: u64 = u64::MAX;
@@ -235,6 +238,8 @@ pub(crate) struct DeviceState {
     pub(crate) orphans: Vec<ArenaMem>,
     /// Shares and leases (`records.rs`, `share.rs`).
     pub(crate) shares: ShareTables,
+    /// The event ring (`crate::history`); off unless `record_history` turned it on.
+    pub(crate) history: History,
 }
 
 /// One device's pool.
@@ -428,6 +433,9 @@ impl Pool {
                     st.stats.oom_count += 1;
                     dp.metrics.ooms.increment(1);
                     let free = self.backend.mem_info(device).map(|m| m.free).unwrap_or(0);
+                    if st.history.recording {
+                        st.history.record(Action::Oom, free, len, requested, stream.0);
+                    }
                     return Err(Error::OutOfMemory {
                         device,
                         requested: len,
@@ -484,6 +492,10 @@ impl Pool {
         s.allocations += 1;
         s.alloc_count += 1;
         dp.metrics.publish_allocated(s);
+        if st.history.recording {
+            st.history
+                .record(Action::Alloc, ptr, len, requested, stream.0);
+        }
         if self.config.validate {
             st.validate_or_log();
         }
@@ -537,6 +549,11 @@ impl Pool {
         if let Some(live) = plain.then(|| st.allocs.remove(&ptr)).flatten() {
             st.stats.free_count += 1;
             let bytes = live.bytes();
+            if st.history.recording {
+                let (req, s) = (live.requested, live.stream.0);
+                st.history
+                    .record(Action::FreeRequested, ptr, bytes, req, s);
+            }
             let cacheable =
                 bytes <= CACHE_MAX_BLOCK && st.cached_bytes + bytes <= st.stats.reserved_bytes / 4;
             if cacheable {
@@ -577,6 +594,11 @@ impl Pool {
             }
         };
         st.stats.free_count += 1;
+        if st.history.recording {
+            let (len, req) = (live.bytes(), live.requested);
+            st.history
+                .record(Action::FreeRequested, ptr, len, req, stream.0);
+        }
         if step == FreeStep::Deferred {
             // Still shared: the range waits for its last reference (pool/share.rs releases
             // it when the lifetime says so).
@@ -740,11 +762,13 @@ impl Pool {
                         })
                     })
                     .collect();
-                serde_json::json!({
+                let mut d = serde_json::json!({
                     "device": dp.device,
                     "stats": st.stats,
                     "arenas": arenas,
-                })
+                });
+                trace::add_to_snapshot(&st, &mut d);
+                d
             })
             .collect();
         serde_json::json!({ "backend": self.backend.name(), "devices": devices }).to_string()
