@@ -24,9 +24,7 @@ const SIZES: [u64; 5] = [512, 4 << 10, 64 << 10, 2 << 20, 3 << 20];
 fn pairs(pool: &Pool, n: u64) -> f64 {
     let t0 = Instant::now();
     for i in 0..n {
-        let a = pool
-            .alloc(0, SIZES[(i % 5) as usize], StreamId(0))
-            .unwrap();
+        let a = pool.alloc(0, SIZES[(i % 5) as usize], StreamId(0)).unwrap();
         pool.free(black_box(a.ptr)).unwrap();
     }
     t0.elapsed().as_nanos() as f64 / n as f64
@@ -67,7 +65,10 @@ fn main() {
         pool.record_history(true, 100_000);
         let b = pairs(&pool, n);
         pool.record_history(false, 0);
-        println!("round {r}: off {a:.1} ns/pair, on {b:.1} ns/pair, on/off {:.3}", b / a);
+        println!(
+            "round {r}: off {a:.1} ns/pair, on {b:.1} ns/pair, on/off {:.3}",
+            b / a
+        );
         off.push(a);
         on.push(b);
         ratios.push(b / a);

@@ -22,7 +22,9 @@ use std::ffi::{c_char, c_int, c_void, CString};
 
 use gpu_arena::history;
 
-use crate::{guard, with_pool, GPU_ARENA_ERR_OUT_OF_MEMORY, GPU_ARENA_OK, LAST_CODE, LAST_ERROR, POOL};
+use crate::{
+    guard, with_pool, GPU_ARENA_ERR_OUT_OF_MEMORY, GPU_ARENA_OK, LAST_CODE, LAST_ERROR, POOL,
+};
 
 extern "C-unwind" {
     /// `src/oom_shim.cpp`: `gpu_arena_malloc`, throwing `std::runtime_error` on failure.

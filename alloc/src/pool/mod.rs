@@ -434,7 +434,8 @@ impl Pool {
                     dp.metrics.ooms.increment(1);
                     let free = self.backend.mem_info(device).map(|m| m.free).unwrap_or(0);
                     if st.history.recording {
-                        st.history.record(Action::Oom, free, len, requested, stream.0);
+                        st.history
+                            .record(Action::Oom, free, len, requested, stream.0);
                     }
                     return Err(Error::OutOfMemory {
                         device,
@@ -551,8 +552,7 @@ impl Pool {
             let bytes = live.bytes();
             if st.history.recording {
                 let (req, s) = (live.requested, live.stream.0);
-                st.history
-                    .record(Action::FreeRequested, ptr, bytes, req, s);
+                st.history.record(Action::FreeRequested, ptr, bytes, req, s);
             }
             let cacheable =
                 bytes <= CACHE_MAX_BLOCK && st.cached_bytes + bytes <= st.stats.reserved_bytes / 4;
