@@ -31,7 +31,6 @@ frames. Nested regions: the innermost wins.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import pickle
 import threading
 import traceback
@@ -45,24 +44,9 @@ _frames_of: List[List[Dict[str, Any]]] = [[]]
 _id_of: Dict[Any, int] = {}
 _capture_python_stacks = False
 
-_HISTORY_FNS = {
-    "gpu_arena_record_history": (ctypes.c_int, [ctypes.c_int, ctypes.c_size_t]),
-    "gpu_arena_set_history_context": (ctypes.c_uint32, [ctypes.c_uint32]),
-}
-
-
 def _fn(name: str):
-    """A history function of the loaded library, declared on first use (a library built
-    before they existed raises LibraryNotFoundError naming the symbol)."""
-    lib = _lib.lib()
-    try:
-        fn = getattr(lib, name)
-    except AttributeError:
-        raise _lib.LibraryNotFoundError(
-            f"{_lib.lib_path()} has no {name}: rebuild it (`cargo build -p gpu-arena-ffi`)"
-        ) from None
-    fn.restype, fn.argtypes = _HISTORY_FNS[name]
-    return fn
+    """A history function of the loaded library (declared in ``_lib._SIGNATURES``)."""
+    return getattr(_lib.lib(), name)
 
 
 def record_memory_history(
