@@ -124,34 +124,30 @@ def max_memory_reserved(device=None) -> int:
 # ------------------------------------------------------------------------------------------
 
 
-def _format_size(sz: Optional[int], pref_sz: Optional[int]) -> str:
-    if sz is None:
+def _format_scaled(v: Optional[int], pref: Optional[int], units, step: int, limit: int,
+                   fmt: str) -> str:
+    """PyTorch's ``_format_size``/``_format_count``: move one unit up while the row's
+    first value (``pref``) is at least ``limit``; ``n/a`` for a value gpu-arena lacks."""
+    if v is None:
         return "    n/a   "
-    pref = pref_sz if pref_sz is not None else sz
-    prefixes = ["B  ", "KiB", "MiB", "GiB", "TiB", "PiB"]
-    prefix = prefixes[0]
-    for new_prefix in prefixes[1:]:
-        if pref < 768 * 1024:
+    p = pref if pref is not None else v
+    unit = units[0]
+    for next_unit in units[1:]:
+        if p < limit:
             break
-        prefix = new_prefix
-        sz //= 1024
-        pref /= 1024
-    return f"{sz:6d} {prefix}"
+        unit = next_unit
+        v //= step
+        p /= step
+    return fmt.format(v, unit)
+
+
+def _format_size(sz: Optional[int], pref_sz: Optional[int]) -> str:
+    return _format_scaled(sz, pref_sz, ["B  ", "KiB", "MiB", "GiB", "TiB", "PiB"], 1024,
+                          768 * 1024, "{:6d} {}")
 
 
 def _format_count(cnt: Optional[int], pref_cnt: Optional[int]) -> str:
-    if cnt is None:
-        return "    n/a   "
-    pref = pref_cnt if pref_cnt is not None else cnt
-    prefixes = [" ", "K", "M"]
-    prefix = prefixes[0]
-    for new_prefix in prefixes[1:]:
-        if pref < 750 * 1000:
-            break
-        prefix = new_prefix
-        cnt //= 1000
-        pref /= 1000
-    return f"{cnt:7d} {prefix} "
+    return _format_scaled(cnt, pref_cnt, [" ", "K", "M"], 1000, 750 * 1000, "{:7d} {} ")
 
 
 def memory_summary(device=None, abbreviated: bool = False) -> str:
