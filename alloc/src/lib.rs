@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod history;
 mod ids;
 pub mod ipc;
 pub mod lifetime;

@@ -1,23 +1,8 @@
 //! Sizes and times as people read them (`2 MiB`, `59 ns`): used by the trace, the
 //! allocators' names and the report alike, so it depends on none of them.
 
-/// `bytes` in binary units with two decimals at most (`2.00 MiB`, `31.5 GiB`).
-pub fn fmt_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut v = bytes as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{bytes} B")
-    } else if v.fract() == 0.0 {
-        format!("{v:.0} {}", UNITS[u])
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
-}
+/// `bytes` in binary units (`2 MiB`, `1.5 GiB`): the core's one formatter.
+pub use gpu_arena::units::format_size as fmt_bytes;
 
 /// Nanoseconds with a sensible precision.
 pub fn fmt_ns(ns: f64) -> String {
@@ -38,7 +23,7 @@ mod tests {
     fn bytes_format() {
         assert_eq!(fmt_bytes(512), "512 B");
         assert_eq!(fmt_bytes(2 << 20), "2 MiB");
-        assert_eq!(fmt_bytes(3 << 29), "1.50 GiB");
+        assert_eq!(fmt_bytes(3 << 29), "1.5 GiB");
     }
 
     #[test]

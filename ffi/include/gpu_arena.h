@@ -327,6 +327,42 @@ int gpu_arena_close(void *imported_ptr);
 int gpu_arena_imports_live(void);
 
 /**
+ * `gpu_arena_malloc` that throws a C++ `std::runtime_error` instead of returning NULL when
+ * `size > 0` (PyTorch's `change_current_allocator` route, where NULL would crash the GPU).
+ * The message starts with "CUDA out of memory." for lack of memory (what vLLM and other
+ * tools match), and names the size, the device, gpu-arena's reserved and allocated bytes
+ * and the cause (`gpu_arena_alloc_error_message`). Other failures throw with their own
+ * message. `size == 0` returns NULL. Only C++ callers can catch the exception: call
+ * `gpu_arena_malloc` from C.
+ */
+void *gpu_arena_torch_malloc(ssize_t size, int device, void *stream);
+
+/**
+ * The message for the calling thread's failed `gpu_arena_malloc(size, device)`, built from
+ * its last error (read first, and left as it was). For lack of memory:
+ * `"CUDA out of memory. Tried to allocate 400.00 GiB (429496729600 bytes) on device 0
+ * with gpu-arena (reserved by gpu-arena: ..., allocated: ...). Cause: <last error>"`;
+ * otherwise `"gpu-arena: allocation of N bytes on device D failed: <last error>"`.
+ * Free it with `gpu_arena_string_free`. NULL only if the message cannot be built.
+ */
+char *gpu_arena_alloc_error_message(ssize_t size, int device);
+
+/**
+ * Start (`enabled != 0`) or stop (`0`) recording alloc/free/segment/oom events for every
+ * device, into a fresh ring of `max_entries` events per device (0: 100000; the oldest are
+ * overwritten). Stopping keeps the events. They appear in `gpu_arena_snapshot_json()`
+ * under each device's `"history"`. Costs nothing measurable when off.
+ */
+int gpu_arena_record_history(int enabled, size_t max_entries);
+
+/**
+ * Set the calling thread's history context id (0: none), stored with every event the
+ * thread records from now on (e.g. an index into a table of labels and stacks kept by the
+ * caller). Returns the previous id. Never fails, needs no init.
+ */
+uint32_t gpu_arena_set_history_context(uint32_t id);
+
+/**
  * Set the level of gpu-arena's stderr log: `"off"`, `"error"`, `"warn"`, `"info"`,
  * `"debug"` or `"trace"` (`GPU_ARENA_LOG` sets the first one). Fails with
  * `GPU_ARENA_ERR_INVALID_STATE` when the process installed its own `tracing` subscriber

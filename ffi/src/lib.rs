@@ -44,6 +44,9 @@ use parking_lot::Mutex;
 mod ipc_api;
 #[allow(unused_imports)]
 pub use ipc_api::*;
+mod torch_api;
+#[allow(unused_imports)]
+pub use torch_api::*;
 
 /// Success.
 pub const GPU_ARENA_OK: c_int = 0;

@@ -307,6 +307,12 @@ _SIGNATURES = {
     "gpu_arena_last_error": (c_char_p, []),
     "gpu_arena_last_error_code": (c_int, []),
     "gpu_arena_set_log_level": (c_int, [c_char_p]),
+    # PyTorch helpers (ffi/src/torch_api.rs). gpu_arena_torch_malloc throws a C++ exception
+    # on failure: never call it through ctypes (only PyTorch calls it).
+    "gpu_arena_torch_malloc": (c_void_p, [c_ssize_t, c_int, c_void_p]),
+    "gpu_arena_alloc_error_message": (c_void_p, [c_ssize_t, c_int]),
+    "gpu_arena_record_history": (c_int, [c_int, ctypes.c_size_t]),
+    "gpu_arena_set_history_context": (ctypes.c_uint32, [ctypes.c_uint32]),
 }
 
 # The IPC part (ffi/src/ipc_api.rs), declared when the library has it (has_ipc() says

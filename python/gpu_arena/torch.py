@@ -20,7 +20,25 @@ Two ways in:
 The hooks ``set_init_fn`` (``gpu_arena_init``), ``set_reset_fn`` (``gpu_arena_reset``, run by
 ``torch.cuda.empty_cache()``) and ``set_record_stream_fn`` (``gpu_arena_record_stream``) are
 wired. PyTorch's own ``memory_stats``, ``memory_snapshot`` and CUDA IPC do not work with a
-pluggable allocator: use ``gpu_arena.stats()`` / ``gpu_arena.snapshot()``.
+pluggable allocator (they raise): use this module's PyTorch-shaped :func:`memory_stats`,
+:func:`memory_summary`, :func:`memory_allocated`, :func:`memory_reserved`,
+:func:`max_memory_allocated`, :func:`record_memory_history`, :func:`annotate`,
+:func:`memory_snapshot` and :func:`dump_snapshot` (``gpu_arena/torch_stats.py``,
+``gpu_arena/torch_snapshot.py``).
+
+**Out of memory.** PyTorch's pluggable allocator does not check for NULL, so the two routes
+use two allocation functions (two ``CUDAPluggableAllocator`` objects):
+
+* :func:`install` hands PyTorch a function that *throws* when gpu-arena has no memory (after
+  gpu-arena released its cached arenas and retried once). ``oom="auto"`` (default): a shim
+  compiled against the installed torch (``gpu_arena/torch_oom.py``; cached) raising
+  ``torch.OutOfMemoryError``, else ``gpu_arena_torch_malloc`` from ``libgpu_arena.so``
+  raising ``RuntimeError``; ``oom="torch"``: the first or an error; ``oom="runtime"``: the
+  second. Both messages start with "CUDA out of memory." and name the size, the device,
+  gpu-arena's reserved/allocated bytes and the cause.
+* :func:`mem_pool` gives PyTorch the plain ``gpu_arena_malloc``, which returns NULL: PyTorch's
+  caching allocator then raises ``torch.OutOfMemoryError`` itself and counts ``num_ooms``
+  (and a pool made with ``use_on_oom=True`` serves other allocations that ran out).
 
 PyTorch is imported lazily: this module imports without it. Targets torch 2.11; older
 versions get a clear error for what they lack (CUDAPluggableAllocator needs >= 2.0, MemPool
@@ -29,17 +47,43 @@ with an allocator >= 2.6).
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import warnings
 from typing import Any, Optional
 
 from . import _lib
+from .torch_snapshot import (  # noqa: F401  (re-exported)
+    annotate,
+    dump_snapshot,
+    memory_snapshot,
+    record_memory_history,
+)
+from .torch_stats import (  # noqa: F401  (re-exported)
+    max_memory_allocated,
+    max_memory_reserved,
+    memory_allocated,
+    memory_reserved,
+    memory_stats,
+    memory_summary,
+)
 
 __all__ = [
     "install",
     "installed",
+    "oom_route",
     "mem_pool",
     "empty_cache",
+    "memory_stats",
+    "memory_summary",
+    "memory_allocated",
+    "memory_reserved",
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "record_memory_history",
+    "annotate",
+    "memory_snapshot",
+    "dump_snapshot",
     "TorchIntegrationError",
     "AlreadyInitializedError",
 ]
@@ -55,8 +99,14 @@ class AlreadyInitializedError(TorchIntegrationError):
 
 
 _lock = threading.RLock()
-_pluggable: Any = None  # the CUDAPluggableAllocator wrapping libgpu_arena.so (one per process)
+# CUDAPluggableAllocators (one each per process): MemPool's over the plain gpu_arena_malloc
+# (NULL on OOM), install()'s over a throwing allocation function.
+_pluggable: Any = None
+_pluggable_global: Any = None
 _installed = False
+_oom_route: Optional[str] = None  # "torch" | "runtime" once installed
+
+OOM_ROUTES = ("auto", "torch", "runtime")
 
 _HOOKS = (
     ("set_init_fn", "gpu_arena_init"),
@@ -118,13 +168,44 @@ def _init_backend(allow_sim: bool, device_count: int = -1) -> None:
 
 
 def _get_pluggable(torch):
-    """The process's CUDAPluggableAllocator over libgpu_arena.so, hooks wired."""
+    """The process's CUDAPluggableAllocator over the plain gpu_arena_malloc (NULL on OOM:
+    for MemPool, whose caching allocator raises torch.OutOfMemoryError), hooks wired."""
     global _pluggable
-    if _pluggable is not None:
-        return _pluggable
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(
-        _lib.lib_path(), "gpu_arena_malloc", "gpu_arena_free"
-    )
+    if _pluggable is None:
+        _pluggable = _make_pluggable(torch, _lib.lib_path(), "gpu_arena_malloc", "gpu_arena_free")
+    return _pluggable
+
+
+def _global_allocator(torch, oom: str):
+    """install()'s CUDAPluggableAllocator: an allocation function that throws on OOM (see
+    the module docs), and which route it is."""
+    from . import torch_oom
+
+    if oom not in OOM_ROUTES:
+        raise ValueError(f"oom={oom!r}: expected one of {', '.join(OOM_ROUTES)}")
+    if oom in ("auto", "torch"):
+        try:
+            path = torch_oom.build(torch)
+            torch_oom.bind(path)
+            return _make_pluggable(torch, str(path), torch_oom.MALLOC, torch_oom.FREE), "torch"
+        except (torch_oom.ShimBuildError, OSError, subprocess.SubprocessError) as e:
+            if oom == "torch":
+                raise TorchIntegrationError(
+                    f"gpu_arena.torch.install(oom='torch'): cannot build the "
+                    f"torch.OutOfMemoryError shim: {e}"
+                ) from e
+            torch_oom.log.warning(
+                "gpu_arena.torch.install(): no torch.OutOfMemoryError shim (%s); an "
+                "out-of-memory allocation raises RuntimeError('CUDA out of memory. ...') instead",
+                e,
+            )
+    alloc = _make_pluggable(torch, _lib.lib_path(), "gpu_arena_torch_malloc", "gpu_arena_free")
+    return alloc, "runtime"
+
+
+def _make_pluggable(torch, path: str, malloc_name: str, free_name: str):
+    """A CUDAPluggableAllocator over ``path``'s two functions, gpu-arena's hooks wired."""
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, malloc_name, free_name)
     native = alloc.allocator() if hasattr(alloc, "allocator") else alloc._allocator
     missing = []
     for setter, fn_name in _HOOKS:
@@ -140,14 +221,18 @@ def _get_pluggable(torch):
             "Tensor.record_stream() does nothing and a tensor used on a side stream may be "
             "reused too early; without set_reset_fn, call gpu_arena.empty_cache() yourself)",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-    _pluggable = alloc
     return alloc
 
 
-def install(conf: Optional[str] = None, *, allow_sim: bool = False):
+def install(conf: Optional[str] = None, *, allow_sim: bool = False, oom: str = "auto"):
     """Make gpu-arena PyTorch's CUDA allocator for this process.
+
+    ``oom`` picks what an allocation gpu-arena cannot serve raises (module docs):
+    ``"auto"`` (``torch.OutOfMemoryError`` when the shim can be built, else
+    ``RuntimeError``), ``"torch"`` (``torch.OutOfMemoryError`` or ``TorchIntegrationError``
+    here), ``"runtime"`` (``RuntimeError``). :func:`oom_route` says which one is in use.
 
     ``conf`` (optional) is passed to ``gpu_arena.configure`` first, e.g.
     ``"arena_size=1GiB,max_reserved=60GiB"``. gpu-arena is initialized at once so that a
@@ -161,14 +246,14 @@ def install(conf: Optional[str] = None, *, allow_sim: bool = False):
 
     Returns the ``torch.cuda.memory.CUDAPluggableAllocator``.
     """
-    global _installed
+    global _installed, _pluggable_global, _oom_route
     torch = _import_torch()
     api = _api()
     with _lock:
         if _installed:
             if conf is not None:
                 api.configure(conf)  # raises InvalidStateError: gpu-arena is initialized
-            return _pluggable
+            return _pluggable_global
         if not torch.cuda.is_available():
             raise TorchIntegrationError(
                 "gpu_arena.torch.install(): torch.cuda.is_available() is False (no CUDA "
@@ -180,15 +265,22 @@ def install(conf: Optional[str] = None, *, allow_sim: bool = False):
             api.configure(conf)
         # torch.cuda.device_count() does not initialize CUDA in PyTorch.
         _init_backend(allow_sim, torch.cuda.device_count())
-        alloc = _get_pluggable(torch)
+        alloc, route = _global_allocator(torch, oom)
         try:
             torch.cuda.memory.change_current_allocator(alloc)
         except RuntimeError as e:
             if "initialized" in str(e).lower():
                 raise AlreadyInitializedError(_already_initialized_message(torch)) from e
             raise
-        _installed = True
+        _pluggable_global, _oom_route, _installed = alloc, route, True
         return alloc
+
+
+def oom_route() -> Optional[str]:
+    """What an out-of-memory allocation raises under :func:`install`: ``"torch"``
+    (``torch.OutOfMemoryError``), ``"runtime"`` (``RuntimeError``), or ``None`` before
+    install()."""
+    return _oom_route
 
 
 def installed() -> bool:
@@ -201,6 +293,10 @@ def mem_pool(*, allow_sim: bool = False, **kwargs):
     ``torch.cuda.use_mem_pool(pool)``. ``kwargs`` go to ``MemPool`` (``use_on_oom``,
     ``no_split`` in recent PyTorch). Initializes gpu-arena if needed (configure first if
     you want a non-default configuration).
+
+    Out of memory: gpu-arena returns NULL (after releasing its cached arenas and retrying)
+    and PyTorch raises ``torch.OutOfMemoryError`` and counts it in ``num_ooms``. Inside
+    ``use_mem_pool`` PyTorch does not free its own cached blocks and retry.
 
     PyTorch's caching allocator manages the pool's blocks and asks gpu-arena for segments:
     to give memory back, drop the tensors and the pool, then call :func:`empty_cache`

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use super::{DeviceState, Live, PendingFree, ANY_STREAM, FLUSH_FIRST_ABOVE, LIMBO_BASE};
 use crate::backend::{ArenaMem, Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
+use crate::history::Action;
 use crate::lifetime::ArenaLifetime;
 use crate::pool::Arena;
 use crate::stats::DeviceMetrics;
@@ -201,6 +202,11 @@ impl DeviceState {
         self.stats.allocated_bytes -= bytes;
         self.stats.requested_bytes -= live.requested;
         self.stats.allocations -= 1;
+        if self.history.recording {
+            let (req, stream) = (live.requested, live.stream.0);
+            self.history
+                .record(Action::FreeCompleted, ptr, bytes, req, stream);
+        }
         self.cached_bytes += bytes;
         self.cache
             .entry((live.stream.0, bytes))
@@ -261,6 +267,11 @@ impl DeviceState {
         self.stats.allocated_bytes -= live.bytes();
         self.stats.requested_bytes -= live.requested;
         self.stats.allocations -= 1;
+        if self.history.recording {
+            let (len, req, stream) = (live.bytes(), live.requested, live.stream.0);
+            self.history
+                .record(Action::FreeCompleted, ptr, len, req, stream);
+        }
         Ok(())
     }
 
@@ -308,6 +319,9 @@ impl DeviceState {
         s.arenas += 1;
         s.backend_creates += 1;
         metrics.creates.increment(1);
+        if self.history.recording {
+            self.history.record(Action::SegmentAlloc, base, bytes, 0, 0);
+        }
         Ok(key)
     }
 
@@ -331,6 +345,10 @@ impl DeviceState {
             self.stats.reserved_bytes -= a.mem.bytes;
             self.stats.arenas -= 1;
             self.stats.backend_destroys += 1;
+            if self.history.recording {
+                self.history
+                    .record(Action::SegmentFree, base, a.mem.bytes, 0, 0);
+            }
             out.push(a.mem);
         }
         out

@@ -47,6 +47,7 @@ use slab::Slab;
 
 use crate::backend::{ArenaMem, Backend, DeviceId, Event, Export, StreamId};
 use crate::error::{Error, Result};
+use crate::history::{Action, History};
 use crate::lifetime::{AllocHold, ArenaLifetime, FreeStep};
 use crate::range::{self, RangeAllocator};
 use crate::stats::{DeviceMetrics, PoolStats};
@@ -56,9 +57,11 @@ mod device;
 mod limits;
 mod records;
 mod share;
+mod trace;
 
 pub use limits::{MaxReserved, MIN_ARENA_SIZE};
 pub use records::{LeaseGrant, ShareInfo};
+pub use trace::DEFAULT_HISTORY_ENTRIES;
 
 /// Tag of free ranges that any stream may reuse.
 pub const ANY_STREAM: u64 = u64::MAX;
@@ -239,6 +242,8 @@ pub(crate) struct DeviceState {
     pub(crate) orphans: Vec<ArenaMem>,
     /// Shares and leases (`records.rs`, `share.rs`).
     pub(crate) shares: ShareTables,
+    /// The event ring (`crate::history`); off unless `record_history` turned it on.
+    pub(crate) history: History,
 }
 
 /// One device's pool.
@@ -410,6 +415,10 @@ impl Pool {
                     let free = self.backend.mem_info(device).map(|m| m.free).unwrap_or(0);
                     let cause =
                         limits.oom_cause(&self.config, arena_bytes, capped, &st.stats, free);
+                    if st.history.recording {
+                        st.history
+                            .record(Action::Oom, free, len, requested, stream.0);
+                    }
                     return Err(Error::OutOfMemory {
                         device,
                         requested: len,
@@ -469,6 +478,10 @@ impl Pool {
         s.allocations += 1;
         s.alloc_count += 1;
         dp.metrics.publish_allocated(s);
+        if st.history.recording {
+            st.history
+                .record(Action::Alloc, ptr, len, requested, stream.0);
+        }
         if self.config.validate {
             st.validate_or_log();
         }
@@ -522,6 +535,10 @@ impl Pool {
         if let Some(live) = plain.then(|| st.allocs.remove(&ptr)).flatten() {
             st.stats.free_count += 1;
             let bytes = live.bytes();
+            if st.history.recording {
+                let (req, s) = (live.requested, live.stream.0);
+                st.history.record(Action::FreeRequested, ptr, bytes, req, s);
+            }
             let cacheable =
                 bytes <= CACHE_MAX_BLOCK && st.cached_bytes + bytes <= st.stats.reserved_bytes / 4;
             if cacheable {
@@ -562,6 +579,11 @@ impl Pool {
             }
         };
         st.stats.free_count += 1;
+        if st.history.recording {
+            let (len, req) = (live.bytes(), live.requested);
+            st.history
+                .record(Action::FreeRequested, ptr, len, req, stream.0);
+        }
         if step == FreeStep::Deferred {
             // Still shared: the range waits for its last reference (pool/share.rs releases
             // it when the lifetime says so).
@@ -725,11 +747,13 @@ impl Pool {
                         })
                     })
                     .collect();
-                serde_json::json!({
+                let mut d = serde_json::json!({
                     "device": dp.device,
                     "stats": st.stats,
                     "arenas": arenas,
-                })
+                });
+                trace::add_to_snapshot(&st, &mut d);
+                d
             })
             .collect();
         serde_json::json!({ "backend": self.backend.name(), "devices": devices }).to_string()
