@@ -63,6 +63,9 @@ pub struct PoolStats {
     pub deferred_free_bytes: u64,
     /// Bytes freed with `record_stream` streams, waiting for their events.
     pub pending_free_bytes: u64,
+    /// Arena observer callbacks that failed: an `on_ready` that returned an error (nonzero
+    /// in C) or panicked, or an `on_release` that panicked (`pool/observers.rs`).
+    pub observer_errors: u64,
 }
 
 /// `metrics` handles for one device, registered once so the hot path does not format labels.
