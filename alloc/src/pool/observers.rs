@@ -116,6 +116,9 @@ struct ObserverEntry {
     removing: bool,
     /// One entry per callback of it running now, by thread.
     in_flight: Vec<ThreadId>,
+    /// `unobserve_arenas` returned while one of its own callbacks ran on its thread: the
+    /// entry goes with that callback's end (a delivered `on_ready` still gets its release).
+    unobserved: bool,
 }
 
 struct ArenaEntry {
@@ -161,12 +164,15 @@ impl Registry {
         })
     }
 
-    /// A claimed call returned.
+    /// A claimed call returned. The last call of an observer being removed removes it.
     fn done(&mut self, id: u64) {
         let me = std::thread::current().id();
         if let Some(o) = self.observers.get_mut(&id) {
             if let Some(i) = o.in_flight.iter().position(|t| *t == me) {
                 o.in_flight.swap_remove(i);
+            }
+            if o.removing && o.in_flight.is_empty() && o.unobserved {
+                self.observers.remove(&id);
             }
         }
     }
@@ -301,7 +307,6 @@ impl Observers {
                 failed.push(call.info.device);
             }
             let mut reg = self.reg.lock();
-            reg.done(call.id);
             let mut release_now = None;
             if call.kind == Kind::Ready {
                 let key = (call.info.device, call.info.base);
@@ -320,7 +325,9 @@ impl Observers {
                     None => {}
                 }
             }
+            // Claimed before this call counts as done, so that the observer is still there.
             let release = release_now.and_then(|info| reg.claim(call.id, info, Kind::Release));
+            reg.done(call.id);
             drop(reg);
             self.changed.notify_all();
             if let Some(r) = release {
@@ -341,6 +348,7 @@ impl Observers {
                 observer,
                 removing: false,
                 in_flight: Vec::new(),
+                unobserved: false,
             },
         );
         let mut calls = Vec::new();
@@ -414,7 +422,13 @@ impl Observers {
         {
             self.changed.wait(&mut reg);
         }
-        reg.observers.remove(&id.0);
+        match reg.observers.get_mut(&id.0) {
+            // Its own callback on this thread is still running: `done` removes it.
+            Some(o) if !o.in_flight.is_empty() => o.unobserved = true,
+            _ => {
+                reg.observers.remove(&id.0);
+            }
+        }
     }
 }
 
