@@ -27,6 +27,9 @@ use parking_lot::Mutex;
 mod ipc_api;
 #[allow(unused_imports)]
 pub use ipc_api::*;
+mod observers;
+#[allow(unused_imports)]
+pub use observers::*;
 
 /// Success.
 pub const GPU_ARENA_OK: c_int = 0;
