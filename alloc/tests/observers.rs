@@ -595,3 +595,49 @@ fn observers_race_with_arena_creation_and_release() {
     pool.validate(0).unwrap();
     assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
 }
+
+/// Allocates from every on_ready.
+struct Allocator {
+    pool: Weak<Pool>,
+    results: Mutex<Vec<Result<(), String>>>,
+}
+
+impl ArenaObserver for Allocator {
+    fn on_ready(&self, _: &ArenaInfo) -> Result<(), ObserverError> {
+        let p = self.pool.upgrade().unwrap();
+        let r = p.alloc(0, 4096, S).map_err(|e| e.to_string());
+        self.results
+            .lock()
+            .unwrap()
+            .push(r.as_ref().map(|_| ()).map_err(Clone::clone));
+        p.free(r?.ptr)?;
+        Ok(())
+    }
+    fn on_release(&self, _: &ArenaInfo) {}
+}
+
+#[test]
+fn an_on_ready_that_always_allocates_does_not_recurse_without_end() {
+    let (sim, pool) = pool();
+    let o = Arc::new(Allocator {
+        pool: Arc::downgrade(&pool),
+        results: Mutex::new(Vec::new()),
+    });
+    let id = pool.observe_arenas(o.clone());
+    // The pool is empty: A's on_ready allocates -> arena B (nested) -> B's on_ready
+    // allocates -> a third arena would be needed: refused; B stays usable and serves A's.
+    let a = pool.alloc(0, MIB, S).unwrap();
+    let results = o.results.lock().unwrap().clone();
+    assert_eq!(results.len(), 2, "{results:?}");
+    assert!(
+        results[0].as_ref().is_err_and(|e| e.contains("on_ready")),
+        "{results:?}"
+    );
+    assert!(results[1].is_ok(), "{results:?}");
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.arenas, s.observer_errors), (2, 1));
+    pool.free(a.ptr).unwrap();
+    pool.unobserve_arenas(id).unwrap();
+    pool.empty_cache(None).unwrap();
+    assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+}

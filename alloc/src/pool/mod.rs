@@ -59,6 +59,7 @@ mod share;
 
 pub use observers::{
     ArenaInfo, ArenaObserver, ObserverError, ObserverId, ARENA_EXPORTED, ARENA_PINNED,
+    MAX_NESTED_ARENAS,
 };
 pub use records::{LeaseGrant, ShareInfo};
 

@@ -33,6 +33,12 @@
 //! - `empty_cache` leaves an arena alone while an `on_ready` of it runs (a later
 //!   `empty_cache` releases it), so a callback calling `empty_cache` never waits on itself.
 //!
+//! An `on_ready` may allocate. An allocation that needs a new arena creates it and runs its
+//! `on_ready` nested (the arena being readied is not usable yet); one level of that is
+//! allowed ([`MAX_NESTED_ARENAS`]), deeper such an allocation fails with
+//! [`Error::InvalidState`], so an `on_ready` that always allocates cannot recurse without
+//! end (its nested arena's `on_ready` fails and is counted; the outer allocation is served).
+//!
 //! `unobserve_arenas` returns only when no callback of that observer runs on another thread;
 //! calls from that observer's own callbacks on the calling thread are not waited for.
 //! Hence a callback must not unobserve a *different* observer while that observer's
@@ -216,16 +222,35 @@ fn flags_of(lifetime: &ArenaLifetime<crate::backend::Export>) -> u32 {
     f
 }
 
+/// How many new arenas a thread may create from inside `on_ready` callbacks, nested: an
+/// `on_ready` that allocates may need a new arena (the one it readies is not usable yet),
+/// whose `on_ready` allocates in turn; past this depth such an allocation fails instead of
+/// recursing without end.
+pub const MAX_NESTED_ARENAS: u32 = 1;
+
+thread_local! {
+    /// `on_ready` callbacks running on this thread, nested.
+    static READY_DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
 /// Whether a call succeeded: `on_ready` returned `Ok`, `on_release` did not panic.
 fn run(call: &Call) -> bool {
     let info = &call.info;
     let outcome = catch_unwind(AssertUnwindSafe(|| match call.kind {
-        Kind::Ready => call.observer.on_ready(info),
+        Kind::Ready => {
+            READY_DEPTH.with(|d| d.set(d.get() + 1));
+            let r = call.observer.on_ready(info);
+            READY_DEPTH.with(|d| d.set(d.get() - 1));
+            r
+        }
         Kind::Release => {
             call.observer.on_release(info);
             Ok(())
         }
     }));
+    if outcome.is_err() && call.kind == Kind::Ready {
+        READY_DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
+    }
     let why = match outcome {
         Ok(Ok(())) => return true,
         Ok(Err(e)) => e.to_string(),
@@ -473,6 +498,20 @@ impl Pool {
         dp: &'a DevicePool,
         mem: ArenaMem,
     ) -> Result<(MutexGuard<'a, DeviceState>, usize)> {
+        if READY_DEPTH.with(|d| d.get()) > MAX_NESTED_ARENAS {
+            let bytes = mem.bytes;
+            if let Err(e) = self.backend.destroy_arena(mem.clone()) {
+                tracing::error!(error = %e, "destroy_arena failed; will retry");
+                dp.state.lock().orphans.push(mem);
+            }
+            return Err(Error::InvalidState(format!(
+                "an allocation from inside an arena observer's on_ready needs a new arena of \
+                 {bytes} bytes, {} levels deep: refused (the arena being readied is not \
+                 usable until on_ready returns; an on_ready that always allocates would \
+                 recurse without end)",
+                MAX_NESTED_ARENAS + 1
+            )));
+        }
         let id = dp.state.lock().reserve_arena_id();
         let info = ArenaInfo {
             device: dp.device,
