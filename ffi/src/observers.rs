@@ -105,7 +105,9 @@ impl ArenaObserver for CObserver {
 /// `on_ready` returned 0, while the arena is still mapped and its export still open, before
 /// it goes (`gpu_arena_empty_cache`, the OOM retry) or when the observer is removed. No
 /// gpu-arena lock is held during a callback: it may call any gpu-arena function (malloc,
-/// free, stats, empty_cache, observe, unobserve). Callbacks may run on any thread, for
+/// free, stats, empty_cache, observe, unobserve). An `on_ready` whose allocation needs a
+/// new arena gets one, nested, once; deeper such an allocation fails with
+/// `GPU_ARENA_ERR_INVALID_STATE` instead of recursing. Callbacks may run on any thread, for
 /// different arenas at once. Either callback may be NULL, not both; `*out_id` receives the
 /// observer's id (never 0).
 #[no_mangle]
