@@ -17,5 +17,7 @@ pub use backend::Backend;
 pub use config::{BackendChoice, Config};
 pub use error::{Error, Result};
 pub use ids::{DeviceId, StreamId};
-pub use pool::{Allocation, LeaseGrant, Pool, PoolConfig, ShareInfo};
+pub use pool::{
+    Allocation, ArenaInfo, ArenaObserver, LeaseGrant, ObserverId, Pool, PoolConfig, ShareInfo,
+};
 pub use stats::PoolStats;

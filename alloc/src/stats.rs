@@ -61,6 +61,9 @@ pub struct PoolStats {
     pub requested_bytes: u64,
     /// Highest `requested_bytes` seen.
     pub peak_requested_bytes: u64,
+    /// Arena observer callbacks that failed: an `on_ready` that returned an error (nonzero
+    /// in C) or panicked, or an `on_release` that panicked (`pool/observers.rs`).
+    pub observer_errors: u64,
 }
 
 /// `metrics` handles for one device, registered once so the hot path does not format labels.

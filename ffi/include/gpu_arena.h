@@ -79,6 +79,17 @@
 #define GPU_ARENA_SHARE_BYTES 128
 
 /**
+ * `gpu_arena_arena_info_t.flags` bit: the arena has a driver export at the time of the call.
+ */
+#define GPU_ARENA_ARENA_EXPORTED 1
+
+/**
+ * `gpu_arena_arena_info_t.flags` bit: the arena is pinned by an export that cannot end
+ * (recycled, never destroyed while the process runs).
+ */
+#define GPU_ARENA_ARENA_PINNED 2
+
+/**
  * Counters of one device's pool. All sizes in bytes.
  *
  * The C API's `gpu_arena_stats_t` is this struct: `gpu_arena.h` is generated from this
@@ -169,6 +180,11 @@ typedef struct gpu_arena_stats_t {
      * Highest `requested_bytes` seen.
      */
     uint64_t peak_requested_bytes;
+    /**
+     * Arena observer callbacks that failed: an `on_ready` that returned an error (nonzero
+     * in C) or panicked, or an `on_release` that panicked (`pool/observers.rs`).
+     */
+    uint64_t observer_errors;
 } gpu_arena_stats_t;
 
 /**
@@ -180,6 +196,40 @@ typedef struct gpu_arena_share_t {
      */
     uint8_t bytes[GPU_ARENA_SHARE_BYTES];
 } gpu_arena_share_t;
+
+/**
+ * One arena, as an observer callback sees it. Valid for the duration of the callback.
+ */
+typedef struct gpu_arena_arena_info_t {
+    /**
+     * Device of the arena.
+     */
+    int32_t device;
+    /**
+     * `GPU_ARENA_ARENA_*` bits: the arena's state at the time of the call (a new arena
+     * has none).
+     */
+    uint32_t flags;
+    /**
+     * The arena's id, unique in this process's pool.
+     */
+    uint64_t arena_id;
+    /**
+     * Device address of the first byte.
+     */
+    void *base;
+    /**
+     * Size in bytes.
+     */
+    size_t size;
+} gpu_arena_arena_info_t;
+
+/**
+ * An arena observer callback. `on_ready`: return 0 to take the arena; nonzero is counted
+ * in `gpu_arena_stats_t.observer_errors`, the arena stays usable and this observer gets
+ * no `on_release` for it. `on_release`: the return value is ignored.
+ */
+typedef int (*gpu_arena_arena_fn)(const struct gpu_arena_arena_info_t *arena, void *user);
 
 #ifdef __cplusplus
 extern "C" {
@@ -361,6 +411,32 @@ int gpu_arena_record_history(int enabled, size_t max_entries);
  * caller). Returns the previous id. Never fails, needs no init.
  */
 uint32_t gpu_arena_set_history_context(uint32_t id);
+
+/**
+ * Add an arena observer. `on_ready` runs, before this returns and on this thread, for every
+ * arena that exists, then for each new arena after it is mapped and before any memory of
+ * it is handed out (on the allocating thread). `on_release` runs once per arena whose
+ * `on_ready` returned 0, while the arena is still mapped and its export still open, before
+ * it goes (`gpu_arena_empty_cache`, the OOM retry) or when the observer is removed. No
+ * gpu-arena lock is held during a callback: it may call any gpu-arena function (malloc,
+ * free, stats, empty_cache, observe, unobserve). An `on_ready` whose allocation needs a
+ * new arena gets one, nested, once; deeper such an allocation fails with
+ * `GPU_ARENA_ERR_INVALID_STATE` instead of recursing. Callbacks may run on any thread, for
+ * different arenas at once. Either callback may be NULL, not both; `*out_id` receives the
+ * observer's id (never 0).
+ */
+int gpu_arena_observe_arenas(gpu_arena_arena_fn on_ready,
+                             gpu_arena_arena_fn on_release,
+                             void *user,
+                             uint64_t *out_id);
+
+/**
+ * Remove an arena observer: its `on_release` runs (on this thread) for every arena whose
+ * `on_ready` returned 0, then no callback of it runs after this returns (it waits for
+ * callbacks of it running on other threads). An unknown id, or one already removed, is
+ * refused with `GPU_ARENA_ERR_INVALID_ARGUMENT` and changes nothing.
+ */
+int gpu_arena_unobserve_arenas(uint64_t id);
 
 /**
  * Set the level of gpu-arena's stderr log: `"off"`, `"error"`, `"warn"`, `"info"`,

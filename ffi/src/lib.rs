@@ -17,9 +17,10 @@
 //! per process even when threads race (`OnceLock`): `gpu_arena_malloc`, `gpu_arena_stats`,
 //! `gpu_arena_empty_cache` / `gpu_arena_reset`, `gpu_arena_validate`,
 //! `gpu_arena_device_count`, `gpu_arena_snapshot_json`, `gpu_arena_share`,
-//! `gpu_arena_import`. So a C program, or a framework that never calls init, just allocates.
+//! `gpu_arena_import`, `gpu_arena_observe_arenas`. So a C program, or a framework that never calls init, just allocates.
 //! The calls that take back something gpu-arena handed out (`gpu_arena_free(_checked)`,
-//! `gpu_arena_record_stream(_checked)`, `gpu_arena_unshare`, `gpu_arena_close`) do not
+//! `gpu_arena_record_stream(_checked)`, `gpu_arena_unshare`, `gpu_arena_close`,
+//! `gpu_arena_unobserve_arenas`) do not
 //! initialize: before init nothing can be gpu-arena's, and they fail with
 //! `GPU_ARENA_ERR_NOT_INITIALIZED`. Neither do the queries `gpu_arena_init_status`,
 //! `gpu_arena_backend_name` and `gpu_arena_imports_live`. A failed init (lazy or not) is
@@ -47,6 +48,9 @@ pub use ipc_api::*;
 mod torch_api;
 #[allow(unused_imports)]
 pub use torch_api::*;
+mod observers;
+#[allow(unused_imports)]
+pub use observers::*;
 
 /// Success.
 pub const GPU_ARENA_OK: c_int = 0;

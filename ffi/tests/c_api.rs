@@ -144,13 +144,15 @@ fn build_cdylib(l: &Layout) -> PathBuf {
     lib
 }
 
-/// The compiled C program and the library it links.
+/// The compiled C programs and the library they link.
 struct Built {
     exe: PathBuf,
+    /// `tests/c/observers_test.c` (arena observers), compiled the same way.
+    observers_exe: PathBuf,
     lib: PathBuf,
 }
 
-/// Build the library and compile the C program, once per test process.
+/// Build the library and compile the C programs, once per test process.
 fn built() -> &'static Built {
     static BUILT: OnceLock<Built> = OnceLock::new();
     BUILT.get_or_init(|| {
@@ -166,33 +168,44 @@ fn built() -> &'static Built {
             l.profile_name
         ));
         std::fs::create_dir_all(&out_dir).expect("create the C program's directory");
-        let exe = out_dir.join("api_test");
-        let root = workspace_root();
-        let cc = std::env::var_os("CC").unwrap_or_else(|| "cc".into());
-        let mut cmd = Command::new(cc);
-        cmd.current_dir(root)
-            .args([
-                "-std=c11",
-                "-Wall",
-                "-Wextra",
-                "-Werror",
-                "-pedantic",
-                "-O1",
-                "-g",
-            ])
-            .arg("-pthread")
-            .arg("-I")
-            .arg(root.join("ffi").join("include"))
-            .arg(root.join("tests").join("c").join("api_test.c"))
-            .arg("-o")
-            .arg(&exe)
-            .arg("-L")
-            .arg(&lib_dir)
-            .arg("-lgpu_arena")
-            .arg(format!("-Wl,-rpath,{}", lib_dir.display()));
-        run_checked(cmd, "compiling tests/c/api_test.c");
-        Built { exe, lib }
+        let exe = compile(&lib_dir, &out_dir, "api_test");
+        let observers_exe = compile(&lib_dir, &out_dir, "observers_test");
+        Built {
+            exe,
+            observers_exe,
+            lib,
+        }
     })
+}
+
+/// Compile `tests/c/<name>.c` against the header and the library in `lib_dir`.
+fn compile(lib_dir: &Path, out_dir: &Path, name: &str) -> PathBuf {
+    let exe = out_dir.join(name);
+    let root = workspace_root();
+    let cc = std::env::var_os("CC").unwrap_or_else(|| "cc".into());
+    let mut cmd = Command::new(cc);
+    cmd.current_dir(root)
+        .args([
+            "-std=c11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-pedantic",
+            "-O1",
+            "-g",
+        ])
+        .arg("-pthread")
+        .arg("-I")
+        .arg(root.join("ffi").join("include"))
+        .arg(root.join("tests").join("c").join(format!("{name}.c")))
+        .arg("-o")
+        .arg(&exe)
+        .arg("-L")
+        .arg(lib_dir)
+        .arg("-lgpu_arena")
+        .arg(format!("-Wl,-rpath,{}", lib_dir.display()));
+    run_checked(cmd, &format!("compiling tests/c/{name}.c"));
+    exe
 }
 
 /// Wait for `child` at most `limit`; kill it past that.
@@ -219,8 +232,18 @@ fn run_mode(mode: &str) -> String {
 /// [`run_mode`] with more environment (which may override `GPU_ARENA_BACKEND`); returns the
 /// program's stdout and stderr.
 fn run_mode_with(mode: &str, env: &[(&str, &str)]) -> String {
+    run_program(&built().exe, mode, env)
+}
+
+/// Run `exe` with `mode` on the sim backend (plus `env`) and require exit status 0 and its
+/// "checks passed" line; returns the program's stdout and stderr.
+fn run_program(exe: &Path, mode: &str, env: &[(&str, &str)]) -> String {
     let b = built();
-    let log_path = b.exe.with_file_name(format!("api_test-{mode}.log"));
+    let name = exe
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let log_path = exe.with_extension(format!("{mode}.log"));
     let log = File::create(&log_path).expect("create the C program's log");
     let lib_dir = b.lib.parent().expect("lib dir");
     let ld_path = match std::env::var_os("LD_LIBRARY_PATH") {
@@ -232,7 +255,7 @@ fn run_mode_with(mode: &str, env: &[(&str, &str)]) -> String {
         }
         _ => lib_dir.as_os_str().to_owned(),
     };
-    let mut child = Command::new(&b.exe)
+    let mut child = Command::new(exe)
         .arg(mode)
         .env("GPU_ARENA_BACKEND", "sim")
         .env_remove("GPU_ARENA_CONF")
@@ -244,7 +267,7 @@ fn run_mode_with(mode: &str, env: &[(&str, &str)]) -> String {
         .stdout(log.try_clone().expect("dup the log file"))
         .stderr(log)
         .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", b.exe.display()));
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", exe.display()));
     let status = wait_with_timeout(&mut child, RUN_TIMEOUT);
     let output = std::fs::read_to_string(&log_path).unwrap_or_default();
     match status {
@@ -253,17 +276,17 @@ fn run_mode_with(mode: &str, env: &[(&str, &str)]) -> String {
             println!("{output}");
             assert!(
                 output.contains("checks passed"),
-                "api_test {mode} exited 0 without finishing:\n{output}"
+                "{name} {mode} exited 0 without finishing:\n{output}"
             );
             output
         }
         Some(s) => panic!(
-            "api_test {mode} failed ({s}); output:\n{output}\n(program: {}, log: {})",
-            b.exe.display(),
+            "{name} {mode} failed ({s}); output:\n{output}\n(program: {}, log: {})",
+            exe.display(),
             log_path.display()
         ),
         None => panic!(
-            "api_test {mode} did not finish in {RUN_TIMEOUT:?} and was killed; output:\n{output}"
+            "{name} {mode} did not finish in {RUN_TIMEOUT:?} and was killed; output:\n{output}"
         ),
     }
 }
@@ -335,6 +358,13 @@ fn c_program_bad_env() {
 #[test]
 fn c_program_bad_backend() {
     run_mode("bad-backend");
+}
+
+/// Arena observers from C (`tests/c/observers_test.c`): ready/release rules, bad input,
+/// re-entrant callbacks, threads.
+#[test]
+fn c_program_observers() {
+    run_program(&built().observers_exe, "observers", &[]);
 }
 
 /// The header is valid C++ too (`extern "C"`, no C-only constructs), and declares what a

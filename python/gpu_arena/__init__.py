@@ -15,6 +15,10 @@ Sharing memory with other processes (:mod:`gpu_arena.ipc`): ``share_ptr`` / ``un
 ``import_handle`` / ``close_import`` / ``imports_live`` for pointers, ``share(tensor)`` ->
 ``Share`` / ``open(share)`` -> tensor / ``close(tensor_or_share)`` for PyTorch tensors.
 
+Arena observers (:mod:`gpu_arena.observers`): ``observe_arenas(on_ready, on_release)`` ->
+handle (a context manager), ``unobserve_arenas(handle)``: register each arena with a
+transport once, deregister it before its memory goes.
+
 Every failure raises :class:`GpuArenaError` (``.code`` is the ``GPU_ARENA_ERR_*`` code,
 the message names the call), or the subclass of its code: ``OutOfMemoryError`` (also a
 ``MemoryError``), ``InvalidArgumentError`` (also a ``ValueError``), ``UnknownPointerError``,
@@ -77,6 +81,15 @@ from .ipc import (  # noqa: E402,F401  (re-exported; `open` shadows the builtin 
     unshare,
 )
 
+from .observers import (  # noqa: E402,F401  (re-exported)
+    ARENA_EXPORTED,
+    ARENA_PINNED,
+    ArenaInfo,
+    ArenaObserver,
+    observe_arenas,
+    unobserve_arenas,
+)
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -105,6 +118,12 @@ __all__ = [
     "share",
     "open",
     "close",
+    "observe_arenas",
+    "unobserve_arenas",
+    "ArenaInfo",
+    "ArenaObserver",
+    "ARENA_EXPORTED",
+    "ARENA_PINNED",
     "GpuArenaError",
     "GpuArenaStats",
     "InvalidArgumentError",

@@ -201,6 +201,7 @@ class GpuArenaStats(ctypes.Structure):
         ("pending_free_bytes", ctypes.c_uint64),
         ("requested_bytes", ctypes.c_uint64),
         ("peak_requested_bytes", ctypes.c_uint64),
+        ("observer_errors", ctypes.c_uint64),
     ]
 
     def to_dict(self) -> dict:
@@ -214,6 +215,27 @@ class GpuArenaShare(ctypes.Structure):
     """``gpu_arena_share_t``: ``typedef struct { uint8_t bytes[128]; }``."""
 
     _fields_ = [("bytes", ctypes.c_uint8 * SHARE_BYTES)]
+
+
+# Arena observers (ffi/src/observers.rs; the Python API is gpu_arena.observers).
+GPU_ARENA_ARENA_EXPORTED = 1
+GPU_ARENA_ARENA_PINNED = 2
+
+
+class GpuArenaArenaInfo(ctypes.Structure):
+    """``gpu_arena_arena_info_t``: one arena, as an observer callback sees it."""
+
+    _fields_ = [
+        ("device", ctypes.c_int32),
+        ("flags", ctypes.c_uint32),
+        ("arena_id", ctypes.c_uint64),
+        ("base", ctypes.c_void_p),
+        ("size", ctypes.c_size_t),
+    ]
+
+
+# ``gpu_arena_arena_fn``: int (*)(const gpu_arena_arena_info_t*, void* user).
+ARENA_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(GpuArenaArenaInfo), ctypes.c_void_p)
 
 
 # --------------------------------------------------------------------------------------
@@ -313,6 +335,9 @@ _SIGNATURES = {
     "gpu_arena_alloc_error_message": (c_void_p, [c_ssize_t, c_int]),
     "gpu_arena_record_history": (c_int, [c_int, ctypes.c_size_t]),
     "gpu_arena_set_history_context": (ctypes.c_uint32, [ctypes.c_uint32]),
+    "gpu_arena_observe_arenas": (c_int, [ARENA_FN, ARENA_FN, c_void_p,
+                                         ctypes.POINTER(ctypes.c_uint64)]),
+    "gpu_arena_unobserve_arenas": (c_int, [ctypes.c_uint64]),
 }
 
 # The IPC part (ffi/src/ipc_api.rs), declared when the library has it (has_ipc() says

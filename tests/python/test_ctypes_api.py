@@ -56,7 +56,8 @@ def _header_text() -> str:
 
 
 # The C types of the header, as ctypes.
-_CTYPES = {"uint64_t": ctypes.c_uint64, "uint8_t": ctypes.c_uint8}
+_CTYPES = {"uint64_t": ctypes.c_uint64, "uint8_t": ctypes.c_uint8, "int32_t": ctypes.c_int32,
+           "uint32_t": ctypes.c_uint32, "size_t": ctypes.c_size_t, "void*": ctypes.c_void_p}
 
 
 def _header_struct(name: str):
@@ -65,8 +66,8 @@ def _header_struct(name: str):
     assert m, f"{name} is not declared in {HEADER}"
     consts = _header_constants()
     fields = []
-    for ctype, field, count in re.findall(r"(\w+) (\w+)(?:\[(\w+)\])?;", m.group(1)):
-        t = _CTYPES[ctype]
+    for ctype, star, field, count in re.findall(r"(\w+) (\*?)(\w+)(?:\[(\w+)\])?;", m.group(1)):
+        t = _CTYPES[ctype + star]
         if count:
             t = t * (int(count) if count.isdigit() else consts[count])
         fields.append((field, t))
@@ -87,6 +88,7 @@ def _same_type(a, b) -> bool:
 @pytest.mark.parametrize("c_name, py_struct", [
     ("gpu_arena_stats_t", gpu_arena.GpuArenaStats),
     ("gpu_arena_share_t", _lib.GpuArenaShare),
+    ("gpu_arena_arena_info_t", _lib.GpuArenaArenaInfo),
 ])
 @pytest.mark.skipif(not HEADER.exists(), reason="ffi/include/gpu_arena.h not in this checkout")
 def test_structs_match_the_header(c_name, py_struct):

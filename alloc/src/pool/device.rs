@@ -299,13 +299,17 @@ impl DeviceState {
         self.arena_at.get(&ptr).copied()
     }
 
-    pub(super) fn add_arena(&mut self, mem: ArenaMem, metrics: &DeviceMetrics) -> Result<usize> {
+    /// Add an arena under `id` (reserved by `pool/observers.rs`).
+    pub(super) fn add_arena(
+        &mut self,
+        mem: ArenaMem,
+        id: u64,
+        metrics: &DeviceMetrics,
+    ) -> Result<usize> {
         let (base, bytes) = (mem.base, mem.bytes);
         self.ranges
             .add_region(base, bytes, ANY_STREAM)
             .map_err(|e| Error::Internal(format!("backend returned an unusable arena: {e}")))?;
-        let id = self.next_arena_id;
-        self.next_arena_id += 1;
         let key = self.arenas.insert(Arena {
             mem,
             id,
@@ -326,12 +330,13 @@ impl DeviceState {
     }
 
     /// Take every arena that can go back to the backend: no allocation, no share, no
-    /// export, not pinned. Called after `settle_all`.
-    pub(super) fn take_empty_arenas(&mut self) -> Vec<ArenaMem> {
+    /// export, not pinned, and not `busy` (by base: an observer's `on_ready` of it runs).
+    /// Called after `settle_all`.
+    pub(super) fn take_empty_arenas(&mut self, busy: impl Fn(u64) -> bool) -> Vec<ArenaMem> {
         let keys: Vec<usize> = self
             .arenas
             .iter()
-            .filter(|(_, a)| a.live_allocs == 0 && a.lifetime.destroyable())
+            .filter(|(_, a)| a.live_allocs == 0 && a.lifetime.destroyable() && !busy(a.mem.base))
             .map(|(k, _)| k)
             .collect();
         let mut out = Vec::new();

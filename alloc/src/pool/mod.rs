@@ -55,11 +55,16 @@ use records::ShareTables;
 
 mod device;
 mod limits;
+mod observers;
 mod records;
 mod share;
 mod trace;
 
 pub use limits::{MaxReserved, MIN_ARENA_SIZE};
+pub use observers::{
+    ArenaInfo, ArenaObserver, ObserverError, ObserverId, ARENA_EXPORTED, ARENA_PINNED,
+    MAX_NESTED_ARENAS,
+};
 pub use records::{LeaseGrant, ShareInfo};
 pub use trace::DEFAULT_HISTORY_ENTRIES;
 
@@ -262,6 +267,8 @@ pub struct Pool {
     pub(crate) backend: Arc<dyn Backend>,
     pub(crate) config: PoolConfig,
     pub(crate) devices: Vec<DevicePool>,
+    /// Arena observers and the arenas they are told about (`pool/observers.rs`).
+    pub(crate) observers: observers::Observers,
 }
 
 impl Pool {
@@ -287,6 +294,7 @@ impl Pool {
             backend,
             config,
             devices,
+            observers: observers::Observers::default(),
         })
     }
 
@@ -391,8 +399,8 @@ impl Pool {
             };
             match created {
                 Ok(mem) => {
-                    let mut st = dp.state.lock();
-                    let key = st.add_arena(mem, &dp.metrics)?;
+                    // Observers' on_ready runs before the arena enters the pool.
+                    let (mut st, key) = self.install_arena(dp, mem)?;
                     dp.metrics.publish(&st.stats);
                     let ptr = st.ranges.alloc(len, ANY_STREAM).ok_or_else(|| {
                         Error::Internal(format!("fresh arena {key} cannot fit {len} bytes"))
@@ -672,13 +680,16 @@ impl Pool {
             }
         }
         self.backend.synchronize(dp.device)?;
-        let doomed = {
+        let (doomed, releases) = {
             let mut st = dp.state.lock();
             st.settle_all(self.backend.as_ref());
             let mut doomed = std::mem::take(&mut st.orphans);
-            doomed.extend(st.take_empty_arenas());
-            doomed
+            let (empty, releases) = self.take_empty_observed(dp, &mut st);
+            doomed.extend(empty);
+            (doomed, releases)
         };
+        // Observers' on_release, with the lock released, before the arenas are destroyed.
+        self.count_failures(self.observers.deliver(releases));
         let mut released = 0;
         let mut first_err = None;
         for mem in doomed {

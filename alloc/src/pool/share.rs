@@ -535,6 +535,9 @@ impl Pool {
                 tracing::error!(error = %e, "synchronize before teardown failed");
             }
             for (_, a) in std::mem::take(&mut st.arenas) {
+                // Observers first: the arena is still mapped and its export still open.
+                self.observers
+                    .release_at_teardown(dp.device, a.mem.base, &a.lifetime);
                 if a.lifetime.pinned() {
                     tracing::warn!(bytes = a.mem.bytes, "pool dropped with a pinned arena: the driver keeps it until the process exits");
                 }
