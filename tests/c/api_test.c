@@ -236,7 +236,7 @@ static const char *const STAT_NAMES[] = {
     "arenas", "backend_creates", "backend_destroys", "exports_live", "exports_total",
     "shares_live", "imports_live", "pinned_bytes", "allocations", "alloc_count", "free_count",
     "oom_count", "deferred_free_bytes", "pending_free_bytes", "requested_bytes",
-    "peak_requested_bytes", "observer_errors",
+    "peak_requested_bytes", "observer_errors", "sleeping_bytes",
 };
 
 /* The first field of device d that differs, or NULL. */
