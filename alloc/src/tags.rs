@@ -133,6 +133,7 @@ pub fn parse_list(list: Option<&str>) -> Result<Vec<u8>> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -44,6 +44,9 @@ pub struct SleepReport {
     pub arenas: u64,
 }
 
+/// An arena going to sleep: its key, its memory, and the runs `(address, bytes)` to copy.
+type SleepWork = (usize, ArenaMem, Vec<(u64, u64)>);
+
 /// The error of an allocation with a tag that sleeps.
 pub(crate) fn asleep_error(device: DeviceId, tag: u8, bytes: u64) -> Error {
     Error::InvalidState(format!(
@@ -124,7 +127,7 @@ impl Pool {
         let mut report = SleepReport::default();
         let mut calls = Vec::new();
         // (key, arena, runs to copy)
-        let mut work: Vec<(usize, ArenaMem, Vec<(u64, u64)>)> = Vec::new();
+        let mut work: Vec<SleepWork> = Vec::new();
         let sleeping;
         {
             let mut st = dp.state.lock();
