@@ -254,3 +254,35 @@ fn bad_device_is_refused() {
         Error::InvalidDevice { .. }
     ));
 }
+
+#[test]
+fn every_device_skips_devices_with_nothing_to_do() {
+    let backend = Arc::new(
+        SimBackend::new(SimConfig {
+            devices: 2,
+            ..SimConfig::default()
+        })
+        .unwrap(),
+    );
+    let config = PoolConfig {
+        arena_size: 8 * MIB,
+        validate: true,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::new(backend.clone(), config).unwrap();
+    let p = pool.alloc(1, MIB, S).unwrap().ptr;
+    pool.sleep(Some(1), &[]).unwrap();
+    // Device 0 is awake, device 1 asleep: every device wakes what sleeps (device 1 only),
+    // and sleeping every device sleeps what is awake.
+    pool.wake(None, None).unwrap();
+    assert_eq!(pool.asleep_tags(1).unwrap(), 0);
+    pool.sleep(Some(0), &[]).unwrap();
+    pool.sleep(None, &[]).unwrap();
+    assert_eq!(backend.ledger(1).held_bytes, 0);
+    assert!(matches!(
+        pool.sleep(None, &[]).unwrap_err(),
+        Error::InvalidState(_)
+    ));
+    pool.wake(None, None).unwrap();
+    pool.free(p).unwrap();
+}

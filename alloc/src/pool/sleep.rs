@@ -93,8 +93,10 @@ impl Pool {
             (1u64 << tags::count()) - 1
         };
         let offload_mask = mask(offload);
-        // Check every device first: an error changes nothing.
-        for dp in &devices {
+        // Check every device first: an error changes nothing. With every device (`None`),
+        // a device where every tag sleeps already is skipped.
+        let mut awake = Vec::new();
+        for dp in devices {
             let asleep = dp.state.lock().asleep_tags;
             if asleep & offload_mask != 0 {
                 return Err(Error::InvalidState(format!(
@@ -103,15 +105,22 @@ impl Pool {
                     names(asleep & offload_mask)
                 )));
             }
-            if all & !asleep == 0 {
+            if all & !asleep != 0 {
+                awake.push(dp);
+            } else if device.is_some() {
                 return Err(Error::InvalidState(format!(
                     "sleep of device {}: every tag is already asleep",
                     dp.device
                 )));
             }
         }
+        if awake.is_empty() {
+            return Err(Error::InvalidState(
+                "sleep of every device: every tag is already asleep".into(),
+            ));
+        }
         let mut report = SleepReport::default();
-        for dp in devices {
+        for dp in awake {
             let r = self.sleep_device(dp, all, offload_mask)?;
             report.arena_bytes += r.arena_bytes;
             report.copied_bytes += r.copied_bytes;
@@ -255,27 +264,33 @@ impl Pool {
     pub fn wake(&self, device: Option<DeviceId>, wake_tags: Option<&[u8]>) -> Result<SleepReport> {
         let _serial = self.sleep_lock.lock();
         let devices = self.sleep_devices(device)?;
-        for dp in &devices {
-            let asleep = dp.state.lock().asleep_tags;
-            let want = wake_tags.map_or(asleep, mask);
-            if want == 0 || want & !asleep != 0 {
-                return Err(Error::InvalidState(format!(
-                    "wake of device {}: {} not asleep",
-                    dp.device,
-                    if want == 0 {
-                        "nothing is".to_string()
-                    } else {
-                        format!("tag(s) {} are", names(want & !asleep))
-                    }
-                )));
-            }
+        // One device: every named tag (or something) must be asleep there. Every device
+        // (`None`): each device wakes what of it sleeps there, and every named tag (or
+        // something) must be asleep on some device. Checked first: an error changes nothing.
+        let asleep_any = devices
+            .iter()
+            .fold(0u64, |m, dp| m | dp.state.lock().asleep_tags);
+        let named = wake_tags.map_or(asleep_any, mask);
+        if named == 0 || named & !asleep_any != 0 {
+            let which = match device {
+                Some(d) => format!("device {d}"),
+                None => "every device".to_string(),
+            };
+            return Err(Error::InvalidState(format!(
+                "wake of {which}: {} not asleep",
+                if named == 0 {
+                    "nothing is".to_string()
+                } else {
+                    format!("tag(s) {} are", names(named & !asleep_any))
+                }
+            )));
         }
         let mut report = SleepReport::default();
         for dp in devices {
-            let want = {
-                let asleep = dp.state.lock().asleep_tags;
-                wake_tags.map_or(asleep, mask)
-            };
+            let want = named & dp.state.lock().asleep_tags;
+            if want == 0 {
+                continue;
+            }
             let r = self.wake_device(dp, want)?;
             report.arena_bytes += r.arena_bytes;
             report.copied_bytes += r.copied_bytes;
