@@ -459,15 +459,17 @@ int gpu_arena_set_tag(const char *tag);
  * or imported by another process keeps its memory (and contents). While a tag sleeps its
  * allocations fail with `GPU_ARENA_ERR_INVALID_STATE`, frees work, new shares of its memory
  * are refused. Naming an already sleeping tag in `offload_tags`, or a device where every
- * tag already sleeps, is `GPU_ARENA_ERR_INVALID_STATE` and changes nothing.
+ * tag already sleeps, is `GPU_ARENA_ERR_INVALID_STATE` and changes nothing (with -1,
+ * devices where every tag sleeps are skipped; the error is when no device has an awake
+ * tag).
  */
 int gpu_arena_sleep(int device, const char *offload_tags);
 
 /**
  * Wake the tags named in `tags` (comma-separated; NULL or "": every sleeping tag) on
  * `device` (-1: every device): memory is mapped again at the same addresses and offloaded
- * contents are copied back. Waking a tag that is awake is `GPU_ARENA_ERR_INVALID_STATE`
- * and changes nothing.
+ * contents are copied back. Waking a tag that is awake (with -1: asleep on no device), or
+ * waking when nothing sleeps, is `GPU_ARENA_ERR_INVALID_STATE` and changes nothing.
  */
 int gpu_arena_wake(int device, const char *tags);
 
