@@ -11,6 +11,7 @@ pub mod lifetime;
 pub mod pool;
 pub mod range;
 pub mod stats;
+pub mod tags;
 pub mod units;
 
 pub use backend::Backend;

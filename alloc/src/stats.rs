@@ -64,6 +64,9 @@ pub struct PoolStats {
     /// Arena observer callbacks that failed: an `on_ready` that returned an error (nonzero
     /// in C) or panicked, or an `on_release` that panicked (`pool/observers.rs`).
     pub observer_errors: u64,
+    /// Bytes of arenas asleep (`gpu_arena_sleep`): their addresses stay reserved, their
+    /// memory went back to the driver (not in `reserved_bytes`).
+    pub sleeping_bytes: u64,
 }
 
 /// `metrics` handles for one device, registered once so the hot path does not format labels.

@@ -185,6 +185,11 @@ typedef struct gpu_arena_stats_t {
      * in C) or panicked, or an `on_release` that panicked (`pool/observers.rs`).
      */
     uint64_t observer_errors;
+    /**
+     * Bytes of arenas asleep (`gpu_arena_sleep`): their addresses stay reserved, their
+     * memory went back to the driver (not in `reserved_bytes`).
+     */
+    uint64_t sleeping_bytes;
 } gpu_arena_stats_t;
 
 /**
@@ -437,6 +442,36 @@ int gpu_arena_observe_arenas(gpu_arena_arena_fn on_ready,
  * refused with `GPU_ARENA_ERR_INVALID_ARGUMENT` and changes nothing.
  */
 int gpu_arena_unobserve_arenas(uint64_t id);
+
+/**
+ * Set this thread's allocation tag: every later allocation of this thread carries it. NULL
+ * or "" means "default". A tag is at most 63 bytes of `[A-Za-z0-9_.-]` (else
+ * `GPU_ARENA_ERR_INVALID_ARGUMENT`, and nothing changes); a process uses at most 64 tags.
+ * Allocations of different tags never share an arena, so each tag sleeps on its own.
+ */
+int gpu_arena_set_tag(const char *tag);
+
+/**
+ * Put every awake tag of `device` (-1: every device) to sleep: the contents of the tags
+ * named in `offload_tags` (comma-separated; NULL or "": none) are copied to host memory,
+ * everything else is discarded; the memory goes back to the driver while every address
+ * stays reserved. Waits for the device's pending work first. An arena that is shared with
+ * or imported by another process keeps its memory (and contents). While a tag sleeps its
+ * allocations fail with `GPU_ARENA_ERR_INVALID_STATE`, frees work, new shares of its memory
+ * are refused. Naming an already sleeping tag in `offload_tags`, or a device where every
+ * tag already sleeps, is `GPU_ARENA_ERR_INVALID_STATE` and changes nothing (with -1,
+ * devices where every tag sleeps are skipped; the error is when no device has an awake
+ * tag).
+ */
+int gpu_arena_sleep(int device, const char *offload_tags);
+
+/**
+ * Wake the tags named in `tags` (comma-separated; NULL or "": every sleeping tag) on
+ * `device` (-1: every device): memory is mapped again at the same addresses and offloaded
+ * contents are copied back. Waking a tag that is awake (with -1: asleep on no device), or
+ * waking when nothing sleeps, is `GPU_ARENA_ERR_INVALID_STATE` and changes nothing.
+ */
+int gpu_arena_wake(int device, const char *tags);
 
 /**
  * Set the level of gpu-arena's stderr log: `"off"`, `"error"`, `"warn"`, `"info"`,

@@ -51,6 +51,9 @@ pub use torch_api::*;
 mod observers;
 #[allow(unused_imports)]
 pub use observers::*;
+mod sleep_api;
+#[allow(unused_imports)]
+pub use sleep_api::*;
 
 /// Success.
 pub const GPU_ARENA_OK: c_int = 0;

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import ctypes
 import json
-from typing import Any, Dict
+import threading
+from typing import Any, Dict, Optional
 
 from . import _lib
 from ._lib import as_int as _int
@@ -99,6 +100,10 @@ __all__ = [
     "set_log_level",
     "stats",
     "empty_cache",
+    "set_tag",
+    "current_tag",
+    "sleep",
+    "wake",
     "snapshot",
     "validate",
     "backend_name",
@@ -199,6 +204,66 @@ def empty_cache(device: int = -1) -> None:
     """Synchronize and release every arena of ``device`` (-1: all) that holds no live
     allocation and no share."""
     _lib.check(_lib.lib().gpu_arena_empty_cache(_int(device, "device")), "gpu_arena_empty_cache")
+
+
+_tag_state = threading.local()
+
+
+def _tag_list(tags, what: str) -> Optional[bytes]:
+    """A comma-separated tag list as bytes: None, a string, or an iterable of strings."""
+    if tags is None:
+        return None
+    if isinstance(tags, str):
+        return tags.encode()
+    if isinstance(tags, bytes):
+        return tags
+    try:
+        names = list(tags)
+    except TypeError:
+        raise TypeError(f"{what} must be a string or a list of strings") from None
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"{what} must be a string or a list of strings, not {n!r}")
+    return ",".join(names).encode()
+
+
+def set_tag(tag: Optional[str] = None) -> None:
+    """Set this thread's allocation tag ("default" for None or ""): every later allocation
+    of this thread carries it; allocations of different tags never share an arena, so a tag
+    sleeps and wakes on its own. At most 63 bytes of ``[A-Za-z0-9_.-]``."""
+    if tag is not None and not isinstance(tag, str):
+        raise TypeError(f"tag must be a string or None, not {type(tag).__name__}")
+    _lib.check(
+        _lib.lib().gpu_arena_set_tag(tag.encode() if tag else None), "gpu_arena_set_tag"
+    )
+    _tag_state.tag = tag or "default"
+
+
+def current_tag() -> str:
+    """This thread's allocation tag, as last set through :func:`set_tag`."""
+    return getattr(_tag_state, "tag", "default")
+
+
+def sleep(offload_tags=None, device: int = -1) -> None:
+    """Put every awake tag of ``device`` (-1: all) to sleep: the contents of
+    ``offload_tags`` (a comma-separated string or a list) are copied to host memory, the
+    rest is discarded, and the memory goes back to the driver while every address stays
+    reserved. Arenas shared with other processes keep their memory. Raises
+    InvalidStateError when a named tag, or every tag, already sleeps (nothing changes)."""
+    _lib.check(
+        _lib.lib().gpu_arena_sleep(_int(device, "device"), _tag_list(offload_tags, "offload_tags")),
+        "gpu_arena_sleep",
+    )
+
+
+def wake(tags=None, device: int = -1) -> None:
+    """Wake ``tags`` (None: every sleeping tag) on ``device`` (-1: all): memory mapped again
+    at the same addresses, offloaded contents copied back. Raises InvalidStateError for a
+    tag that is awake (nothing changes)."""
+    _lib.check(
+        _lib.lib().gpu_arena_wake(_int(device, "device"), _tag_list(tags, "tags")),
+        "gpu_arena_wake",
+    )
 
 
 def snapshot() -> Dict[str, Any]:

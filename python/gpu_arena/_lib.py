@@ -202,6 +202,7 @@ class GpuArenaStats(ctypes.Structure):
         ("requested_bytes", ctypes.c_uint64),
         ("peak_requested_bytes", ctypes.c_uint64),
         ("observer_errors", ctypes.c_uint64),
+        ("sleeping_bytes", ctypes.c_uint64),
     ]
 
     def to_dict(self) -> dict:
@@ -338,6 +339,10 @@ _SIGNATURES = {
     "gpu_arena_observe_arenas": (c_int, [ARENA_FN, ARENA_FN, c_void_p,
                                          ctypes.POINTER(ctypes.c_uint64)]),
     "gpu_arena_unobserve_arenas": (c_int, [ctypes.c_uint64]),
+    # Tags, sleep and wake (ffi/src/sleep_api.rs).
+    "gpu_arena_set_tag": (c_int, [c_char_p]),
+    "gpu_arena_sleep": (c_int, [c_int, c_char_p]),
+    "gpu_arena_wake": (c_int, [c_int, c_char_p]),
 }
 
 # The IPC part (ffi/src/ipc_api.rs), declared when the library has it (has_ipc() says

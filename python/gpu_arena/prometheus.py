@@ -64,6 +64,7 @@ gpu_arena_pending_free_bytes | gauge | pending_free_bytes | Bytes freed with rec
 gpu_arena_requested_bytes | gauge | requested_bytes | Bytes callers asked for in live allocations, before rounding.
 gpu_arena_peak_requested_bytes | gauge | peak_requested_bytes | Highest requested bytes seen.
 gpu_arena_observer_errors_total | counter | observer_errors | Arena observer callbacks that failed (an on_ready that refused or panicked, an on_release that panicked).
+gpu_arena_sleeping_bytes | gauge | sleeping_bytes | Bytes of arenas asleep (`gpu_arena_sleep`): addresses reserved, memory given back to the driver.
 """
 METRICS: Tuple[MetricDef, ...] = tuple(
     MetricDef(*(cell.strip() for cell in line.split(" | "))) for line in _TABLE.splitlines()

@@ -47,6 +47,7 @@ with an allocator >= 2.6).
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import threading
 import warnings
@@ -74,6 +75,10 @@ __all__ = [
     "oom_route",
     "mem_pool",
     "empty_cache",
+    "use_tag",
+    "sleep",
+    "wake",
+    "CuMemAllocatorCompat",
     "memory_stats",
     "memory_summary",
     "memory_allocated",
@@ -338,3 +343,76 @@ def empty_cache() -> None:
     api = _api()
     if api.is_initialized():
         api.empty_cache(-1)
+
+
+@contextlib.contextmanager
+def use_tag(tag: Optional[str]):
+    """Allocations of this thread inside the block carry ``tag`` (``gpu_arena.set_tag``);
+    the previous tag is restored on exit, also on an exception. Under :func:`install` every
+    tensor allocated in the block is tagged: ``with use_tag("kv_cache"): kv = torch.empty(...)``."""
+    api = _api()
+    previous = api.current_tag()
+    api.set_tag(tag)
+    try:
+        yield
+    finally:
+        api.set_tag(previous)
+
+
+def sleep(offload_tags=None, device: int = -1) -> None:
+    """Synchronize, then ``gpu_arena.sleep``: every awake tag sleeps, ``offload_tags`` keep
+    their contents on the host; the memory goes back to the driver, addresses stay."""
+    try:
+        import torch
+    except ImportError:  # gpu-arena alone (sim): nothing of torch's to wait for
+        torch = None
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    _api().sleep(offload_tags, device)
+
+
+def wake(tags=None, device: int = -1) -> None:
+    """``gpu_arena.wake``: ``tags`` (None: all sleeping) mapped again at the same addresses,
+    offloaded contents copied back."""
+    _api().wake(tags, device)
+
+
+class CuMemAllocatorCompat:
+    """The shape of vLLM's ``CuMemAllocator`` (``vllm/device_allocator/cumem.py``) over
+    gpu-arena, for an engine running under :func:`install`: ``use_memory_pool(tag=...)``
+    tags the allocations made in the block, ``sleep(offload_tags=...)`` offloads those tags
+    and discards the rest, ``wake_up(tags=None)`` maps everything (or the named tags) again
+    at the same addresses, so captured CUDA graphs stay valid.
+
+    As in vLLM, the default tag is ``"default"`` and ``sleep()`` with no argument offloads
+    it. Unlike vLLM, no allocation is recorded in Python: gpu-arena tracks tags itself.
+    """
+
+    default_tag = "default"
+    _instance: Optional["CuMemAllocatorCompat"] = None
+
+    @staticmethod
+    def get_instance() -> "CuMemAllocatorCompat":
+        if CuMemAllocatorCompat._instance is None:
+            CuMemAllocatorCompat._instance = CuMemAllocatorCompat()
+        return CuMemAllocatorCompat._instance
+
+    @contextlib.contextmanager
+    def use_memory_pool(self, tag: Optional[str] = None):
+        with use_tag(tag or self.default_tag):
+            yield
+
+    def sleep(self, offload_tags=None) -> None:
+        if offload_tags is None:
+            offload_tags = (self.default_tag,)
+        elif isinstance(offload_tags, str):
+            offload_tags = (offload_tags,)
+        sleep(list(offload_tags))
+
+    def wake_up(self, tags=None) -> None:
+        wake(None if tags is None else list(tags))
+
+    def get_current_usage(self) -> int:
+        """Bytes of device memory gpu-arena holds now (every device)."""
+        api = _api()
+        return sum(api.stats(d)["reserved_bytes"] for d in range(api.device_count()))

@@ -236,7 +236,7 @@ static const char *const STAT_NAMES[] = {
     "arenas", "backend_creates", "backend_destroys", "exports_live", "exports_total",
     "shares_live", "imports_live", "pinned_bytes", "allocations", "alloc_count", "free_count",
     "oom_count", "deferred_free_bytes", "pending_free_bytes", "requested_bytes",
-    "peak_requested_bytes", "observer_errors",
+    "peak_requested_bytes", "observer_errors", "sleeping_bytes",
 };
 
 /* The first field of device d that differs, or NULL. */
@@ -915,12 +915,58 @@ static void bad_inputs(void) {
     printf("api_test %s: %zu bad-input cases checked\n", g_mode, ncases);
 }
 
+/* Tags, sleep and wake on device 0: bad tag names and devices refused with nothing changed,
+ * the offloaded tag identical at the same address after a wake, the memory given back while
+ * asleep, allocations of a sleeping tag refused, double sleep / waking an awake tag refused. */
+static void sleep_wake(void) {
+    gpu_arena_stats_t s;
+    char long_tag[65];
+    memset(long_tag, 'a', 64);
+    long_tag[64] = 0;
+    CHECK_CODE(gpu_arena_set_tag(long_tag), GPU_ARENA_ERR_INVALID_ARGUMENT, "set_tag(64 bytes)");
+    CHECK_CODE(gpu_arena_set_tag("kv cache"), GPU_ARENA_ERR_INVALID_ARGUMENT, "set_tag(space)");
+    CHECK_ERROR_NAMES("gpu_arena_set_tag", "kv cache");
+    CHECK_CODE(gpu_arena_sleep(NDEV, NULL), GPU_ARENA_ERR_INVALID_DEVICE, "sleep(bad device)");
+    CHECK_CODE(gpu_arena_sleep(-2, NULL), GPU_ARENA_ERR_INVALID_DEVICE, "sleep(-2)");
+    CHECK_CODE(gpu_arena_wake(NDEV, NULL), GPU_ARENA_ERR_INVALID_DEVICE, "wake(bad device)");
+    CHECK_CODE(gpu_arena_sleep(0, "ok,bad/tag"), GPU_ARENA_ERR_INVALID_ARGUMENT, "sleep(bad list)");
+    CHECK_CODE(gpu_arena_wake(0, NULL), GPU_ARENA_ERR_INVALID_STATE, "wake with nothing asleep");
+
+    CHECK_CODE(gpu_arena_set_tag("c_weights"), GPU_ARENA_OK, "set_tag(c_weights)");
+    void *w = gpu_arena_malloc(MiB, 0, NULL);
+    CHECK_CODE(gpu_arena_set_tag("c_kv"), GPU_ARENA_OK, "set_tag(c_kv)");
+    void *kv = gpu_arena_malloc(MiB, 0, NULL);
+    CHECK(w != NULL && kv != NULL, "tagged mallocs");
+    write_block(w, MiB, 41);
+    CHECK_CODE(gpu_arena_sleep(0, "c_weights"), GPU_ARENA_OK, "sleep(0, c_weights)");
+    CHECK_CODE(gpu_arena_stats(0, &s), GPU_ARENA_OK, "stats asleep");
+    CHECK(s.reserved_bytes == 0 && s.sleeping_bytes == 2 * (uint64_t)ARENA_SIZE,
+          "asleep: reserved %" PRIu64 ", sleeping %" PRIu64, s.reserved_bytes, s.sleeping_bytes);
+    CHECK(gpu_arena_malloc(MiB, 0, NULL) == NULL, "malloc of a sleeping tag fails");
+    CHECK_CODE(gpu_arena_last_error_code(), GPU_ARENA_ERR_INVALID_STATE, "malloc while asleep");
+    CHECK_ERROR_NAMES("asleep", "c_kv");
+    CHECK_CODE(gpu_arena_sleep(0, "c_weights"), GPU_ARENA_ERR_INVALID_STATE, "sleep twice");
+    CHECK_CODE(gpu_arena_wake(0, "c_weights"), GPU_ARENA_OK, "wake(0, c_weights)");
+    CHECK(read_block(w, MiB, 41), "weights identical after wake");
+    CHECK_CODE(gpu_arena_wake(0, "c_weights"), GPU_ARENA_ERR_INVALID_STATE, "wake an awake tag");
+    CHECK_CODE(gpu_arena_wake(-1, NULL), GPU_ARENA_OK, "wake(-1, NULL)");
+    CHECK_CODE(gpu_arena_stats(0, &s), GPU_ARENA_OK, "stats awake");
+    CHECK(s.reserved_bytes == 2 * (uint64_t)ARENA_SIZE && s.sleeping_bytes == 0, "awake again");
+    CHECK_CODE(gpu_arena_free_checked(w, MiB, 0), GPU_ARENA_OK, "free w");
+    CHECK_CODE(gpu_arena_free_checked(kv, MiB, 0), GPU_ARENA_OK, "free kv");
+    CHECK_CODE(gpu_arena_set_tag(NULL), GPU_ARENA_OK, "set_tag(NULL)");
+    CHECK_CODE(gpu_arena_empty_cache(-1), GPU_ARENA_OK, "empty_cache after sleep/wake");
+    CHECK_CODE(gpu_arena_validate(0), GPU_ARENA_OK, "validate after sleep/wake");
+    printf("api_test %s: sleep/wake checked\n", g_mode);
+}
+
 static void mode_api(void) {
     configure_before_init();
     init_and_check();
     good_path();
     threads();
     bad_inputs();
+    sleep_wake();
 }
 
 /* ------------------------------------------------------------------ mode before-init */

@@ -21,7 +21,7 @@
 use std::fmt;
 use std::os::fd::{BorrowedFd, OwnedFd};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 pub use crate::ids::{DeviceId, StreamId};
 
 pub mod sim;
@@ -162,4 +162,49 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn destroy_event(&self, event: Event) -> Result<()>;
     /// Wait for all work on the device to finish.
     fn synchronize(&self, device: DeviceId) -> Result<()>;
+
+    /// Sleep: give the arena's physical memory back to the driver (unmap, release the
+    /// handle) and keep its address range reserved, so [`Backend::restore_physical`] maps
+    /// new memory at the same addresses. Contents are lost. The caller synchronized the
+    /// device, and the arena has no export and no import. Until restored, only
+    /// `restore_physical` and `destroy_arena` (which then frees the reservation) may name it.
+    fn release_physical(&self, arena: &ArenaMem) -> Result<()> {
+        Err(Error::Unavailable(format!(
+            "the {} backend cannot release an arena's memory while keeping its addresses \
+             (arena of {} bytes at {:#x})",
+            self.name(),
+            arena.bytes,
+            arena.base
+        )))
+    }
+
+    /// Wake: create physical memory for an arena that [`Backend::release_physical`] put to
+    /// sleep and map it, read-write, at the arena's addresses. Returns the arena with its new
+    /// handle (base and size unchanged). Contents are undefined (zero on sim).
+    fn restore_physical(&self, arena: &ArenaMem) -> Result<ArenaMem> {
+        Err(Error::Unavailable(format!(
+            "the {} backend cannot restore an arena's memory (arena at {:#x})",
+            self.name(),
+            arena.base
+        )))
+    }
+
+    /// Copy `dst.len()` bytes from device address `src` (inside one live arena) to host
+    /// memory, blocking.
+    fn copy_to_host(&self, device: DeviceId, src: u64, dst: &mut [u8]) -> Result<()> {
+        let _ = (device, src, dst);
+        Err(Error::Unavailable(format!(
+            "the {} backend has no device-to-host copy",
+            self.name()
+        )))
+    }
+
+    /// Copy host bytes `src` to device address `dst` (inside one live arena), blocking.
+    fn copy_from_host(&self, device: DeviceId, dst: u64, src: &[u8]) -> Result<()> {
+        let _ = (device, dst, src);
+        Err(Error::Unavailable(format!(
+            "the {} backend has no host-to-device copy",
+            self.name()
+        )))
+    }
 }

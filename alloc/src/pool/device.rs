@@ -11,6 +11,19 @@ use crate::error::{Error, Result};
 use crate::history::Action;
 use crate::lifetime::ArenaLifetime;
 use crate::pool::Arena;
+use crate::range::RangeAllocator;
+
+/// The exact-size cache's key for a block of `len` bytes (a multiple of 512) of tag `tag`:
+/// the tag in the low bits, so a lookup stays one hash of two words.
+#[inline]
+pub(super) fn cache_len(len: u64, tag: u8) -> u64 {
+    len | u64::from(tag)
+}
+
+/// The length and tag index of a cache key made by [`cache_len`].
+pub(super) fn cache_key_parts(key: u64) -> (u64, usize) {
+    (key & !511, (key & 511) as usize)
+}
 use crate::stats::DeviceMetrics;
 
 impl DeviceState {
@@ -19,21 +32,26 @@ impl DeviceState {
         &mut self,
         len: u64,
         stream: StreamId,
+        tag: u8,
         backend: &dyn Backend,
         device: DeviceId,
     ) -> Option<u64> {
+        let t = usize::from(tag);
+        if self.ranges.len() <= t {
+            self.ranges.resize_with(t + 1, RangeAllocator::default);
+        }
         // The stream's own frees first (safe at once, and it keeps shared space for others),
         // then ranges any stream may use.
-        if let Some(p) = self.ranges.alloc(len, stream.0) {
+        if let Some(p) = self.ranges[t].alloc(len, stream.0) {
             return Some(p);
         }
         if let Some(p) = self
             .limbo_of(stream.0)
-            .and_then(|l| self.ranges.alloc(len, l))
+            .and_then(|l| self.ranges[t].alloc(len, l))
         {
             return Some(p);
         }
-        if let Some(p) = self.ranges.alloc(len, ANY_STREAM) {
+        if let Some(p) = self.ranges[t].alloc(len, ANY_STREAM) {
             return Some(p);
         }
         // Miss: give cached blocks back to the ranges, where they coalesce, and retry: the
@@ -43,10 +61,9 @@ impl DeviceState {
                 break;
             }
             self.flush_cached_above(min_len);
-            if let Some(p) = self
-                .ranges
+            if let Some(p) = self.ranges[t]
                 .alloc(len, stream.0)
-                .or_else(|| self.ranges.alloc(len, ANY_STREAM))
+                .or_else(|| self.ranges[t].alloc(len, ANY_STREAM))
             {
                 return Some(p);
             }
@@ -56,12 +73,12 @@ impl DeviceState {
         // to `ANY_STREAM`, where they merge with neighbouring free ranges of other streams.
         // (Skipping them left small free ranges of two tags side by side, unmergeable.)
         self.settle(backend, device);
-        self.ranges
+        self.ranges[t]
             .alloc(len, stream.0)
-            .or_else(|| self.ranges.alloc(len, ANY_STREAM))
+            .or_else(|| self.ranges[t].alloc(len, ANY_STREAM))
             .or_else(|| {
                 self.limbo_of(stream.0)
-                    .and_then(|l| self.ranges.alloc(len, l))
+                    .and_then(|l| self.ranges[t].alloc(len, l))
             })
     }
 
@@ -71,18 +88,30 @@ impl DeviceState {
         self.poll_pending(backend);
         // Streams with free ranges and no event yet: record one, and move exactly the ranges
         // it covers (those freed so far) to a limbo tag of their own.
-        for (tag, _) in self.ranges.free_tags() {
-            if tag >= LIMBO_BASE || self.stream_events.contains_key(&tag) {
-                continue;
-            }
-            match backend.record_event(device, StreamId(tag)) {
-                Ok(ev) => {
-                    let limbo = LIMBO_BASE + self.next_limbo;
-                    self.next_limbo = (self.next_limbo + 1) % (ANY_STREAM - LIMBO_BASE);
-                    self.ranges.retag(tag, limbo);
-                    self.stream_events.insert(tag, (ev, limbo));
+        // (One event per stream, covering its ranges in every tag's allocator.)
+        let mut fresh: Vec<(u64, u64)> = Vec::new();
+        for r in 0..self.ranges.len() {
+            for (tag, _) in self.ranges[r].free_tags() {
+                if tag >= LIMBO_BASE {
+                    continue;
                 }
-                Err(e) => tracing::warn!(error = %e, "record_event failed"),
+                if let Some(&(_, limbo)) = fresh.iter().find(|(s, _)| *s == tag) {
+                    self.ranges[r].retag(tag, limbo);
+                    continue;
+                }
+                if self.stream_events.contains_key(&tag) {
+                    continue;
+                }
+                match backend.record_event(device, StreamId(tag)) {
+                    Ok(ev) => {
+                        let limbo = LIMBO_BASE + self.next_limbo;
+                        self.next_limbo = (self.next_limbo + 1) % (ANY_STREAM - LIMBO_BASE);
+                        self.ranges[r].retag(tag, limbo);
+                        self.stream_events.insert(tag, (ev, limbo));
+                        fresh.push((tag, limbo));
+                    }
+                    Err(e) => tracing::warn!(error = %e, "record_event failed"),
+                }
             }
         }
         // Events that completed (an idle stream's fresh event completes at once): their
@@ -96,14 +125,19 @@ impl DeviceState {
         for tag in done {
             if let Some((ev, limbo)) = self.stream_events.remove(&tag) {
                 let _ = backend.destroy_event(ev);
-                self.ranges.retag(limbo, ANY_STREAM);
+                for r in &mut self.ranges {
+                    r.retag(limbo, ANY_STREAM);
+                }
             }
         }
     }
 
     /// Free bytes in limbo tags: freed on some stream, waiting for its event.
     pub(super) fn limbo_bytes(&self) -> u64 {
-        self.ranges.free_bytes_in(LIMBO_BASE..=ANY_STREAM - 1)
+        self.ranges
+            .iter()
+            .map(|r| r.free_bytes_in(LIMBO_BASE..=ANY_STREAM - 1))
+            .sum()
     }
 
     /// The limbo tag holding `stream`'s own earlier frees (reusable by that stream at once).
@@ -124,8 +158,10 @@ impl DeviceState {
         for (_, (ev, _)) in self.stream_events.drain() {
             let _ = backend.destroy_event(ev);
         }
-        for (tag, _) in self.ranges.free_tags() {
-            self.ranges.retag(tag, ANY_STREAM);
+        for r in &mut self.ranges {
+            for (tag, _) in r.free_tags() {
+                r.retag(tag, ANY_STREAM);
+            }
         }
     }
 
@@ -208,8 +244,9 @@ impl DeviceState {
                 .record(Action::FreeCompleted, ptr, bytes, req, stream);
         }
         self.cached_bytes += bytes;
+        let tag = self.arenas.get(live.arena).map_or(0, |a| a.tag);
         self.cache
-            .entry((live.stream.0, bytes))
+            .entry((live.stream.0, cache_len(bytes, tag)))
             .or_default()
             .push((ptr, live.arena));
     }
@@ -227,21 +264,22 @@ impl DeviceState {
         }
         // Per stream, in one sorted pass: neighbouring cached blocks (a finished sequence's
         // KV blocks often are) merge before touching the free index.
-        let mut by_stream: HashMap<u64, Vec<u64>> = HashMap::new();
+        let mut by_stream: HashMap<(u64, usize), Vec<u64>> = HashMap::new();
         let cached_bytes = &mut self.cached_bytes;
-        self.cache.retain(|&(stream, len), blocks| {
+        self.cache.retain(|&(stream, key), blocks| {
+            let (len, tag) = cache_key_parts(key);
             if len <= min_len {
                 return true;
             }
             *cached_bytes -= len * blocks.len() as u64;
             by_stream
-                .entry(stream)
+                .entry((stream, tag))
                 .or_default()
                 .extend(blocks.drain(..).map(|(ptr, _)| ptr));
             false
         });
-        for (stream, mut ptrs) in by_stream {
-            for ptr in self.ranges.free_many(&mut ptrs, stream) {
+        for ((stream, tag), mut ptrs) in by_stream {
+            for ptr in self.ranges[tag].free_many(&mut ptrs, stream) {
                 tracing::error!(ptr, "flushing a cached block failed: not allocated");
             }
         }
@@ -258,8 +296,14 @@ impl DeviceState {
 
     /// Give a removed record's range back to the sub-allocator under `tag`.
     pub(super) fn release_live(&mut self, ptr: u64, live: Live, tag: u64) -> Result<()> {
+        let t = self
+            .arenas
+            .get(live.arena)
+            .map_or(0, |a| usize::from(a.tag));
         self.ranges
-            .free(ptr, tag)
+            .get_mut(t)
+            .ok_or(crate::range::RangeError::NotAllocated(ptr))
+            .and_then(|r| r.free(ptr, tag))
             .map_err(|e| Error::Internal(format!("range allocator refused a free: {e}")))?;
         if let Some(a) = self.arenas.get_mut(live.arena) {
             a.live_allocs -= 1;
@@ -299,15 +343,26 @@ impl DeviceState {
         self.arena_at.get(&ptr).copied()
     }
 
+    /// The sub-allocator of the tag whose arena holds `ptr`.
+    pub(crate) fn ranges_of(&self, ptr: u64) -> Option<&RangeAllocator> {
+        let a = self.arenas.get(self.arena_of(ptr)?)?;
+        self.ranges.get(usize::from(a.tag))
+    }
+
     /// Add an arena under `id` (reserved by `pool/observers.rs`).
     pub(super) fn add_arena(
         &mut self,
         mem: ArenaMem,
         id: u64,
+        tag: u8,
         metrics: &DeviceMetrics,
     ) -> Result<usize> {
         let (base, bytes) = (mem.base, mem.bytes);
-        self.ranges
+        let t = usize::from(tag);
+        if self.ranges.len() <= t {
+            self.ranges.resize_with(t + 1, RangeAllocator::default);
+        }
+        self.ranges[t]
             .add_region(base, bytes, ANY_STREAM)
             .map_err(|e| Error::Internal(format!("backend returned an unusable arena: {e}")))?;
         let key = self.arenas.insert(Arena {
@@ -315,6 +370,8 @@ impl DeviceState {
             id,
             live_allocs: 0,
             lifetime: ArenaLifetime::default(),
+            tag,
+            sleep: None,
         });
         self.arena_at.insert(base..base + bytes, key);
         let s = &mut self.stats;
@@ -336,13 +393,18 @@ impl DeviceState {
         let keys: Vec<usize> = self
             .arenas
             .iter()
-            .filter(|(_, a)| a.live_allocs == 0 && a.lifetime.destroyable() && !busy(a.mem.base))
+            .filter(|(_, a)| {
+                a.live_allocs == 0
+                    && a.sleep.is_none()
+                    && a.lifetime.destroyable()
+                    && !busy(a.mem.base)
+            })
             .map(|(k, _)| k)
             .collect();
         let mut out = Vec::new();
         for k in keys {
-            let base = self.arenas[k].mem.base;
-            if self.ranges.remove_region(base).is_err() {
+            let (base, t) = (self.arenas[k].mem.base, usize::from(self.arenas[k].tag));
+            if self.ranges[t].remove_region(base).is_err() {
                 continue;
             }
             let a = self.arenas.remove(k);
@@ -368,8 +430,14 @@ impl DeviceState {
 
     /// The pool's records agree with the sub-allocator and with each other.
     pub(super) fn validate(&self) -> Result<(), String> {
-        self.ranges.validate()?;
-        let rs = self.ranges.stats();
+        let mut rs = crate::range::RangeStats::default();
+        for r in &self.ranges {
+            r.validate()?;
+            let s = r.stats();
+            rs.regions += s.regions;
+            rs.region_bytes += s.region_bytes;
+            rs.used_bytes += s.used_bytes;
+        }
         if rs.regions != self.arenas.len() as u64 {
             return Err(format!(
                 "{} regions for {} arenas",
@@ -377,11 +445,21 @@ impl DeviceState {
                 self.arenas.len()
             ));
         }
-        let reserved: u64 = self.arenas.iter().map(|(_, a)| a.mem.bytes).sum();
-        if reserved != self.stats.reserved_bytes || rs.region_bytes != reserved {
+        let all: u64 = self.arenas.iter().map(|(_, a)| a.mem.bytes).sum();
+        let asleep: u64 = self
+            .arenas
+            .iter()
+            .filter(|(_, a)| a.sleep.is_some())
+            .map(|(_, a)| a.mem.bytes)
+            .sum();
+        let reserved = all - asleep;
+        if reserved != self.stats.reserved_bytes
+            || asleep != self.stats.sleeping_bytes
+            || rs.region_bytes != all
+        {
             return Err(format!(
-                "reserved {} in stats, {reserved} in arenas, {} in regions",
-                self.stats.reserved_bytes, rs.region_bytes
+                "reserved {} and sleeping {} in stats, {reserved} and {asleep} in arenas, {} in regions",
+                self.stats.reserved_bytes, self.stats.sleeping_bytes, rs.region_bytes
             ));
         }
         let used: u64 = self.allocs.values().map(Live::bytes).sum();
@@ -392,16 +470,23 @@ impl DeviceState {
                 self.stats.requested_bytes
             ));
         }
-        let cached: u64 = self.cache.iter().map(|(k, v)| k.1 * v.len() as u64).sum();
+        let cached: u64 = self
+            .cache
+            .iter()
+            .map(|(k, v)| cache_key_parts(k.1).0 * v.len() as u64)
+            .sum();
         if cached != self.cached_bytes {
             return Err(format!(
                 "cache holds {cached} bytes, counter says {}",
                 self.cached_bytes
             ));
         }
-        for (&(_, len), blocks) in &self.cache {
+        for (&(_, key), blocks) in &self.cache {
+            let len = cache_key_parts(key).0;
             for &(ptr, _) in blocks {
-                if self.ranges.allocated_len(ptr) != Some(len) || self.allocs.contains_key(&ptr) {
+                if self.ranges_of(ptr).and_then(|r| r.allocated_len(ptr)) != Some(len)
+                    || self.allocs.contains_key(&ptr)
+                {
                     return Err(format!("cached block {ptr:#x} is not a whole free block"));
                 }
             }
@@ -415,7 +500,7 @@ impl DeviceState {
         // Per arena: live allocations, and the references they hold.
         let mut per_arena: HashMap<usize, (u64, u64)> = HashMap::new();
         for (&ptr, l) in &self.allocs {
-            if self.ranges.allocated_len(ptr) != Some(l.bytes()) {
+            if self.ranges_of(ptr).and_then(|r| r.allocated_len(ptr)) != Some(l.bytes()) {
                 return Err(format!("allocation {ptr:#x} not allocated in the ranges"));
             }
             let n = per_arena.entry(l.arena).or_default();

@@ -58,6 +58,7 @@ mod limits;
 mod observers;
 mod records;
 mod share;
+mod sleep;
 mod trace;
 
 pub use limits::{MaxReserved, MIN_ARENA_SIZE};
@@ -66,6 +67,7 @@ pub use observers::{
     MAX_NESTED_ARENAS,
 };
 pub use records::{LeaseGrant, ShareInfo};
+pub use sleep::SleepReport;
 pub use trace::DEFAULT_HISTORY_ENTRIES;
 
 /// Tag of free ranges that any stream may reuse.
@@ -183,6 +185,10 @@ pub(crate) struct Arena {
     pub(crate) live_allocs: u64,
     /// Export and sharing state (`crate::lifetime`).
     pub(crate) lifetime: ArenaLifetime<Export>,
+    /// Its allocations' tag index (`crate::tags`).
+    pub(crate) tag: u8,
+    /// While asleep (`pool/sleep.rs`): the contents kept on the host, if offloaded.
+    pub(crate) sleep: Option<sleep::Asleep>,
 }
 
 /// The record of a live allocation: one entry of the pool's busiest hash map, so kept small
@@ -225,7 +231,11 @@ struct PendingFree {
 /// Everything behind one device's lock.
 #[derive(Debug, Default)]
 pub(crate) struct DeviceState {
-    pub(crate) ranges: RangeAllocator,
+    /// One sub-allocator per tag index (`crate::tags`): arenas of different tags never
+    /// share free ranges.
+    pub(crate) ranges: Vec<RangeAllocator>,
+    /// Tags asleep on this device (bit = tag index): their allocations are refused.
+    pub(crate) asleep_tags: u64,
     pub(crate) arenas: Slab<Arena>,
     /// Arena base address -> arena key.
     pub(crate) arena_at: rangemap::RangeMap<u64, usize>,
@@ -269,6 +279,8 @@ pub struct Pool {
     pub(crate) devices: Vec<DevicePool>,
     /// Arena observers and the arenas they are told about (`pool/observers.rs`).
     pub(crate) observers: observers::Observers,
+    /// Serialises sleeps and wakes (`pool/sleep.rs`).
+    sleep_lock: Mutex<()>,
 }
 
 impl Pool {
@@ -295,6 +307,7 @@ impl Pool {
             config,
             devices,
             observers: observers::Observers::default(),
+            sleep_lock: Mutex::new(()),
         })
     }
 
@@ -337,19 +350,24 @@ impl Pool {
         } else {
             stream
         };
+        let tag = crate::tags::current();
         // Fast path: an exact-size block freed on this stream, else a best-fit range; all
         // under the lock, no driver call.
         {
             let mut st = dp.state.lock();
-            if let Some((ptr, arena)) = st.cache.get_mut(&(stream.0, len)).and_then(Vec::pop) {
+            if st.asleep_tags & (1 << tag) != 0 {
+                return Err(sleep::asleep_error(device, tag, bytes));
+            }
+            let key = (stream.0, device::cache_len(len, tag));
+            if let Some((ptr, arena)) = st.cache.get_mut(&key).and_then(Vec::pop) {
                 st.cached_bytes -= len;
                 return Ok(self.finish_alloc_in(dp, &mut st, ptr, arena, len, bytes, stream));
             }
-            if let Some(ptr) = st.take_range(len, stream, self.backend.as_ref(), device) {
+            if let Some(ptr) = st.take_range(len, stream, tag, self.backend.as_ref(), device) {
                 return Ok(self.finish_alloc(dp, &mut st, ptr, len, bytes, stream));
             }
         }
-        self.alloc_slow(dp, len, bytes, stream)
+        self.alloc_slow(dp, len, bytes, stream, tag)
     }
 
     fn alloc_slow(
@@ -358,6 +376,7 @@ impl Pool {
         len: u64,
         requested: u64,
         stream: StreamId,
+        tag: u8,
     ) -> Result<Allocation> {
         let device = dp.device;
         let limits = self.limits(dp)?;
@@ -376,7 +395,10 @@ impl Pool {
             let deadline = Instant::now() + LIMBO_WAIT;
             loop {
                 let mut st = dp.state.lock();
-                if let Some(ptr) = st.take_range(len, stream, self.backend.as_ref(), device) {
+                if st.asleep_tags & (1 << tag) != 0 {
+                    return Err(sleep::asleep_error(device, tag, requested));
+                }
+                if let Some(ptr) = st.take_range(len, stream, tag, self.backend.as_ref(), device) {
                     return Ok(self.finish_alloc(dp, &mut st, ptr, len, requested, stream));
                 }
                 if st.limbo_bytes() < len || Instant::now() >= deadline {
@@ -400,11 +422,13 @@ impl Pool {
             match created {
                 Ok(mem) => {
                     // Observers' on_ready runs before the arena enters the pool.
-                    let (mut st, key) = self.install_arena(dp, mem)?;
+                    let (mut st, key) = self.install_arena(dp, mem, tag)?;
                     dp.metrics.publish(&st.stats);
-                    let ptr = st.ranges.alloc(len, ANY_STREAM).ok_or_else(|| {
-                        Error::Internal(format!("fresh arena {key} cannot fit {len} bytes"))
-                    })?;
+                    let ptr = st.ranges[usize::from(tag)]
+                        .alloc(len, ANY_STREAM)
+                        .ok_or_else(|| {
+                            Error::Internal(format!("fresh arena {key} cannot fit {len} bytes"))
+                        })?;
                     return Ok(self.finish_alloc(dp, &mut st, ptr, len, requested, stream));
                 }
                 Err(Error::DriverOutOfMemory { .. }) if !retried => {
@@ -754,7 +778,9 @@ impl Pool {
                                 "pinned": a.lifetime.pinned(),
                                 "generation": a.lifetime.generation(),
                             },
-                            "ranges": st.ranges.ranges(a.mem.base),
+                            "tag": crate::tags::name(a.tag),
+                            "asleep": a.sleep.is_some(),
+                            "ranges": st.ranges.get(usize::from(a.tag)).map(|r| r.ranges(a.mem.base)).unwrap_or_default(),
                         })
                     })
                     .collect();

@@ -296,6 +296,23 @@ impl Observers {
         calls
     }
 
+    /// Sleep (`pool/sleep.rs`), under the device lock: unless an `on_ready` of the arena at
+    /// `key` runs now (then `None`: the arena stays awake), remove it from the registry and
+    /// claim its observers' `on_release`, delivered after unlocking.
+    pub(crate) fn claim_sleep(&self, key: ArenaKey) -> Option<Vec<Call>> {
+        let mut reg = self.reg.lock();
+        if Self::busy(&reg, key) {
+            return None;
+        }
+        Some(Self::claim_release_in(&mut reg, key, 0))
+    }
+
+    /// Wake (`pool/sleep.rs`): register an arena mapped again and claim `on_ready` of
+    /// every observer.
+    pub(crate) fn announce(&self, info: ArenaInfo) -> Vec<Call> {
+        self.register_arena(info)
+    }
+
     /// Whether an `on_ready` of the arena at `key` runs now (it must not be released).
     fn busy(reg: &Registry, key: ArenaKey) -> bool {
         reg.arenas
@@ -497,6 +514,7 @@ impl Pool {
         &self,
         dp: &'a DevicePool,
         mem: ArenaMem,
+        tag: u8,
     ) -> Result<(MutexGuard<'a, DeviceState>, usize)> {
         if READY_DEPTH.with(|d| d.get()) > MAX_NESTED_ARENAS {
             let bytes = mem.bytes;
@@ -527,7 +545,7 @@ impl Pool {
             let mut st = dp.state.lock();
             let mut reg = self.observers.reg.lock();
             if !Observers::busy(&reg, key) {
-                match st.add_arena(mem.clone(), id, &dp.metrics) {
+                match st.add_arena(mem.clone(), id, tag, &dp.metrics) {
                     Ok(k) => return Ok((st, k)),
                     Err(e) => {
                         // Out of the pool: released to the observers, destroyed by the next

@@ -139,13 +139,13 @@ impl Pool {
             })?;
         let token = random_token()?;
         let mut st = dp.state.lock();
-        let (start, alen) =
-            st.ranges
-                .allocated_containing(ptr)
-                .ok_or_else(|| Error::UnknownPointer {
-                    ptr,
-                    why: "share of a range that is not inside a live allocation".into(),
-                })?;
+        let (start, alen) = st
+            .ranges_of(ptr)
+            .and_then(|r| r.allocated_containing(ptr))
+            .ok_or_else(|| Error::UnknownPointer {
+                ptr,
+                why: "share of a range that is not inside a live allocation".into(),
+            })?;
         let live = st.check_live(start, dp.device)?;
         if end > start + alen || end > start + live.requested.max(1).next_multiple_of(512) {
             return Err(Error::invalid(format!(
@@ -154,6 +154,14 @@ impl Pool {
             )));
         }
         let arena = live.arena;
+        if let Some(a) = st.arenas.get(arena) {
+            if st.asleep_tags & (1 << a.tag) != 0 {
+                return Err(Error::InvalidState(format!(
+                    "share of {ptr:#x}: its tag {:?} is asleep (wake it first)",
+                    crate::tags::name(a.tag)
+                )));
+            }
+        }
         // Take the references first, so a concurrent free defers instead of releasing.
         {
             let st = &mut *st;

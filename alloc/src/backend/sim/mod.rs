@@ -112,7 +112,9 @@ fn injected(call: SimCall) -> Error {
 /// The owner's side of a live arena: its memfd and its mapping at `base`.
 #[derive(Debug)]
 struct Owner {
-    memfd: OwnedFd,
+    /// `None` while the arena sleeps (`release_physical`): its region is then an
+    /// inaccessible reservation and its bytes are not held.
+    memfd: Option<OwnedFd>,
     region: Region,
 }
 
@@ -132,6 +134,11 @@ struct ArenaEntry {
 }
 
 impl ArenaEntry {
+    /// Whether the owner put the arena to sleep (addresses reserved, no memory held).
+    fn asleep(&self) -> bool {
+        self.owner.as_ref().is_some_and(|o| o.memfd.is_none())
+    }
+
     /// Whether nothing holds the bytes any more (the entry can leave the ledger).
     fn released(&self) -> bool {
         self.owner.is_none() && self.open_exports == 0 && self.mappings == 0 && !self.pinned
@@ -216,7 +223,7 @@ impl Inner {
     fn held_bytes(&self, device: DeviceId) -> u64 {
         self.arenas
             .values()
-            .filter(|a| a.device == device)
+            .filter(|a| a.device == device && !a.asleep())
             .map(|a| a.bytes)
             .sum()
     }
@@ -264,9 +271,35 @@ impl Inner {
             .is_some_and(|a| a.open_exports > 0)
     }
 
+    /// `addr..addr + len` lies inside one live, awake arena of `device`.
+    fn check_awake_range(&self, device: DeviceId, addr: u64, len: u64) -> Result<()> {
+        let ok = self.arenas.values().any(|a| {
+            a.device == device
+                && a.owner.is_some()
+                && !a.asleep()
+                && addr >= a.base
+                && addr
+                    .checked_add(len)
+                    .is_some_and(|end| end <= a.base + a.bytes)
+        });
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::UnknownPointer {
+                ptr: addr,
+                why: format!("{len} bytes from here are not inside a live, awake sim arena of device {device}"),
+            })
+        }
+    }
+
     fn ledger(&self, device: DeviceId) -> SimLedger {
         let mut l = SimLedger::default();
         for a in self.arenas.values().filter(|a| a.device == device) {
+            if a.asleep() {
+                l.sleeping_bytes += a.bytes;
+                l.live_arenas += 1;
+                continue;
+            }
             l.held_bytes += a.bytes;
             if a.owner.is_some() {
                 l.live_arenas += 1;
@@ -494,7 +527,10 @@ impl Backend for SimBackend {
                 base,
                 bytes,
                 inode: info.key,
-                owner: Some(Owner { memfd, region }),
+                owner: Some(Owner {
+                    memfd: Some(memfd),
+                    region,
+                }),
                 open_exports: 0,
                 mappings: 0,
                 pinned: false,
@@ -533,7 +569,13 @@ impl Backend for SimBackend {
         let owner = entry.owner.as_ref().ok_or_else(|| {
             Error::invalid(format!("sim export: arena {} was destroyed", arena.handle))
         })?;
-        let fd = sys::dup_cloexec(owner.memfd.as_fd())?;
+        let memfd = owner.memfd.as_ref().ok_or_else(|| {
+            Error::InvalidState(format!(
+                "sim export: arena {} is asleep (no memory behind it)",
+                arena.handle
+            ))
+        })?;
+        let fd = sys::dup_cloexec(memfd.as_fd())?;
         entry.open_exports += 1;
         let kind = if legacy_pin {
             entry.pinned = true;
@@ -736,6 +778,79 @@ impl Backend for SimBackend {
                 event.raw, event.device
             ))),
         }
+    }
+
+    fn release_physical(&self, arena: &ArenaMem) -> Result<()> {
+        let mut inner = self.inner.lock();
+        let entry = inner.arena_mut(arena, "release_physical")?;
+        if entry.open_exports > 0 || entry.mappings > 0 || entry.pinned {
+            return Err(Error::InvalidState(format!(
+                "sim release_physical: arena {} is exported or mapped elsewhere",
+                arena.handle
+            )));
+        }
+        let owner = match entry.owner.as_mut() {
+            Some(o) if o.memfd.is_some() => o,
+            _ => {
+                return Err(Error::InvalidState(format!(
+                    "sim release_physical: arena {} is destroyed or already asleep",
+                    arena.handle
+                )))
+            }
+        };
+        sys::reserve_over(&owner.region)?;
+        // Closing the memfd frees its pages: the contents are gone.
+        owner.memfd = None;
+        Ok(())
+    }
+
+    fn restore_physical(&self, arena: &ArenaMem) -> Result<ArenaMem> {
+        let mut inner = self.inner.lock();
+        inner.enter(SimCall::CreateArena)?;
+        let held = inner.held_bytes(arena.device);
+        let name = format!("{}a{}", self.memfd_tag(), arena.handle);
+        let entry = inner.arena_mut(arena, "restore_physical")?;
+        if !entry.asleep() {
+            return Err(Error::InvalidState(format!(
+                "sim restore_physical: arena {} is not asleep",
+                arena.handle
+            )));
+        }
+        if held.saturating_add(arena.bytes) > self.config.capacity {
+            return Err(Error::DriverOutOfMemory {
+                backend: NAME,
+                call: "restore_physical",
+                device: arena.device,
+                bytes: arena.bytes,
+            });
+        }
+        let memfd = sys::create_memfd(&name, arena.bytes)?;
+        let info = file_info(memfd.as_fd()).map_err(|e| sys_err("fstat", e))?;
+        let old = entry.inode;
+        if let Some(owner) = entry.owner.as_mut() {
+            sys::map_over(&owner.region, memfd.as_fd())?;
+            owner.memfd = Some(memfd);
+        }
+        entry.inode = info.key;
+        if inner.by_inode.get(&old) == Some(&arena.handle) {
+            inner.by_inode.remove(&old);
+        }
+        inner.by_inode.insert(info.key, arena.handle);
+        Ok(arena.clone())
+    }
+
+    fn copy_to_host(&self, device: DeviceId, src: u64, dst: &mut [u8]) -> Result<()> {
+        let inner = self.inner.lock();
+        inner.check_awake_range(device, src, dst.len() as u64)?;
+        sys::read_at(src, dst);
+        Ok(())
+    }
+
+    fn copy_from_host(&self, device: DeviceId, dst: u64, src: &[u8]) -> Result<()> {
+        let inner = self.inner.lock();
+        inner.check_awake_range(device, dst, src.len() as u64)?;
+        sys::write_at(dst, src);
+        Ok(())
     }
 
     fn synchronize(&self, device: DeviceId) -> Result<()> {

@@ -103,3 +103,56 @@ pub(super) fn create_memfd(name: &str, bytes: u64) -> Result<OwnedFd> {
 pub(super) fn dup_cloexec(fd: BorrowedFd<'_>) -> Result<OwnedFd> {
     rustix::io::fcntl_dupfd_cloexec(fd.as_fd(), 0).map_err(|e| sys_err("fcntl_dupfd_cloexec", e))
 }
+
+/// Replace the pages of `region` with an inaccessible anonymous reservation
+/// (`mmap(addr, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE)`):
+/// the memfd's pages are no longer mapped there, the addresses stay taken.
+pub(super) fn reserve_over(region: &Region) -> Result<()> {
+    // SAFETY: `region` is a live mapping of this module (see `unmap`); MAP_FIXED replaces
+    // exactly its pages and nothing else. The Backend contract ends the validity of the
+    // arena's addresses for the caller until `map_over` maps memory there again.
+    unsafe {
+        rustix::mm::mmap_anonymous(
+            region.addr as *mut c_void,
+            region.len,
+            ProtFlags::empty(),
+            MapFlags::PRIVATE | MapFlags::FIXED | MapFlags::NORESERVE,
+        )
+    }
+    .map(|_| ())
+    .map_err(|e| sys_err("mmap", e))
+}
+
+/// Map `fd` read-write and shared over `region`'s addresses (`MAP_FIXED`, replacing the
+/// reservation [`reserve_over`] left).
+pub(super) fn map_over(region: &Region, fd: BorrowedFd<'_>) -> Result<()> {
+    // SAFETY: `region` is one of this module's regions, reserved by `reserve_over`: MAP_FIXED
+    // replaces exactly that reservation, which nothing reads while it is inaccessible.
+    unsafe {
+        rustix::mm::mmap(
+            region.addr as *mut c_void,
+            region.len,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::SHARED | MapFlags::FIXED,
+            fd,
+            0,
+        )
+    }
+    .map(|_| ())
+    .map_err(|e| sys_err("mmap", e))
+}
+
+/// Copy `dst.len()` bytes from address `src`. The caller checked that `src..src + len` lies
+/// inside one live, mapped arena region of the sim.
+pub(super) fn read_at(src: u64, dst: &mut [u8]) {
+    // SAFETY: the caller's check: the source is mapped read-write memory of a live region,
+    // which cannot overlap `dst` (a Rust-owned buffer, never a sim mapping).
+    unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) }
+}
+
+/// Copy `src` to address `dst`. The caller checked that `dst..dst + len` lies inside one
+/// live, mapped arena region of the sim.
+pub(super) fn write_at(dst: u64, src: &[u8]) {
+    // SAFETY: as in `read_at`, in the other direction.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) }
+}

@@ -150,6 +150,9 @@ pub struct SimLedger {
     pub foreign_import_bytes: u64,
     /// Bytes of arenas pinned by a [`ExportKind::Pinning`] export: held for good.
     pub pinned_bytes: u64,
+    /// Bytes of arenas asleep (`release_physical`): addresses reserved, no memory held
+    /// (not in `held_bytes`; their arenas count in `live_arenas`).
+    pub sleeping_bytes: u64,
 }
 
 impl SimLedger {

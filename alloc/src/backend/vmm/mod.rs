@@ -353,6 +353,8 @@ impl<D: Driver> VmmBackend<D> {
             // SAFETY: our own legacy allocation, just removed from the registry, freed once;
             // the caller synchronized.
             RegionKind::LegacyArena => unsafe { d.legacy_free(base) },
+            // SAFETY: our own reservation, with nothing mapped (asleep), freed once.
+            RegionKind::Asleep => unsafe { d.address_free(base, n) },
             // SAFETY: our own opened IPC handle, just removed from the registry, closed once.
             RegionKind::LegacyImport => unsafe { d.ipc_close_handle(base) },
         };
@@ -447,7 +449,11 @@ impl<D: Driver> Backend for VmmBackend<D> {
 
     fn destroy_arena(&self, arena: ArenaMem) -> Result<()> {
         let expect = Self::arena_region(&arena);
-        let region = self.take_region(arena.base, |r| *r == expect, "arena")?;
+        let asleep = Region {
+            kind: RegionKind::Asleep,
+            ..expect
+        };
+        let region = self.take_region(arena.base, |r| *r == expect || *r == asleep, "arena")?;
         self.teardown(arena.base, region)?;
         tracing::debug!(
             backend = D::NAME,
@@ -606,6 +612,101 @@ impl<D: Driver> Backend for VmmBackend<D> {
         let (_state, _current) = self.make_current(event.device)?;
         // SAFETY: a live event, just removed from the registry, destroyed once.
         unsafe { self.driver.event_destroy(event.raw) }.map_err(|e| e.into_error(event.device, 0))
+    }
+
+    fn release_physical(&self, arena: &ArenaMem) -> Result<()> {
+        let expect = Self::arena_region(arena);
+        let RegionKind::Arena { handle } = expect.kind else {
+            return Err(Error::Unavailable(format!(
+                "{}: a legacy (non-VMM) arena cannot sleep: its memory and addresses are one",
+                D::NAME
+            )));
+        };
+        let n = to_usize(arena.bytes)?;
+        let mut regions = self.regions.write();
+        if regions.get(&arena.base) != Some(&expect) {
+            return Err(Error::InvalidState(format!(
+                "{}: release_physical of {:#x}: not a live, awake arena of this backend",
+                D::NAME,
+                arena.base
+            )));
+        }
+        let (_state, _current) = self.make_current(arena.device)?;
+        let d = &self.driver;
+        // SAFETY: a whole mapping of ours, registered as awake; the caller synchronized the
+        // device and no export or import uses it; the write lock keeps copies away.
+        unsafe { d.unmap(arena.base, n) }.map_err(|e| e.into_error(arena.device, 0))?;
+        regions.insert(
+            arena.base,
+            Region {
+                kind: RegionKind::Asleep,
+                ..expect
+            },
+        );
+        // SAFETY: the arena's own handle, now unmapped, released once (the region no
+        // longer records it).
+        if let Err(e) = unsafe { d.mem_release(handle) } {
+            tracing::warn!(backend = D::NAME, error = %e.message, "mem_release of a sleeping arena failed");
+        }
+        Ok(())
+    }
+
+    fn restore_physical(&self, arena: &ArenaMem) -> Result<ArenaMem> {
+        let state = self.state(arena.device)?;
+        let n = to_usize(arena.bytes)?;
+        let asleep = Region {
+            device: arena.device,
+            bytes: arena.bytes,
+            kind: RegionKind::Asleep,
+        };
+        let mut regions = self.regions.write();
+        if regions.get(&arena.base) != Some(&asleep) {
+            return Err(Error::InvalidState(format!(
+                "{}: restore_physical of {:#x}: not a sleeping arena of this backend",
+                D::NAME,
+                arena.base
+            )));
+        }
+        let (_, _current) = self.make_current(arena.device)?;
+        let d = &self.driver;
+        let device = arena.device;
+        let handle = d
+            .mem_create(&state.device, n)
+            .map_err(|e| e.into_error(device, arena.bytes))?;
+        // SAFETY: `base..base + n` is our reservation with nothing mapped (asleep); `handle`
+        // was just created.
+        if let Err(e) = unsafe { d.map(arena.base, n, handle) } {
+            // SAFETY: the handle just created, unmapped, released once.
+            warn_undo(device, unsafe { d.mem_release(handle) });
+            return Err(e.into_error(device, arena.bytes));
+        }
+        // SAFETY: `base..base + n` was just mapped.
+        if let Err(e) = unsafe { d.set_access(arena.base, n, device) } {
+            // SAFETY: our own fresh mapping, never used by device work.
+            warn_undo(device, unsafe { d.unmap(arena.base, n) });
+            // SAFETY: the handle just created, now unmapped, released once.
+            warn_undo(device, unsafe { d.mem_release(handle) });
+            return Err(e.into_error(device, arena.bytes));
+        }
+        regions.insert(
+            arena.base,
+            Region {
+                kind: RegionKind::Arena { handle },
+                ..asleep
+            },
+        );
+        Ok(ArenaMem {
+            handle,
+            ..arena.clone()
+        })
+    }
+
+    fn copy_to_host(&self, _device: DeviceId, src: u64, dst: &mut [u8]) -> Result<()> {
+        self.memcpy_dtoh(dst, src)
+    }
+
+    fn copy_from_host(&self, _device: DeviceId, dst: u64, src: &[u8]) -> Result<()> {
+        self.memcpy_htod(dst, src)
     }
 
     fn synchronize(&self, device: DeviceId) -> Result<()> {

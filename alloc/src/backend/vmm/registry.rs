@@ -15,6 +15,9 @@ pub(super) enum RegionKind {
     },
     /// An arena of the legacy IPC path (`hipMalloc`).
     LegacyArena,
+    /// A VMM arena asleep (`release_physical`): its address range stays reserved, nothing
+    /// is mapped there and it owns no allocation handle.
+    Asleep,
     /// A VMM import mapping (its allocation handle was released right after mapping).
     Import,
     /// A legacy import opened from an IPC handle.
@@ -24,7 +27,10 @@ pub(super) enum RegionKind {
 impl RegionKind {
     /// Whether this is an arena (as opposed to an import).
     pub(super) fn is_arena(self) -> bool {
-        matches!(self, RegionKind::Arena { .. } | RegionKind::LegacyArena)
+        matches!(
+            self,
+            RegionKind::Arena { .. } | RegionKind::LegacyArena | RegionKind::Asleep
+        )
     }
 }
 
@@ -54,7 +60,11 @@ pub(super) fn range_device(
         why: format!("range of {len} bytes overflows"),
     })?;
     match regions.range(..=addr).next_back() {
-        Some((&base, region)) if end <= base.saturating_add(region.bytes) => Ok(region.device),
+        Some((&base, region))
+            if end <= base.saturating_add(region.bytes) && region.kind != RegionKind::Asleep =>
+        {
+            Ok(region.device)
+        }
         _ => Err(Error::UnknownPointer {
             ptr: addr,
             why: format!(

@@ -1,0 +1,376 @@
+//! Sleep and wake: give a device's memory back to the driver while every address stays
+//! reserved, and map new memory at the same addresses later (RLHF: an inference engine
+//! sleeps while the trainer uses the GPU, and wakes with its CUDA graphs still valid).
+//!
+//! **Sleep** (`Pool::sleep`) puts every awake tag of the device to sleep. After a device
+//! synchronize and settling every pending free, each arena of those tags:
+//! - is *kept* (memory and contents untouched) when it is shared, exported, pinned or being
+//!   announced to an observer: sleep never breaks a consumer. Its bytes are reported
+//!   ([`SleepReport::kept_shared_bytes`]) and logged;
+//! - otherwise its observers get `on_release`, the live runs of a tag in `offload` are
+//!   copied to host memory (one copy per contiguous run of live allocations), and
+//!   `Backend::release_physical` gives the memory back (the other tags' contents are gone).
+//!
+//! While a tag sleeps its allocations are refused (`Error::InvalidState`, "asleep"), frees
+//! work, and new shares of its memory are refused. **Wake** (`Pool::wake`) maps new memory
+//! at the same addresses (`Backend::restore_physical`), copies offloaded runs back,
+//! announces the arenas to observers (`on_ready`) and lets the tags allocate again; tags
+//! wake one by one or all at once. Sleeping while every tag sleeps, naming an asleep tag to
+//! offload, or waking an awake tag is an `InvalidState` error that changes nothing.
+
+use crate::backend::{ArenaMem, DeviceId};
+use crate::error::{Error, Result};
+use crate::pool::observers::ArenaInfo;
+use crate::pool::{DevicePool, Pool};
+use crate::tags;
+
+/// An arena's sleep: the contents kept on the host (offloaded tags), by device address.
+#[derive(Debug, Default)]
+pub(crate) struct Asleep {
+    offload: Vec<(u64, Vec<u8>)>,
+}
+
+/// What a sleep or wake did, summed over the devices it touched.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SleepReport {
+    /// Bytes of arenas whose memory went back to the driver (sleep) or came back (wake).
+    pub arena_bytes: u64,
+    /// Bytes copied to the host (sleep) or back to the device (wake).
+    pub copied_bytes: u64,
+    /// Sleep: bytes of arenas kept with their memory because they are shared, exported or
+    /// pinned (a consumer may use them).
+    pub kept_shared_bytes: u64,
+    /// Arenas put to sleep or woken.
+    pub arenas: u64,
+}
+
+/// An arena going to sleep: its key, its memory, and the runs `(address, bytes)` to copy.
+type SleepWork = (usize, ArenaMem, Vec<(u64, u64)>);
+
+/// The error of an allocation with a tag that sleeps.
+pub(crate) fn asleep_error(device: DeviceId, tag: u8, bytes: u64) -> Error {
+    Error::InvalidState(format!(
+        "alloc of {bytes} bytes with tag {:?} on device {device}: the tag is asleep \
+         (gpu_arena_wake it first)",
+        tags::name(tag)
+    ))
+}
+
+fn mask(tags: &[u8]) -> u64 {
+    tags.iter().fold(0, |m, &t| m | (1u64 << t))
+}
+
+fn names(mask: u64) -> String {
+    (0..64u8)
+        .filter(|t| mask & (1 << t) != 0)
+        .map(tags::name)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+impl Pool {
+    fn sleep_devices(&self, device: Option<DeviceId>) -> Result<Vec<&DevicePool>> {
+        match device {
+            Some(d) => Ok(vec![self.dev(d)?]),
+            None => Ok(self.devices.iter().collect()),
+        }
+    }
+
+    /// The tags (bit = tag index) asleep on `device`.
+    pub fn asleep_tags(&self, device: DeviceId) -> Result<u64> {
+        Ok(self.dev(device)?.state.lock().asleep_tags)
+    }
+
+    /// Put every awake tag of `device` (every device for `None`) to sleep, keeping the
+    /// contents of the tags in `offload` (tag indices, `crate::tags`) on the host. See the
+    /// module docs.
+    pub fn sleep(&self, device: Option<DeviceId>, offload: &[u8]) -> Result<SleepReport> {
+        let _serial = self.sleep_lock.lock();
+        let devices = self.sleep_devices(device)?;
+        let all = if tags::count() >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << tags::count()) - 1
+        };
+        let offload_mask = mask(offload);
+        // Check every device first: an error changes nothing. With every device (`None`),
+        // a device where every tag sleeps already is skipped.
+        let mut awake = Vec::new();
+        for dp in devices {
+            let asleep = dp.state.lock().asleep_tags;
+            if asleep & offload_mask != 0 {
+                return Err(Error::InvalidState(format!(
+                    "sleep of device {}: tag(s) {} already asleep (wake them first)",
+                    dp.device,
+                    names(asleep & offload_mask)
+                )));
+            }
+            if all & !asleep != 0 {
+                awake.push(dp);
+            } else if device.is_some() {
+                return Err(Error::InvalidState(format!(
+                    "sleep of device {}: every tag is already asleep",
+                    dp.device
+                )));
+            }
+        }
+        if awake.is_empty() {
+            return Err(Error::InvalidState(
+                "sleep of every device: every tag is already asleep".into(),
+            ));
+        }
+        let mut report = SleepReport::default();
+        for dp in awake {
+            let r = self.sleep_device(dp, all, offload_mask)?;
+            report.arena_bytes += r.arena_bytes;
+            report.copied_bytes += r.copied_bytes;
+            report.kept_shared_bytes += r.kept_shared_bytes;
+            report.arenas += r.arenas;
+        }
+        Ok(report)
+    }
+
+    fn sleep_device(&self, dp: &DevicePool, all: u64, offload: u64) -> Result<SleepReport> {
+        let device = dp.device;
+        self.backend.synchronize(device)?;
+        let mut report = SleepReport::default();
+        let mut calls = Vec::new();
+        // (key, arena, runs to copy)
+        let mut work: Vec<SleepWork> = Vec::new();
+        let sleeping;
+        {
+            let mut st = dp.state.lock();
+            st.settle_all(self.backend.as_ref());
+            sleeping = all & !st.asleep_tags;
+            st.asleep_tags |= sleeping;
+            let st = &mut *st;
+            for (k, a) in st.arenas.iter_mut() {
+                if a.sleep.is_some() || sleeping & (1 << a.tag) == 0 {
+                    continue;
+                }
+                if !a.lifetime.destroyable() {
+                    report.kept_shared_bytes += a.mem.bytes;
+                    continue;
+                }
+                let Some(c) = self.observers.claim_sleep((device, a.mem.base)) else {
+                    report.kept_shared_bytes += a.mem.bytes;
+                    continue;
+                };
+                calls.extend(c);
+                a.sleep = Some(Asleep::default());
+                st.stats.reserved_bytes -= a.mem.bytes;
+                st.stats.sleeping_bytes += a.mem.bytes;
+                work.push((k, a.mem.clone(), Vec::new()));
+            }
+            // Live runs of the offloaded arenas: contiguous live allocations merged.
+            if offload & sleeping != 0 {
+                let mut lives: Vec<(u64, u64, usize)> = st
+                    .allocs
+                    .iter()
+                    .map(|(&p, l)| (p, l.bytes(), l.arena))
+                    .filter(|&(_, _, k)| {
+                        st.arenas
+                            .get(k)
+                            .is_some_and(|a| a.sleep.is_some() && offload & (1 << a.tag) != 0)
+                    })
+                    .collect();
+                lives.sort_unstable();
+                for (k, _, runs) in &mut work {
+                    for &(p, len, _) in lives.iter().filter(|l| l.2 == *k) {
+                        match runs.last_mut() {
+                            Some((start, rl)) if *start + *rl == p => *rl += len,
+                            _ => runs.push((p, len)),
+                        }
+                    }
+                }
+            }
+            dp.metrics.publish(&st.stats);
+        }
+        // Observers first: the arenas are still mapped.
+        self.count_failures(self.observers.deliver(calls));
+        let mut first_err = None;
+        for (k, mem, runs) in work {
+            let mut kept = Vec::with_capacity(runs.len());
+            let mut copied = 0;
+            let copy = runs.iter().try_for_each(|&(p, len)| {
+                let mut buf = vec![0u8; usize::try_from(len).unwrap_or(usize::MAX)];
+                self.backend.copy_to_host(device, p, &mut buf)?;
+                copied += len;
+                kept.push((p, buf));
+                Ok::<(), Error>(())
+            });
+            let released = copy.and_then(|()| self.backend.release_physical(&mem));
+            let mut st = dp.state.lock();
+            match released {
+                Ok(()) => {
+                    if let Some(a) = st.arenas.get_mut(k) {
+                        a.sleep = Some(Asleep { offload: kept });
+                    }
+                    report.arena_bytes += mem.bytes;
+                    report.copied_bytes += copied;
+                    report.arenas += 1;
+                }
+                Err(e) => {
+                    // Stays awake, with its contents: announced to the observers again.
+                    tracing::error!(device, base = mem.base, error = %e, "an arena could not sleep; it stays awake");
+                    let id = st.arenas.get_mut(k).map(|a| {
+                        a.sleep = None;
+                        a.id
+                    });
+                    st.stats.reserved_bytes += mem.bytes;
+                    st.stats.sleeping_bytes -= mem.bytes;
+                    drop(st);
+                    if let Some(id) = id {
+                        self.announce(dp, id, &mem);
+                    }
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        tracing::info!(
+            device,
+            tags = %names(sleeping),
+            released_bytes = report.arena_bytes,
+            offloaded_bytes = report.copied_bytes,
+            kept_shared_bytes = report.kept_shared_bytes,
+            "gpu-arena sleep"
+        );
+        let st = dp.state.lock();
+        dp.metrics.publish(&st.stats);
+        if self.config.validate {
+            st.validate_or_log();
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
+
+    /// Tell every observer of an arena mapped again (no lock held).
+    fn announce(&self, dp: &DevicePool, id: u64, mem: &ArenaMem) {
+        let info = ArenaInfo {
+            device: dp.device,
+            flags: 0,
+            arena_id: id,
+            base: mem.base,
+            size: mem.bytes,
+        };
+        let calls = self.observers.announce(info);
+        self.count_failures(self.observers.deliver(calls));
+    }
+
+    /// Wake `tags` (tag indices; `None`: every sleeping tag) on `device` (every device for
+    /// `None`): new memory at the same addresses, offloaded contents copied back.
+    pub fn wake(&self, device: Option<DeviceId>, wake_tags: Option<&[u8]>) -> Result<SleepReport> {
+        let _serial = self.sleep_lock.lock();
+        let devices = self.sleep_devices(device)?;
+        // One device: every named tag (or something) must be asleep there. Every device
+        // (`None`): each device wakes what of it sleeps there, and every named tag (or
+        // something) must be asleep on some device. Checked first: an error changes nothing.
+        let asleep_any = devices
+            .iter()
+            .fold(0u64, |m, dp| m | dp.state.lock().asleep_tags);
+        let named = wake_tags.map_or(asleep_any, mask);
+        if named == 0 || named & !asleep_any != 0 {
+            let which = match device {
+                Some(d) => format!("device {d}"),
+                None => "every device".to_string(),
+            };
+            return Err(Error::InvalidState(format!(
+                "wake of {which}: {} not asleep",
+                if named == 0 {
+                    "nothing is".to_string()
+                } else {
+                    format!("tag(s) {} are", names(named & !asleep_any))
+                }
+            )));
+        }
+        let mut report = SleepReport::default();
+        for dp in devices {
+            let want = named & dp.state.lock().asleep_tags;
+            if want == 0 {
+                continue;
+            }
+            let r = self.wake_device(dp, want)?;
+            report.arena_bytes += r.arena_bytes;
+            report.copied_bytes += r.copied_bytes;
+            report.arenas += r.arenas;
+        }
+        Ok(report)
+    }
+
+    fn wake_device(&self, dp: &DevicePool, want: u64) -> Result<SleepReport> {
+        let device = dp.device;
+        let mut report = SleepReport::default();
+        let work: Vec<(usize, u64, ArenaMem)> = {
+            let st = dp.state.lock();
+            st.arenas
+                .iter()
+                .filter(|(_, a)| a.sleep.is_some() && want & (1 << a.tag) != 0)
+                .map(|(k, a)| (k, a.id, a.mem.clone()))
+                .collect()
+        };
+        let mut failed = 0u64;
+        let mut first_err = None;
+        for (k, id, mem) in work {
+            let restored = self.backend.restore_physical(&mem);
+            let new = match restored {
+                Ok(new) => new,
+                Err(e) => {
+                    tracing::error!(device, base = mem.base, error = %e, "an arena could not wake");
+                    let st = dp.state.lock();
+                    failed |= st.arenas.get(k).map_or(0, |a| 1u64 << a.tag);
+                    first_err.get_or_insert(e);
+                    continue;
+                }
+            };
+            let offload = {
+                let mut st = dp.state.lock();
+                st.arenas
+                    .get_mut(k)
+                    .and_then(|a| a.sleep.as_mut())
+                    .map(|s| std::mem::take(&mut s.offload))
+                    .unwrap_or_default()
+            };
+            for (p, buf) in &offload {
+                if let Err(e) = self.backend.copy_from_host(device, *p, buf) {
+                    tracing::error!(device, ptr = p, error = %e, "copying offloaded memory back failed");
+                    first_err.get_or_insert(e);
+                }
+                report.copied_bytes += buf.len() as u64;
+            }
+            drop(offload);
+            {
+                let mut st = dp.state.lock();
+                if let Some(a) = st.arenas.get_mut(k) {
+                    a.mem = new.clone();
+                    a.sleep = None;
+                }
+                st.stats.reserved_bytes += new.bytes;
+                st.stats.peak_reserved_bytes =
+                    st.stats.peak_reserved_bytes.max(st.stats.reserved_bytes);
+                st.stats.sleeping_bytes -= new.bytes;
+            }
+            self.announce(dp, id, &new);
+            report.arena_bytes += new.bytes;
+            report.arenas += 1;
+        }
+        let mut st = dp.state.lock();
+        st.asleep_tags &= !(want & !failed);
+        tracing::info!(
+            device,
+            tags = %names(want),
+            restored_bytes = report.arena_bytes,
+            copied_back_bytes = report.copied_bytes,
+            "gpu-arena wake"
+        );
+        dp.metrics.publish(&st.stats);
+        if self.config.validate {
+            st.validate_or_log();
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
+}

@@ -1,0 +1,288 @@
+//! Tags, sleep and wake on the sim backend: tags never share an arena; a sleep gives the
+//! memory back (sim ledger, `reserved_bytes`) while the addresses stay; a wake maps memory
+//! at the same addresses with the offloaded tags' bytes identical; partial wake; allocations
+//! refused while asleep; double sleep and waking an awake tag refused with nothing changed;
+//! shared arenas kept (share then sleep; sleep then share refused); observers told.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use gpu_arena::backend::sim::{SimBackend, SimConfig};
+use gpu_arena::pool::ObserverError;
+use gpu_arena::{tags, ArenaInfo, ArenaObserver, Error, Pool, PoolConfig, StreamId};
+
+const MIB: u64 = 1 << 20;
+const S: StreamId = StreamId(0x1000);
+
+fn pool() -> (Arc<SimBackend>, Pool) {
+    let backend = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+    let config = PoolConfig {
+        arena_size: 8 * MIB,
+        validate: true,
+        ..PoolConfig::default()
+    };
+    (backend.clone(), Pool::new(backend, config).unwrap())
+}
+
+fn alloc_with(pool: &Pool, tag: &str, bytes: u64) -> u64 {
+    tags::set_current(Some(tag)).unwrap();
+    let a = pool.alloc(0, bytes, S).unwrap();
+    tags::set_current(None).unwrap();
+    a.ptr
+}
+
+fn fill(ptr: u64, len: usize, seed: u8) {
+    // SAFETY: sim device addresses are host mappings of at least `len` bytes from `ptr`.
+    let s = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
+    for (i, b) in s.iter_mut().enumerate() {
+        *b = (i as u8).wrapping_mul(31).wrapping_add(seed);
+    }
+}
+
+fn read(ptr: u64, len: usize) -> Vec<u8> {
+    // SAFETY: as in `fill`.
+    unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }.to_vec()
+}
+
+fn is_asleep_error(e: &Error) -> bool {
+    matches!(e, Error::InvalidState(m) if m.contains("asleep"))
+}
+
+fn idx(name: &str) -> u8 {
+    tags::index(Some(name)).unwrap()
+}
+
+#[test]
+fn tags_never_share_an_arena() {
+    let (_sim, pool) = pool();
+    let a = alloc_with(&pool, "tw_a", MIB);
+    let b = alloc_with(&pool, "tw_b", MIB);
+    let d = alloc_with(&pool, "default", MIB);
+    assert_eq!(pool.stats(0).unwrap().arenas, 3);
+    let arena = |p: u64| p & !(8 * MIB - 1);
+    assert_ne!(arena(a), arena(b));
+    // A freed range of one tag is not reused by another.
+    pool.free(a).unwrap();
+    let b2 = alloc_with(&pool, "tw_b", MIB);
+    assert_ne!(b2, a);
+    let a2 = alloc_with(&pool, "tw_a", MIB);
+    assert_eq!(a2, a, "the tag's own freed block comes back");
+    for p in [b, d, b2, a2] {
+        pool.free(p).unwrap();
+    }
+    pool.validate(0).unwrap();
+}
+
+#[test]
+fn sleep_offloads_one_tag_discards_the_other_and_wakes_at_the_same_addresses() {
+    let (sim, pool) = pool();
+    let w: Vec<u64> = (0..3)
+        .map(|_| alloc_with(&pool, "sw_weights", 2 * MIB))
+        .collect();
+    let kv = alloc_with(&pool, "sw_kv", 4 * MIB);
+    let kv2 = alloc_with(&pool, "sw_kv", 2 * MIB);
+    for (i, &p) in w.iter().enumerate() {
+        fill(p, (2 * MIB) as usize, i as u8);
+    }
+    fill(kv, (4 * MIB) as usize, 99);
+    let before: Vec<Vec<u8>> = w.iter().map(|&p| read(p, (2 * MIB) as usize)).collect();
+    let reserved = pool.stats(0).unwrap().reserved_bytes;
+    assert_eq!(reserved, 16 * MIB);
+
+    let r = pool.sleep(Some(0), &[idx("sw_weights")]).unwrap();
+    assert_eq!(r.arenas, 2);
+    assert_eq!(r.arena_bytes, 16 * MIB);
+    assert_eq!(
+        r.copied_bytes,
+        6 * MIB,
+        "only the live runs of the offloaded tag"
+    );
+    let st = pool.stats(0).unwrap();
+    assert_eq!((st.reserved_bytes, st.sleeping_bytes), (0, 16 * MIB));
+    assert_eq!(sim.ledger(0).held_bytes, 0, "the memory really went back");
+    assert_eq!(sim.ledger(0).sleeping_bytes, 16 * MIB);
+
+    // Asleep: allocations refused, frees allowed, a second sleep refused.
+    tags::set_current(Some("sw_kv")).unwrap();
+    let e = pool.alloc(0, MIB, S).unwrap_err();
+    tags::set_current(None).unwrap();
+    assert!(is_asleep_error(&e), "{e}");
+    pool.free(kv2).unwrap();
+    let e = pool.sleep(Some(0), &[idx("sw_weights")]).unwrap_err();
+    assert!(matches!(e, Error::InvalidState(_)), "{e}");
+    let e = pool.sleep(Some(0), &[]).unwrap_err();
+    assert!(matches!(e, Error::InvalidState(_)), "{e}");
+    assert_eq!(pool.stats(0).unwrap(), {
+        let mut s = st;
+        s.allocations -= 1;
+        s.allocated_bytes -= 2 * MIB;
+        s.requested_bytes -= 2 * MIB;
+        s.free_count += 1;
+        s
+    });
+
+    // Partial wake: the weights come back, bitwise, at the same addresses.
+    let r = pool.wake(Some(0), Some(&[idx("sw_weights")])).unwrap();
+    assert_eq!((r.arenas, r.copied_bytes), (1, 6 * MIB));
+    for (i, &p) in w.iter().enumerate() {
+        assert_eq!(read(p, (2 * MIB) as usize), before[i]);
+    }
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 8 * MIB);
+    assert_eq!(sim.ledger(0).held_bytes, 8 * MIB);
+    tags::set_current(Some("sw_kv")).unwrap();
+    assert!(is_asleep_error(&pool.alloc(0, MIB, S).unwrap_err()));
+    tags::set_current(None).unwrap();
+    // Waking an awake tag is refused and changes nothing.
+    let e = pool.wake(Some(0), Some(&[idx("sw_weights")])).unwrap_err();
+    assert!(matches!(e, Error::InvalidState(_)), "{e}");
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 8 * MIB);
+
+    // Wake the rest: the discarded tag's memory is back (zeroed on sim) at its addresses.
+    pool.wake(Some(0), None).unwrap();
+    assert_eq!(read(kv, 16), vec![0; 16]);
+    fill(kv, (4 * MIB) as usize, 5);
+    let kv3 = alloc_with(&pool, "sw_kv", 2 * MIB);
+    assert_eq!(kv3, kv2, "the freed range is reusable after wake");
+    let st = pool.stats(0).unwrap();
+    assert_eq!((st.reserved_bytes, st.sleeping_bytes), (16 * MIB, 0));
+    assert!(matches!(
+        pool.wake(None, None).unwrap_err(),
+        Error::InvalidState(_)
+    ));
+    for p in w.into_iter().chain([kv, kv3]) {
+        pool.free(p).unwrap();
+    }
+    pool.validate(0).unwrap();
+    assert_eq!(pool.empty_cache(None).unwrap(), 16 * MIB);
+}
+
+#[test]
+fn empty_cache_and_drop_leave_sleeping_arenas_alone_and_clean() {
+    let (sim, pool) = pool();
+    let p = alloc_with(&pool, "ec_kv", MIB);
+    pool.free(p).unwrap();
+    pool.sleep(None, &[]).unwrap();
+    assert_eq!(pool.empty_cache(None).unwrap(), 0, "asleep: not destroyed");
+    drop(pool);
+    assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+}
+
+#[test]
+fn shared_arenas_keep_their_memory_and_sleeping_memory_is_not_shared() {
+    let (sim, pool) = pool();
+    let shared = alloc_with(&pool, "sh_kv", MIB);
+    let other = alloc_with(&pool, "sh_kv", MIB);
+    fill(shared, MIB as usize, 7);
+    let info = pool.share(shared, MIB).unwrap();
+    let mine = alloc_with(&pool, "sh_w", MIB);
+    let r = pool.sleep(Some(0), &[]).unwrap();
+    assert_eq!(r.kept_shared_bytes, 8 * MIB);
+    assert_eq!(r.arena_bytes, 8 * MIB, "the unshared arena slept");
+    assert_eq!(read(shared, MIB as usize), {
+        fill(other, 0, 0);
+        let mut v = vec![0u8; MIB as usize];
+        for (i, b) in v.iter_mut().enumerate() {
+            *b = (i as u8).wrapping_mul(31).wrapping_add(7);
+        }
+        v
+    });
+    let st = pool.stats(0).unwrap();
+    assert_eq!((st.reserved_bytes, st.sleeping_bytes), (8 * MIB, 8 * MIB));
+    assert_eq!(sim.ledger(0).held_bytes, 8 * MIB);
+    // New shares of a sleeping tag's memory are refused, kept arena or not.
+    for p in [other, mine] {
+        let e = pool.share(p, MIB).unwrap_err();
+        assert!(is_asleep_error(&e), "{e}");
+    }
+    pool.unshare(0, info.share_key, &info.token).unwrap();
+    pool.wake(None, None).unwrap();
+    let again = pool.share(other, MIB).unwrap();
+    pool.unshare(0, again.share_key, &again.token).unwrap();
+    for p in [shared, other, mine] {
+        pool.free(p).unwrap();
+    }
+    pool.validate(0).unwrap();
+}
+
+#[derive(Default)]
+struct Counter {
+    ready: AtomicU64,
+    release: AtomicU64,
+}
+
+impl ArenaObserver for Counter {
+    fn on_ready(&self, _arena: &ArenaInfo) -> Result<(), ObserverError> {
+        self.ready.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn on_release(&self, _arena: &ArenaInfo) {
+        self.release.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn observers_are_told_before_sleep_and_after_wake() {
+    let (_sim, pool) = pool();
+    let c = Arc::new(Counter::default());
+    let id = pool.observe_arenas(c.clone());
+    let a = alloc_with(&pool, "ob_w", MIB);
+    let b = alloc_with(&pool, "ob_kv", MIB);
+    assert_eq!(c.ready.load(Ordering::SeqCst), 2);
+    pool.sleep(Some(0), &[idx("ob_w")]).unwrap();
+    assert_eq!(c.release.load(Ordering::SeqCst), 2);
+    pool.wake(Some(0), Some(&[idx("ob_w")])).unwrap();
+    assert_eq!(c.ready.load(Ordering::SeqCst), 3);
+    pool.wake(Some(0), None).unwrap();
+    assert_eq!(c.ready.load(Ordering::SeqCst), 4);
+    pool.free(a).unwrap();
+    pool.free(b).unwrap();
+    pool.unobserve_arenas(id).unwrap();
+    assert_eq!(c.release.load(Ordering::SeqCst), 4);
+}
+
+#[test]
+fn bad_device_is_refused() {
+    let (_sim, pool) = pool();
+    assert!(matches!(
+        pool.sleep(Some(7), &[]).unwrap_err(),
+        Error::InvalidDevice { .. }
+    ));
+    assert!(matches!(
+        pool.wake(Some(-1), None).unwrap_err(),
+        Error::InvalidDevice { .. }
+    ));
+}
+
+#[test]
+fn every_device_skips_devices_with_nothing_to_do() {
+    let backend = Arc::new(
+        SimBackend::new(SimConfig {
+            devices: 2,
+            ..SimConfig::default()
+        })
+        .unwrap(),
+    );
+    let config = PoolConfig {
+        arena_size: 8 * MIB,
+        validate: true,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::new(backend.clone(), config).unwrap();
+    let p = pool.alloc(1, MIB, S).unwrap().ptr;
+    pool.sleep(Some(1), &[]).unwrap();
+    // Device 0 is awake, device 1 asleep: every device wakes what sleeps (device 1 only),
+    // and sleeping every device sleeps what is awake.
+    pool.wake(None, None).unwrap();
+    assert_eq!(pool.asleep_tags(1).unwrap(), 0);
+    pool.sleep(Some(0), &[]).unwrap();
+    pool.sleep(None, &[]).unwrap();
+    assert_eq!(backend.ledger(1).held_bytes, 0);
+    assert!(matches!(
+        pool.sleep(None, &[]).unwrap_err(),
+        Error::InvalidState(_)
+    ));
+    pool.wake(None, None).unwrap();
+    pool.free(p).unwrap();
+}

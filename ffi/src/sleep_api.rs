@@ -1,0 +1,72 @@
+//! The C API's tags, sleep and wake (`gpu_arena::tags`, `alloc/src/pool/sleep.rs`).
+
+use std::ffi::{c_char, c_int, CStr};
+
+use gpu_arena::{tags, Error};
+
+use crate::{fail, guard, with_pool, GPU_ARENA_OK};
+
+/// `None` for NULL; the string, or an error naming `what`, otherwise.
+fn opt_str<'a>(call: &str, what: &str, s: *const c_char) -> Result<Option<&'a str>, c_int> {
+    if s.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: non-null, and per the header a NUL-terminated string valid for the call.
+    let text = unsafe { CStr::from_ptr(s) };
+    text.to_str()
+        .map(Some)
+        .map_err(|_| fail(call, Error::invalid(format!("{what} is not UTF-8"))))
+}
+
+/// Set this thread's allocation tag: every later allocation of this thread carries it. NULL
+/// or "" means "default". A tag is at most 63 bytes of `[A-Za-z0-9_.-]` (else
+/// `GPU_ARENA_ERR_INVALID_ARGUMENT`, and nothing changes); a process uses at most 64 tags.
+/// Allocations of different tags never share an arena, so each tag sleeps on its own.
+#[no_mangle]
+pub extern "C" fn gpu_arena_set_tag(tag: *const c_char) -> c_int {
+    guard("gpu_arena_set_tag", || {
+        let call = "gpu_arena_set_tag";
+        let name = opt_str(call, "tag", tag)?;
+        tags::set_current(name).map_err(|e| fail(call, e))?;
+        Ok(GPU_ARENA_OK)
+    })
+}
+
+/// Put every awake tag of `device` (-1: every device) to sleep: the contents of the tags
+/// named in `offload_tags` (comma-separated; NULL or "": none) are copied to host memory,
+/// everything else is discarded; the memory goes back to the driver while every address
+/// stays reserved. Waits for the device's pending work first. An arena that is shared with
+/// or imported by another process keeps its memory (and contents). While a tag sleeps its
+/// allocations fail with `GPU_ARENA_ERR_INVALID_STATE`, frees work, new shares of its memory
+/// are refused. Naming an already sleeping tag in `offload_tags`, or a device where every
+/// tag already sleeps, is `GPU_ARENA_ERR_INVALID_STATE` and changes nothing (with -1,
+/// devices where every tag sleeps are skipped; the error is when no device has an awake
+/// tag).
+#[no_mangle]
+pub extern "C" fn gpu_arena_sleep(device: c_int, offload_tags: *const c_char) -> c_int {
+    let call = format!("gpu_arena_sleep(device={device})");
+    with_pool("gpu_arena_sleep", |p| {
+        let list = opt_str(&call, "offload_tags", offload_tags)?;
+        let offload = tags::parse_list(list).map_err(|e| fail(&call, e))?;
+        let which = (device != -1).then_some(device);
+        p.sleep(which, &offload).map_err(|e| fail(&call, e))?;
+        Ok(GPU_ARENA_OK)
+    })
+}
+
+/// Wake the tags named in `tags` (comma-separated; NULL or "": every sleeping tag) on
+/// `device` (-1: every device): memory is mapped again at the same addresses and offloaded
+/// contents are copied back. Waking a tag that is awake (with -1: asleep on no device), or
+/// waking when nothing sleeps, is `GPU_ARENA_ERR_INVALID_STATE` and changes nothing.
+#[no_mangle]
+pub extern "C" fn gpu_arena_wake(device: c_int, tags: *const c_char) -> c_int {
+    let call = format!("gpu_arena_wake(device={device})");
+    with_pool("gpu_arena_wake", |p| {
+        let list = opt_str(&call, "tags", tags)?;
+        let named = tags::parse_list(list).map_err(|e| fail(&call, e))?;
+        let which = (device != -1).then_some(device);
+        let want = (!named.is_empty()).then_some(named.as_slice());
+        p.wake(which, want).map_err(|e| fail(&call, e))?;
+        Ok(GPU_ARENA_OK)
+    })
+}
