@@ -79,7 +79,11 @@ fn main() {
         let t = Instant::now();
         let imported: Vec<u64> = handles
             .iter()
-            .map(|b| importer.import(&ShareHandle::from_bytes(b).unwrap()).unwrap())
+            .map(|b| {
+                importer
+                    .import(&ShareHandle::from_bytes(b).unwrap())
+                    .unwrap()
+            })
             .collect();
         times[1].push(t.elapsed().as_nanos() as f64 / n);
 

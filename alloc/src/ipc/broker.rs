@@ -27,6 +27,21 @@ use crate::ipc::handle::{ShareHandle, MAX_SOCKET_NAME};
 use crate::ipc::wire::{self, Op, Received, Reply, Request};
 use crate::pool::Pool;
 
+/// The default [`BrokerConfig::spin`], and how long the importer polls for a reply before
+/// it sleeps: `GPU_ARENA_IPC_SPIN_US` microseconds (read once; 0 turns polling off),
+/// 50 by default. Polling pays off with a core free for each side (a GPU host); on a
+/// machine with fewer cores than busy threads it only takes the peer's time slice.
+pub fn default_spin() -> Duration {
+    static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| {
+        let us = std::env::var("GPU_ARENA_IPC_SPIN_US")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(50);
+        Duration::from_micros(us)
+    })
+}
+
 /// Broker settings.
 #[derive(Debug, Clone)]
 pub struct BrokerConfig {
@@ -38,6 +53,10 @@ pub struct BrokerConfig {
     pub idle_timeout: Duration,
     /// Most connections served at once.
     pub max_connections: usize,
+    /// After each reply, how long a connection's thread polls for the consumer's next
+    /// request before it sleeps (see [`wire::recv_spin`]): requests in a burst are served
+    /// without a wake-up each. Costs up to this much CPU per burst; zero turns it off.
+    pub spin: Duration,
 }
 
 impl Default for BrokerConfig {
@@ -47,6 +66,7 @@ impl Default for BrokerConfig {
             socket_name: None,
             idle_timeout: Duration::from_secs(30),
             max_connections: 1024,
+            spin: default_spin(),
         }
     }
 }
@@ -89,6 +109,7 @@ pub struct Broker {
     shared: Arc<Shared>,
     listener: Arc<OwnedFd>,
     name: String,
+    pid: u32,
     accept_thread: Option<JoinHandle<()>>,
 }
 
@@ -155,6 +176,7 @@ impl Broker {
             shared,
             listener,
             name,
+            pid,
             accept_thread: Some(accept_thread),
         })
     }
@@ -173,7 +195,7 @@ impl Broker {
     pub fn share(&self, ptr: u64, len: u64) -> Result<ShareHandle> {
         let info = self.shared.pool.share(ptr, len)?;
         Ok(ShareHandle {
-            producer_pid: rustix::process::getpid().as_raw_nonzero().get() as u32,
+            producer_pid: self.pid,
             socket_name: self.name.clone(),
             info,
         })
@@ -338,7 +360,7 @@ fn serve(shared: &Shared, conn: &OwnedFd) {
     }
     let mut last_heard = Instant::now();
     while !shared.stop.load(Ordering::SeqCst) {
-        let packet = match wire::recv(conn.as_fd()) {
+        let packet = match wire::recv_spin(conn.as_fd(), shared.config.spin) {
             Ok(Received::Packet(p, fds)) => {
                 drop(fds); // consumers send none; close any they did
                 p
@@ -399,6 +421,7 @@ fn handle(
             &req.token,
             req.arena_id,
             req.generation,
+            req.want_fd,
         ) {
             Ok(grant) => {
                 leases.insert((req.device, grant.lease_key));
@@ -409,7 +432,7 @@ fn handle(
                     arena_bytes: grant.share.arena_bytes,
                     message: String::new(),
                 };
-                (reply, req.want_fd.then_some(grant.fd))
+                (reply, grant.fd)
             }
             Err(e) => (Reply::error(e.to_string()), None),
         },

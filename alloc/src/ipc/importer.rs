@@ -26,6 +26,7 @@ use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 
 use crate::backend::{Backend, DeviceId, ImportSource, Mapping};
 use crate::error::{Error, Result};
+use crate::ipc::broker::default_spin;
 use crate::ipc::handle::ShareHandle;
 use crate::ipc::wire::{self, Op, Received, Reply, Request};
 
@@ -304,15 +305,9 @@ impl Importer {
             arena_id: rec.arena.2,
             ..close_request(rec.device, rec.lease_key)
         };
-        let mut refused = None;
         if let Some(conn) = &conn {
-            match round_trip(&mut conn.lock(), &req) {
-                Ok((reply, _)) if !reply.ok => {
-                    tracing::warn!(message = %reply.message, "producer refused a lease close");
-                    refused = Some(reply.message);
-                }
-                Ok(_) => {}
-                Err(e) => tracing::debug!(error = %e, "producer unreachable at close"),
+            if let Err(e) = send_close(&mut conn.lock(), &req) {
+                tracing::debug!(error = %e, "producer unreachable at close");
             }
         }
         let mut st = self.state.lock();
@@ -321,19 +316,18 @@ impl Importer {
         // producer that exited or hung up released its side already).
         let still_used = st.arenas.keys().any(|k| k.0 == producer);
         let same = |c: &Conn| conn.as_ref().is_some_and(|mine| Arc::ptr_eq(c, mine));
-        if !still_used && st.conns.get(&producer).is_some_and(same) {
+        let last = !still_used && st.conns.get(&producer).is_some_and(same);
+        if last {
             st.conns.remove(&producer);
         }
         drop(st);
-        if let Some(e) = unmap_error {
-            return Err(e);
+        if let (true, Some(conn)) = (last, &conn) {
+            // The connection goes: hear the replies to its closes first, so the broker
+            // ends those leases as closes, not as a departed consumer's.
+            settle(&mut conn.lock());
         }
-        match refused {
-            // Closed here (unmapped if it was the last import); the producer disagrees.
-            Some(why) => Err(Error::Ipc(format!(
-                "import closed locally, but producer pid {} refused the lease close: {why}",
-                producer.0
-            ))),
+        match unmap_error {
+            Some(e) => Err(e),
             None => Ok(()),
         }
     }
@@ -426,13 +420,83 @@ fn close_request(device: DeviceId, lease: u32) -> Request {
     }
 }
 
+/// Most closes whose replies are not read yet, per connection. The kernel queues few
+/// packets per Unix socket (`net.unix.max_dgram_qlen`, 10 by default): past that the broker
+/// would block on its reply while this side blocks on its next request.
+const CLOSES_IN_FLIGHT: usize = 4;
+
+/// Send a close without waiting for its reply (the broker answers every request in order;
+/// the reply is read with a later one). A close of a lease this importer holds fails only
+/// if the producer is gone, which ended the lease already; a refusal is logged when read.
+fn send_close(conn: &mut Connection, req: &Request) -> Result<()> {
+    wire::send(conn.sock.as_fd(), &req.encode(), None)?;
+    conn.unanswered.push_back(req.clone());
+    let mut stale_leases = Vec::new();
+    // Read what has come back already; wait only past the bound.
+    while !conn.unanswered.is_empty() {
+        let got = if conn.unanswered.len() > CLOSES_IN_FLIGHT {
+            wire::recv_spin(conn.sock.as_fd(), default_spin())
+        } else {
+            wire::try_recv(conn.sock.as_fd())
+        };
+        match got {
+            Ok(Received::Packet(bytes, _)) => late_reply(conn, &bytes, &mut stale_leases),
+            Ok(Received::TimedOut) if conn.unanswered.len() <= CLOSES_IN_FLIGHT => break,
+            Ok(Received::TimedOut) => {
+                return Err(Error::Ipc(
+                    "the producer did not answer in time (the reply timeout passed)".into(),
+                ))
+            }
+            Ok(Received::Closed) | Err(_) => break,
+        }
+    }
+    end_stale(conn, stale_leases);
+    Ok(())
+}
+
+/// Read the replies to every request sent on `conn` (before it is dropped).
+fn settle(conn: &mut Connection) {
+    let mut stale_leases = Vec::new();
+    while !conn.unanswered.is_empty() {
+        match wire::recv_spin(conn.sock.as_fd(), default_spin()) {
+            Ok(Received::Packet(bytes, _)) => late_reply(conn, &bytes, &mut stale_leases),
+            _ => return,
+        }
+    }
+    end_stale(conn, stale_leases);
+}
+
+/// The reply to the oldest request this side did not wait for: discarded (its fds close
+/// here); a lease it granted is noted in `stale_leases`, a refused close logged.
+fn late_reply(conn: &mut Connection, bytes: &[u8], stale_leases: &mut Vec<(DeviceId, u32)>) {
+    let reply = Reply::decode(bytes);
+    let Some(late) = conn.unanswered.pop_front() else {
+        tracing::warn!("a reply to no request from the producer; ignored");
+        return;
+    };
+    match (late.op, &reply) {
+        (Op::Open, Ok(r)) if r.ok => stale_leases.push((late.device, r.lease_key)),
+        (Op::Close, Ok(r)) if !r.ok => {
+            tracing::warn!(message = %r.message, lease = late.key, "producer refused a lease close");
+        }
+        _ => tracing::debug!(op = ?late.op, "discarded a late reply"),
+    }
+}
+
+/// End leases granted to requests that timed out: nobody uses them.
+fn end_stale(conn: &mut Connection, stale_leases: Vec<(DeviceId, u32)>) {
+    for (device, lease) in stale_leases {
+        let _ = round_trip(conn, &close_request(device, lease));
+    }
+}
+
 /// Send a request and wait for its reply (and fd), discarding the late replies of requests
-/// that timed out before it.
+/// that timed out before it and of closes sent without waiting.
 fn round_trip(conn: &mut Connection, req: &Request) -> Result<(Reply, Option<OwnedFd>)> {
     let sent = wire::send(conn.sock.as_fd(), &req.encode(), None);
     let mut stale_leases = Vec::new();
     let answer = loop {
-        let received = wire::recv(conn.sock.as_fd());
+        let received = wire::recv_spin(conn.sock.as_fd(), default_spin());
         if let Err(e) = sent {
             // A broker that refused us (uid check) replied and hung up before our request:
             // its reply is still queued and says why, so read it even when the send failed.
@@ -447,18 +511,12 @@ fn round_trip(conn: &mut Connection, req: &Request) -> Result<(Reply, Option<Own
         }
         match received? {
             Received::Packet(bytes, fds) => {
-                let reply = Reply::decode(&bytes);
-                if let Some(late) = conn.unanswered.pop_front() {
-                    // The reply to a request this side gave up on: its fds close here.
-                    if let (Op::Open, Ok(r)) = (late.op, &reply) {
-                        if r.ok {
-                            stale_leases.push((late.device, r.lease_key));
-                        }
-                    }
-                    tracing::debug!(op = ?late.op, "discarded a late reply");
+                if !conn.unanswered.is_empty() {
+                    // The reply to a request this side did not wait for: its fds close here.
+                    late_reply(conn, &bytes, &mut stale_leases);
                     continue;
                 }
-                break Ok((reply?, fds.into_iter().next()));
+                break Ok((Reply::decode(&bytes)?, fds.into_iter().next()));
             }
             Received::Closed => {
                 break Err(Error::Ipc(
@@ -473,10 +531,7 @@ fn round_trip(conn: &mut Connection, req: &Request) -> Result<(Reply, Option<Own
             }
         }
     };
-    // Leases granted to requests that timed out: nobody uses them.
-    for (device, lease) in stale_leases {
-        let _ = round_trip(conn, &close_request(device, lease));
-    }
+    end_stale(conn, stale_leases);
     answer
 }
 

@@ -182,6 +182,32 @@ pub(crate) enum Received {
 
 /// Receive one packet (and any fds, which are owned by the caller from here on).
 pub(crate) fn recv(sock: BorrowedFd<'_>) -> Result<Received> {
+    recv_flags(sock, RecvFlags::empty())
+}
+
+/// Like [`recv`], but poll without sleeping for up to `spin` first: a peer that answers
+/// within microseconds is heard without the two context switches of a sleep and a wake-up
+/// (most of a round trip's cost). Past `spin`, it blocks as [`recv`] does.
+pub(crate) fn recv_spin(sock: BorrowedFd<'_>, spin: std::time::Duration) -> Result<Received> {
+    if !spin.is_zero() {
+        let start = std::time::Instant::now();
+        loop {
+            match recv_flags(sock, RecvFlags::DONTWAIT)? {
+                Received::TimedOut if start.elapsed() < spin => std::thread::yield_now(),
+                Received::TimedOut => break,
+                got => return Ok(got),
+            }
+        }
+    }
+    recv(sock)
+}
+
+/// Receive one packet if one is queued now; [`Received::TimedOut`] if none is.
+pub(crate) fn try_recv(sock: BorrowedFd<'_>) -> Result<Received> {
+    recv_flags(sock, RecvFlags::DONTWAIT)
+}
+
+fn recv_flags(sock: BorrowedFd<'_>, flags: RecvFlags) -> Result<Received> {
     let mut buf = [0u8; MAX_PACKET];
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
@@ -190,7 +216,7 @@ pub(crate) fn recv(sock: BorrowedFd<'_>) -> Result<Received> {
             sock,
             &mut [IoSliceMut::new(&mut buf)],
             &mut control,
-            RecvFlags::CMSG_CLOEXEC,
+            RecvFlags::CMSG_CLOEXEC | flags,
         ) {
             Ok(m) => break m,
             Err(rustix::io::Errno::INTR) => continue,
