@@ -1,5 +1,6 @@
 //! Latency of sharing on the sim backend (issue #14): share of a sub-range of an exported
-//! arena, import of a share whose arena this consumer already maps, close, unshare; the
+//! arena, import of a share whose arena this consumer already maps, close, unshare, and the
+//! batch forms `Importer::import_many` / `close_many` (per share); the
 //! broker and the importer run in this process (the broker on its own thread, as in a
 //! producer), over the real Unix socket. Handles go through their 128 bytes both ways, as
 //! through the C API.
@@ -65,7 +66,14 @@ fn main() {
     let anchor_ptr = importer.import(&anchor).unwrap();
     let ptrs = &ptrs[..blocks];
 
-    let names = ["share", "import", "close", "unshare"];
+    let names = [
+        "share",
+        "import",
+        "close",
+        "unshare",
+        "import_many",
+        "close_many",
+    ];
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
     for _ in 0..rounds {
         let n = blocks as f64;
@@ -92,6 +100,18 @@ fn main() {
             importer.close(p).unwrap();
         }
         times[2].push(t.elapsed().as_nanos() as f64 / n);
+
+        let t = Instant::now();
+        let decoded: Vec<ShareHandle> = handles
+            .iter()
+            .map(|b| ShareHandle::from_bytes(b).unwrap())
+            .collect();
+        let imported = importer.import_many(&decoded).unwrap();
+        times[4].push(t.elapsed().as_nanos() as f64 / n);
+
+        let t = Instant::now();
+        importer.close_many(&imported).unwrap();
+        times[5].push(t.elapsed().as_nanos() as f64 / n);
 
         let t = Instant::now();
         for b in &handles {
