@@ -1335,6 +1335,19 @@ fn import_many_and_close_many_through_the_importer() {
     assert!(e.to_string().contains("unshared"), "{e}");
     assert_eq!(imp.stats().imports_live, 8);
 
+    // A refused share of an arena not mapped yet, after shares of a mapped one: the
+    // arenas held for the batch are let go, nothing is left imported or mapped.
+    let other = p.pool.alloc(0, 64 * MIB, S).unwrap();
+    let ho = p.broker.share(other.ptr, MIB).unwrap();
+    p.broker.unshare(&ho).unwrap();
+    let e = imp
+        .import_many(&[hs[0].clone(), hs[1].clone(), ho])
+        .unwrap_err();
+    // (its only share ended with the unshare: the record is gone)
+    assert!(e.to_string().contains("no such share"), "{e}");
+    assert_eq!(imp.stats().imports_live, 8);
+    assert_eq!(imp.stats().arenas_mapped, 1);
+
     // A bad handle (range past its arena) is refused before anything is sent.
     let mut bad = hs[1].clone();
     bad.info.offset = bad.info.arena_bytes;

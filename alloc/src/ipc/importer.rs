@@ -382,7 +382,19 @@ impl Importer {
                         .1
                         .push((i, key, h.info.offset));
                 }
-                None => out[i] = Some(self.import(h)?),
+                None => match self.import(h) {
+                    Ok(ptr) => out[i] = Some(ptr),
+                    Err(e) => {
+                        // Let go of the arenas held for the batch so far.
+                        let mut st = self.state.lock();
+                        for (_, members) in groups.values() {
+                            for (_, key, _) in members {
+                                let _ = self.release_arena(&mut st, key);
+                            }
+                        }
+                        return Err(e);
+                    }
+                },
             }
         }
         let mut failure = None;
