@@ -82,7 +82,7 @@
  * Most entries of one batch call (`gpu_arena_share_many`, `gpu_arena_import_many`,
  * `gpu_arena_close_many`).
  */
-#define GPU_ARENA_BATCH_MAX (1 << 20)
+#define GPU_ARENA_BATCH_MAX 1048576
 
 /**
  * `gpu_arena_arena_info_t.flags` bit: the arena has a driver export at the time of the call.
