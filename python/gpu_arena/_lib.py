@@ -209,6 +209,7 @@ class GpuArenaStats(ctypes.Structure):
 
 
 SHARE_BYTES = 128
+GPU_ARENA_BATCH_MAX = 1048576  # most entries of one batch call (gpu_arena_share_many, ...)
 
 
 class GpuArenaShare(ctypes.Structure):
