@@ -447,7 +447,7 @@ fn garbage_on_the_socket_gets_error_replies_and_other_peers_are_unaffected() {
         expect_error(&b, &[], &format!("request of {n} bytes"));
     }
     // Unknown ops.
-    for op in [0u8, 3, 0x7f, 0xff] {
+    for op in [0u8, 5, 0x7f, 0xff] {
         let mut b = valid.clone();
         b[0] = op;
         expect_error(&b, &[], &format!("unknown request op {op}"));
@@ -528,7 +528,7 @@ fn garbage_on_the_socket_gets_error_replies_and_other_peers_are_unaffected() {
     let r = round_trip(&big, &valid);
     assert!(r.ok);
     assert_eq!(imports_live(&p.pool), 2);
-    raw_send(&big, &[0u8; 4096], &[]).unwrap();
+    raw_send(&big, &[0u8; 8192], &[]).unwrap();
     assert!(matches!(raw_recv(&big), Got::Closed));
     wait_until(
         "oversized peer's lease dropped",
@@ -966,12 +966,17 @@ fn wire_requests_from_another_version_are_refused_and_leave_no_lease() {
     longer.extend_from_slice(&[0; 8]);
     let r = round_trip(&raw, &longer);
     assert!(!r.ok && r.message.contains("request of 52 bytes"), "{r:?}");
+    // (ops 3 and 4 are batches: their own format, refused here as malformed)
     let mut op3 = open_req(&h, true);
     op3[0] = 3;
     let r = round_trip(&raw, &op3);
-    assert!(!r.ok && r.message.contains("unknown request op 3"), "{r:?}");
+    assert!(!r.ok && r.message.contains("malformed batch"), "{r:?}");
+    let mut op5 = open_req(&h, true);
+    op5[0] = 5;
+    let r = round_trip(&raw, &op5);
+    assert!(!r.ok && r.message.contains("unknown request op 5"), "{r:?}");
     assert_eq!(imports_live(&p.pool), 0);
-    assert_eq!(p.broker.stats().bad_requests, 3);
+    assert_eq!(p.broker.stats().bad_requests, 4);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1168,4 +1173,197 @@ fn uid_allow_list_refuses_nobody_by_default_and_admits_it_when_listed() {
     let (_, v, refused, live) = &verdicts[1];
     assert_eq!(v, "IMPORTED byte=0x3c clean=true", "listed uid admitted");
     assert_eq!((*refused, *live), (0, 0));
+}
+
+// ---------------------------------------------------------------------------------------
+// (batches) Ops 3 (open many) and 4 (close many): header `op | 0 0 0 | device i32 |
+// count u32 | 0 ...` (44 bytes), then 32-byte open entries `key | generation | arena_id |
+// token` or 4-byte lease keys.
+// ---------------------------------------------------------------------------------------
+
+fn batch_open(device: i32, hs: &[&ShareHandle]) -> Vec<u8> {
+    let mut b = vec![0u8; 44];
+    b[0] = 3;
+    b[4..8].copy_from_slice(&device.to_le_bytes());
+    b[8..12].copy_from_slice(&(hs.len() as u32).to_le_bytes());
+    for h in hs {
+        b.extend_from_slice(&h.info.share_key.to_le_bytes());
+        b.extend_from_slice(&h.info.generation.to_le_bytes());
+        b.extend_from_slice(&h.info.arena_id.to_le_bytes());
+        b.extend_from_slice(&h.info.token);
+    }
+    b
+}
+
+fn batch_close(device: i32, leases: &[u32]) -> Vec<u8> {
+    let mut b = vec![0u8; 44];
+    b[0] = 4;
+    b[4..8].copy_from_slice(&device.to_le_bytes());
+    b[8..12].copy_from_slice(&(leases.len() as u32).to_le_bytes());
+    for l in leases {
+        b.extend_from_slice(&l.to_le_bytes());
+    }
+    b
+}
+
+fn lease_keys(r: &RawReply) -> Vec<u32> {
+    r.message
+        .as_bytes()
+        .chunks_exact(4)
+        .map(|k| u32::from_le_bytes([k[0], k[1], k[2], k[3]]))
+        .collect()
+}
+
+#[test]
+fn batches_are_all_or_nothing_checked_per_connection_and_dropped_with_it() {
+    let _g = SERIAL.lock();
+    let p = producer(BrokerConfig::default());
+    let a = p.pool.alloc(0, 4 * MIB, S).unwrap();
+    let h1 = p.broker.share(a.ptr, MIB).unwrap();
+    let h2 = p.broker.share(a.ptr + MIB, MIB).unwrap();
+    let raw = raw_connect(p.broker.socket_name());
+
+    let r = round_trip(&raw, &batch_open(0, &[&h1, &h2]));
+    assert!(r.ok && r.fds.is_empty(), "{r:?}");
+    assert_eq!(r.lease_key, 2);
+    let leases = lease_keys(&r);
+    assert_eq!(leases.len(), 2);
+    assert_eq!(imports_live(&p.pool), 2);
+
+    // A wrong token in any entry refuses the whole batch, and opens nothing.
+    let mut forged = h2.clone();
+    forged.info.token[0] ^= 1;
+    let r = round_trip(&raw, &batch_open(0, &[&h1, &forged]));
+    assert!(!r.ok && r.message.contains("batch entry 1"), "{r:?}");
+    assert_eq!(imports_live(&p.pool), 2);
+
+    // Another connection cannot close these leases, in a batch or not.
+    let other = raw_connect(p.broker.socket_name());
+    let r = round_trip(&other, &batch_close(0, &leases));
+    assert!(
+        !r.ok && r.message.contains("not held by this connection"),
+        "{r:?}"
+    );
+    // Nor can this one list a lease twice, or one it does not hold: nothing is closed.
+    let r = round_trip(&raw, &batch_close(0, &[leases[0], leases[0]]));
+    assert!(!r.ok, "{r:?}");
+    let r = round_trip(&raw, &batch_close(0, &[leases[0], 999]));
+    assert!(!r.ok, "{r:?}");
+    assert_eq!(imports_live(&p.pool), 2);
+
+    // Malformed batches.
+    let good = batch_close(0, &leases);
+    let mut cases: Vec<Vec<u8>> = Vec::new();
+    let mut b = good.clone();
+    b.pop();
+    cases.push(b); // short
+    let mut b = good.clone();
+    b[8] = 3;
+    cases.push(b); // count past the entries
+    cases.push(batch_close(0, &[])); // empty
+    cases.push(batch_close(0, &[1; 121])); // too many
+    let mut b = good.clone();
+    b[1] = 1;
+    cases.push(b); // want_fd in a batch
+    let mut b = good.clone();
+    b[30] = 1;
+    cases.push(b); // reserved
+    cases.push(batch_open(5, &[&h1])); // no such device
+    for bad in cases {
+        let r = round_trip(&raw, &bad);
+        assert!(!r.ok, "accepted {bad:?}");
+    }
+    assert_eq!(imports_live(&p.pool), 2);
+
+    // Unshare stops new imports in a batch too.
+    p.broker.unshare(&h1).unwrap();
+    let r = round_trip(&raw, &batch_open(0, &[&h2, &h1]));
+    assert!(!r.ok && r.message.contains("unshared"), "{r:?}");
+    assert_eq!(imports_live(&p.pool), 2);
+
+    // The owner's free waits for the leases; a batch close ends them.
+    p.pool.free(a.ptr).unwrap();
+    let r = round_trip(&raw, &batch_close(0, &leases));
+    assert!(r.ok, "{r:?}");
+    assert_eq!(imports_live(&p.pool), 0);
+
+    // Leases opened in a batch end with their connection.
+    let b = p.pool.alloc(0, 4 * MIB, S).unwrap();
+    let h3 = p.broker.share(b.ptr, MIB).unwrap();
+    let h4 = p.broker.share(b.ptr + MIB, MIB).unwrap();
+    let r = round_trip(&raw, &batch_open(0, &[&h3, &h4, &h3]));
+    assert!(r.ok, "{r:?}");
+    assert_eq!(imports_live(&p.pool), 3);
+    drop(raw);
+    wait_until("leases dropped", Duration::from_secs(5), || {
+        imports_live(&p.pool) == 0
+    });
+}
+
+#[test]
+fn import_many_and_close_many_through_the_importer() {
+    let _g = SERIAL.lock();
+    let p = producer(BrokerConfig::default());
+    let a = p.pool.alloc(0, 8 * MIB, S).unwrap();
+    let hs: Vec<ShareHandle> = (0..8)
+        .map(|i| p.broker.share(a.ptr + i * MIB, MIB).unwrap())
+        .collect();
+    let imp = Importer::new(p.sim.clone() as Arc<dyn Backend>);
+    // The first share maps the arena (alone, with its fd); the rest go in one batch.
+    let ptrs = imp.import_many(&hs).unwrap();
+    assert_eq!(ptrs.len(), 8);
+    for (i, w) in ptrs.windows(2).enumerate() {
+        assert_eq!(w[1] - w[0], MIB, "share {i}");
+    }
+    assert_eq!(imports_live(&p.pool), 8);
+    assert_eq!(imp.stats().arenas_mapped, 1);
+    assert_eq!(imp.imported_len(ptrs[3]), Some(MIB));
+
+    // An unknown pointer refuses the whole close; nothing is closed.
+    let e = imp.close_many(&[ptrs[0], 12345]).unwrap_err();
+    assert!(matches!(e, Error::UnknownPointer { .. }), "{e}");
+    let e = imp.close_many(&[ptrs[0], ptrs[0]]).unwrap_err();
+    assert!(
+        matches!(e, Error::UnknownPointer { .. }),
+        "closing one import twice: {e}"
+    );
+    assert_eq!(imp.stats().imports_live, 8);
+
+    // A revoked share in a batch: all or nothing.
+    p.broker.unshare(&hs[7]).unwrap();
+    let e = imp.import_many(&hs[4..]).unwrap_err();
+    assert!(e.to_string().contains("unshared"), "{e}");
+    assert_eq!(imp.stats().imports_live, 8);
+
+    // A refused share of an arena not mapped yet, after shares of a mapped one: the
+    // arenas held for the batch are let go, nothing is left imported or mapped.
+    let other = p.pool.alloc(0, 64 * MIB, S).unwrap();
+    let ho = p.broker.share(other.ptr, MIB).unwrap();
+    p.broker.unshare(&ho).unwrap();
+    let e = imp
+        .import_many(&[hs[0].clone(), hs[1].clone(), ho])
+        .unwrap_err();
+    // (its only share ended with the unshare: the record is gone)
+    assert!(e.to_string().contains("no such share"), "{e}");
+    assert_eq!(imp.stats().imports_live, 8);
+    assert_eq!(imp.stats().arenas_mapped, 1);
+
+    // A bad handle (range past its arena) is refused before anything is sent.
+    let mut bad = hs[1].clone();
+    bad.info.offset = bad.info.arena_bytes;
+    assert!(imp.import_many(&[hs[0].clone(), bad]).is_err());
+    assert_eq!(imp.stats().imports_live, 8);
+
+    imp.close_many(&ptrs[..4]).unwrap();
+    imp.close(ptrs[4]).unwrap();
+    imp.close_many(&ptrs[5..]).unwrap();
+    assert_eq!(imp.stats().imports_live, 0);
+    assert_eq!(imp.stats().arenas_mapped, 0);
+    assert_eq!(imp.stats().producers, 0);
+    wait_until("leases closed", Duration::from_secs(5), || {
+        imports_live(&p.pool) == 0
+    });
+    assert_eq!(p.broker.stats().leases_dropped_on_disconnect, 0);
+    assert!(imp.import_many(&[]).unwrap().is_empty());
+    imp.close_many(&[]).unwrap();
 }

@@ -79,6 +79,12 @@
 #define GPU_ARENA_SHARE_BYTES 128
 
 /**
+ * Most entries of one batch call (`gpu_arena_share_many`, `gpu_arena_import_many`,
+ * `gpu_arena_close_many`).
+ */
+#define GPU_ARENA_BATCH_MAX 1048576
+
+/**
  * `gpu_arena_arena_info_t.flags` bit: the arena has a driver export at the time of the call.
  */
 #define GPU_ARENA_ARENA_EXPORTED 1
@@ -375,6 +381,30 @@ int gpu_arena_import(const struct gpu_arena_share_t *share, void **out_ptr);
  * that exited is fine).
  */
 int gpu_arena_close(void *imported_ptr);
+
+/**
+ * Share `n` ranges (`ptrs[i]`, `lens[i]` bytes) in one call: `out[i]` receives each handle.
+ * All or nothing: on an error, the shares this call made are revoked again (the return
+ * code and the last error say which entry failed and why).
+ */
+int gpu_arena_share_many(const void *const *ptrs,
+                         const size_t *lens,
+                         size_t n,
+                         struct gpu_arena_share_t *out);
+
+/**
+ * Import `n` shares in one call: `out_ptrs[i]` receives each address (as
+ * `gpu_arena_import`). Shares of arenas this process maps already cost one round trip per
+ * producer and device (per 120 shares). All or nothing: on an error no import is left.
+ */
+int gpu_arena_import_many(const struct gpu_arena_share_t *shares, size_t n, void **out_ptrs);
+
+/**
+ * Close `n` imports in one call (as `gpu_arena_close`), one message per producer and
+ * device (per 120 imports). Every pointer must be a live import (as often as listed), or
+ * none is closed.
+ */
+int gpu_arena_close_many(void *const *imported_ptrs, size_t n);
 
 /**
  * Imports live in this process (as a consumer).

@@ -67,13 +67,14 @@ pub extern "C" fn gpu_arena_share(
     out: *mut gpu_arena_share_t,
 ) -> c_int {
     guard("gpu_arena_share", || {
-        let call = format!("gpu_arena_share(ptr={ptr:p}, len={len})");
+        // Formatted only on failure: a share is a few hundred nanoseconds.
+        let call = || format!("gpu_arena_share(ptr={ptr:p}, len={len})");
         if out.is_null() {
-            return Err(fail(&call, Error::invalid("out is NULL")));
+            return Err(fail(&call(), Error::invalid("out is NULL")));
         }
-        let h = broker(&call)?
+        let h = broker("gpu_arena_share")?
             .share(ptr as u64, len as u64)
-            .map_err(|e| fail(&call, e))?;
+            .map_err(|e| fail(&call(), e))?;
         // SAFETY: `out` is non-null and points to a writable gpu_arena_share_t.
         unsafe {
             out.write(gpu_arena_share_t {
@@ -133,6 +134,136 @@ pub extern "C" fn gpu_arena_close(imported_ptr: *mut c_void) -> c_int {
             || format!("gpu_arena_close(ptr={imported_ptr:p})"),
             importer("gpu_arena_close")?.close(imported_ptr as u64),
         )
+    })
+}
+
+/// Most entries of one batch call (`gpu_arena_share_many`, `gpu_arena_import_many`,
+/// `gpu_arena_close_many`).
+pub const GPU_ARENA_BATCH_MAX: usize = 1_048_576;
+
+fn batch_len(call: &str, n: usize) -> std::result::Result<(), c_int> {
+    if n > GPU_ARENA_BATCH_MAX {
+        return Err(fail(
+            call,
+            Error::invalid(format!("{n} entries (at most {GPU_ARENA_BATCH_MAX})")),
+        ));
+    }
+    Ok(())
+}
+
+/// Share `n` ranges (`ptrs[i]`, `lens[i]` bytes) in one call: `out[i]` receives each handle.
+/// All or nothing: on an error, the shares this call made are revoked again (the return
+/// code and the last error say which entry failed and why).
+#[no_mangle]
+pub extern "C" fn gpu_arena_share_many(
+    ptrs: *const *const c_void,
+    lens: *const usize,
+    n: usize,
+    out: *mut gpu_arena_share_t,
+) -> c_int {
+    const CALL: &str = "gpu_arena_share_many";
+    guard(CALL, || {
+        batch_len(CALL, n)?;
+        if n == 0 {
+            return Ok(GPU_ARENA_OK);
+        }
+        if ptrs.is_null() || lens.is_null() || out.is_null() {
+            return Err(fail(CALL, Error::invalid("ptrs, lens or out is NULL")));
+        }
+        // SAFETY: non-null, and per the header each points to `n` readable (ptrs, lens) or
+        // writable (out) elements.
+        let (ptrs, lens) = unsafe {
+            (
+                std::slice::from_raw_parts(ptrs, n),
+                std::slice::from_raw_parts(lens, n),
+            )
+        };
+        let b = broker(CALL)?;
+        let mut made: Vec<ShareHandle> = Vec::with_capacity(n);
+        for (i, (&p, &len)) in ptrs.iter().zip(lens).enumerate() {
+            match b.share(p as u64, len as u64) {
+                Ok(h) => {
+                    // SAFETY: i < n, and `out` points to n writable elements.
+                    unsafe {
+                        out.add(i).write(gpu_arena_share_t {
+                            bytes: h.to_bytes(),
+                        })
+                    };
+                    made.push(h);
+                }
+                Err(e) => {
+                    for h in &made {
+                        let _ = b.unshare(h);
+                    }
+                    return Err(fail(&format!("{CALL}(entry {i}, ptr={p:p}, len={len})"), e));
+                }
+            }
+        }
+        Ok(GPU_ARENA_OK)
+    })
+}
+
+/// Import `n` shares in one call: `out_ptrs[i]` receives each address (as
+/// `gpu_arena_import`). Shares of arenas this process maps already cost one round trip per
+/// producer and device (per 120 shares). All or nothing: on an error no import is left.
+#[no_mangle]
+pub extern "C" fn gpu_arena_import_many(
+    shares: *const gpu_arena_share_t,
+    n: usize,
+    out_ptrs: *mut *mut c_void,
+) -> c_int {
+    const CALL: &str = "gpu_arena_import_many";
+    guard(CALL, || {
+        batch_len(CALL, n)?;
+        if n == 0 {
+            return Ok(GPU_ARENA_OK);
+        }
+        if shares.is_null() || out_ptrs.is_null() {
+            return Err(fail(CALL, Error::invalid("shares or out_ptrs is NULL")));
+        }
+        // SAFETY: non-null, and per the header `shares` holds n readable handles (plain
+        // bytes: any bit pattern is valid).
+        let raw = unsafe { std::slice::from_raw_parts(shares, n) };
+        let handles = raw
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                ShareHandle::from_bytes(&s.bytes)
+                    .map_err(|e| fail(&format!("{CALL}(entry {i})"), e))
+            })
+            .collect::<std::result::Result<Vec<_>, c_int>>()?;
+        let ptrs = importer(CALL)?
+            .import_many(&handles)
+            .map_err(|e| fail(CALL, e))?;
+        for (i, p) in ptrs.into_iter().enumerate() {
+            // SAFETY: i < n, and `out_ptrs` points to n writable `void*`.
+            unsafe { out_ptrs.add(i).write(p as *mut c_void) };
+        }
+        Ok(GPU_ARENA_OK)
+    })
+}
+
+/// Close `n` imports in one call (as `gpu_arena_close`), one message per producer and
+/// device (per 120 imports). Every pointer must be a live import (as often as listed), or
+/// none is closed.
+#[no_mangle]
+pub extern "C" fn gpu_arena_close_many(imported_ptrs: *const *mut c_void, n: usize) -> c_int {
+    const CALL: &str = "gpu_arena_close_many";
+    guard(CALL, || {
+        batch_len(CALL, n)?;
+        if n == 0 {
+            return Ok(GPU_ARENA_OK);
+        }
+        if imported_ptrs.is_null() {
+            return Err(fail(CALL, Error::invalid("imported_ptrs is NULL")));
+        }
+        existing_pool(CALL)?;
+        // SAFETY: non-null, and per the header it points to n readable pointers.
+        let ptrs: Vec<u64> = unsafe { std::slice::from_raw_parts(imported_ptrs, n) }
+            .iter()
+            .map(|&p| p as u64)
+            .collect();
+        status(|| CALL.into(), importer(CALL)?.close_many(&ptrs))
     })
 }
 

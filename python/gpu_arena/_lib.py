@@ -210,6 +210,7 @@ class GpuArenaStats(ctypes.Structure):
 
 
 SHARE_BYTES = 128
+GPU_ARENA_BATCH_MAX = 1048576  # most entries of one batch call (gpu_arena_share_many, ...)
 
 
 class GpuArenaShare(ctypes.Structure):
@@ -352,6 +353,12 @@ _IPC_SIGNATURES = {
     "gpu_arena_unshare": (c_int, [ctypes.POINTER(GpuArenaShare)]),
     "gpu_arena_import": (c_int, [ctypes.POINTER(GpuArenaShare), ctypes.POINTER(c_void_p)]),
     "gpu_arena_close": (c_int, [c_void_p]),
+    "gpu_arena_share_many": (
+        c_int,
+        [ctypes.POINTER(c_void_p), ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.POINTER(GpuArenaShare)],
+    ),
+    "gpu_arena_import_many": (c_int, [ctypes.POINTER(GpuArenaShare), ctypes.c_size_t, ctypes.POINTER(c_void_p)]),
+    "gpu_arena_close_many": (c_int, [ctypes.POINTER(c_void_p), ctypes.c_size_t]),
     "gpu_arena_imports_live": (c_int, []),
 }
 

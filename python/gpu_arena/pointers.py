@@ -16,7 +16,16 @@ from ._lib import (
 )
 from .handle import ShareHandle, as_handle
 
-__all__ = ["share_ptr", "unshare", "import_handle", "close_import", "imports_live"]
+__all__ = [
+    "share_ptr",
+    "unshare",
+    "import_handle",
+    "close_import",
+    "imports_live",
+    "share_ptrs",
+    "import_handles",
+    "close_imports",
+]
 
 
 def _ipc_lib() -> ctypes.CDLL:
@@ -80,3 +89,50 @@ def close_import(ptr: int) -> None:
 def imports_live() -> int:
     """Imports this process holds as a consumer (0 before the first import)."""
     return _lib.check(_ipc_lib().gpu_arena_imports_live(), "gpu_arena_imports_live")
+
+
+def share_ptrs(ptrs, sizes) -> list:
+    """:func:`share_ptr` of many ranges in one call (C: ``gpu_arena_share_many``). All or
+    nothing: on an error the shares this call made are revoked again."""
+    ptrs = [as_int(p, "ptr") for p in ptrs]
+    sizes = [as_int(n, "nbytes") for n in sizes]
+    if len(ptrs) != len(sizes):
+        raise GpuArenaError(GPU_ARENA_ERR_INVALID_ARGUMENT, "share_ptrs: ptrs and sizes differ in length")
+    if any(x < 0 for x in ptrs + sizes):
+        raise GpuArenaError(GPU_ARENA_ERR_INVALID_ARGUMENT, "share_ptrs: negative pointer or size")
+    n = len(ptrs)
+    if n == 0:
+        return []
+    out = (GpuArenaShare * n)()
+    _lib.check(
+        _ipc_lib().gpu_arena_share_many(
+            (ctypes.c_void_p * n)(*ptrs), (ctypes.c_size_t * n)(*sizes), n, out
+        ),
+        "gpu_arena_share_many",
+    )
+    return [ShareHandle(bytes(s.bytes)) for s in out]
+
+
+def import_handles(handles) -> list:
+    """:func:`import_handle` of many shares in one call (C: ``gpu_arena_import_many``): shares
+    of arenas this process maps already cost one round trip per producer (per 120 shares).
+    All or nothing: on an error no import of this call is left."""
+    structs = [as_handle(h)._struct() for h in handles]
+    n = len(structs)
+    if n == 0:
+        return []
+    arr = (GpuArenaShare * n)(*structs)
+    out = (ctypes.c_void_p * n)()
+    _lib.check(_ipc_lib().gpu_arena_import_many(arr, n, out), "gpu_arena_import_many")
+    return [int(p) for p in out]
+
+
+def close_imports(ptrs) -> None:
+    """:func:`close_import` of many imports in one call (C: ``gpu_arena_close_many``): one
+    message per producer, not waited for. Every pointer must be imported (as often as
+    listed), or none is closed (``UnknownPointerError``)."""
+    ptrs = [as_int(p, "ptr") for p in ptrs]
+    n = len(ptrs)
+    if n == 0:
+        return
+    _lib.check(_ipc_lib().gpu_arena_close_many((ctypes.c_void_p * n)(*ptrs), n), "gpu_arena_close_many")

@@ -47,6 +47,12 @@ def handle(req: dict):
         return gpu_arena.import_handle(bytes.fromhex(req["handle"]))
     if op == "import_many":
         return [gpu_arena.import_handle(bytes.fromhex(h)) for h in req["handles"]]
+    if op == "share_batch":
+        return [h.hex() for h in gpu_arena.pointers.share_ptrs(req["ptrs"], req["sizes"])]
+    if op == "import_batch":
+        return gpu_arena.pointers.import_handles([bytes.fromhex(h) for h in req["handles"]])
+    if op == "close_batch":
+        return gpu_arena.pointers.close_imports(req["ptrs"])
     if op == "close":
         return gpu_arena.close_import(req["ptr"])
     if op == "imports_live":

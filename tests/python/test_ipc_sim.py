@@ -190,6 +190,37 @@ def test_second_share_of_an_arena_reuses_the_export_and_the_mapping(pair):
     producer("free", ptr=p, n=MiB)
 
 
+def test_batch_share_import_close(pair):
+    producer, consumer = pair
+    p = producer("malloc", n=8 * MiB)
+    hs = producer("share_batch", ptrs=[p + i * MiB for i in range(8)], sizes=[MiB] * 8)
+    assert len(hs) == 8 and producer("stats")["shares_live"] == 8
+    qs = consumer("import_batch", handles=hs)
+    assert [q - qs[0] for q in qs] == [i * MiB for i in range(8)]
+    assert consumer("imports_live") == 8
+    # a range past its allocation: nothing is shared
+    with pytest.raises(WorkerError) as e:
+        producer("share_batch", ptrs=[p, p + 7 * MiB], sizes=[MiB, 2 * MiB])
+    assert e.value.code == ERR_INVALID_ARGUMENT
+    assert producer("stats")["shares_live"] == 8
+    # an unknown pointer: nothing is closed
+    with pytest.raises(WorkerError) as e:
+        consumer("close_batch", ptrs=[qs[0], 12345])
+    assert e.value.code == ERR_UNKNOWN_POINTER
+    assert consumer("imports_live") == 8
+    # a revoked share: nothing is imported
+    producer("unshare", handles=[hs[7]])
+    with pytest.raises(WorkerError) as e:
+        consumer("import_batch", handles=hs[4:])
+    assert e.value.code == ERR_IPC
+    assert consumer("imports_live") == 8
+    consumer("close_batch", ptrs=qs)
+    assert consumer("imports_live") == 0
+    assert producer("wait_stats", key="imports_live", value=0, timeout=2) < 2
+    producer("unshare", handles=hs[:7])
+    producer("free", ptr=p, n=8 * MiB)
+
+
 def test_bad_handles_and_misuse_give_the_right_codes(pair):
     producer, consumer = pair
     p = producer("malloc", n=MiB)

@@ -24,8 +24,23 @@ use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 use crate::backend::DeviceId;
 use crate::error::{Error, Result};
 use crate::ipc::handle::{ShareHandle, MAX_SOCKET_NAME};
-use crate::ipc::wire::{self, Op, Received, Reply, Request};
+use crate::ipc::wire::{self, Batch, Op, Received, Reply, Request};
 use crate::pool::Pool;
+
+/// The default [`BrokerConfig::spin`], and how long the importer polls for a reply before
+/// it sleeps: `GPU_ARENA_IPC_SPIN_US` microseconds (read once; 0 turns polling off),
+/// 50 by default. Polling pays off with a core free for each side (a GPU host); on a
+/// machine with fewer cores than busy threads it only takes the peer's time slice.
+pub fn default_spin() -> Duration {
+    static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| {
+        let us = std::env::var("GPU_ARENA_IPC_SPIN_US")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(50);
+        Duration::from_micros(us)
+    })
+}
 
 /// Broker settings.
 #[derive(Debug, Clone)]
@@ -38,6 +53,10 @@ pub struct BrokerConfig {
     pub idle_timeout: Duration,
     /// Most connections served at once.
     pub max_connections: usize,
+    /// After each reply, how long a connection's thread polls for the consumer's next
+    /// request before it sleeps (see [`wire::recv_spin`]): requests in a burst are served
+    /// without a wake-up each. Costs up to this much CPU per burst; zero turns it off.
+    pub spin: Duration,
 }
 
 impl Default for BrokerConfig {
@@ -47,6 +66,7 @@ impl Default for BrokerConfig {
             socket_name: None,
             idle_timeout: Duration::from_secs(30),
             max_connections: 1024,
+            spin: default_spin(),
         }
     }
 }
@@ -89,6 +109,7 @@ pub struct Broker {
     shared: Arc<Shared>,
     listener: Arc<OwnedFd>,
     name: String,
+    pid: u32,
     accept_thread: Option<JoinHandle<()>>,
 }
 
@@ -155,6 +176,7 @@ impl Broker {
             shared,
             listener,
             name,
+            pid,
             accept_thread: Some(accept_thread),
         })
     }
@@ -173,7 +195,7 @@ impl Broker {
     pub fn share(&self, ptr: u64, len: u64) -> Result<ShareHandle> {
         let info = self.shared.pool.share(ptr, len)?;
         Ok(ShareHandle {
-            producer_pid: rustix::process::getpid().as_raw_nonzero().get() as u32,
+            producer_pid: self.pid,
             socket_name: self.name.clone(),
             info,
         })
@@ -338,7 +360,7 @@ fn serve(shared: &Shared, conn: &OwnedFd) {
     }
     let mut last_heard = Instant::now();
     while !shared.stop.load(Ordering::SeqCst) {
-        let packet = match wire::recv(conn.as_fd()) {
+        let packet = match wire::recv_spin(conn.as_fd(), shared.config.spin) {
             Ok(Received::Packet(p, fds)) => {
                 drop(fds); // consumers send none; close any they did
                 p
@@ -352,20 +374,26 @@ fn serve(shared: &Shared, conn: &OwnedFd) {
             Ok(Received::Closed) | Err(_) => break,
         };
         last_heard = Instant::now();
-        let (reply, fd) = match Request::decode(&packet) {
-            Ok(req) => handle(shared, &req, &mut leases),
-            Err(e) => (Reply::error(e.to_string()), None),
+        let (bytes, fd) = if Batch::is_batch(&packet) {
+            let (ok, bytes) = match Batch::decode(&packet) {
+                Ok(batch) => handle_batch(shared, batch, &mut leases),
+                Err(e) => (false, Reply::error(e.to_string()).encode()),
+            };
+            if !ok {
+                shared.counters.bad_requests.fetch_add(1, Ordering::Relaxed);
+            }
+            (bytes, None)
+        } else {
+            let (reply, fd) = match Request::decode(&packet) {
+                Ok(req) => handle(shared, &req, &mut leases),
+                Err(e) => (Reply::error(e.to_string()), None),
+            };
+            if !reply.ok {
+                shared.counters.bad_requests.fetch_add(1, Ordering::Relaxed);
+            }
+            (reply.encode(), fd)
         };
-        if !reply.ok {
-            shared.counters.bad_requests.fetch_add(1, Ordering::Relaxed);
-        }
-        if wire::send(
-            conn.as_fd(),
-            &reply.encode(),
-            fd.as_ref().map(|f| f.as_fd()),
-        )
-        .is_err()
-        {
+        if wire::send(conn.as_fd(), &bytes, fd.as_ref().map(|f| f.as_fd())).is_err() {
             break;
         }
     }
@@ -399,6 +427,7 @@ fn handle(
             &req.token,
             req.arena_id,
             req.generation,
+            req.want_fd,
         ) {
             Ok(grant) => {
                 leases.insert((req.device, grant.lease_key));
@@ -409,10 +438,11 @@ fn handle(
                     arena_bytes: grant.share.arena_bytes,
                     message: String::new(),
                 };
-                (reply, req.want_fd.then_some(grant.fd))
+                (reply, grant.fd)
             }
             Err(e) => (Reply::error(e.to_string()), None),
         },
+        Op::OpenMany | Op::CloseMany => (Reply::error("malformed request"), None),
         Op::Close => {
             if !leases.contains(&(req.device, req.key)) {
                 return (
@@ -436,6 +466,84 @@ fn handle(
                 }
                 Err(e) => (Reply::error(e.to_string()), None),
             }
+        }
+    }
+}
+
+/// Serve a batch (one round trip for many leases; see `wire`'s module docs). Returns whether
+/// it succeeded and the reply's bytes. All or nothing: a refused open ends the leases this
+/// batch opened; a close of a lease this connection does not hold closes none.
+fn handle_batch(
+    shared: &Shared,
+    batch: Batch,
+    leases: &mut HashSet<(DeviceId, u32)>,
+) -> (bool, Vec<u8>) {
+    match batch {
+        Batch::Open { device, shares } => {
+            let mut opened: Vec<u32> = Vec::with_capacity(shares.len());
+            for (i, (key, generation, arena_id, token)) in shares.iter().enumerate() {
+                match shared.pool.open_lease_named(
+                    device,
+                    *key,
+                    token,
+                    *arena_id,
+                    *generation,
+                    false,
+                ) {
+                    Ok(grant) => opened.push(grant.lease_key),
+                    Err(e) => {
+                        for lease in opened {
+                            let _ = shared.pool.close_lease(device, lease);
+                        }
+                        let why = format!("batch entry {i}: {e}");
+                        return (false, Reply::error(why).encode());
+                    }
+                }
+            }
+            leases.extend(opened.iter().map(|&l| (device, l)));
+            let mut bytes = Reply {
+                ok: true,
+                pinning: false,
+                lease_key: opened.len() as u32,
+                arena_bytes: 0,
+                message: String::new(),
+            }
+            .encode();
+            for l in opened {
+                bytes.extend_from_slice(&l.to_le_bytes());
+            }
+            (true, bytes)
+        }
+        Batch::Close {
+            device,
+            leases: keys,
+        } => {
+            let mut seen = HashSet::with_capacity(keys.len());
+            if let Some(k) = keys
+                .iter()
+                .find(|&&k| !leases.contains(&(device, k)) || !seen.insert(k))
+            {
+                let why = format!("lease {k} is not held by this connection (or listed twice)");
+                return (false, Reply::error(why).encode());
+            }
+            let mut first_error = None;
+            for k in &keys {
+                leases.remove(&(device, *k));
+                if let Err(e) = shared.pool.close_lease(device, *k) {
+                    first_error.get_or_insert_with(|| e.to_string());
+                }
+            }
+            let reply = match first_error {
+                None => Reply {
+                    ok: true,
+                    pinning: false,
+                    lease_key: keys.len() as u32,
+                    arena_bytes: 0,
+                    message: String::new(),
+                },
+                Some(why) => Reply::error(why),
+            };
+            (reply.ok, reply.encode())
         }
     }
 }

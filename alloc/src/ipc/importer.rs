@@ -26,8 +26,9 @@ use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 
 use crate::backend::{Backend, DeviceId, ImportSource, Mapping};
 use crate::error::{Error, Result};
+use crate::ipc::broker::default_spin;
 use crate::ipc::handle::ShareHandle;
-use crate::ipc::wire::{self, Op, Received, Reply, Request};
+use crate::ipc::wire::{self, Batch, Op, Received, Reply, Request, MAX_BATCH};
 
 /// How long a consumer waits for a producer's reply.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -304,15 +305,9 @@ impl Importer {
             arena_id: rec.arena.2,
             ..close_request(rec.device, rec.lease_key)
         };
-        let mut refused = None;
         if let Some(conn) = &conn {
-            match round_trip(&mut conn.lock(), &req) {
-                Ok((reply, _)) if !reply.ok => {
-                    tracing::warn!(message = %reply.message, "producer refused a lease close");
-                    refused = Some(reply.message);
-                }
-                Ok(_) => {}
-                Err(e) => tracing::debug!(error = %e, "producer unreachable at close"),
+            if let Err(e) = send_close(&mut conn.lock(), &req) {
+                tracing::debug!(error = %e, "producer unreachable at close");
             }
         }
         let mut st = self.state.lock();
@@ -321,19 +316,264 @@ impl Importer {
         // producer that exited or hung up released its side already).
         let still_used = st.arenas.keys().any(|k| k.0 == producer);
         let same = |c: &Conn| conn.as_ref().is_some_and(|mine| Arc::ptr_eq(c, mine));
-        if !still_used && st.conns.get(&producer).is_some_and(same) {
+        let last = !still_used && st.conns.get(&producer).is_some_and(same);
+        if last {
             st.conns.remove(&producer);
         }
         drop(st);
-        if let Some(e) = unmap_error {
-            return Err(e);
+        if let (true, Some(conn)) = (last, &conn) {
+            // The connection goes: hear the replies to its closes first, so the broker
+            // ends those leases as closes, not as a departed consumer's.
+            settle(&mut conn.lock());
         }
-        match refused {
-            // Closed here (unmapped if it was the last import); the producer disagrees.
-            Some(why) => Err(Error::Ipc(format!(
-                "import closed locally, but producer pid {} refused the lease close: {why}",
-                producer.0
-            ))),
+        match unmap_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Import many shares with one round trip per producer and device (per 120 shares):
+    /// the addresses, in order. A share whose arena this importer does not map yet is
+    /// imported alone first (its fd must travel). All or nothing: on an error, the imports
+    /// this call made are closed again.
+    pub fn import_many(&self, handles: &[ShareHandle]) -> Result<Vec<u64>> {
+        let mut out: Vec<Option<u64>> = vec![None; handles.len()];
+        let result = self.import_many_into(handles, &mut out);
+        if result.is_err() {
+            let done: Vec<u64> = out.iter().flatten().copied().collect();
+            let _ = self.close_many(&done);
+        }
+        result.map(|()| out.into_iter().flatten().collect())
+    }
+
+    fn import_many_into(&self, handles: &[ShareHandle], out: &mut [Option<u64>]) -> Result<()> {
+        let count = self.backend.device_count()?;
+        for h in handles {
+            if usize::try_from(h.info.device).map_or(true, |d| d >= count) {
+                return Err(Error::InvalidDevice {
+                    device: h.info.device,
+                    count,
+                });
+            }
+            crate::ipc::handle::check_range(&h.info)?;
+        }
+        // Group the shares of mapped arenas by (producer, device), holding each arena.
+        type Group = (Conn, Vec<(usize, ArenaKey, u64)>);
+        let mut groups: HashMap<(ProducerKey, DeviceId), Group> = HashMap::new();
+        for (i, h) in handles.iter().enumerate() {
+            let producer: ProducerKey = (h.producer_pid, h.socket_name.clone());
+            let key: ArenaKey = (producer.clone(), h.info.device, h.info.arena_id);
+            let held = {
+                let mut st = self.state.lock();
+                let conn = st.conns.get(&producer).cloned();
+                match (conn, st.arenas.get_mut(&key)) {
+                    (Some(conn), Some(a)) if a.mapping.is_some() => {
+                        a.holders += 1;
+                        Some(conn)
+                    }
+                    _ => None,
+                }
+            };
+            match held {
+                Some(conn) => {
+                    groups
+                        .entry((producer, h.info.device))
+                        .or_insert_with(|| (conn, Vec::new()))
+                        .1
+                        .push((i, key, h.info.offset));
+                }
+                None => match self.import(h) {
+                    Ok(ptr) => out[i] = Some(ptr),
+                    Err(e) => {
+                        // Let go of the arenas held for the batch so far.
+                        let mut st = self.state.lock();
+                        for (_, members) in groups.values() {
+                            for (_, key, _) in members {
+                                let _ = self.release_arena(&mut st, key);
+                            }
+                        }
+                        return Err(e);
+                    }
+                },
+            }
+        }
+        let mut failure = None;
+        for ((producer, device), (conn, members)) in groups {
+            for chunk in members.chunks(MAX_BATCH) {
+                if failure.is_some() {
+                    let mut st = self.state.lock();
+                    for (_, key, _) in chunk {
+                        let _ = self.release_arena(&mut st, key);
+                    }
+                    continue;
+                }
+                let batch = Batch::Open {
+                    device,
+                    shares: chunk
+                        .iter()
+                        .map(|&(i, _, _)| {
+                            let info = &handles[i].info;
+                            (info.share_key, info.generation, info.arena_id, info.token)
+                        })
+                        .collect(),
+                };
+                let stands_for = Request {
+                    op: Op::OpenMany,
+                    key: chunk.len() as u32,
+                    ..close_request(device, 0)
+                };
+                let answer = exchange(&mut conn.lock(), &batch.encode(), &stands_for);
+                let leases = answer.and_then(|(bytes, _)| {
+                    let reply = Reply::decode(&bytes)?;
+                    if !reply.ok {
+                        return Err(Error::Ipc(format!(
+                            "producer pid {} refused the imports: {}",
+                            producer.0, reply.message
+                        )));
+                    }
+                    let keys: Vec<u32> = bytes[16..]
+                        .chunks_exact(4)
+                        .map(|k| u32::from_le_bytes([k[0], k[1], k[2], k[3]]))
+                        .collect();
+                    if keys.len() != chunk.len() {
+                        let close = Batch::Close {
+                            device,
+                            leases: keys,
+                        };
+                        let _ = send_close_packet(
+                            &mut conn.lock(),
+                            &close.encode(),
+                            &Request {
+                                op: Op::CloseMany,
+                                ..close_request(device, 0)
+                            },
+                        );
+                        return Err(Error::Ipc(
+                            "producer granted a wrong number of leases".into(),
+                        ));
+                    }
+                    Ok(keys)
+                });
+                let mut st = self.state.lock();
+                match leases {
+                    Ok(keys) => {
+                        for (&(i, ref key, offset), lease_key) in chunk.iter().zip(keys) {
+                            // Held since the grouping: the mapping is there.
+                            let base = st
+                                .arenas
+                                .get(key)
+                                .and_then(|a| a.mapping.as_ref())
+                                .map(|m| m.base);
+                            let Some(base) = base else {
+                                failure.get_or_insert_with(|| {
+                                    Error::Internal("mapping vanished while held".into())
+                                });
+                                continue;
+                            };
+                            let ptr = base + offset;
+                            st.imports.entry(ptr).or_default().push(ImportRecord {
+                                arena: key.clone(),
+                                lease_key,
+                                device,
+                                len: handles[i].info.len,
+                            });
+                            out[i] = Some(ptr);
+                        }
+                    }
+                    Err(e) => {
+                        for (_, key, _) in chunk {
+                            let _ = self.release_arena(&mut st, key);
+                        }
+                        failure = Some(e);
+                    }
+                }
+            }
+        }
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Close many imports with one message per producer and device (per 120 imports),
+    /// not waiting for the producer's replies (as [`Importer::close`]). Every pointer must be
+    /// imported (as often as it is listed), or nothing is closed.
+    pub fn close_many(&self, ptrs: &[u64]) -> Result<()> {
+        let mut groups: HashMap<(ProducerKey, DeviceId), Vec<ImportRecord>> = HashMap::new();
+        let mut conns: HashMap<ProducerKey, Option<Conn>> = HashMap::new();
+        {
+            let mut st = self.state.lock();
+            let mut wanted: HashMap<u64, usize> = HashMap::new();
+            for &p in ptrs {
+                *wanted.entry(p).or_default() += 1;
+            }
+            for (&ptr, &n) in &wanted {
+                if st.imports.get(&ptr).map_or(0, Vec::len) < n {
+                    return Err(Error::UnknownPointer {
+                        ptr,
+                        why: "not an imported pointer (never imported, or already closed)".into(),
+                    });
+                }
+            }
+            for &ptr in ptrs {
+                let Some(rec) = st.imports.get_mut(&ptr).and_then(Vec::pop) else {
+                    continue;
+                };
+                if st.imports.get(&ptr).is_some_and(Vec::is_empty) {
+                    st.imports.remove(&ptr);
+                }
+                let producer = rec.arena.0.clone();
+                let conn = st.conns.get(&producer).cloned();
+                conns.entry(producer.clone()).or_insert(conn);
+                groups.entry((producer, rec.device)).or_default().push(rec);
+            }
+        }
+        for ((producer, device), recs) in &groups {
+            let Some(Some(conn)) = conns.get(producer) else {
+                continue;
+            };
+            for chunk in recs.chunks(MAX_BATCH) {
+                let close = Batch::Close {
+                    device: *device,
+                    leases: chunk.iter().map(|r| r.lease_key).collect(),
+                };
+                let stands_for = Request {
+                    op: Op::CloseMany,
+                    key: chunk.len() as u32,
+                    ..close_request(*device, 0)
+                };
+                if let Err(e) = send_close_packet(&mut conn.lock(), &close.encode(), &stands_for) {
+                    tracing::debug!(error = %e, "producer unreachable at close");
+                }
+            }
+        }
+        let mut st = self.state.lock();
+        let mut unmap_error = None;
+        for rec in groups.values().flatten() {
+            if let Some(e) = self.release_arena(&mut st, &rec.arena) {
+                unmap_error.get_or_insert(e);
+            }
+        }
+        let mut settle_these = Vec::new();
+        for (producer, conn) in conns {
+            let Some(conn) = conn else { continue };
+            let still_used = st.arenas.keys().any(|k| k.0 == producer);
+            if !still_used
+                && st
+                    .conns
+                    .get(&producer)
+                    .is_some_and(|c| Arc::ptr_eq(c, &conn))
+            {
+                st.conns.remove(&producer);
+                settle_these.push(conn);
+            }
+        }
+        drop(st);
+        for conn in settle_these {
+            settle(&mut conn.lock());
+        }
+        match unmap_error {
+            Some(e) => Err(e),
             None => Ok(()),
         }
     }
@@ -426,20 +666,111 @@ fn close_request(device: DeviceId, lease: u32) -> Request {
     }
 }
 
+/// Most closes whose replies are not read yet, per connection. The kernel queues few
+/// packets per Unix socket (`net.unix.max_dgram_qlen`, 10 by default): past that the broker
+/// would block on its reply while this side blocks on its next request.
+const CLOSES_IN_FLIGHT: usize = 4;
+
+/// Send a close without waiting for its reply (the broker answers every request in order;
+/// the reply is read with a later one). A close of a lease this importer holds fails only
+/// if the producer is gone, which ended the lease already; a refusal is logged when read.
+fn send_close(conn: &mut Connection, req: &Request) -> Result<()> {
+    send_close_packet(conn, &req.encode(), req)
+}
+
+/// [`send_close`] of `packet`, which `req` stands for in the queue of unanswered requests.
+fn send_close_packet(conn: &mut Connection, packet: &[u8], req: &Request) -> Result<()> {
+    wire::send(conn.sock.as_fd(), packet, None)?;
+    conn.unanswered.push_back(req.clone());
+    let mut stale_leases = Vec::new();
+    // Read what has come back already; wait only past the bound.
+    while !conn.unanswered.is_empty() {
+        let got = if conn.unanswered.len() > CLOSES_IN_FLIGHT {
+            wire::recv_spin(conn.sock.as_fd(), default_spin())
+        } else {
+            wire::try_recv(conn.sock.as_fd())
+        };
+        match got {
+            Ok(Received::Packet(bytes, _)) => late_reply(conn, &bytes, &mut stale_leases),
+            Ok(Received::TimedOut) if conn.unanswered.len() <= CLOSES_IN_FLIGHT => break,
+            Ok(Received::TimedOut) => {
+                return Err(Error::Ipc(
+                    "the producer did not answer in time (the reply timeout passed)".into(),
+                ))
+            }
+            Ok(Received::Closed) | Err(_) => break,
+        }
+    }
+    end_stale(conn, stale_leases);
+    Ok(())
+}
+
+/// Read the replies to every request sent on `conn` (before it is dropped).
+fn settle(conn: &mut Connection) {
+    let mut stale_leases = Vec::new();
+    while !conn.unanswered.is_empty() {
+        match wire::recv_spin(conn.sock.as_fd(), default_spin()) {
+            Ok(Received::Packet(bytes, _)) => late_reply(conn, &bytes, &mut stale_leases),
+            _ => return,
+        }
+    }
+    end_stale(conn, stale_leases);
+}
+
+/// The reply to the oldest request this side did not wait for: discarded (its fds close
+/// here); a lease it granted is noted in `stale_leases`, a refused close logged.
+fn late_reply(conn: &mut Connection, bytes: &[u8], stale_leases: &mut Vec<(DeviceId, u32)>) {
+    let reply = Reply::decode(bytes);
+    let Some(late) = conn.unanswered.pop_front() else {
+        tracing::warn!("a reply to no request from the producer; ignored");
+        return;
+    };
+    match (late.op, &reply) {
+        (Op::Open, Ok(r)) if r.ok => stale_leases.push((late.device, r.lease_key)),
+        (Op::OpenMany, Ok(r)) if r.ok => stale_leases.extend(
+            bytes[16..]
+                .chunks_exact(4)
+                .map(|k| (late.device, u32::from_le_bytes([k[0], k[1], k[2], k[3]]))),
+        ),
+        (Op::Close | Op::CloseMany, Ok(r)) if !r.ok => {
+            tracing::warn!(message = %r.message, lease = late.key, "producer refused a lease close");
+        }
+        _ => tracing::debug!(op = ?late.op, "discarded a late reply"),
+    }
+}
+
+/// End leases granted to requests that timed out: nobody uses them.
+fn end_stale(conn: &mut Connection, stale_leases: Vec<(DeviceId, u32)>) {
+    for (device, lease) in stale_leases {
+        let _ = round_trip(conn, &close_request(device, lease));
+    }
+}
+
 /// Send a request and wait for its reply (and fd), discarding the late replies of requests
-/// that timed out before it.
+/// that timed out before it and of closes sent without waiting.
 fn round_trip(conn: &mut Connection, req: &Request) -> Result<(Reply, Option<OwnedFd>)> {
-    let sent = wire::send(conn.sock.as_fd(), &req.encode(), None);
+    let (bytes, fd) = exchange(conn, &req.encode(), req)?;
+    Ok((Reply::decode(&bytes)?, fd))
+}
+
+/// Send `packet` (the encoding of `req`, or of a batch `req` stands for) and wait for its
+/// reply's bytes (and fd), discarding the late replies of requests not waited for.
+fn exchange(
+    conn: &mut Connection,
+    packet: &[u8],
+    req: &Request,
+) -> Result<(Vec<u8>, Option<OwnedFd>)> {
+    let sent = wire::send(conn.sock.as_fd(), packet, None);
     let mut stale_leases = Vec::new();
     let answer = loop {
-        let received = wire::recv(conn.sock.as_fd());
+        let received = wire::recv_spin(conn.sock.as_fd(), default_spin());
         if let Err(e) = sent {
             // A broker that refused us (uid check) replied and hung up before our request:
             // its reply is still queued and says why, so read it even when the send failed.
             if conn.unanswered.is_empty() {
-                if let Ok(Received::Packet(bytes, _)) = &received {
-                    if let Ok(reply) = Reply::decode(bytes) {
-                        break Ok((reply, None));
+                if let Ok(Received::Packet(bytes, _)) = received {
+                    if Reply::decode(&bytes).is_ok() {
+                        break Ok((bytes, None));
                     }
                 }
             }
@@ -447,18 +778,12 @@ fn round_trip(conn: &mut Connection, req: &Request) -> Result<(Reply, Option<Own
         }
         match received? {
             Received::Packet(bytes, fds) => {
-                let reply = Reply::decode(&bytes);
-                if let Some(late) = conn.unanswered.pop_front() {
-                    // The reply to a request this side gave up on: its fds close here.
-                    if let (Op::Open, Ok(r)) = (late.op, &reply) {
-                        if r.ok {
-                            stale_leases.push((late.device, r.lease_key));
-                        }
-                    }
-                    tracing::debug!(op = ?late.op, "discarded a late reply");
+                if !conn.unanswered.is_empty() {
+                    // The reply to a request this side did not wait for: its fds close here.
+                    late_reply(conn, &bytes, &mut stale_leases);
                     continue;
                 }
-                break Ok((reply?, fds.into_iter().next()));
+                break Ok((bytes, fds.into_iter().next()));
             }
             Received::Closed => {
                 break Err(Error::Ipc(
@@ -473,10 +798,7 @@ fn round_trip(conn: &mut Connection, req: &Request) -> Result<(Reply, Option<Own
             }
         }
     };
-    // Leases granted to requests that timed out: nobody uses them.
-    for (device, lease) in stale_leases {
-        let _ = round_trip(conn, &close_request(device, lease));
-    }
+    end_stale(conn, stale_leases);
     answer
 }
 

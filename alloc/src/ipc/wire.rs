@@ -9,6 +9,14 @@
 //!
 //! Reply (broker → consumer): `ok u8 | pinning u8 | 0 0 | lease_key u32 | arena_bytes u64 |
 //! message (UTF-8, rest of the packet)`, plus one fd for an open with `want_fd`.
+//!
+//! Batches (one round trip for many leases, never an fd): a 44-byte header `op u8 | 0 | 0 0 |
+//! device i32 | count u32 | 0 ...` (count 1..=[`MAX_BATCH`]) and `count` entries. `op` 3 =
+//! open leases on shares of `device`, entries of 32 bytes `key u32 | generation u32 |
+//! arena_id u64 | token [16]`: all or nothing (a refused entry ends the leases the batch
+//! opened; the reply says which entry and why); the reply's message bytes are then the
+//! lease keys, `u32` each, in order. `op` 4 = close leases, entries `lease_key u32`: all must
+//! be held by this connection, or none is closed.
 
 use std::io::IoSliceMut;
 use std::mem::MaybeUninit;
@@ -23,7 +31,11 @@ use crate::backend::DeviceId;
 use crate::error::{Error, Result};
 
 /// Largest packet either side sends.
-pub(crate) const MAX_PACKET: usize = 512;
+pub(crate) const MAX_PACKET: usize = 4096;
+/// Most entries in one batch request.
+pub(crate) const MAX_BATCH: usize = 120;
+/// Bytes of one entry of an open batch.
+const OPEN_ENTRY: usize = 32;
 pub(crate) const REQUEST_BYTES: usize = 44;
 
 /// Request kinds.
@@ -31,6 +43,10 @@ pub(crate) const REQUEST_BYTES: usize = 44;
 pub(crate) enum Op {
     Open = 1,
     Close = 2,
+    /// A [`Batch::Open`] (its own encoding; never a [`Request`] on the wire).
+    OpenMany = 3,
+    /// A [`Batch::Close`] (likewise).
+    CloseMany = 4,
 }
 
 /// A consumer's request.
@@ -88,6 +104,107 @@ impl Request {
             token,
             generation: u32::from_le_bytes([b[40], b[41], b[42], b[43]]),
         })
+    }
+}
+
+/// A batch request (ops 3 and 4; see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Batch {
+    /// Open a lease on each share: (key, generation, arena id, token).
+    Open {
+        device: DeviceId,
+        shares: Vec<(u32, u32, u64, [u8; 16])>,
+    },
+    /// Close each lease.
+    Close { device: DeviceId, leases: Vec<u32> },
+}
+
+impl Batch {
+    pub(crate) fn is_batch(packet: &[u8]) -> bool {
+        matches!(packet.first(), Some(3 | 4))
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Batch::Open { shares, .. } => shares.len(),
+            Batch::Close { leases, .. } => leases.len(),
+        }
+    }
+
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let (op, device, entry) = match self {
+            Batch::Open { device, .. } => (3u8, *device, OPEN_ENTRY),
+            Batch::Close { device, .. } => (4u8, *device, 4),
+        };
+        let n = self.len();
+        let mut b = Vec::with_capacity(REQUEST_BYTES + n * entry);
+        b.resize(REQUEST_BYTES, 0);
+        b[0] = op;
+        b[4..8].copy_from_slice(&device.to_le_bytes());
+        b[8..12].copy_from_slice(&(n as u32).to_le_bytes());
+        match self {
+            Batch::Open { shares, .. } => {
+                for (key, generation, arena_id, token) in shares {
+                    b.extend_from_slice(&key.to_le_bytes());
+                    b.extend_from_slice(&generation.to_le_bytes());
+                    b.extend_from_slice(&arena_id.to_le_bytes());
+                    b.extend_from_slice(token);
+                }
+            }
+            Batch::Close { leases, .. } => {
+                for l in leases {
+                    b.extend_from_slice(&l.to_le_bytes());
+                }
+            }
+        }
+        b
+    }
+
+    pub(crate) fn decode(b: &[u8]) -> Result<Batch> {
+        let bad = || Error::Ipc("malformed batch request".into());
+        if b.len() < REQUEST_BYTES
+            || b[1..4] != [0, 0, 0]
+            || b[12..REQUEST_BYTES].iter().any(|&x| x != 0)
+        {
+            return Err(bad());
+        }
+        let device = i32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+        let n = u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize;
+        let entry = if b[0] == 3 { OPEN_ENTRY } else { 4 };
+        if !(1..=MAX_BATCH).contains(&n) || b.len() != REQUEST_BYTES + n * entry {
+            return Err(Error::Ipc(format!(
+                "batch request of {} bytes does not hold 1..={MAX_BATCH} entries",
+                b.len()
+            )));
+        }
+        let body = &b[REQUEST_BYTES..];
+        let u32_at =
+            |at: usize| u32::from_le_bytes([body[at], body[at + 1], body[at + 2], body[at + 3]]);
+        match b[0] {
+            3 => Ok(Batch::Open {
+                device,
+                shares: body
+                    .chunks_exact(OPEN_ENTRY)
+                    .map(|e| {
+                        let mut a8 = [0u8; 8];
+                        a8.copy_from_slice(&e[8..16]);
+                        let mut token = [0u8; 16];
+                        token.copy_from_slice(&e[16..32]);
+                        (
+                            u32::from_le_bytes([e[0], e[1], e[2], e[3]]),
+                            u32::from_le_bytes([e[4], e[5], e[6], e[7]]),
+                            u64::from_le_bytes(a8),
+                            token,
+                        )
+                    })
+                    .collect(),
+            }),
+            4 => Ok(Batch::Close {
+                device,
+                leases: (0..n).map(|i| u32_at(4 * i)).collect(),
+            }),
+            _ => Err(bad()),
+        }
     }
 }
 
@@ -182,6 +299,32 @@ pub(crate) enum Received {
 
 /// Receive one packet (and any fds, which are owned by the caller from here on).
 pub(crate) fn recv(sock: BorrowedFd<'_>) -> Result<Received> {
+    recv_flags(sock, RecvFlags::empty())
+}
+
+/// Like [`recv`], but poll without sleeping for up to `spin` first: a peer that answers
+/// within microseconds is heard without the two context switches of a sleep and a wake-up
+/// (most of a round trip's cost). Past `spin`, it blocks as [`recv`] does.
+pub(crate) fn recv_spin(sock: BorrowedFd<'_>, spin: std::time::Duration) -> Result<Received> {
+    if !spin.is_zero() {
+        let start = std::time::Instant::now();
+        loop {
+            match recv_flags(sock, RecvFlags::DONTWAIT)? {
+                Received::TimedOut if start.elapsed() < spin => std::thread::yield_now(),
+                Received::TimedOut => break,
+                got => return Ok(got),
+            }
+        }
+    }
+    recv(sock)
+}
+
+/// Receive one packet if one is queued now; [`Received::TimedOut`] if none is.
+pub(crate) fn try_recv(sock: BorrowedFd<'_>) -> Result<Received> {
+    recv_flags(sock, RecvFlags::DONTWAIT)
+}
+
+fn recv_flags(sock: BorrowedFd<'_>, flags: RecvFlags) -> Result<Received> {
     let mut buf = [0u8; MAX_PACKET];
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
@@ -190,7 +333,7 @@ pub(crate) fn recv(sock: BorrowedFd<'_>) -> Result<Received> {
             sock,
             &mut [IoSliceMut::new(&mut buf)],
             &mut control,
-            RecvFlags::CMSG_CLOEXEC,
+            RecvFlags::CMSG_CLOEXEC | flags,
         ) {
             Ok(m) => break m,
             Err(rustix::io::Errno::INTR) => continue,
@@ -255,5 +398,39 @@ mod tests {
         };
         assert_eq!(Reply::decode(&rep.encode()).unwrap(), rep);
         assert!(Reply::decode(&[2; 16]).is_err());
+    }
+
+    #[test]
+    fn batches_round_trip_and_bad_ones_are_refused() {
+        let open = Batch::Open {
+            device: 1,
+            shares: vec![(3, 4, 5, [6; 16]), (7, 8, 9, [10; 16])],
+        };
+        let close = Batch::Close {
+            device: 0,
+            leases: vec![1, 2, 3],
+        };
+        for b in [&open, &close] {
+            let bytes = b.encode();
+            assert!(Batch::is_batch(&bytes));
+            assert_eq!(&Batch::decode(&bytes).unwrap(), b);
+            assert!(Batch::decode(&bytes[..bytes.len() - 1]).is_err(), "short");
+            let mut more = bytes.clone();
+            more[8] += 1;
+            assert!(Batch::decode(&more).is_err(), "count past the entries");
+            let mut zero = bytes.clone();
+            zero[8..12].fill(0);
+            zero.truncate(REQUEST_BYTES);
+            assert!(Batch::decode(&zero).is_err(), "empty batch");
+            let mut reserved = bytes.clone();
+            reserved[20] = 1;
+            assert!(Batch::decode(&reserved).is_err(), "reserved byte");
+        }
+        let huge = Batch::Close {
+            device: 0,
+            leases: vec![1; MAX_BATCH + 1],
+        };
+        assert!(Batch::decode(&huge.encode()).is_err(), "too many entries");
+        assert!(!Batch::is_batch(&[1, 0]));
     }
 }

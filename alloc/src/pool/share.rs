@@ -22,15 +22,47 @@ use crate::lifetime::{AllocHold, ArenaLifetime, Ended, ExportStep, LifetimeError
 /// An export to close once the lock is released, with the memory it exports.
 type ToClose = Option<(ArenaMem, Export)>;
 
+/// Bytes of the kernel's CSPRNG fetched per `getrandom` call: 256 tokens.
+const TOKEN_BATCH: usize = 4096;
+
+/// Tokens are cut from [`TOKEN_BATCH`] bytes of the kernel's CSPRNG (`getrandom`) at a time,
+/// each byte used once: one syscall per 256 shares instead of one per share. The batch is
+/// refetched in a forked child (its pid differs), so parent and child never hand out the
+/// same token.
+struct TokenBatch {
+    pid: u32,
+    used: usize,
+    bytes: [u8; TOKEN_BATCH],
+}
+
+static TOKENS: parking_lot::Mutex<TokenBatch> = parking_lot::const_mutex(TokenBatch {
+    pid: 0,
+    used: TOKEN_BATCH,
+    bytes: [0; TOKEN_BATCH],
+});
+
 fn random_token() -> Result<[u8; 16]> {
-    let mut token = [0u8; 16];
-    let mut filled = 0;
-    while filled < token.len() {
-        let n =
-            rustix::rand::getrandom(&mut token[filled..], rustix::rand::GetRandomFlags::empty())
-                .map_err(|e| Error::Internal(format!("getrandom failed: {e}")))?;
-        filled += n;
+    let pid = std::process::id();
+    let mut batch = TOKENS.lock();
+    if batch.used + 16 > TOKEN_BATCH || batch.pid != pid {
+        let mut filled = 0;
+        while filled < TOKEN_BATCH {
+            let n = rustix::rand::getrandom(
+                &mut batch.bytes[filled..],
+                rustix::rand::GetRandomFlags::empty(),
+            )
+            .map_err(|e| Error::Internal(format!("getrandom failed: {e}")))?;
+            filled += n;
+        }
+        batch.pid = pid;
+        batch.used = 0;
     }
+    let at = batch.used;
+    let mut token = [0u8; 16];
+    token.copy_from_slice(&batch.bytes[at..at + 16]);
+    // Used bytes are wiped: a later reader of this memory learns no live token.
+    batch.bytes[at..at + 16].fill(0);
+    batch.used += 16;
     Ok(token)
 }
 
@@ -371,12 +403,14 @@ impl Pool {
         share_key: u32,
         token: &[u8; 16],
     ) -> Result<LeaseGrant> {
-        self.open_lease_in(device, share_key, token, None)
+        self.open_lease_in(device, share_key, token, None, true)
     }
 
     /// Open a lease on the share a handle names, checking the handle's arena id and its
     /// export generation: a handle of a released arena, of another arena or of an earlier
-    /// export of this one is refused as stale, and nothing changes.
+    /// export of this one is refused as stale, and nothing changes. The grant carries a
+    /// duplicate of the export fd only `with_fd` (a consumer that maps the arena already needs
+    /// none: no `dup` and `close` per import).
     pub fn open_lease_named(
         &self,
         device: DeviceId,
@@ -384,8 +418,10 @@ impl Pool {
         token: &[u8; 16],
         arena_id: u64,
         generation: u32,
+        with_fd: bool,
     ) -> Result<LeaseGrant> {
-        self.open_lease_in(device, share_key, token, Some((arena_id, Some(generation))))
+        let named = Some((arena_id, Some(generation)));
+        self.open_lease_in(device, share_key, token, named, with_fd)
     }
 
     fn open_lease_in(
@@ -394,6 +430,7 @@ impl Pool {
         share_key: u32,
         token: &[u8; 16],
         named: Option<(u64, Option<u32>)>,
+        with_fd: bool,
     ) -> Result<LeaseGrant> {
         let dp = self.dev(device)?;
         let mut guard = dp.state.lock();
@@ -444,9 +481,11 @@ impl Pool {
             export.kind
         };
         let fd = match &export.payload {
-            ExportPayload::Fd(fd) => fd
-                .try_clone()
-                .map_err(|e| Error::Ipc(format!("dup of the export fd failed: {e}")))?,
+            ExportPayload::Fd(_) if !with_fd => None,
+            ExportPayload::Fd(fd) => Some(
+                fd.try_clone()
+                    .map_err(|e| Error::Ipc(format!("dup of the export fd failed: {e}")))?,
+            ),
             ExportPayload::Bytes(_) => {
                 return Err(Error::Ipc(
                     "byte-handle exports are not served by the broker".into(),
