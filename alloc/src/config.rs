@@ -29,7 +29,6 @@ use crate::backend::sim::{SimBackend, SimConfig};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::pool::{MaxReserved, Pool, PoolConfig};
-pub use crate::units::parse_size;
 use crate::units::{parse_fraction, SIZE_FORMS};
 
 /// Which backend to use.
@@ -76,12 +75,14 @@ pub struct Config {
 
 /// `key=value` as a size, or an error naming the key, the value and the accepted forms.
 fn size_of(key: &str, value: &str) -> Result<u64> {
-    parse_size(value).map_err(|e| match e {
-        Error::InvalidArgument(why) => {
-            Error::invalid(format!("{key}=`{value}`: {why}; expected {SIZE_FORMS}"))
-        }
-        e => e,
-    })
+    crate::units::parse_size(value)
+        .map_err(|why| Error::invalid(format!("{key}=`{value}`: {why}; expected {SIZE_FORMS}")))
+}
+
+/// A size as configuration values are written (`4096`, `1.5GiB`, `40GB`; the grammar is in
+/// [`crate::units`]), or `InvalidArgument` saying what is wrong with it.
+pub fn parse_size(text: &str) -> Result<u64> {
+    crate::units::parse_size(text).map_err(Error::invalid)
 }
 
 /// `max_reserved`'s value: `none`, a fraction (`0.9`, `1`, `90%`) or a size.
@@ -98,8 +99,7 @@ fn max_reserved_of(value: &str) -> Result<Option<MaxReserved>> {
     };
     match parse_fraction(value) {
         Ok(Some(f)) => return Ok(Some(MaxReserved::Fraction(f))),
-        Err(Error::InvalidArgument(why)) => return Err(refuse(why)),
-        Err(e) => return Err(e),
+        Err(why) => return Err(refuse(why)),
         Ok(None) => {}
     }
     if value
@@ -112,11 +112,10 @@ fn max_reserved_of(value: &str) -> Result<Option<MaxReserved>> {
             "`{value}` is neither a fraction (at most 1) nor a size with a unit"
         )));
     }
-    match parse_size(value) {
+    match crate::units::parse_size(value) {
         Ok(0) => Err(refuse("the cap must be above 0".into())),
         Ok(b) => Ok(Some(MaxReserved::Bytes(b))),
-        Err(Error::InvalidArgument(why)) => Err(refuse(why)),
-        Err(e) => Err(e),
+        Err(why) => Err(refuse(why)),
     }
 }
 

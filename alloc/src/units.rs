@@ -14,7 +14,9 @@
 //! down (`0.1KiB` is 102 bytes). Anything else (a sign, an exponent, an unknown unit, a
 //! number that overflows 64 bits) is refused.
 
-use crate::error::{Error, Result};
+/// The reason a value was refused (callers add the key it was given for). This module
+/// imports nothing from the crate, so both `config` and `error` can use it.
+pub type Result<T> = std::result::Result<T, String>;
 
 /// The accepted forms of a size, for error messages.
 pub const SIZE_FORMS: &str = "a byte count (4096) or a number with a unit: KiB/MiB/GiB/TiB or K/M/G/T (binary), KB/MB/GB/TB (decimal), e.g. 1GiB, 1.5GiB, 512MiB, 40GB";
@@ -40,15 +42,15 @@ pub fn parse_size(text: &str) -> Result<u64> {
         "mb" => 1_000_000,
         "gb" => 1_000_000_000,
         "tb" => 1_000_000_000_000,
-        _ => return Err(Error::invalid(format!("`{text}`: unknown unit `{unit}`"))),
+        _ => return Err(format!("`{text}`: unknown unit `{unit}`")),
     };
-    let (mantissa, scale) = parse_decimal(num)
-        .ok_or_else(|| Error::invalid(format!("`{text}` is not a number with a unit")))?;
+    let (mantissa, scale) =
+        parse_decimal(num).ok_or_else(|| format!("`{text}` is not a number with a unit"))?;
     let bytes = mantissa
         .checked_mul(multiplier)
         .map(|b| b / scale)
         .and_then(|b| u64::try_from(b).ok())
-        .ok_or_else(|| Error::invalid(format!("`{text}` does not fit in 64 bits")))?;
+        .ok_or_else(|| format!("`{text}` does not fit in 64 bits"))?;
     Ok(bytes)
 }
 
@@ -77,7 +79,7 @@ pub fn parse_fraction(text: &str) -> Result<Option<f64>> {
     };
     let Some((mantissa, scale)) = parse_decimal(num) else {
         return if percent {
-            Err(Error::invalid(format!("`{text}` is not a percentage")))
+            Err(format!("`{text}` is not a percentage"))
         } else {
             Ok(None)
         };
@@ -88,9 +90,9 @@ pub fn parse_fraction(text: &str) -> Result<Option<f64>> {
         return Ok(None);
     }
     if f <= 0.0 || f > 1.0 {
-        return Err(Error::invalid(format!(
+        return Err(format!(
             "`{text}`: a fraction of the device must be above 0 and at most 1 (100%)"
-        )));
+        ));
     }
     Ok(Some(f))
 }
