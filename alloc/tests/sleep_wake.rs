@@ -286,3 +286,37 @@ fn every_device_skips_devices_with_nothing_to_do() {
     pool.wake(None, None).unwrap();
     pool.free(p).unwrap();
 }
+
+#[test]
+fn offload_host_buffers_are_freed_after_wake_and_on_drop_while_asleep() {
+    let (sim, pool) = pool();
+    // Live, freed gap, live: one segment with the gap; contents intact after the wake.
+    let a = alloc_with(&pool, "hb_w", MIB);
+    let gap = alloc_with(&pool, "hb_w", MIB);
+    let b = alloc_with(&pool, "hb_w", MIB);
+    // Another tag: its arena is discarded, no host buffer.
+    let _other = alloc_with(&pool, "hb_x", MIB);
+    pool.free(gap).unwrap();
+    fill(a, MIB as usize, 3);
+    fill(b, MIB as usize, 9);
+    let (wa, wb) = (read(a, MIB as usize), read(b, MIB as usize));
+    let r = pool.sleep(Some(0), &[idx("hb_w")]).unwrap();
+    assert_eq!(r.copied_bytes, 2 * MIB, "live bytes, gaps not counted");
+    assert_eq!(sim.host_buffers(), 1, "one host buffer per offloaded arena");
+    let r = pool.wake(Some(0), None).unwrap();
+    assert_eq!(r.copied_bytes, 2 * MIB);
+    assert_eq!(sim.host_buffers(), 0, "freed after the wake");
+    assert_eq!(read(a, MIB as usize), wa);
+    assert_eq!(read(b, MIB as usize), wb);
+    pool.validate(0).unwrap();
+
+    // Asleep when the pool goes: the buffer is freed with it.
+    pool.sleep(Some(0), &[idx("hb_w")]).unwrap();
+    assert_eq!(sim.host_buffers(), 1);
+    drop(pool);
+    assert_eq!(
+        sim.host_buffers(),
+        0,
+        "freed when the pool is dropped while asleep"
+    );
+}

@@ -24,8 +24,11 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 use crate::error::{Error, Result};
 pub use crate::ids::{DeviceId, StreamId};
 
+pub mod host;
 pub mod sim;
 pub mod vmm;
+
+pub use host::HostBuffer;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -187,6 +190,23 @@ pub trait Backend: Send + Sync + fmt::Debug {
             self.name(),
             arena.base
         )))
+    }
+
+    /// Host memory of `bytes` bytes for copies with `device`: pinned (page-locked) where the
+    /// backend has it, so copies run at link speed; heap memory otherwise (the default).
+    /// Give it back with [`Backend::free_host`].
+    fn alloc_host(&self, device: DeviceId, bytes: u64) -> Result<HostBuffer> {
+        HostBuffer::heap(device, bytes)
+    }
+
+    /// Free a buffer from [`Backend::alloc_host`] of this backend (failures are logged).
+    fn free_host(&self, buffer: HostBuffer) {
+        if buffer.into_pinned().is_some() {
+            tracing::error!(
+                backend = self.name(),
+                "free_host of a pinned buffer this backend did not allocate: leaked"
+            );
+        }
     }
 
     /// Copy `dst.len()` bytes from device address `src` (inside one live arena) to host

@@ -588,6 +588,9 @@ impl Pool {
                 if a.lifetime.pinned() {
                     tracing::warn!(bytes = a.mem.bytes, "pool dropped with a pinned arena: the driver keeps it until the process exits");
                 }
+                if let Some(asleep) = a.sleep {
+                    asleep.free(self.backend.as_ref());
+                }
                 if let Some(export) = a.lifetime.into_export() {
                     if let Err(e) = self.backend.close_export(&a.mem, export) {
                         tracing::error!(error = %e, "closing an export at teardown failed");

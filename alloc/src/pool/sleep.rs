@@ -7,9 +7,13 @@
 //! - is *kept* (memory and contents untouched) when it is shared, exported, pinned or being
 //!   announced to an observer: sleep never breaks a consumer. Its bytes are reported
 //!   ([`SleepReport::kept_shared_bytes`]) and logged;
-//! - otherwise its observers get `on_release`, the live runs of a tag in `offload` are
-//!   copied to host memory (one copy per contiguous run of live allocations), and
-//!   `Backend::release_physical` gives the memory back (the other tags' contents are gone).
+//! - otherwise its observers get `on_release`, the live allocations of a tag in `offload`
+//!   are copied into one host buffer per arena (`Backend::alloc_host`: pinned memory where
+//!   the backend has it, so the copies run at link speed), one copy per segment (live
+//!   allocations merged across gaps of at most [`GAP`]: copying a small gap is cheaper than
+//!   another call), and `Backend::release_physical` gives the memory back (the other tags'
+//!   contents are gone). The buffer is freed (`Backend::free_host`) when the arena wakes,
+//!   when sleeping it fails, or when the pool is dropped.
 //!
 //! While a tag sleeps its allocations are refused (`Error::InvalidState`, "asleep"), frees
 //! work, and new shares of its memory are refused. **Wake** (`Pool::wake`) maps new memory
@@ -18,17 +22,38 @@
 //! wake one by one or all at once. Sleeping while every tag sleeps, naming an asleep tag to
 //! offload, or waking an awake tag is an `InvalidState` error that changes nothing.
 
-use crate::backend::{ArenaMem, DeviceId};
+use crate::backend::{ArenaMem, Backend, DeviceId, HostBuffer};
 use crate::error::{Error, Result};
 use crate::pool::observers::ArenaInfo;
 use crate::pool::{DevicePool, Pool};
 use crate::tags;
 
-/// An arena's sleep: the contents kept on the host (offloaded tags), by device address.
+/// An arena's sleep: the contents kept on the host (offloaded tags).
 #[derive(Debug, Default)]
 pub(crate) struct Asleep {
-    offload: Vec<(u64, Vec<u8>)>,
+    offload: Option<Offload>,
 }
+
+impl Asleep {
+    /// Give the host buffer back (pool teardown of a sleeping arena).
+    pub(crate) fn free(self, backend: &dyn Backend) {
+        if let Some(o) = self.offload {
+            backend.free_host(o.buf);
+        }
+    }
+}
+
+/// An arena's offloaded contents: the segments `(address, bytes)`, packed one after another
+/// in `buf`, and the live bytes among them (what the reports count).
+#[derive(Debug)]
+struct Offload {
+    buf: HostBuffer,
+    segments: Vec<(u64, u64)>,
+    live: u64,
+}
+
+/// Live allocations closer than this are copied as one segment, gap included.
+pub const GAP: u64 = 2 << 20;
 
 /// What a sleep or wake did, summed over the devices it touched.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -44,8 +69,9 @@ pub struct SleepReport {
     pub arenas: u64,
 }
 
-/// An arena going to sleep: its key, its memory, and the runs `(address, bytes)` to copy.
-type SleepWork = (usize, ArenaMem, Vec<(u64, u64)>);
+/// An arena going to sleep: its key, its memory, the segments `(address, bytes)` to copy
+/// and the live bytes in them.
+type SleepWork = (usize, ArenaMem, Vec<(u64, u64)>, u64);
 
 /// The error of an allocation with a tag that sleeps.
 pub(crate) fn asleep_error(device: DeviceId, tag: u8, bytes: u64) -> Error {
@@ -160,27 +186,35 @@ impl Pool {
                 a.sleep = Some(Asleep::default());
                 st.stats.reserved_bytes -= a.mem.bytes;
                 st.stats.sleeping_bytes += a.mem.bytes;
-                work.push((k, a.mem.clone(), Vec::new()));
+                work.push((k, a.mem.clone(), Vec::new(), 0));
             }
-            // Live runs of the offloaded arenas: contiguous live allocations merged.
+            // Segments of the offloaded arenas: live allocations by arena and address (one
+            // pass over the allocations), merged across gaps of at most GAP.
             if offload & sleeping != 0 {
-                let mut lives: Vec<(u64, u64, usize)> = st
+                let index: std::collections::HashMap<usize, usize> = work
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, w)| {
+                        st.arenas
+                            .get(w.0)
+                            .is_some_and(|a| offload & (1 << a.tag) != 0)
+                    })
+                    .map(|(i, w)| (w.0, i))
+                    .collect();
+                let mut lives: Vec<(usize, u64, u64)> = st
                     .allocs
                     .iter()
-                    .map(|(&p, l)| (p, l.bytes(), l.arena))
-                    .filter(|&(_, _, k)| {
-                        st.arenas
-                            .get(k)
-                            .is_some_and(|a| a.sleep.is_some() && offload & (1 << a.tag) != 0)
-                    })
+                    .filter_map(|(&p, l)| index.get(&l.arena).map(|&i| (i, p, l.bytes())))
                     .collect();
                 lives.sort_unstable();
-                for (k, _, runs) in &mut work {
-                    for &(p, len, _) in lives.iter().filter(|l| l.2 == *k) {
-                        match runs.last_mut() {
-                            Some((start, rl)) if *start + *rl == p => *rl += len,
-                            _ => runs.push((p, len)),
+                for (i, p, len) in lives {
+                    let (_, _, segments, live) = &mut work[i];
+                    *live += len;
+                    match segments.last_mut() {
+                        Some((start, sl)) if p.saturating_sub(*start + *sl) <= GAP => {
+                            *sl = (p + len).max(*start + *sl) - *start;
                         }
+                        _ => segments.push((p, len)),
                     }
                 }
             }
@@ -189,25 +223,28 @@ impl Pool {
         // Observers first: the arenas are still mapped.
         self.count_failures(self.observers.deliver(calls));
         let mut first_err = None;
-        for (k, mem, runs) in work {
-            let mut kept = Vec::with_capacity(runs.len());
-            let mut copied = 0;
-            let copy = runs.iter().try_for_each(|&(p, len)| {
-                let mut buf = vec![0u8; usize::try_from(len).unwrap_or(usize::MAX)];
-                self.backend.copy_to_host(device, p, &mut buf)?;
-                copied += len;
-                kept.push((p, buf));
-                Ok::<(), Error>(())
+        for (k, mem, segments, live) in work {
+            let released = self.offload(device, segments, live).and_then(|kept| {
+                match self.backend.release_physical(&mem) {
+                    Ok(()) => Ok(kept),
+                    Err(e) => {
+                        if let Some(o) = kept {
+                            self.backend.free_host(o.buf);
+                        }
+                        Err(e)
+                    }
+                }
             });
-            let released = copy.and_then(|()| self.backend.release_physical(&mem));
             let mut st = dp.state.lock();
             match released {
-                Ok(()) => {
+                Ok(kept) => {
                     if let Some(a) = st.arenas.get_mut(k) {
                         a.sleep = Some(Asleep { offload: kept });
+                    } else if let Some(o) = kept {
+                        self.backend.free_host(o.buf);
                     }
                     report.arena_bytes += mem.bytes;
-                    report.copied_bytes += copied;
+                    report.copied_bytes += live;
                     report.arenas += 1;
                 }
                 Err(e) => {
@@ -244,6 +281,42 @@ impl Pool {
             Some(e) => Err(e),
             None => Ok(report),
         }
+    }
+
+    /// Copy an arena's segments into one host buffer (none when there is nothing to copy).
+    /// On failure the buffer is freed.
+    fn offload(
+        &self,
+        device: DeviceId,
+        segments: Vec<(u64, u64)>,
+        live: u64,
+    ) -> Result<Option<Offload>> {
+        if segments.is_empty() {
+            return Ok(None);
+        }
+        let total: u64 = segments.iter().map(|s| s.1).sum();
+        let mut buf = match self.backend.alloc_host(device, total) {
+            Ok(buf) => buf,
+            Err(e) => {
+                tracing::warn!(device, bytes = total, error = %e, "no pinned host memory for the offload: using pageable memory (slower copies)");
+                HostBuffer::heap(device, total)?
+            }
+        };
+        let mut off = 0usize;
+        for &(p, len) in &segments {
+            let n = usize::try_from(len).unwrap_or(usize::MAX);
+            let dst = &mut buf.as_mut_slice()[off..off + n];
+            if let Err(e) = self.backend.copy_to_host(device, p, dst) {
+                self.backend.free_host(buf);
+                return Err(e);
+            }
+            off += n;
+        }
+        Ok(Some(Offload {
+            buf,
+            segments,
+            live,
+        }))
     }
 
     /// Tell every observer of an arena mapped again (no lock held).
@@ -329,17 +402,22 @@ impl Pool {
                 st.arenas
                     .get_mut(k)
                     .and_then(|a| a.sleep.as_mut())
-                    .map(|s| std::mem::take(&mut s.offload))
-                    .unwrap_or_default()
+                    .and_then(|s| s.offload.take())
             };
-            for (p, buf) in &offload {
-                if let Err(e) = self.backend.copy_from_host(device, *p, buf) {
-                    tracing::error!(device, ptr = p, error = %e, "copying offloaded memory back failed");
-                    first_err.get_or_insert(e);
+            if let Some(o) = offload {
+                let mut off = 0usize;
+                for &(p, len) in &o.segments {
+                    let n = usize::try_from(len).unwrap_or(usize::MAX);
+                    let src = &o.buf.as_slice()[off..off + n];
+                    if let Err(e) = self.backend.copy_from_host(device, p, src) {
+                        tracing::error!(device, ptr = p, error = %e, "copying offloaded memory back failed");
+                        first_err.get_or_insert(e);
+                    }
+                    off += n;
                 }
-                report.copied_bytes += buf.len() as u64;
+                report.copied_bytes += o.live;
+                self.backend.free_host(o.buf);
             }
-            drop(offload);
             {
                 let mut st = dp.state.lock();
                 if let Some(a) = st.arenas.get_mut(k) {

@@ -593,7 +593,7 @@ impl Driver for CudaDriver {
         })
     }
 
-    /// `cuMemcpyHtoD` (synchronous for pageable memory).
+    /// `cuMemcpyHtoD` (the source may be reused or freed once it returns).
     unsafe fn memcpy_htod(&self, dst: u64, src: &[u8]) -> DriverResult<()> {
         // SAFETY: `src` is valid for reads of src.len() bytes; the caller guarantees the
         // destination range.
@@ -614,6 +614,25 @@ impl Driver for CudaDriver {
         // SAFETY: the caller guarantees the destination range.
         check("cuMemsetD8", unsafe {
             sys::cuMemsetD8_v2(dst, value, bytes)
+        })
+    }
+
+    /// `cuMemHostAlloc` (`CU_MEMHOSTALLOC_PORTABLE`).
+    fn host_alloc(&self, bytes: usize) -> DriverResult<u64> {
+        let mut p: *mut c_void = ptr::null_mut();
+        // SAFETY: `p` is a valid out-pointer; the driver page-locks `bytes` new bytes for the
+        // current context (made current by the caller), portable to every context.
+        check("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(&mut p, bytes, sys::CU_MEMHOSTALLOC_PORTABLE)
+        })?;
+        Ok(p as u64)
+    }
+
+    /// `cuMemFreeHost`.
+    unsafe fn host_free(&self, ptr: u64) -> DriverResult<()> {
+        // SAFETY: the caller frees its own memory from cuMemHostAlloc, unused, once.
+        check("cuMemFreeHost", unsafe {
+            sys::cuMemFreeHost(ptr as *mut c_void)
         })
     }
 }

@@ -485,7 +485,7 @@ impl Driver for HipDriver {
         check("hipEventDestroy", r)
     }
 
-    /// `hipMemcpyHtoD` (synchronous for pageable memory).
+    /// `hipMemcpyHtoD` (the source may be reused or freed once it returns).
     unsafe fn memcpy_htod(&self, dst: u64, src: &[u8]) -> DriverResult<()> {
         let from = src.as_ptr().cast_mut().cast();
         // SAFETY: `src` is valid for reads of src.len() bytes (the runtime only reads through
@@ -506,5 +506,22 @@ impl Driver for HipDriver {
         // SAFETY: the caller guarantees the destination range.
         let r = unsafe { sys::hipMemsetD8(dptr(dst), value, bytes) };
         check("hipMemsetD8", r)
+    }
+
+    /// `hipHostMalloc` (`hipHostMallocPortable`).
+    fn host_alloc(&self, bytes: usize) -> DriverResult<u64> {
+        let mut p: *mut c_void = ptr::null_mut();
+        // SAFETY: `p` is a valid out-pointer; the runtime page-locks `bytes` new bytes,
+        // portable to every device.
+        let r = unsafe { sys::hipHostMalloc(&mut p, bytes, sys::hipHostMallocPortable) };
+        check("hipHostMalloc", r)?;
+        Ok(p as u64)
+    }
+
+    /// `hipHostFree`.
+    unsafe fn host_free(&self, ptr: u64) -> DriverResult<()> {
+        // SAFETY: the caller frees its own memory from hipHostMalloc, unused, once.
+        let r = unsafe { sys::hipHostFree(ptr as *mut c_void) };
+        check("hipHostFree", r)
     }
 }

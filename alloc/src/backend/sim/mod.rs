@@ -82,8 +82,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::Mutex;
 
 use super::{
-    ArenaMem, Backend, DeviceId, Event, Export, ExportKind, ExportPayload, ImportSource, Mapping,
-    MemInfo, StreamId,
+    ArenaMem, Backend, DeviceId, Event, Export, ExportKind, ExportPayload, HostBuffer,
+    ImportSource, Mapping, MemInfo, StreamId,
 };
 use crate::error::{Error, Result};
 
@@ -200,6 +200,8 @@ struct Inner {
     /// Next arena, mapping or event id: one counter, so ids are unique across kinds.
     next_id: u64,
     faults: [FaultPlan; SimCall::ALL.len()],
+    /// Host buffers from `alloc_host` not yet given back with `free_host`.
+    host_buffers: u64,
 }
 
 impl Inner {
@@ -352,6 +354,7 @@ impl SimBackend {
                 stranded: Vec::new(),
                 next_id: 1,
                 faults: Default::default(),
+                host_buffers: 0,
             }),
         })
     }
@@ -412,6 +415,12 @@ impl SimBackend {
     /// How many calls of kind `call` were made so far, successful or not.
     pub fn calls(&self, call: SimCall) -> u64 {
         self.inner.lock().faults[call.index()].calls
+    }
+
+    /// Host buffers from [`Backend::alloc_host`] not yet given back with
+    /// [`Backend::free_host`] (sleep's offload buffers).
+    pub fn host_buffers(&self) -> u64 {
+        self.inner.lock().host_buffers
     }
 
     /// The ledger of `device` (all zero for a device the sim does not have).
@@ -837,6 +846,23 @@ impl Backend for SimBackend {
         }
         inner.by_inode.insert(info.key, arena.handle);
         Ok(arena.clone())
+    }
+
+    fn alloc_host(&self, device: DeviceId, bytes: u64) -> Result<HostBuffer> {
+        let buffer = HostBuffer::heap(device, bytes)?;
+        self.inner.lock().host_buffers += 1;
+        Ok(buffer)
+    }
+
+    fn free_host(&self, buffer: HostBuffer) {
+        if buffer.into_pinned().is_some() {
+            tracing::error!(
+                backend = self.name(),
+                "free_host of a pinned buffer this backend did not allocate: leaked"
+            );
+        }
+        let mut inner = self.inner.lock();
+        inner.host_buffers = inner.host_buffers.saturating_sub(1);
     }
 
     fn copy_to_host(&self, device: DeviceId, src: u64, dst: &mut [u8]) -> Result<()> {

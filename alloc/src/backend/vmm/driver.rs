@@ -336,4 +336,19 @@ pub trait Driver: Send + Sync + fmt::Debug + Sized + 'static {
     /// `dst..dst + bytes` is device memory mapped by this process that nothing else uses
     /// concurrently (and not host memory that Rust code owns).
     unsafe fn memset_d8(&self, dst: u64, value: u8, bytes: usize) -> DriverResult<()>;
+
+    /// `bytes` (> 0) bytes of pinned (page-locked) host memory, portable (fast copies with
+    /// every device of the process), as an address. Call with a device made current.
+    fn host_alloc(&self, bytes: usize) -> DriverResult<u64> {
+        let _ = bytes;
+        Err(DriverError::not_supported(Self::NAME, "host_alloc"))
+    }
+    /// Free pinned host memory. Call with a device made current.
+    ///
+    /// # Safety
+    /// `ptr` came from [`Driver::host_alloc`], nothing uses it any more, and it is freed once.
+    unsafe fn host_free(&self, ptr: u64) -> DriverResult<()> {
+        let _ = ptr;
+        Err(DriverError::not_supported(Self::NAME, "host_free"))
+    }
 }

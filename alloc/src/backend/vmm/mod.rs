@@ -57,7 +57,8 @@ use std::sync::OnceLock;
 use parking_lot::{Mutex, RwLock};
 
 use crate::backend::{
-    ArenaMem, Backend, Event, Export, ExportKind, ExportPayload, ImportSource, Mapping, MemInfo,
+    ArenaMem, Backend, Event, Export, ExportKind, ExportPayload, HostBuffer, ImportSource, Mapping,
+    MemInfo,
 };
 use crate::error::{Error, Result};
 use crate::ids::{DeviceId, StreamId};
@@ -87,6 +88,8 @@ pub struct VmmBackend<D: Driver> {
     regions: RwLock<Regions>,
     /// Live events (as integers) and their device; same locking as `regions`.
     events: RwLock<HashMap<u64, DeviceId>>,
+    /// Live pinned host buffers (address, device they were allocated with).
+    host: Mutex<HashMap<u64, DeviceId>>,
 }
 
 /// A `u64` byte count as the driver's `size_t`.
@@ -133,6 +136,7 @@ impl<D: Driver> VmmBackend<D> {
             init_lock: Mutex::new(()),
             regions: RwLock::new(BTreeMap::new()),
             events: RwLock::new(HashMap::new()),
+            host: Mutex::new(HashMap::new()),
         })
     }
 
@@ -172,6 +176,20 @@ impl<D: Driver> VmmBackend<D> {
     /// [`Error::InvalidDevice`], or a driver error from the device's first use.
     pub fn uses_legacy_ipc(&self, device: DeviceId) -> Result<bool> {
         Ok(!self.state(device)?.vmm)
+    }
+
+    /// Free pinned host memory `p`, just taken out of the `host` registry.
+    fn free_pinned(&self, p: u64, device: DeviceId) {
+        match self.make_current(device) {
+            Ok((_state, _current)) => {
+                // SAFETY: `p` came from host_alloc (it was in the registry, now removed, so
+                // it is freed once); its buffer was given up, so nothing uses it.
+                warn_undo(device, unsafe { self.driver.host_free(p) });
+            }
+            Err(e) => {
+                tracing::warn!(backend = D::NAME, device, ptr = p, error = %e, "freeing pinned host memory failed: leaked");
+            }
+        }
     }
 
     /// Copy `src` to device address `dst` (blocking). For tests and benches.
@@ -701,6 +719,37 @@ impl<D: Driver> Backend for VmmBackend<D> {
         })
     }
 
+    fn alloc_host(&self, device: DeviceId, bytes: u64) -> Result<HostBuffer> {
+        let n = to_usize(bytes)?;
+        if n == 0 {
+            return HostBuffer::heap(device, 0);
+        }
+        let (_state, _current) = self.make_current(device)?;
+        let p = self
+            .driver
+            .host_alloc(n)
+            .map_err(|e| e.into_error(device, bytes))?;
+        self.host.lock().insert(p, device);
+        // SAFETY: `p..p + n` is pinned host memory just allocated (fresh zero pages), owned
+        // by nothing else; it stays valid until free_host (or Drop) frees it.
+        Ok(unsafe { HostBuffer::from_pinned(device, p, n) })
+    }
+
+    fn free_host(&self, buffer: HostBuffer) {
+        let Some(p) = buffer.into_pinned() else {
+            return;
+        };
+        let Some(device) = self.host.lock().remove(&p) else {
+            tracing::error!(
+                backend = D::NAME,
+                ptr = p,
+                "free_host of a buffer this backend did not allocate: leaked"
+            );
+            return;
+        };
+        self.free_pinned(p, device);
+    }
+
     fn copy_to_host(&self, _device: DeviceId, src: u64, dst: &mut [u8]) -> Result<()> {
         self.memcpy_dtoh(dst, src)
     }
@@ -749,6 +798,17 @@ impl<D: Driver> Drop for VmmBackend<D> {
             if let Err(e) = self.teardown(base, region) {
                 tracing::warn!(backend = D::NAME, device = region.device, base, error = %e, "teardown in drop failed");
             }
+        }
+        let host: Vec<(u64, DeviceId)> = self.host.get_mut().drain().collect();
+        if !host.is_empty() {
+            tracing::warn!(
+                backend = D::NAME,
+                buffers = host.len(),
+                "backend dropped with live pinned host buffers: freeing them"
+            );
+        }
+        for (p, device) in host {
+            self.free_pinned(p, device);
         }
         for slot in &mut self.devices {
             if let Some(state) = slot.take() {
