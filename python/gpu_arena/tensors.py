@@ -20,6 +20,9 @@ __all__ = ["Share", "share", "open", "close", "open_imports"]
 
 
 def _torch():
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch
     try:
         import torch
     except ImportError as e:
