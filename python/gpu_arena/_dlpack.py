@@ -13,6 +13,7 @@ tensors too, which lets the sim backend (host memory) test sharing without a GPU
 from __future__ import annotations
 
 import ctypes
+import struct
 from typing import Any, Callable, Tuple
 
 __all__ = ["Deleter", "persistent_deleter", "managed_tensor", "to_torch"]
@@ -73,27 +74,80 @@ def persistent_deleter(fn: Callable[[Any], None]) -> "Deleter":
     return thunk
 
 
+# One open() = one ctypes object: the DLManagedTensor with its shape and strides arrays
+# after it, every field flat so that a single constructor call fills it (building the nested
+# structures and casting the arrays field by field cost more than the rest of the wrapping).
+# Same layout as _DLManagedTensor (checked below): the deleter reads it through that type.
+class _Flat(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device_type", ctypes.c_int32),
+        ("device_id", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("code", ctypes.c_uint8),
+        ("bits", ctypes.c_uint8),
+        ("lanes", ctypes.c_uint16),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("byte_offset", ctypes.c_uint64),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+        ("shape0", ctypes.c_int64),
+        ("strides0", ctypes.c_int64),
+    ]
+
+
+def _check_layout() -> None:
+    t = _DLTensor
+    pairs = [("data", t.data.offset), ("device_type", t.device.offset),
+             ("ndim", t.ndim.offset), ("code", t.dtype.offset), ("shape", t.shape.offset),
+             ("strides", t.strides.offset), ("byte_offset", t.byte_offset.offset),
+             ("manager_ctx", _DLManagedTensor.manager_ctx.offset),
+             ("deleter", _DLManagedTensor.deleter.offset)]
+    for name, off in pairs:
+        assert getattr(_Flat, name).offset == off, name
+    assert _Flat.shape0.offset >= ctypes.sizeof(_DLManagedTensor)
+    assert _FLAT_FORMAT.size == ctypes.sizeof(_Flat) == _Flat.strides0.offset + 8
+    assert ctypes.sizeof(ctypes.c_void_p) == 8
+
+
+# _Flat's bytes, native order: data, device (type, id), ndim, dtype (code, bits, lanes),
+# shape, strides, byte_offset, manager_ctx, deleter, shape[0], strides[0].
+_FLAT_FORMAT = struct.Struct("=QiiiBBHQQQQQqq")
+_pack_into = _FLAT_FORMAT.pack_into
+
+
+_check_layout()
+_SHAPE0 = _Flat.shape0.offset
+_STRIDES0 = _Flat.strides0.offset
+_DEVICE_TYPES = {"cpu": _kDLCPU, "hip": _kDLROCM, "cuda": _kDLCUDA}
+
+
 def managed_tensor(ptr: int, nbytes: int, kind: str, device: int, ctx: int,
                    deleter: "Deleter") -> Tuple[Any, ...]:
     """A ``DLManagedTensor`` for a 1-D uint8 tensor over ``[ptr, +nbytes)`` on ``kind``
     (``"cpu"``, ``"cuda"``, ``"hip"``) device ``device``, whose deleter gets
     ``manager_ctx == ctx``, with the arrays it points to. Keep the tuple alive until the
     deleter ran: torch points into it."""
-    shape = (ctypes.c_int64 * 1)(nbytes)
-    strides = (ctypes.c_int64 * 1)(1)
-    mt = _DLManagedTensor()
-    if kind == "cpu":
-        dev = _DLDevice(_kDLCPU, 0)
-    elif kind == "hip":
-        dev = _DLDevice(_kDLROCM, device)
-    else:
-        dev = _DLDevice(_kDLCUDA, device)
-    mt.dl_tensor = _DLTensor(ptr, dev, 1, _DLDataType(_kDLUInt, 8, 1),
-                             ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64)),
-                             ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64)), 0)
-    mt.manager_ctx = ctx
-    mt.deleter = deleter
-    return (mt, shape, strides)
+    dev_type = _DEVICE_TYPES.get(kind, _kDLCUDA)
+    mt = _Flat()
+    at = ctypes.addressof(mt)
+    # One pack_into fills every field (a ctypes constructor with 14 arguments costs several
+    # microseconds: each goes through a field descriptor).
+    _pack_into(mt, 0, ptr, dev_type, 0 if dev_type == _kDLCPU else device, 1, _kDLUInt, 8, 1,
+               at + _SHAPE0, at + _STRIDES0, 0, ctx, _deleter_address(deleter), nbytes, 1)
+    return (mt,)
+
+
+_deleter_addresses: dict = {}
+
+
+def _deleter_address(deleter: "Deleter") -> int:
+    addr = _deleter_addresses.get(id(deleter))
+    if addr is None:
+        addr = ctypes.cast(deleter, ctypes.c_void_p).value
+        _deleter_addresses[id(deleter)] = addr
+    return addr
 
 
 def to_torch(torch, managed: Tuple[Any, ...], refused: Callable[[], None]):
@@ -102,7 +156,10 @@ def to_torch(torch, managed: Tuple[Any, ...], refused: Callable[[], None]):
     the exception propagates."""
     capsule = _PyCapsule_New(ctypes.addressof(managed[0]), _DLTENSOR_NAME, None)
     try:
-        return torch.utils.dlpack.from_dlpack(capsule)
+        # torch._C._from_dlpack is what torch.utils.dlpack.from_dlpack calls for a capsule,
+        # without its Python-level dispatch on the argument's type.
+        from_capsule = getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
+        return from_capsule(capsule)
     except BaseException:
         if _PyCapsule_IsValid(capsule, _DLTENSOR_NAME):
             refused()

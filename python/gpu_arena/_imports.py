@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import sys
 import threading
@@ -35,9 +36,18 @@ class Import:
 # key -> import. Only open() and close() change the dict (under the lock); torch's deleter,
 # which may run from the garbage collector inside any of them, only reads it (dict.get is
 # atomic), so it can neither deadlock on the lock nor change the dict under an iteration.
+# The deleter queues the key of a freed record on `_freed` (deque.append is atomic too), so
+# prune() forgets exactly those: it used to scan the whole registry, on every open(), which
+# with thousands of imports held cost more than everything else open() does.
 _lock = threading.RLock()
 _registry: Dict[int, Import] = {}
+_freed: "collections.deque[int]" = collections.deque()
 _keys = itertools.count(1)
+
+
+def _mark_freed(rec: Import, _freed=_freed) -> None:
+    rec.freed = True
+    _freed.append(rec.key)
 
 
 def register(ptr: int, nbytes: int, device: int, kind: str, handle: ShareHandle) -> Import:
@@ -55,8 +65,14 @@ def get(key: Any):
 
 def prune() -> None:
     """Forget imports whose tensors are gone (their deleter ran)."""
+    if not _freed:
+        return
     with _lock:
-        for key in [k for k, r in list(_registry.items()) if r.freed]:
+        while _freed:
+            try:
+                key = _freed.popleft()
+            except IndexError:  # pragma: no cover - emptied by another thread
+                break
             _registry.pop(key, None)
 
 
@@ -81,7 +97,7 @@ def close_record(rec: Import, *, synchronize: bool = True) -> bool:
     return True
 
 
-def _dl_deleter_impl(managed, _registry=_registry, _sys=sys):
+def _dl_deleter_impl(managed, _registry=_registry, _sys=sys, _mark_freed=_mark_freed):
     # Runs when torch frees the storage (any thread; ctypes takes the GIL). Never raises.
     try:
         rec = _registry.get(managed.contents.manager_ctx)
@@ -91,7 +107,7 @@ def _dl_deleter_impl(managed, _registry=_registry, _sys=sys):
             if not _sys.is_finalizing():  # at interpreter exit, the process's end closes it
                 close_record(rec)
         finally:
-            rec.freed = True
+            _mark_freed(rec)
     except BaseException as e:  # noqa: BLE001 - a deleter must not raise
         try:
             warnings.warn(f"gpu_arena: closing an import when its tensor was freed failed: {e}",
@@ -107,7 +123,7 @@ def wrap(torch, rec: Import):
     """A 1-D uint8 tensor over [rec.ptr, +rec.nbytes) whose deleter closes `rec`."""
 
     def refused() -> None:
-        rec.freed = True  # torch did not take the capsule: its deleter will never run
+        _mark_freed(rec)  # torch did not take the capsule: its deleter will never run
 
     rec.keep = _dlpack.managed_tensor(rec.ptr, rec.nbytes, rec.kind, rec.device, rec.key,
                                       _DL_DELETER)

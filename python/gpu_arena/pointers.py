@@ -39,6 +39,18 @@ def _ipc_lib() -> ctypes.CDLL:
     return lib
 
 
+_fns: dict = {}
+
+
+def _ipc_fn(name: str):
+    """The IPC function ``name`` of the loaded library (looked up once: ``open()`` and
+    ``share()`` call these per tensor)."""
+    fn = _fns.get(name)
+    if fn is None:
+        fn = _fns[name] = getattr(_ipc_lib(), name)
+    return fn
+
+
 def share_ptr(ptr: int, nbytes: int) -> ShareHandle:
     """Share ``nbytes`` at ``ptr`` (inside one live gpu-arena allocation of this process)
     with other processes. The arena is exported on its first share (later shares of the same
@@ -52,8 +64,10 @@ def share_ptr(ptr: int, nbytes: int) -> ShareHandle:
             f"share_ptr(ptr={ptr:#x}, nbytes={nbytes}): negative pointer or size",
         )
     s = GpuArenaShare()
-    _lib.check(_ipc_lib().gpu_arena_share(ptr or None, nbytes, ctypes.byref(s)), "gpu_arena_share")
-    return ShareHandle(bytes(s.bytes))
+    rc = _ipc_fn("gpu_arena_share")(ptr or None, nbytes, ctypes.byref(s))
+    if rc < 0:
+        raise _lib.error(rc, "gpu_arena_share")
+    return ShareHandle(bytes(s))
 
 
 def unshare(handle: Any) -> None:
@@ -69,9 +83,11 @@ def import_handle(handle: Any) -> int:
     initialized (``gpu_arena.init()`` or ``gpu_arena.torch.install()``) with the backend
     the producer uses. Raises ``IpcError`` for a bad or revoked handle, a wrong token or an
     unreachable producer."""
-    s = as_handle(handle)._struct()
+    s = GpuArenaShare.from_buffer_copy(as_handle(handle))
     out = ctypes.c_void_p()
-    _lib.check(_ipc_lib().gpu_arena_import(ctypes.byref(s), ctypes.byref(out)), "gpu_arena_import")
+    rc = _ipc_fn("gpu_arena_import")(ctypes.byref(s), ctypes.byref(out))
+    if rc < 0:
+        raise _lib.error(rc, "gpu_arena_import")
     if not out.value:
         raise GpuArenaError(_lib.GPU_ARENA_ERR_INTERNAL, "gpu_arena_import returned NULL")
     return int(out.value)

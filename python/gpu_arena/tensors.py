@@ -20,6 +20,9 @@ __all__ = ["Share", "share", "open", "close", "open_imports"]
 
 
 def _torch():
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch
     try:
         import torch
     except ImportError as e:
@@ -178,17 +181,51 @@ def share(tensor, *, synchronize: bool = True) -> Share:
     if synchronize and dev.type == "cuda":
         torch.cuda.synchronize(dev)
     h = share_ptr(ptr, nbytes)
-    s = Share(h, str(tensor.dtype), tuple(tensor.shape), tuple(tensor.stride()),
-              tensor.storage_offset(), h.device, nbytes, dev.type)
+    # Share.__init__ validates what a caller passes; these values come from torch and the
+    # library, so fill the slots directly (share() runs per tensor).
+    s = object.__new__(Share)
+    s.handle = h
+    s.dtype = _dtype_name(tensor.dtype)
+    s.shape = tuple(tensor.shape)
+    s.stride = tuple(tensor.stride())
+    s.storage_offset = int(tensor.storage_offset())
+    s.device = h.device
+    s.nbytes = nbytes
+    s.device_type = dev.type
     s._owner = True
+    s._closed = False
+    s._lock = threading.Lock()
     return s
 
 
-def _ensure_initialized() -> None:
+_dtype_names: Dict[Any, str] = {}
+
+
+def _dtype_name(dtype) -> str:
+    """``"float16"`` for ``torch.float16`` (cached: ``str()`` of a dtype is not free)."""
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = str(dtype)
+        name = name[len("torch."):] if name.startswith("torch.") else name
+        _dtype_names[dtype] = name
+    return name
+
+
+_kind = ""  # what open()'s tensors are on ("cpu" for sim), once gpu-arena is initialized
+
+
+def _import_kind() -> str:
+    """Initialize gpu-arena if nothing did yet; the kind of memory imports are. Cached: the
+    backend of an initialized gpu-arena does not change."""
+    global _kind
+    if _kind:
+        return _kind
     from . import init, is_initialized
 
     if not is_initialized():
         init()
+    _kind = {"sim": "cpu", "hip": "hip"}.get(_backend(), "cuda")
+    return _kind
 
 
 def open(share: Share):  # noqa: A001 - the public name is gpu_arena.open
@@ -211,8 +248,7 @@ def open(share: Share):  # noqa: A001 - the public name is gpu_arena.open
     if share.nbytes != share.handle.length:
         raise ValueError(
             f"open(): the share says {share.nbytes} bytes, its handle {share.handle.length}")
-    _ensure_initialized()
-    kind = {"sim": "cpu", "hip": "hip"}.get(_backend(), "cuda")
+    kind = _kind or _import_kind()
     _imports.prune()
     ptr = import_handle(share.handle)
     rec = _imports.register(ptr, share.nbytes, share.device, kind, share.handle)
@@ -222,7 +258,9 @@ def open(share: Share):  # noqa: A001 - the public name is gpu_arena.open
         _imports.close_record(rec, synchronize=False)
         raise
     try:
-        t = raw.view(dtype).as_strided(share.shape, share.stride, share.storage_offset)
+        if dtype is not torch.uint8:
+            raw = raw.view(dtype)
+        t = raw.as_strided(share.shape, share.stride, share.storage_offset)
     except BaseException:
         raw = None  # its deleter closes the import
         _imports.close_record(rec, synchronize=False)
