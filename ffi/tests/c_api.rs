@@ -1,7 +1,8 @@
-//! The C program test: `tests/c/api_test.c` compiled with the system C compiler against
-//! `include/gpu_arena.h` and the built `libgpu_arena.so`, then run on the sim backend once
-//! per mode (gpu-arena initializes once per process, so "a call before init" and "a failed
-//! init" need processes of their own).
+//! The C program tests: `tests/c/api_test.c` (the whole API), `tests/c/lifecycle_test.c`
+//! (calls before init, the lazy init, failed inits) and `tests/c/observers_test.c`, compiled
+//! with the system C compiler against `include/gpu_arena.h` and the built `libgpu_arena.so`,
+//! then run on the sim backend once per mode (gpu-arena initializes once per process, so "a
+//! call before init" and "a failed init" need processes of their own).
 //!
 //! `cargo test` does not build a cdylib-only crate's library for its integration tests, so
 //! this test runs `cargo build --lib` of this package itself, with the profile, target and
@@ -147,6 +148,9 @@ fn build_cdylib(l: &Layout) -> PathBuf {
 /// The compiled C programs and the library they link.
 struct Built {
     exe: PathBuf,
+    /// `tests/c/lifecycle_test.c` (calls before init, the lazy init, failed inits), compiled
+    /// the same way.
+    lifecycle_exe: PathBuf,
     /// `tests/c/observers_test.c` (arena observers), compiled the same way.
     observers_exe: PathBuf,
     lib: PathBuf,
@@ -169,9 +173,11 @@ fn built() -> &'static Built {
         ));
         std::fs::create_dir_all(&out_dir).expect("create the C program's directory");
         let exe = compile(&lib_dir, &out_dir, "api_test");
+        let lifecycle_exe = compile(&lib_dir, &out_dir, "lifecycle_test");
         let observers_exe = compile(&lib_dir, &out_dir, "observers_test");
         Built {
             exe,
+            lifecycle_exe,
             observers_exe,
             lib,
         }
@@ -224,15 +230,20 @@ fn wait_with_timeout(child: &mut std::process::Child, limit: Duration) -> Option
     }
 }
 
-/// Run the C program in `mode` on the sim backend and require exit status 0.
+/// Run `api_test` in `mode` on the sim backend and require exit status 0.
 fn run_mode(mode: &str) -> String {
-    run_mode_with(mode, &[])
+    run_program(&built().exe, mode, &[])
 }
 
-/// [`run_mode`] with more environment (which may override `GPU_ARENA_BACKEND`); returns the
-/// program's stdout and stderr.
-fn run_mode_with(mode: &str, env: &[(&str, &str)]) -> String {
-    run_program(&built().exe, mode, env)
+/// Run `lifecycle_test` in `mode` on the sim backend and require exit status 0.
+fn run_lifecycle(mode: &str) -> String {
+    run_lifecycle_with(mode, &[])
+}
+
+/// [`run_lifecycle`] with more environment (which may override `GPU_ARENA_BACKEND`); returns
+/// the program's stdout and stderr.
+fn run_lifecycle_with(mode: &str, env: &[(&str, &str)]) -> String {
+    run_program(&built().lifecycle_exe, mode, env)
 }
 
 /// Run `exe` with `mode` on the sim backend (plus `env`) and require exit status 0 and its
@@ -301,7 +312,7 @@ fn c_program_api() {
 /// first malloc initializes lazily. At the default log level (warn) nothing is logged.
 #[test]
 fn c_program_before_init() {
-    let out = run_mode("before-init");
+    let out = run_lifecycle("before-init");
     assert!(
         !out.contains(" INFO "),
         "info lines at the default level:\n{out}"
@@ -311,14 +322,14 @@ fn c_program_before_init() {
 /// The first call is `gpu_arena_stats`: it initializes from the environment.
 #[test]
 fn c_program_lazy_stats() {
-    run_mode("lazy-stats");
+    run_lifecycle("lazy-stats");
 }
 
 /// Threads race the first malloc: the pool is initialized once (one "gpu-arena
 /// initialized" line at `GPU_ARENA_LOG=info`).
 #[test]
 fn c_program_lazy_race_initializes_once() {
-    let out = run_mode_with("lazy-race", &[("GPU_ARENA_LOG", "info")]);
+    let out = run_lifecycle_with("lazy-race", &[("GPU_ARENA_LOG", "info")]);
     assert_eq!(
         out.matches("gpu-arena initialized").count(),
         1,
@@ -330,7 +341,7 @@ fn c_program_lazy_race_initializes_once() {
 /// (without a GPU; on a CUDA machine it says it chose cuda).
 #[test]
 fn gpu_arena_log_shows_why_auto_passed_over_backends() {
-    let out = run_mode_with(
+    let out = run_lifecycle_with(
         "lazy-stats-auto",
         &[("GPU_ARENA_LOG", "debug"), ("GPU_ARENA_BACKEND", "auto")],
     );
@@ -351,13 +362,13 @@ fn gpu_arena_log_shows_why_auto_passed_over_backends() {
 /// A malformed `GPU_ARENA_CONF`: configure and init fail with the reason, nothing crashes.
 #[test]
 fn c_program_bad_env() {
-    run_mode("bad-env");
+    run_lifecycle("bad-env");
 }
 
 /// `backend=hip` in a build without HIP: init fails cleanly, every call reports it.
 #[test]
 fn c_program_bad_backend() {
-    run_mode("bad-backend");
+    run_lifecycle("bad-backend");
 }
 
 /// Arena observers from C (`tests/c/observers_test.c`): ready/release rules, bad input,

@@ -11,17 +11,8 @@
  *   api          (default) the whole API: configure, init, malloc/free of many sizes with
  *                reads and writes, record_stream, stats, snapshot_json, empty_cache, threads,
  *                then every bad input of BAD_CASES below.
- *   before-init  before anything initialized: the calls that take back a pointer (free,
- *                record_stream, close) fail with NOT_INITIALIZED and initialize nothing,
- *                nor do the queries or a refused argument; configure still works, then the
- *                first malloc initializes lazily with its settings (no gpu_arena_init).
- *   lazy-stats   the first call is stats: it initializes from the environment.
- *   lazy-stats-auto  the same on whatever GPU_ARENA_BACKEND picks (the log test: auto).
- *   lazy-race    8 threads race the first malloc: one pool, initialized once.
- *   bad-env      a malformed GPU_ARENA_CONF: configure, the lazy init by malloc and init fail,
- *                every call after reports NOT_INITIALIZED with the reason, nothing crashes.
- *   bad-backend  configure("backend=hip") on a build without HIP: the lazy init by stats and
- *                init fail cleanly.
+ * The modes about startup (calls before init, the lazy init, failed inits) are in
+ * lifecycle_test.c.
  *
  * One line per check on stdout ("ok ..."). The first failed check prints "FAIL ..." with the
  * line, the value and gpu_arena_last_error(), and exits 1.
@@ -67,12 +58,14 @@
  * Before first use (mode api, before init): configure("sim_devices=3,color=blue"),
  * configure("arena_size=banana"), configure(NULL) -> INVALID_ARGUMENT, and the later
  * device_count shows the rejected sim_devices=3 was not applied.
- * Mode before-init: init_status, free, free_checked, record_stream(_checked), close,
- * imports_live, stats(NULL), malloc(0) before init; then configure + the lazy malloc.
  */
 #define _GNU_SOURCE /* dladdr, realpath, setenv, SSIZE_MAX */
+#define PROGRAM "api_test"
 
 #include "gpu_arena.h"
+
+#include "blocks.h"
+#include "check.h"
 
 #include <dlfcn.h>
 #include <inttypes.h>
@@ -104,99 +97,11 @@ _Static_assert(sizeof(ssize_t) == sizeof(void *), "ssize_t is pointer-sized");
 #define SSIZE_MIN (-SSIZE_MAX - 1)
 #endif
 
-#define KiB ((ssize_t)1 << 10)
-#define MiB ((ssize_t)1 << 20)
-#define GiB ((ssize_t)1 << 30)
-
 /* Configuration of mode api: 2 simulated devices, 1 GiB each, 64 MiB arenas. */
 #define NDEV 2
 #define ARENA_SIZE (64 * MiB)
 #define API_CONF "backend=sim,sim_devices=2,sim_capacity=1GiB,sim_granularity=2MiB," \
                  "arena_size=64MiB,validate=1"
-
-static const char *g_mode = "api";
-static int g_checks;
-
-/* ------------------------------------------------------------------ reporting */
-
-static const char *code_name(int code) {
-    switch (code) {
-    case GPU_ARENA_OK: return "GPU_ARENA_OK";
-    case GPU_ARENA_ERR_INVALID_ARGUMENT: return "GPU_ARENA_ERR_INVALID_ARGUMENT";
-    case GPU_ARENA_ERR_OUT_OF_MEMORY: return "GPU_ARENA_ERR_OUT_OF_MEMORY";
-    case GPU_ARENA_ERR_UNKNOWN_POINTER: return "GPU_ARENA_ERR_UNKNOWN_POINTER";
-    case GPU_ARENA_ERR_BACKEND: return "GPU_ARENA_ERR_BACKEND";
-    case GPU_ARENA_ERR_INVALID_DEVICE: return "GPU_ARENA_ERR_INVALID_DEVICE";
-    case GPU_ARENA_ERR_NOT_INITIALIZED: return "GPU_ARENA_ERR_NOT_INITIALIZED";
-    case GPU_ARENA_ERR_INVALID_STATE: return "GPU_ARENA_ERR_INVALID_STATE";
-    case GPU_ARENA_ERR_UNAVAILABLE: return "GPU_ARENA_ERR_UNAVAILABLE";
-    case GPU_ARENA_ERR_IPC: return "GPU_ARENA_ERR_IPC";
-    case GPU_ARENA_ERR_INTERNAL: return "GPU_ARENA_ERR_INTERNAL";
-    default: return "<unknown code>";
-    }
-}
-
-static const char *last_error(void) {
-    const char *e = gpu_arena_last_error();
-    return e ? e : "<NULL: gpu_arena_last_error must never return NULL>";
-}
-
-/* Print "ok <what>" or fail the whole program with the reason and the last error. */
-static void check_at(int line, int cond, const char *fmt, ...) {
-    char what[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(what, sizeof what, fmt, ap);
-    va_end(ap);
-    g_checks++;
-    if (cond) {
-        printf("ok   [%s %3d] %s\n", g_mode, g_checks, what);
-        return;
-    }
-    printf("FAIL [%s %3d] %s\n", g_mode, g_checks, what);
-    printf("     at tests/c/api_test.c:%d\n", line);
-    printf("     gpu_arena_last_error(): \"%s\"\n", last_error());
-    fflush(stdout);
-    fprintf(stderr, "api_test %s: check %d failed at tests/c/api_test.c:%d: %s\n", g_mode,
-            g_checks, line, what);
-    exit(1);
-}
-#define CHECK(cond, ...) check_at(__LINE__, (cond), __VA_ARGS__)
-
-#define CHECK_CODE(got, want, what)                                                         \
-    do {                                                                                    \
-        int got_ = (got);                                                                   \
-        CHECK(got_ == (want), "%s -> %s (%d), want %s", (what), code_name(got_), got_,      \
-              code_name(want));                                                             \
-    } while (0)
-
-/* last_error contains every non-NULL needle. */
-#define CHECK_ERROR_NAMES(...) check_error_names(__LINE__, __VA_ARGS__, (const char *)NULL)
-static void check_error_names(int line, const char *first, ...) {
-    const char *err = last_error();
-    char wanted[512] = "", missing[512] = "";
-    va_list ap;
-    va_start(ap, first);
-    for (const char *n = first; n; n = va_arg(ap, const char *)) {
-        char *list = strstr(err, n) ? wanted : missing;
-        size_t used = strlen(list);
-        snprintf(list + used, sizeof wanted - used, "%s\"%s\"", used ? ", " : "", n);
-    }
-    va_end(ap);
-    if (missing[0]) {
-        check_at(line, 0, "last_error \"%s\" lacks %s", err, missing);
-    }
-    check_at(line, 1, "last_error \"%s\" names %s", err, wanted);
-}
-
-static char *xstrdup(const char *s) {
-    char *d = strdup(s ? s : "");
-    if (!d) {
-        fprintf(stderr, "out of host memory\n");
-        exit(2);
-    }
-    return d;
-}
 
 /* "0x7f..." as Rust's {:p} and {:#x} print it. */
 static const char *hex(const void *p, char buf[32]) {
@@ -231,30 +136,6 @@ static void state_free(state_t *s) {
     s->json = NULL;
 }
 
-static const char *const STAT_NAMES[] = {
-    "reserved_bytes", "allocated_bytes", "peak_reserved_bytes", "peak_allocated_bytes",
-    "arenas", "backend_creates", "backend_destroys", "exports_live", "exports_total",
-    "shares_live", "imports_live", "pinned_bytes", "allocations", "alloc_count", "free_count",
-    "oom_count", "deferred_free_bytes", "pending_free_bytes", "requested_bytes",
-    "peak_requested_bytes", "observer_errors", "sleeping_bytes",
-};
-
-/* The first field of device d that differs, or NULL. */
-static const char *stats_diff(const gpu_arena_stats_t *a, const gpu_arena_stats_t *b,
-                              char *buf, size_t len) {
-    const uint64_t *x = (const uint64_t *)a, *y = (const uint64_t *)b;
-    size_t n = sizeof *a / sizeof(uint64_t);
-    for (size_t i = 0; i < n; i++) {
-        if (x[i] != y[i]) {
-            snprintf(buf, len, "%s %" PRIu64 " -> %" PRIu64,
-                     i < sizeof STAT_NAMES / sizeof *STAT_NAMES ? STAT_NAMES[i] : "(new field)",
-                     x[i], y[i]);
-            return buf;
-        }
-    }
-    return NULL;
-}
-
 /* Every device validates, and (unless oom_delta) stats and the JSON snapshot are identical. */
 static void check_unchanged(const char *id, const state_t *before, int oom_device) {
     state_t after;
@@ -278,80 +159,7 @@ static void check_unchanged(const char *id, const state_t *before, int oom_devic
 
 /* ------------------------------------------------------------------ helpers */
 
-static void fill(unsigned char *p, size_t n, unsigned seed) {
-    for (size_t i = 0; i < n; i++) {
-        p[i] = (unsigned char)(seed * 131u + i * 7u + (i >> 9));
-    }
-}
-
-static size_t mismatch(const unsigned char *p, size_t n, unsigned seed) {
-    for (size_t i = 0; i < n; i++) {
-        if (p[i] != (unsigned char)(seed * 131u + i * 7u + (i >> 9))) {
-            return i;
-        }
-    }
-    return (size_t)-1;
-}
-
-/* Write a pattern over the whole block when small, over its head, middle and tail when large
- * (sim memory is touched only when written). */
-#define SPOT ((size_t)64 * 1024)
-static void write_block(void *ptr, size_t size, unsigned seed) {
-    unsigned char *p = ptr;
-    if (size <= 3 * SPOT) {
-        fill(p, size, seed);
-        return;
-    }
-    fill(p, SPOT, seed);
-    fill(p + size / 2 - SPOT / 2, SPOT, seed + 1);
-    fill(p + size - SPOT, SPOT, seed + 2);
-}
-
-static int read_block(const void *ptr, size_t size, unsigned seed) {
-    const unsigned char *p = ptr;
-    if (size <= 3 * SPOT) {
-        return mismatch(p, size, seed) == (size_t)-1;
-    }
-    return mismatch(p, SPOT, seed) == (size_t)-1 &&
-           mismatch(p + size / 2 - SPOT / 2, SPOT, seed + 1) == (size_t)-1 &&
-           mismatch(p + size - SPOT, SPOT, seed + 2) == (size_t)-1;
-}
-
-static uint64_t round512(uint64_t n) { return (n + 511) & ~(uint64_t)511; }
-/* The pool's block size (pool::block_len): 512-byte rounding up to 4 KiB, quarter-octave
- * classes up to 1 MiB, 2 MiB multiples above (as PyTorch's large pool). */
-static uint64_t block_len(uint64_t n) {
-    const uint64_t mib = 1u << 20;
-    uint64_t len = round512(n);
-    if (len > mib) return (len + 2 * mib - 1) & ~(2 * mib - 1);
-    if (len > 4096) { /* quarter-octave size classes */
-        uint64_t p = 1;
-        while (p * 2 <= len) p *= 2;
-        uint64_t step = p / 4;
-        return (len + step - 1) / step * step;
-    }
-    return len;
-}
-
 static void *stream_handle(uintptr_t s) { return (void *)s; }
-
-/* The library that was loaded is the one the test built (GPU_ARENA_EXPECT_LIB). */
-static void check_loaded_library(void) {
-    const char *want = getenv("GPU_ARENA_EXPECT_LIB");
-    if (!want) {
-        return;
-    }
-    void *(*fn)(ssize_t, int, void *) = gpu_arena_malloc;
-    void *addr;
-    memcpy(&addr, &fn, sizeof addr);
-    Dl_info info;
-    memset(&info, 0, sizeof info);
-    CHECK(dladdr(addr, &info) != 0 && info.dli_fname, "dladdr finds gpu_arena_malloc");
-    char got_real[PATH_MAX], want_real[PATH_MAX];
-    int same = realpath(info.dli_fname, got_real) && realpath(want, want_real) &&
-               strcmp(got_real, want_real) == 0;
-    CHECK(same, "gpu_arena_malloc comes from %s (want %s)", info.dli_fname, want);
-}
 
 /* ------------------------------------------------------------------ mode api: the good path */
 
@@ -969,175 +777,6 @@ static void mode_api(void) {
     sleep_wake();
 }
 
-/* ------------------------------------------------------------------ mode before-init */
-
-/* Before anything initialized gpu-arena: the calls that take back a pointer fail with
- * NOT_INITIALIZED and initialize nothing, as do the queries and a refused bad argument;
- * configure still works; then the first malloc initializes lazily with its settings. */
-static void mode_before_init(void) {
-    int x = 0;
-    gpu_arena_stats_t s;
-    CHECK(strcmp(gpu_arena_backend_name(), "") == 0, "backend_name() is \"\" before init");
-    CHECK_CODE(gpu_arena_init_status(), GPU_ARENA_ERR_NOT_INITIALIZED, "init_status() before init");
-    CHECK_ERROR_NAMES("gpu_arena_init_status", "not initialized yet");
-    CHECK_CODE(gpu_arena_free_checked(&x, 4096, 0), GPU_ARENA_ERR_NOT_INITIALIZED,
-               "free_checked before init");
-    CHECK_ERROR_NAMES("gpu_arena_free", "not initialized yet", "nothing is its");
-    gpu_arena_configure(NULL); /* overwrite the last error */
-    gpu_arena_free(&x, 4096, 0, NULL);
-    CHECK_ERROR_NAMES("gpu_arena_free", "not initialized yet");
-    CHECK_CODE(gpu_arena_record_stream_checked(&x, NULL), GPU_ARENA_ERR_NOT_INITIALIZED,
-               "record_stream_checked before init");
-    CHECK_ERROR_NAMES("gpu_arena_record_stream", "not initialized yet");
-    gpu_arena_record_stream(&x, NULL);
-    CHECK(1, "record_stream (void) before init returns");
-    CHECK_CODE(gpu_arena_close(&x), GPU_ARENA_ERR_NOT_INITIALIZED, "close before init");
-    CHECK_ERROR_NAMES("gpu_arena_close", "not initialized yet");
-    CHECK(gpu_arena_imports_live() == 0, "imports_live() before init is 0");
-    memset(&s, 0xAB, sizeof s);
-    CHECK_CODE(gpu_arena_stats(0, NULL), GPU_ARENA_ERR_INVALID_ARGUMENT,
-               "stats(0, NULL) before init");
-    CHECK_ERROR_NAMES("gpu_arena_stats", "out is NULL");
-    char *before = xstrdup(gpu_arena_last_error());
-    CHECK(gpu_arena_malloc(0, 0, NULL) == NULL, "malloc(0) before init is NULL");
-    CHECK(strcmp(gpu_arena_last_error(), before) == 0, "malloc(0) is not an error, even now");
-    free(before);
-    CHECK_CODE(gpu_arena_init_status(), GPU_ARENA_ERR_NOT_INITIALIZED,
-               "none of the calls above initialized gpu-arena");
-
-    /* Still before first use: configure works, and the first malloc initializes with it. */
-    CHECK_CODE(gpu_arena_configure("backend=sim,arena_size=4MiB"), GPU_ARENA_OK,
-               "configure after the refused calls (still before first use)");
-    void *p = gpu_arena_malloc(4096, 0, NULL);
-    CHECK(p != NULL, "malloc(4096) before init initializes lazily: %p", p);
-    CHECK_CODE(gpu_arena_init_status(), GPU_ARENA_OK, "init_status() after the lazy init");
-    CHECK(strcmp(gpu_arena_backend_name(), "sim") == 0, "backend is sim");
-    memset(p, 0x5A, 4096);
-    CHECK(((unsigned char *)p)[4095] == 0x5A, "the block is writable");
-    CHECK_CODE(gpu_arena_stats(0, &s), GPU_ARENA_OK, "stats(0)");
-    CHECK(s.reserved_bytes == 4 * MiB && s.alloc_count == 1 && s.free_count == 0 &&
-              s.requested_bytes == 4096,
-          "one 4 MiB arena (arena_size=4MiB applied), one alloc, the refused calls left no trace");
-    CHECK_CODE(gpu_arena_configure("arena_size=8MiB"), GPU_ARENA_ERR_INVALID_STATE,
-               "configure after the lazy init");
-    CHECK_ERROR_NAMES("gpu_arena_configure", "after first use", "initialized by gpu_arena_malloc");
-    gpu_arena_init(1);
-    CHECK_CODE(gpu_arena_init_status(), GPU_ARENA_OK, "init(1) after the lazy init: no change");
-    CHECK_CODE(gpu_arena_free_checked(p, 4096, 0), GPU_ARENA_OK, "free it");
-    CHECK_CODE(gpu_arena_validate(0), GPU_ARENA_OK, "validate(0)");
-}
-
-/* ------------------------------------------------------------------ mode lazy-stats */
-
-/* The first call is stats: it initializes from the environment (GPU_ARENA_BACKEND=sim; with
- * any_backend, whatever GPU_ARENA_BACKEND picks, e.g. auto). */
-static void mode_lazy_stats(int any_backend) {
-    gpu_arena_stats_t s;
-    memset(&s, 0xAB, sizeof s);
-    CHECK_CODE(gpu_arena_stats(0, &s), GPU_ARENA_OK, "stats(0) as the first call");
-    CHECK(s.reserved_bytes == 0 && s.alloc_count == 0 && s.requested_bytes == 0,
-          "an empty pool");
-    if (!any_backend) {
-        CHECK(strcmp(gpu_arena_backend_name(), "sim") == 0, "backend is sim (GPU_ARENA_BACKEND)");
-        CHECK(gpu_arena_device_count() == 1, "one sim device");
-    }
-    CHECK_CODE(gpu_arena_configure("arena_size=8MiB"), GPU_ARENA_ERR_INVALID_STATE,
-               "configure after the lazy init");
-    CHECK_ERROR_NAMES("initialized by gpu_arena_stats");
-}
-
-/* ------------------------------------------------------------------ mode lazy-race */
-
-/* Threads race the first malloc: every one gets memory from the one pool, initialized once
- * (ffi/tests/c_api.rs counts the "gpu-arena initialized" log lines at GPU_ARENA_LOG=info). */
-#define RACERS 8
-static void *racer(void *arg) {
-    void **out = arg;
-    *out = gpu_arena_malloc(64 * KiB, 0, NULL);
-    return NULL;
-}
-
-static void mode_lazy_race(void) {
-    pthread_t t[RACERS];
-    void *p[RACERS];
-    for (int i = 0; i < RACERS; i++) {
-        CHECK(pthread_create(&t[i], NULL, racer, &p[i]) == 0, "start racer %d", i);
-    }
-    for (int i = 0; i < RACERS; i++) {
-        pthread_join(t[i], NULL);
-        CHECK(p[i] != NULL, "racer %d got memory: %p", i, p[i]);
-    }
-    gpu_arena_stats_t s;
-    CHECK_CODE(gpu_arena_stats(0, &s), GPU_ARENA_OK, "stats(0)");
-    CHECK(s.allocations == RACERS && s.requested_bytes == RACERS * 64 * KiB,
-          "one pool holds all %d allocations (%" PRIu64 ")", RACERS, s.allocations);
-    for (int i = 0; i < RACERS; i++) {
-        CHECK_CODE(gpu_arena_free_checked(p[i], 64 * KiB, 0), GPU_ARENA_OK, "free racer's block");
-    }
-    CHECK_CODE(gpu_arena_set_log_level("warn"), GPU_ARENA_OK, "set_log_level(\"warn\")");
-    CHECK_CODE(gpu_arena_set_log_level("loud"), GPU_ARENA_ERR_INVALID_ARGUMENT,
-               "set_log_level(\"loud\")");
-    CHECK_ERROR_NAMES("gpu_arena_set_log_level", "loud", "debug");
-    CHECK_CODE(gpu_arena_validate(0), GPU_ARENA_OK, "validate(0)");
-}
-
-/* ------------------------------------------------------------------ mode bad-env */
-
-/* init_status reports the failed init's own code (the reason); every other call says
- * NOT_INITIALIZED. */
-static void expect_dead_pool(const char *why, int init_code) {
-    gpu_arena_stats_t s;
-    CHECK_CODE(gpu_arena_init_status(), init_code, "init_status() after failed init");
-    CHECK_ERROR_NAMES("gpu_arena_init_status", "failed to initialize", why);
-    CHECK(gpu_arena_malloc(4096, 0, NULL) == NULL, "malloc(4096) after failed init is NULL");
-    CHECK_ERROR_NAMES("gpu_arena_malloc", "failed to initialize", why);
-    CHECK_CODE(gpu_arena_stats(0, &s), GPU_ARENA_ERR_NOT_INITIALIZED, "stats(0) after failed init");
-    CHECK_ERROR_NAMES("gpu_arena_stats", "failed to initialize");
-    CHECK_CODE(gpu_arena_empty_cache(-1), GPU_ARENA_ERR_NOT_INITIALIZED,
-               "empty_cache(-1) after failed init");
-    CHECK_CODE(gpu_arena_free_checked(&s, 64, 0), GPU_ARENA_ERR_NOT_INITIALIZED,
-               "free_checked after failed init");
-    CHECK_CODE(gpu_arena_device_count(), GPU_ARENA_ERR_NOT_INITIALIZED,
-               "device_count() after failed init");
-    CHECK(gpu_arena_snapshot_json() == NULL, "snapshot_json() after failed init is NULL");
-    CHECK(strcmp(gpu_arena_backend_name(), "") == 0, "backend_name() is \"\"");
-    gpu_arena_reset();
-    CHECK(1, "reset() after failed init returns");
-    CHECK_CODE(gpu_arena_configure("backend=sim"), GPU_ARENA_ERR_INVALID_STATE,
-               "configure after a failed init");
-    CHECK_ERROR_NAMES("gpu_arena_configure", "after first use");
-    gpu_arena_init(1);
-    CHECK_CODE(gpu_arena_init_status(), init_code, "init again: the failure stays");
-}
-
-static void mode_bad_env(void) {
-    CHECK(setenv("GPU_ARENA_CONF", "backend=sim,arena_size=banana", 1) == 0,
-          "GPU_ARENA_CONF=backend=sim,arena_size=banana");
-    CHECK_CODE(gpu_arena_configure("validate=1"), GPU_ARENA_ERR_INVALID_ARGUMENT,
-               "configure(\"validate=1\") over a malformed GPU_ARENA_CONF");
-    CHECK_ERROR_NAMES("gpu_arena_configure", "GPU_ARENA_CONF", "banana");
-    CHECK(gpu_arena_malloc(4096, 0, NULL) == NULL, "malloc before init: the lazy init fails");
-    CHECK_CODE(gpu_arena_last_error_code(), GPU_ARENA_ERR_NOT_INITIALIZED, "its code");
-    CHECK_ERROR_NAMES("gpu_arena_malloc", "failed to initialize", "GPU_ARENA_CONF", "banana");
-    gpu_arena_init(1);
-    CHECK(1, "init(1) with a malformed GPU_ARENA_CONF returns");
-    expect_dead_pool("banana", GPU_ARENA_ERR_INVALID_ARGUMENT);
-}
-
-/* ------------------------------------------------------------------ mode bad-backend */
-
-static void mode_bad_backend(void) {
-    CHECK_CODE(gpu_arena_configure("backend=hip"), GPU_ARENA_OK,
-               "configure(\"backend=hip\"): well-formed");
-    gpu_arena_stats_t s;
-    CHECK_CODE(gpu_arena_stats(0, &s), GPU_ARENA_ERR_NOT_INITIALIZED,
-               "stats before init: the lazy init fails");
-    CHECK_ERROR_NAMES("gpu_arena_stats", "failed to initialize", "hip");
-    gpu_arena_init(1);
-    CHECK(1, "init(1) with backend=hip on a build without HIP returns");
-    expect_dead_pool("hip", GPU_ARENA_ERR_UNAVAILABLE);
-}
-
 /* ------------------------------------------------------------------ main */
 
 int main(int argc, char **argv) {
@@ -1147,20 +786,8 @@ int main(int argc, char **argv) {
            getenv("GPU_ARENA_BACKEND") ? getenv("GPU_ARENA_BACKEND") : "(unset)");
     if (strcmp(g_mode, "api") == 0) {
         mode_api();
-    } else if (strcmp(g_mode, "before-init") == 0) {
-        mode_before_init();
-    } else if (strcmp(g_mode, "lazy-stats") == 0) {
-        mode_lazy_stats(0);
-    } else if (strcmp(g_mode, "lazy-stats-auto") == 0) {
-        mode_lazy_stats(1);
-    } else if (strcmp(g_mode, "lazy-race") == 0) {
-        mode_lazy_race();
-    } else if (strcmp(g_mode, "bad-env") == 0) {
-        mode_bad_env();
-    } else if (strcmp(g_mode, "bad-backend") == 0) {
-        mode_bad_backend();
     } else {
-        fprintf(stderr, "usage: %s [api|before-init|lazy-stats|lazy-stats-auto|lazy-race|bad-env|bad-backend]\n", argv[0]);
+        fprintf(stderr, "usage: %s [api] (the startup modes are lifecycle_test's)\n", argv[0]);
         return 2;
     }
     printf("api_test %s: all %d checks passed\n", g_mode, g_checks);

@@ -22,8 +22,11 @@
  * One line per check ("ok ..."); the first failure prints "FAIL ..." and exits 1.
  */
 #define _GNU_SOURCE
+#define PROGRAM "observers_test"
 
 #include "gpu_arena.h"
+
+#include "check.h"
 
 #include <inttypes.h>
 #include <pthread.h>
@@ -33,24 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MiB ((ssize_t)1 << 20)
 #define CONF "backend=sim,sim_capacity=1GiB,sim_granularity=2MiB,arena_size=8MiB,validate=1"
-
-static int g_checks;
-
-#define CHECK(cond, ...)                                                                    \
-    do {                                                                                    \
-        if (!(cond)) {                                                                      \
-            printf("FAIL line %d: %s: ", __LINE__, #cond);                                  \
-            printf(__VA_ARGS__);                                                            \
-            printf(" (last error: %s)\n", gpu_arena_last_error());                          \
-            exit(1);                                                                        \
-        }                                                                                   \
-        g_checks++;                                                                         \
-        printf("ok ");                                                                      \
-        printf(__VA_ARGS__);                                                                \
-        printf("\n");                                                                       \
-    } while (0)
 
 static gpu_arena_stats_t stats(void) {
     gpu_arena_stats_t s;
@@ -380,6 +366,7 @@ static void threads(void) {
 
 int main(void) {
     setvbuf(stdout, NULL, _IOLBF, 0);
+    g_mode = "observers";
     before_init();
     CHECK(gpu_arena_configure(CONF) == GPU_ARENA_OK, "configure %s", CONF);
     gpu_arena_init(1);

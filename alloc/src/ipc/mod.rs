@@ -13,6 +13,7 @@
 //! ```
 
 pub mod broker;
+mod connection;
 pub mod handle;
 pub mod importer;
 pub(crate) mod wire;

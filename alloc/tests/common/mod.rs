@@ -1,6 +1,9 @@
 //! Small helpers shared by the integration tests (each test file uses a subset).
 #![allow(dead_code)]
 
+pub mod broker_fixture;
+pub mod raw_wire;
+
 use std::time::{Duration, Instant};
 
 /// Open fds of this process.
