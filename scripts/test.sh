@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command: every Rust test (unit, property, sim pool and IPC with real processes,
-# the C program tests/c/api_test.c against libgpu_arena.so, the header check) and the Python
+# the C programs tests/c/*_test.c against libgpu_arena.so, the header check) and the Python
 # package's tests (tests/python) against the installed wheel: the wheel is built
 # (scripts/build-wheel.sh --dev), installed with tests/python/requirements.txt (pinned) into
 # a fresh venv (target/test-venv), and pytest runs there with GPU_ARENA_LIB unset, python/
