@@ -94,6 +94,20 @@ pub struct ArenaInfo {
     pub size: u64,
 }
 
+impl ArenaInfo {
+    /// An arena `id` of `device` mapped at `mem`, as observers see it when it is new or
+    /// mapped again (no flags yet).
+    pub(crate) fn mapped(device: DeviceId, id: u64, mem: &ArenaMem) -> ArenaInfo {
+        ArenaInfo {
+            device,
+            flags: 0,
+            arena_id: id,
+            base: mem.base,
+            size: mem.bytes,
+        }
+    }
+}
+
 /// Why an observer refused an arena.
 pub type ObserverError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -531,13 +545,7 @@ impl Pool {
             )));
         }
         let id = dp.state.lock().reserve_arena_id();
-        let info = ArenaInfo {
-            device: dp.device,
-            flags: 0,
-            arena_id: id,
-            base: mem.base,
-            size: mem.bytes,
-        };
+        let info = ArenaInfo::mapped(dp.device, id, &mem);
         let calls = self.observers.register_arena(info);
         self.count_failures(self.observers.deliver(calls));
         let key = (dp.device, mem.base);

@@ -25,7 +25,7 @@
 use crate::backend::{ArenaMem, Backend, DeviceId, HostBuffer};
 use crate::error::{Error, Result};
 use crate::pool::observers::ArenaInfo;
-use crate::pool::{DevicePool, Pool};
+use crate::pool::{DevicePool, DeviceState, Pool};
 use crate::tags;
 
 /// An arena's sleep: the contents kept on the host (offloaded tags).
@@ -272,7 +272,18 @@ impl Pool {
             kept_shared_bytes = report.kept_shared_bytes,
             "gpu-arena sleep"
         );
-        let st = dp.state.lock();
+        self.settle(dp, &dp.state.lock(), first_err, report)
+    }
+
+    /// The end of a sleep or a wake on one device: publish the gauges, validate (when
+    /// configured), and return the first error or the report.
+    fn settle(
+        &self,
+        dp: &DevicePool,
+        st: &DeviceState,
+        first_err: Option<Error>,
+        report: SleepReport,
+    ) -> Result<SleepReport> {
         dp.metrics.publish(&st.stats);
         if self.config.validate {
             st.validate_or_log();
@@ -321,14 +332,9 @@ impl Pool {
 
     /// Tell every observer of an arena mapped again (no lock held).
     fn announce(&self, dp: &DevicePool, id: u64, mem: &ArenaMem) {
-        let info = ArenaInfo {
-            device: dp.device,
-            flags: 0,
-            arena_id: id,
-            base: mem.base,
-            size: mem.bytes,
-        };
-        let calls = self.observers.announce(info);
+        let calls = self
+            .observers
+            .announce(ArenaInfo::mapped(dp.device, id, mem));
         self.count_failures(self.observers.deliver(calls));
     }
 
@@ -442,13 +448,6 @@ impl Pool {
             copied_back_bytes = report.copied_bytes,
             "gpu-arena wake"
         );
-        dp.metrics.publish(&st.stats);
-        if self.config.validate {
-            st.validate_or_log();
-        }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(report),
-        }
+        self.settle(dp, &st, first_err, report)
     }
 }
