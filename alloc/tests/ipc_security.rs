@@ -429,53 +429,17 @@ fn a_thousand_forged_tokens_are_refused_and_open_nothing() {
     for bit in 0..128 {
         let mut t = h.info.token;
         t[bit / 8] ^= 1 << (bit % 8);
-        let r = round_trip(
-            &raw,
-            &request(
-                OPEN,
-                true,
-                0,
-                h.info.share_key,
-                h.info.arena_id,
-                &t,
-                h.info.generation,
-            ),
-        );
+        let r = round_trip(&raw, &open_req_as(&h, h.info.share_key, &t));
         assert!(!r.ok && r.fds.is_empty(), "bit {bit}: {r:?}");
         refused += 1;
     }
     // All-zero and all-one tokens; the right token on other share keys.
     for t in [[0u8; 16], [0xff; 16]] {
-        assert!(
-            !round_trip(
-                &raw,
-                &request(
-                    OPEN,
-                    true,
-                    0,
-                    h.info.share_key,
-                    h.info.arena_id,
-                    &t,
-                    h.info.generation
-                )
-            )
-            .ok
-        );
+        assert!(!round_trip(&raw, &open_req_as(&h, h.info.share_key, &t)).ok);
         refused += 1;
     }
     for key in (0..64).chain([u32::MAX]).filter(|&k| k != h.info.share_key) {
-        let r = round_trip(
-            &raw,
-            &request(
-                OPEN,
-                true,
-                0,
-                key,
-                h.info.arena_id,
-                &h.info.token,
-                h.info.generation,
-            ),
-        );
+        let r = round_trip(&raw, &open_req_as(&h, key, &h.info.token));
         assert!(!r.ok, "key {key}");
         refused += 1;
     }

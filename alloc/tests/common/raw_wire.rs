@@ -55,6 +55,19 @@ pub fn open_req(h: &ShareHandle, want_fd: bool) -> Vec<u8> {
     )
 }
 
+/// An open of `h` (with its fd) that presents share `key` and `token` instead of its own.
+pub fn open_req_as(h: &ShareHandle, key: u32, token: &[u8; 16]) -> Vec<u8> {
+    request(
+        OPEN,
+        true,
+        h.info.device,
+        key,
+        h.info.arena_id,
+        token,
+        h.info.generation,
+    )
+}
+
 pub fn close_req(device: i32, lease: u32) -> Vec<u8> {
     request(CLOSE, false, device, lease, 0, &[0; 16], 0)
 }
