@@ -103,9 +103,9 @@ impl DeviceMetrics {
 
     /// Publish the allocated- and requested-bytes gauges (the only ones an allocation or
     /// free from the pool's free ranges changes).
-    pub(crate) fn publish_allocated(&self, s: &PoolStats) {
-        self.allocated.set(s.allocated_bytes as f64);
-        self.requested.set(s.requested_bytes as f64);
+    pub(crate) fn publish_allocated(&self, allocated_bytes: u64, requested_bytes: u64) {
+        self.allocated.set(allocated_bytes as f64);
+        self.requested.set(requested_bytes as f64);
     }
 
     /// Publish the gauges from the counters.

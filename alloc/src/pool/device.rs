@@ -5,11 +5,12 @@
 
 use std::collections::HashMap;
 
+use super::thread_cache::{Counts, FrontLive};
 use super::{DeviceState, Live, PendingFree, ANY_STREAM, FLUSH_FIRST_ABOVE, LIMBO_BASE};
 use crate::backend::{ArenaMem, Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
 use crate::history::Action;
-use crate::lifetime::ArenaLifetime;
+use crate::lifetime::{AllocHold, ArenaLifetime};
 use crate::pool::Arena;
 use crate::range::RangeAllocator;
 
@@ -24,7 +25,7 @@ pub(super) fn cache_len(len: u64, tag: u8) -> u64 {
 pub(super) fn cache_key_parts(key: u64) -> (u64, usize) {
     (key & !511, (key & 511) as usize)
 }
-use crate::stats::DeviceMetrics;
+use crate::stats::{DeviceMetrics, PoolStats};
 
 impl DeviceState {
     /// Find a range for `len` bytes usable on `stream`, without creating memory.
@@ -57,10 +58,9 @@ impl DeviceState {
         // Miss: give cached blocks back to the ranges, where they coalesce, and retry: the
         // large ones first, then all (see FLUSH_FIRST_ABOVE).
         for min_len in [FLUSH_FIRST_ABOVE, 0] {
-            if self.cached_bytes == 0 {
-                break;
+            if !self.flush_cached_above(min_len) {
+                continue;
             }
-            self.flush_cached_above(min_len);
             if let Some(p) = self.ranges[t]
                 .alloc(len, stream.0)
                 .or_else(|| self.ranges[t].alloc(len, ANY_STREAM))
@@ -235,9 +235,8 @@ impl DeviceState {
             a.live_allocs -= 1;
         }
         let bytes = live.bytes();
-        self.stats.allocated_bytes -= bytes;
-        self.stats.requested_bytes -= live.requested;
-        self.stats.allocations -= 1;
+        self.front.sub_bytes(bytes, live.requested);
+        self.stats.allocations = self.stats.allocations.wrapping_sub(1);
         if self.history.recording {
             let (req, stream) = (live.requested, live.stream.0);
             self.history
@@ -256,11 +255,15 @@ impl DeviceState {
         self.flush_cached_above(0);
     }
 
-    /// Return the cached blocks longer than `min_len` to the sub-allocator, tagged with
-    /// their streams.
-    pub(super) fn flush_cached_above(&mut self, min_len: u64) {
+    /// Return the cached blocks longer than `min_len`, the device's and the thread caches',
+    /// to the sub-allocator, tagged with their streams.
+    /// Returns whether any block went back.
+    pub(super) fn flush_cached_above(&mut self, min_len: u64) -> bool {
+        let drained = self.front.drain_above(min_len);
+        let from_threads = !drained.is_empty();
+        self.free_blocks(drained);
         if self.cached_bytes == 0 {
-            return;
+            return from_threads;
         }
         // Per stream, in one sorted pass: neighbouring cached blocks (a finished sequence's
         // KV blocks often are) merge before touching the free index.
@@ -278,11 +281,90 @@ impl DeviceState {
                 .extend(blocks.drain(..).map(|(ptr, _)| ptr));
             false
         });
-        for ((stream, tag), mut ptrs) in by_stream {
-            for ptr in self.ranges[tag].free_many(&mut ptrs, stream) {
+        let from_device = !by_stream.is_empty();
+        self.free_blocks(by_stream);
+        from_threads || from_device
+    }
+
+    /// Give cached blocks, by (stream, tag index), back to the sub-allocator.
+    fn free_blocks(&mut self, blocks: impl IntoIterator<Item = ((u64, usize), Vec<u64>)>) {
+        for ((stream, tag), mut ptrs) in blocks {
+            let Some(ranges) = self.ranges.get_mut(tag) else {
+                tracing::error!(tag, "flushing cached blocks of an unknown tag");
+                continue;
+            };
+            for ptr in ranges.free_many(&mut ptrs, stream) {
                 tracing::error!(ptr, "flushing a cached block failed: not allocated");
             }
         }
+    }
+
+    /// Return the blocks of thread caches whose thread exited and fold in their counts.
+    pub(super) fn reclaim_gone_caches(&mut self) {
+        let (blocks, counts) = self.front.take_gone();
+        if blocks.is_empty() && counts == Counts::default() {
+            return;
+        }
+        self.free_blocks(blocks);
+        let s = &mut self.stats;
+        s.alloc_count = s.alloc_count.wrapping_add(counts.alloc_count);
+        s.free_count = s.free_count.wrapping_add(counts.free_count);
+        s.allocations = s.allocations.wrapping_add(counts.allocations);
+    }
+
+    /// Move the front's record of `ptr`, if it has one, into the device's map (where shares,
+    /// `record_stream` and the stream rules of a non-plain free work on it).
+    pub(crate) fn promote(&mut self, ptr: u64) {
+        if let Some(rec) = self.front.take_live(ptr) {
+            self.insert_promoted(ptr, rec);
+        }
+    }
+
+    /// [`Self::promote`] every record of the front.
+    pub(crate) fn promote_all(&mut self) {
+        for (ptr, rec) in self.front.take_all_live() {
+            self.insert_promoted(ptr, rec);
+        }
+    }
+
+    fn insert_promoted(&mut self, ptr: u64, rec: FrontLive) {
+        if let Some(a) = self.arenas.get_mut(rec.arena) {
+            a.live_allocs += 1;
+        }
+        let live = Live {
+            arena: rec.arena,
+            requested: rec.requested,
+            stream: StreamId(rec.stream),
+            extra_streams: None,
+            hold: AllocHold::default(),
+        };
+        self.allocs.insert(ptr, live);
+    }
+
+    /// The device's counters with the front's added: allocated and requested bytes and
+    /// their peaks, and the thread caches' allocation and free counts. Read with every
+    /// thread cache locked, so consistent.
+    pub(crate) fn stats_now(&self) -> PoolStats {
+        let mut s = self.stats;
+        let registry = self.front.lock_caches();
+        let caches = registry.lock();
+        for c in &caches {
+            s.alloc_count = s.alloc_count.wrapping_add(c.counts.alloc_count);
+            s.free_count = s.free_count.wrapping_add(c.counts.free_count);
+            s.allocations = s.allocations.wrapping_add(c.counts.allocations);
+        }
+        [
+            s.allocated_bytes,
+            s.requested_bytes,
+            s.peak_allocated_bytes,
+            s.peak_requested_bytes,
+        ] = self.front.byte_counts();
+        s
+    }
+
+    /// Tell the thread caches how much they may hold: a quarter of the reserved bytes.
+    pub(super) fn set_cache_limit(&self) {
+        self.front.set_cache_limit(self.stats.reserved_bytes / 4);
     }
 
     /// Give an allocation's range back to the sub-allocator under `tag` and drop its record.
@@ -308,9 +390,8 @@ impl DeviceState {
         if let Some(a) = self.arenas.get_mut(live.arena) {
             a.live_allocs -= 1;
         }
-        self.stats.allocated_bytes -= live.bytes();
-        self.stats.requested_bytes -= live.requested;
-        self.stats.allocations -= 1;
+        self.front.sub_bytes(live.bytes(), live.requested);
+        self.stats.allocations = self.stats.allocations.wrapping_sub(1);
         if self.history.recording {
             let (len, req, stream) = (live.bytes(), live.requested, live.stream.0);
             self.history
@@ -379,6 +460,7 @@ impl DeviceState {
         s.peak_reserved_bytes = s.peak_reserved_bytes.max(s.reserved_bytes);
         s.arenas += 1;
         s.backend_creates += 1;
+        self.set_cache_limit();
         metrics.creates.increment(1);
         if self.history.recording {
             self.history.record(Action::SegmentAlloc, base, bytes, 0, 0);
@@ -418,6 +500,7 @@ impl DeviceState {
             }
             out.push(a.mem);
         }
+        self.set_cache_limit();
         out
     }
 
@@ -462,47 +545,80 @@ impl DeviceState {
                 self.stats.reserved_bytes, self.stats.sleeping_bytes, rs.region_bytes
             ));
         }
-        let used: u64 = self.allocs.values().map(Live::bytes).sum();
-        let requested: u64 = self.allocs.values().map(|l| l.requested).sum();
-        if requested != self.stats.requested_bytes {
-            return Err(format!(
-                "requested {} in stats, {requested} in records",
-                self.stats.requested_bytes
-            ));
+        // Every block the pool holds allocated in the ranges, each exactly once: live in
+        // the device's map or the front's shards, or cached by the device or a thread.
+        // (With the thread caches and shards locked: no fast path runs meanwhile.)
+        let registry = self.front.lock_caches();
+        let thread_caches = registry.lock();
+        let shards = self.front.lock_live();
+        let mut seen: HashMap<u64, &str> = HashMap::new();
+        let mut whole = |ptr: u64, len: u64, what: &'static str| -> Result<(), String> {
+            if let Some(other) = seen.insert(ptr, what) {
+                return Err(format!("block {ptr:#x} is both {other} and {what}"));
+            }
+            if self.ranges_of(ptr).and_then(|r| r.allocated_len(ptr)) != Some(len) {
+                return Err(format!(
+                    "{what} block {ptr:#x} is not allocated whole in the ranges"
+                ));
+            }
+            Ok(())
+        };
+        let (mut used, mut requested) = (0, 0);
+        for (&ptr, l) in &self.allocs {
+            whole(ptr, l.bytes(), "live")?;
+            (used, requested) = (used + l.bytes(), requested + l.requested);
         }
-        let cached: u64 = self
-            .cache
-            .iter()
-            .map(|(k, v)| cache_key_parts(k.1).0 * v.len() as u64)
-            .sum();
+        for (&ptr, l) in shards.iter().flat_map(|s| s.iter()) {
+            let len = super::block_len(l.requested).unwrap_or(0);
+            whole(ptr, len, "live in the front")?;
+            (used, requested) = (used + len, requested + l.requested);
+        }
+        let mut cached = 0;
+        for (&(_, key), blocks) in &self.cache {
+            let len = cache_key_parts(key).0;
+            for &(ptr, _) in blocks {
+                whole(ptr, len, "cached")?;
+                cached += len;
+            }
+        }
         if cached != self.cached_bytes {
             return Err(format!(
                 "cache holds {cached} bytes, counter says {}",
                 self.cached_bytes
             ));
         }
-        for (&(_, key), blocks) in &self.cache {
-            let len = cache_key_parts(key).0;
-            for &(ptr, _) in blocks {
-                if self.ranges_of(ptr).and_then(|r| r.allocated_len(ptr)) != Some(len)
-                    || self.allocs.contains_key(&ptr)
-                {
-                    return Err(format!("cached block {ptr:#x} is not a whole free block"));
+        for c in &thread_caches {
+            let mut in_thread = 0;
+            for (&(_, key), blocks) in &c.blocks {
+                let len = cache_key_parts(key).0;
+                for &(ptr, _) in blocks {
+                    whole(ptr, len, "cached by a thread")?;
+                    in_thread += len;
                 }
             }
+            if in_thread != c.bytes {
+                return Err(format!(
+                    "a thread cache holds {in_thread} bytes, its counter says {}",
+                    c.bytes
+                ));
+            }
+            cached += in_thread;
         }
-        if used + cached != rs.used_bytes || used != self.stats.allocated_bytes {
+        let [allocated_bytes, requested_bytes, ..] = self.front.byte_counts();
+        if requested != requested_bytes {
             return Err(format!(
-                "allocated {} in stats, {used} in records, {} in ranges",
-                self.stats.allocated_bytes, rs.used_bytes
+                "requested {requested_bytes} in stats, {requested} in records"
+            ));
+        }
+        if used + cached != rs.used_bytes || used != allocated_bytes {
+            return Err(format!(
+                "allocated {allocated_bytes} in stats, {used} in records, {cached} cached, {} in ranges",
+                rs.used_bytes
             ));
         }
         // Per arena: live allocations, and the references they hold.
         let mut per_arena: HashMap<usize, (u64, u64)> = HashMap::new();
-        for (&ptr, l) in &self.allocs {
-            if self.ranges_of(ptr).and_then(|r| r.allocated_len(ptr)) != Some(l.bytes()) {
-                return Err(format!("allocation {ptr:#x} not allocated in the ranges"));
-            }
+        for l in self.allocs.values() {
             let n = per_arena.entry(l.arena).or_default();
             n.0 += 1;
             n.1 += u64::from(l.hold.refs());

@@ -48,17 +48,20 @@ use slab::Slab;
 use crate::backend::{ArenaMem, Backend, DeviceId, Event, Export, StreamId};
 use crate::error::{Error, Result};
 use crate::history::{Action, History};
-use crate::lifetime::{AllocHold, ArenaLifetime, FreeStep};
+use crate::lifetime::{AllocHold, ArenaLifetime};
 use crate::range::{self, RangeAllocator};
 use crate::stats::{DeviceMetrics, PoolStats};
 use records::ShareTables;
+use thread_cache::{Front, FrontLive};
 
 mod device;
+mod free;
 mod limits;
 mod observers;
 mod records;
 mod share;
 mod sleep;
+mod thread_cache;
 mod trace;
 
 pub use limits::{MaxReserved, MIN_ARENA_SIZE};
@@ -259,6 +262,9 @@ pub(crate) struct DeviceState {
     pub(crate) shares: ShareTables,
     /// The event ring (`crate::history`); off unless `record_history` turned it on.
     pub(crate) history: History,
+    /// The thread front (`pool/thread_cache.rs`): thread caches and the plain allocations'
+    /// records, outside this lock (the same one as [`DevicePool::front`]).
+    pub(crate) front: Arc<Front>,
 }
 
 /// One device's pool.
@@ -267,6 +273,8 @@ pub(crate) struct DevicePool {
     pub(crate) device: DeviceId,
     limits: OnceLock<limits::DeviceLimits>,
     pub(crate) state: Mutex<DeviceState>,
+    /// The thread front, reached without the lock.
+    pub(crate) front: Arc<Front>,
     pub(crate) metrics: DeviceMetrics,
 }
 
@@ -291,13 +299,16 @@ impl Pool {
         let devices = (0..count)
             .map(|d| {
                 let device = d as DeviceId;
+                let front = Arc::new(Front::default());
                 DevicePool {
                     device,
                     limits: OnceLock::new(),
                     state: Mutex::new(DeviceState {
                         next_arena_id: 1,
+                        front: Arc::clone(&front),
                         ..DeviceState::default()
                     }),
+                    front,
                     metrics: DeviceMetrics::new(device),
                 }
             })
@@ -351,13 +362,28 @@ impl Pool {
             stream
         };
         let tag = crate::tags::current();
-        // Fast path: an exact-size block freed on this stream, else a best-fit range; all
-        // under the lock, no driver call.
+        // Fast path: a block freed on this stream, from this thread's cache, no device lock.
+        if let Some(ptr) = dp.front.try_alloc(stream.0, len, tag, bytes) {
+            let [allocated_bytes, requested_bytes, ..] = dp.front.byte_counts();
+            dp.metrics
+                .publish_allocated(allocated_bytes, requested_bytes);
+            if self.config.validate {
+                dp.state.lock().validate_or_log();
+            }
+            return Ok(Allocation {
+                ptr,
+                bytes: len,
+                device,
+            });
+        }
+        // Else an exact-size block from the device's cache, else a best-fit range; under
+        // the lock, no driver call.
         {
             let mut st = dp.state.lock();
             if st.asleep_tags & (1 << tag) != 0 {
                 return Err(sleep::asleep_error(device, tag, bytes));
             }
+            st.reclaim_gone_caches();
             let key = (stream.0, device::cache_len(len, tag));
             if let Some((ptr, arena)) = st.cache.get_mut(&key).and_then(Vec::pop) {
                 st.cached_bytes -= len;
@@ -423,7 +449,7 @@ impl Pool {
                 Ok(mem) => {
                     // Observers' on_ready runs before the arena enters the pool.
                     let (mut st, key) = self.install_arena(dp, mem, tag)?;
-                    dp.metrics.publish(&st.stats);
+                    dp.metrics.publish(&st.stats_now());
                     let ptr = st.ranges[usize::from(tag)]
                         .alloc(len, ANY_STREAM)
                         .ok_or_else(|| {
@@ -445,8 +471,8 @@ impl Pool {
                     st.stats.oom_count += 1;
                     dp.metrics.ooms.increment(1);
                     let free = self.backend.mem_info(device).map(|m| m.free).unwrap_or(0);
-                    let cause =
-                        limits.oom_cause(&self.config, arena_bytes, capped, &st.stats, free);
+                    let stats = st.stats_now();
+                    let cause = limits.oom_cause(&self.config, arena_bytes, capped, &stats, free);
                     if st.history.recording {
                         st.history
                             .record(Action::Oom, free, len, requested, stream.0);
@@ -489,27 +515,22 @@ impl Pool {
         stream: StreamId,
     ) -> Allocation {
         debug_assert_eq!(block_len(requested), Some(len));
-        if let Some(a) = st.arenas.get_mut(arena) {
-            a.live_allocs += 1;
-        }
-        st.allocs.insert(
-            ptr,
-            Live {
-                arena,
-                requested,
-                stream,
-                extra_streams: None,
-                hold: AllocHold::default(),
-            },
-        );
+        // A plain allocation: recorded in the front, where its free needs no device lock.
+        let tag = st.arenas.get(arena).map_or(0, |a| a.tag);
+        let rec = FrontLive {
+            arena,
+            requested,
+            stream: stream.0,
+            tag,
+        };
+        st.front.insert_live(ptr, rec);
+        st.front.count_alloc(len, requested);
         let s = &mut st.stats;
-        s.allocated_bytes += len;
-        s.peak_allocated_bytes = s.peak_allocated_bytes.max(s.allocated_bytes);
-        s.requested_bytes += requested;
-        s.peak_requested_bytes = s.peak_requested_bytes.max(s.requested_bytes);
-        s.allocations += 1;
+        s.allocations = s.allocations.wrapping_add(1);
         s.alloc_count += 1;
-        dp.metrics.publish_allocated(s);
+        let [allocated_bytes, requested_bytes, ..] = st.front.byte_counts();
+        dp.metrics
+            .publish_allocated(allocated_bytes, requested_bytes);
         if st.history.recording {
             st.history
                 .record(Action::Alloc, ptr, len, requested, stream.0);
@@ -522,162 +543,6 @@ impl Pool {
             bytes: len,
             device: dp.device,
         }
-    }
-
-    /// Free an allocation. A range still shared with other processes is kept until its
-    /// shares end; a range recorded on other streams is kept until their work completes.
-    pub fn free(&self, ptr: u64) -> Result<()> {
-        let dp = self.device_of(ptr)?;
-        self.free_on(dp, ptr, None)
-    }
-
-    /// Free with the caller's view of the allocation checked first (the C API passes the
-    /// size it asked for and the device): a mismatch is an error and changes nothing.
-    pub fn free_checked(&self, ptr: u64, requested: u64, device: DeviceId) -> Result<()> {
-        let dp = self.dev(device)?;
-        self.free_on(dp, ptr, Some(requested))
-    }
-
-    /// The device whose arenas contain `ptr` (the free path then says precisely what is
-    /// wrong with it).
-    fn device_of(&self, ptr: u64) -> Result<&DevicePool> {
-        if let [only] = self.devices.as_slice() {
-            return Ok(only);
-        }
-        for dp in &self.devices {
-            let st = dp.state.lock();
-            if st.allocs.contains_key(&ptr) || st.arena_of(ptr).is_some() {
-                return Ok(dp);
-            }
-        }
-        Err(Error::UnknownPointer {
-            ptr,
-            why: "not inside any arena of gpu-arena (never allocated here)".into(),
-        })
-    }
-
-    fn free_on(&self, dp: &DevicePool, ptr: u64, requested: Option<u64>) -> Result<()> {
-        let mut st = dp.state.lock();
-        // Fast path: not shared, no other streams, size as recorded — one hash removal.
-        let plain = st.allocs.get(&ptr).is_some_and(|l| {
-            l.hold.is_plain()
-                && l.extra_streams.is_none()
-                && requested.is_none_or(|r| r == l.requested)
-        });
-        if let Some(live) = plain.then(|| st.allocs.remove(&ptr)).flatten() {
-            st.stats.free_count += 1;
-            let bytes = live.bytes();
-            if st.history.recording {
-                let (req, s) = (live.requested, live.stream.0);
-                st.history.record(Action::FreeRequested, ptr, bytes, req, s);
-            }
-            let cacheable =
-                bytes <= CACHE_MAX_BLOCK && st.cached_bytes + bytes <= st.stats.reserved_bytes / 4;
-            if cacheable {
-                st.cache_live(ptr, live);
-            } else {
-                let tag = live_tag(&live);
-                st.release_live(ptr, live, tag)?;
-            }
-            dp.metrics.publish_allocated(&st.stats);
-            if self.config.validate {
-                st.validate_or_log();
-            }
-            return Ok(());
-        }
-        let live = st.check_live(ptr, dp.device)?;
-        if let Some(req) = requested {
-            if req != live.requested {
-                return Err(Error::invalid(format!(
-                    "free of {ptr:#x} with size {req}: it was allocated with size {}",
-                    live.requested
-                )));
-            }
-        }
-        let (stream, extra) = (live.stream, live.extra_streams().to_vec());
-        let step = {
-            let st = &mut *st;
-            let lifetime = st.arenas.get(live.arena).map(|a| &a.lifetime);
-            match (lifetime, st.allocs.get_mut(&ptr)) {
-                (Some(lt), Some(l)) => lt.free(&mut l.hold).map_err(|e| Error::UnknownPointer {
-                    ptr,
-                    why: e.to_string(),
-                })?,
-                _ => {
-                    return Err(Error::Internal(format!(
-                        "free of {ptr:#x}: record or arena gone"
-                    )))
-                }
-            }
-        };
-        st.stats.free_count += 1;
-        if st.history.recording {
-            let (len, req) = (live.bytes(), live.requested);
-            st.history
-                .record(Action::FreeRequested, ptr, len, req, stream.0);
-        }
-        if step == FreeStep::Deferred {
-            // Still shared: the range waits for its last reference (pool/share.rs releases
-            // it when the lifetime says so).
-            st.stats.deferred_free_bytes += live.bytes();
-        } else if !extra.is_empty() {
-            let mut events = Vec::with_capacity(extra.len());
-            for s in extra {
-                match self.backend.record_event(dp.device, s) {
-                    Ok(e) => events.push(e),
-                    Err(e) => {
-                        // Without the event we cannot know when the other stream is done:
-                        // wait for the device instead of risking a reuse race.
-                        tracing::warn!(error = %e, "record_event failed at free; synchronizing");
-                        for ev in events.drain(..) {
-                            let _ = self.backend.destroy_event(ev);
-                        }
-                        drop(st);
-                        self.backend.synchronize(dp.device)?;
-                        st = dp.state.lock();
-                        break;
-                    }
-                }
-            }
-            st.stats.pending_free_bytes += live.bytes();
-            st.pending.push(PendingFree {
-                ptr,
-                stream,
-                events,
-                until_synchronize: false,
-            });
-        } else {
-            st.release_range(ptr, stream.0)?;
-        }
-        dp.metrics.publish(&st.stats);
-        if self.config.validate {
-            st.validate_or_log();
-        }
-        Ok(())
-    }
-
-    /// Mark `ptr` as used on `stream` too: its range is not reused after free until the
-    /// work enqueued on `stream` before the free has completed.
-    pub fn record_stream(&self, ptr: u64, stream: StreamId) -> Result<()> {
-        let dp = self.device_of(ptr)?;
-        let mut st = dp.state.lock();
-        let live = st
-            .allocs
-            .get_mut(&ptr)
-            .filter(|l| !l.hold.freed())
-            .ok_or_else(|| Error::UnknownPointer {
-                ptr,
-                why: "record_stream on a pointer that is not a live allocation".into(),
-            })?;
-        if live.stream != stream
-            && !live.extra_streams().contains(&stream)
-            && !self.config.unsafe_ignore_streams
-        {
-            let mut extra = live.extra_streams.take().map(Vec::from).unwrap_or_default();
-            extra.push(stream);
-            live.extra_streams = Some(extra.into_boxed_slice());
-        }
-        Ok(())
     }
 
     /// Synchronize `device` (or every device for `None`) and destroy every arena with no live
@@ -730,7 +595,7 @@ impl Pool {
             }
         }
         let st = dp.state.lock();
-        dp.metrics.publish(&st.stats);
+        dp.metrics.publish(&st.stats_now());
         if self.config.validate {
             st.validate_or_log();
         }
@@ -743,7 +608,7 @@ impl Pool {
 
     /// Counters of one device.
     pub fn stats(&self, device: DeviceId) -> Result<PoolStats> {
-        Ok(self.dev(device)?.state.lock().stats)
+        Ok(self.dev(device)?.state.lock().stats_now())
     }
 
     /// Check every invariant of one device's pool (the sub-allocator's, and that the pool's
@@ -762,7 +627,9 @@ impl Pool {
             .devices
             .iter()
             .map(|dp| {
-                let st = dp.state.lock();
+                let mut st = dp.state.lock();
+                // The plain allocations' records move into the device's map, to be listed.
+                st.promote_all();
                 let arenas: Vec<serde_json::Value> = st
                     .arenas
                     .iter()
@@ -786,7 +653,7 @@ impl Pool {
                     .collect();
                 let mut d = serde_json::json!({
                     "device": dp.device,
-                    "stats": st.stats,
+                    "stats": st.stats_now(),
                     "arenas": arenas,
                 });
                 trace::add_to_snapshot(&st, &mut d);
@@ -801,11 +668,12 @@ impl Drop for Pool {
     fn drop(&mut self) {
         for dp in &mut self.devices {
             let st = dp.state.get_mut();
+            st.promote_all();
             if !st.allocs.is_empty() {
                 tracing::warn!(
                     device = dp.device,
                     allocations = st.allocs.len(),
-                    bytes = st.stats.allocated_bytes,
+                    bytes = st.stats_now().allocated_bytes,
                     "pool dropped with live allocations: their memory is released with the pool"
                 );
             }

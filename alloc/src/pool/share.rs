@@ -178,6 +178,7 @@ impl Pool {
                 ptr,
                 why: "share of a range that is not inside a live allocation".into(),
             })?;
+        st.promote(start);
         let live = st.check_live(start, dp.device)?;
         if end > start + alen || end > start + live.requested.max(1).next_multiple_of(512) {
             return Err(Error::invalid(format!(
@@ -303,7 +304,7 @@ impl Pool {
         st.stats.exports_live += 1;
         st.stats.exports_total += 1;
         dp.metrics.exports.increment(1);
-        dp.metrics.publish(&st.stats);
+        dp.metrics.publish(&st.stats_now());
         Ok(())
     }
 
@@ -568,7 +569,7 @@ impl Pool {
         if let Err(e) = self.backend.close_export(&mem, export) {
             tracing::error!(error = %e, device = dp.device, "closing an export failed");
         }
-        dp.metrics.publish(&dp.state.lock().stats);
+        dp.metrics.publish(&dp.state.lock().stats_now());
     }
 
     /// Close every export and destroy every arena (the pool is going away).

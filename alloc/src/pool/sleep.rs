@@ -166,9 +166,14 @@ impl Pool {
         let sleeping;
         {
             let mut st = dp.state.lock();
-            st.settle_all(self.backend.as_ref());
             sleeping = all & !st.asleep_tags;
+            // The thread caches' gate first: settle_all drains them, and no block of a
+            // sleeping tag is handed out or cached by them after that.
+            st.front.set_asleep_tags(st.asleep_tags | sleeping);
+            st.settle_all(self.backend.as_ref());
             st.asleep_tags |= sleeping;
+            // Every live allocation in the device's map, for the offload below.
+            st.promote_all();
             let st = &mut *st;
             for (k, a) in st.arenas.iter_mut() {
                 if a.sleep.is_some() || sleeping & (1 << a.tag) == 0 {
@@ -218,7 +223,7 @@ impl Pool {
                     }
                 }
             }
-            dp.metrics.publish(&st.stats);
+            dp.metrics.publish(&st.stats_now());
         }
         // Observers first: the arenas are still mapped.
         self.count_failures(self.observers.deliver(calls));
@@ -284,7 +289,8 @@ impl Pool {
         first_err: Option<Error>,
         report: SleepReport,
     ) -> Result<SleepReport> {
-        dp.metrics.publish(&st.stats);
+        st.front.set_cache_limit(st.stats.reserved_bytes / 4);
+        dp.metrics.publish(&st.stats_now());
         if self.config.validate {
             st.validate_or_log();
         }
@@ -441,6 +447,7 @@ impl Pool {
         }
         let mut st = dp.state.lock();
         st.asleep_tags &= !(want & !failed);
+        st.front.set_asleep_tags(st.asleep_tags);
         tracing::info!(
             device,
             tags = %names(want),

@@ -18,7 +18,9 @@ impl Pool {
             max_entries
         };
         for dp in &self.devices {
-            dp.state.lock().history.set(enabled, cap);
+            let mut st = dp.state.lock();
+            st.history.set(enabled, cap);
+            st.front.set_history(st.history.recording);
         }
     }
 

@@ -1,0 +1,186 @@
+//! Free and `record_stream`: the thread front's fast free first (`pool/thread_cache.rs`),
+//! else, under the device lock, the allocation's record promoted from the front and the
+//! stream rules applied (the exact-size cache, pending frees that wait for events on
+//! `record_stream` streams, deferred frees of shared ranges).
+
+use super::{live_tag, DevicePool, PendingFree, Pool, CACHE_MAX_BLOCK};
+use crate::backend::{DeviceId, StreamId};
+use crate::error::{Error, Result};
+use crate::history::Action;
+use crate::lifetime::FreeStep;
+
+impl Pool {
+    /// Free an allocation. A range still shared with other processes is kept until its
+    /// shares end; a range recorded on other streams is kept until their work completes.
+    pub fn free(&self, ptr: u64) -> Result<()> {
+        let dp = self.device_of(ptr)?;
+        self.free_on(dp, ptr, None)
+    }
+
+    /// Free with the caller's view of the allocation checked first (the C API passes the
+    /// size it asked for and the device): a mismatch is an error and changes nothing.
+    pub fn free_checked(&self, ptr: u64, requested: u64, device: DeviceId) -> Result<()> {
+        let dp = self.dev(device)?;
+        self.free_on(dp, ptr, Some(requested))
+    }
+
+    /// The device whose arenas contain `ptr` (the free path then says precisely what is
+    /// wrong with it).
+    fn device_of(&self, ptr: u64) -> Result<&DevicePool> {
+        if let [only] = self.devices.as_slice() {
+            return Ok(only);
+        }
+        for dp in &self.devices {
+            if dp.front.contains_live(ptr) {
+                return Ok(dp);
+            }
+            let st = dp.state.lock();
+            if st.allocs.contains_key(&ptr) || st.arena_of(ptr).is_some() {
+                return Ok(dp);
+            }
+        }
+        Err(Error::UnknownPointer {
+            ptr,
+            why: "not inside any arena of gpu-arena (never allocated here)".into(),
+        })
+    }
+
+    fn free_on(&self, dp: &DevicePool, ptr: u64, requested: Option<u64>) -> Result<()> {
+        // Fast path: a plain allocation into this thread's cache, no device lock.
+        if dp.front.try_free(ptr, requested) {
+            let [allocated_bytes, requested_bytes, ..] = dp.front.byte_counts();
+            dp.metrics
+                .publish_allocated(allocated_bytes, requested_bytes);
+            if self.config.validate {
+                dp.state.lock().validate_or_log();
+            }
+            return Ok(());
+        }
+        let mut st = dp.state.lock();
+        st.reclaim_gone_caches();
+        st.promote(ptr);
+        // Not shared, no other streams, size as recorded: one hash removal.
+        let plain = st.allocs.get(&ptr).is_some_and(|l| {
+            l.hold.is_plain()
+                && l.extra_streams.is_none()
+                && requested.is_none_or(|r| r == l.requested)
+        });
+        if let Some(live) = plain.then(|| st.allocs.remove(&ptr)).flatten() {
+            st.stats.free_count += 1;
+            let bytes = live.bytes();
+            if st.history.recording {
+                let (req, s) = (live.requested, live.stream.0);
+                st.history.record(Action::FreeRequested, ptr, bytes, req, s);
+            }
+            let cacheable =
+                bytes <= CACHE_MAX_BLOCK && st.cached_bytes + bytes <= st.stats.reserved_bytes / 4;
+            if cacheable {
+                st.cache_live(ptr, live);
+            } else {
+                let tag = live_tag(&live);
+                st.release_live(ptr, live, tag)?;
+            }
+            let [allocated_bytes, requested_bytes, ..] = dp.front.byte_counts();
+            dp.metrics
+                .publish_allocated(allocated_bytes, requested_bytes);
+            if self.config.validate {
+                st.validate_or_log();
+            }
+            return Ok(());
+        }
+        let live = st.check_live(ptr, dp.device)?;
+        if let Some(req) = requested {
+            if req != live.requested {
+                return Err(Error::invalid(format!(
+                    "free of {ptr:#x} with size {req}: it was allocated with size {}",
+                    live.requested
+                )));
+            }
+        }
+        let (stream, extra) = (live.stream, live.extra_streams().to_vec());
+        let step = {
+            let st = &mut *st;
+            let lifetime = st.arenas.get(live.arena).map(|a| &a.lifetime);
+            match (lifetime, st.allocs.get_mut(&ptr)) {
+                (Some(lt), Some(l)) => lt.free(&mut l.hold).map_err(|e| Error::UnknownPointer {
+                    ptr,
+                    why: e.to_string(),
+                })?,
+                _ => {
+                    return Err(Error::Internal(format!(
+                        "free of {ptr:#x}: record or arena gone"
+                    )))
+                }
+            }
+        };
+        st.stats.free_count += 1;
+        if st.history.recording {
+            let (len, req) = (live.bytes(), live.requested);
+            st.history
+                .record(Action::FreeRequested, ptr, len, req, stream.0);
+        }
+        if step == FreeStep::Deferred {
+            // Still shared: the range waits for its last reference (pool/share.rs releases
+            // it when the lifetime says so).
+            st.stats.deferred_free_bytes += live.bytes();
+        } else if !extra.is_empty() {
+            let mut events = Vec::with_capacity(extra.len());
+            for s in extra {
+                match self.backend.record_event(dp.device, s) {
+                    Ok(e) => events.push(e),
+                    Err(e) => {
+                        // Without the event we cannot know when the other stream is done:
+                        // wait for the device instead of risking a reuse race.
+                        tracing::warn!(error = %e, "record_event failed at free; synchronizing");
+                        for ev in events.drain(..) {
+                            let _ = self.backend.destroy_event(ev);
+                        }
+                        drop(st);
+                        self.backend.synchronize(dp.device)?;
+                        st = dp.state.lock();
+                        break;
+                    }
+                }
+            }
+            st.stats.pending_free_bytes += live.bytes();
+            st.pending.push(PendingFree {
+                ptr,
+                stream,
+                events,
+                until_synchronize: false,
+            });
+        } else {
+            st.release_range(ptr, stream.0)?;
+        }
+        dp.metrics.publish(&st.stats_now());
+        if self.config.validate {
+            st.validate_or_log();
+        }
+        Ok(())
+    }
+
+    /// Mark `ptr` as used on `stream` too: its range is not reused after free until the
+    /// work enqueued on `stream` before the free has completed.
+    pub fn record_stream(&self, ptr: u64, stream: StreamId) -> Result<()> {
+        let dp = self.device_of(ptr)?;
+        let mut st = dp.state.lock();
+        st.promote(ptr);
+        let live = st
+            .allocs
+            .get_mut(&ptr)
+            .filter(|l| !l.hold.freed())
+            .ok_or_else(|| Error::UnknownPointer {
+                ptr,
+                why: "record_stream on a pointer that is not a live allocation".into(),
+            })?;
+        if live.stream != stream
+            && !live.extra_streams().contains(&stream)
+            && !self.config.unsafe_ignore_streams
+        {
+            let mut extra = live.extra_streams.take().map(Vec::from).unwrap_or_default();
+            extra.push(stream);
+            live.extra_streams = Some(extra.into_boxed_slice());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,419 @@
+//! The thread front of one device's pool: per-thread caches of exactly-sized freed blocks
+//! and a sharded map of the plain allocations, so that an alloc/free pair that hits the
+//! calling thread's cache takes no device-wide lock (tcmalloc's thread cache, mimalloc's
+//! per-thread heap).
+//!
+//! - **Thread caches** ([`ThreadCache`]): one per thread and device, owned by the pool's
+//!   [`Front`] (its registry) and reached by the thread through a thread-local handle. A
+//!   cache holds freed blocks whole, keyed like the device's exact-size cache by (stream,
+//!   length, tag): a block freed on stream S is reused from a cache only by an allocation on
+//!   S (whichever thread frees it, the block keeps its stream). Each cache has its own lock,
+//!   which only its thread takes in the common case (no contention, the line stays in that
+//!   core's cache); flushers (a miss that would grow the pool, `empty_cache`, the OOM retry,
+//!   `sleep`, `validate`, `stats`) take it too, under the device lock, to drain or read it.
+//! - **Live shards** ([`Front::live`]): plain allocations (no share, no `record_stream`) are
+//!   recorded in one of [`LIVE_SHARDS`] maps by address, not in the device state, so frees
+//!   of different pointers rarely meet on a lock. Any operation that needs more than the
+//!   plain record (a share, `record_stream`, a free the front cannot take, a snapshot or a
+//!   sleep) first *promotes* it into the device state's map, under the device lock.
+//! - **Counters**: allocated and requested bytes (and their peaks) are atomics here, shared
+//!   by both paths; allocation and free counts are per cache, summed by `Pool::stats`.
+//!
+//! **Lock order**: device state, then the registry, then thread caches, then live shards.
+//! The fast path holds only its own cache and one shard (never the device lock); every
+//! counter and map it changes is changed with its cache locked, so a reader that holds the
+//! device lock and every cache lock sees a consistent pool.
+//!
+//! **Gates**: the fast path is off for a tag that sleeps and while history is recorded (the
+//! device lock's path records every event). Both are mirrored here as atomics, set under
+//! the device lock *before* the caches are drained, and read under the cache lock: a cache
+//! operation either completed before the drain (which then sees it) or sees the gate.
+//!
+//! **Thread exit**: the thread-local handle marks its cache gone; the next operation under
+//! the device lock returns the gone caches' blocks to the sub-allocator and folds their
+//! counts into the device's ([`Front::take_gone`]).
+
+use std::cell::RefCell;
+use std::ops::Deref;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Weak};
+
+use parking_lot::{Mutex, MutexGuard};
+use rustc_hash::FxHashMap;
+
+use super::device::cache_len;
+use super::{block_len, CACHE_MAX_BLOCK};
+
+/// Number of live-allocation shards per device (a power of two).
+pub(crate) const LIVE_SHARDS: usize = 64;
+
+/// `T` on cache lines of its own (128 bytes: the adjacent-line prefetcher pairs lines), so
+/// that threads writing neighbouring values do not share a line.
+#[repr(align(128))]
+#[derive(Debug, Default)]
+pub(crate) struct Padded<T>(T);
+
+impl<T> Deref for Padded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+/// A plain live allocation recorded in a shard: no share, no extra stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FrontLive {
+    /// Arena key (slab index) of its arena.
+    pub(crate) arena: usize,
+    pub(crate) requested: u64,
+    pub(crate) stream: u64,
+    /// Tag index of its arena.
+    pub(crate) tag: u8,
+}
+
+/// Allocation and free counts kept by a thread cache (added to the device's by `stats`).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Counts {
+    pub(crate) alloc_count: u64,
+    pub(crate) free_count: u64,
+    /// Change in live allocations, wrapping (a block allocated on one thread may be freed on
+    /// another, so one cache's share may be "negative").
+    pub(crate) allocations: u64,
+}
+
+impl Counts {
+    pub(crate) fn add(&mut self, o: Counts) {
+        self.alloc_count = self.alloc_count.wrapping_add(o.alloc_count);
+        self.free_count = self.free_count.wrapping_add(o.free_count);
+        self.allocations = self.allocations.wrapping_add(o.allocations);
+    }
+}
+
+/// Blocks of one thread cache, by (stream, [`cache_len`]): `(ptr, arena key)`.
+pub(crate) type CachedBlocks = FxHashMap<(u64, u64), Vec<(u64, usize)>>;
+
+/// One thread's cache for one device.
+#[derive(Debug, Default)]
+pub(crate) struct ThreadCache {
+    pub(crate) blocks: CachedBlocks,
+    /// Bytes in `blocks`.
+    pub(crate) bytes: u64,
+    pub(crate) counts: Counts,
+    /// Its thread exited: drained and dropped by the next [`Front::take_gone`].
+    gone: bool,
+}
+
+type CacheSlot = Padded<Mutex<ThreadCache>>;
+
+/// Allocated and requested bytes of a device, and their peaks.
+#[derive(Debug, Default)]
+struct ByteCounters {
+    allocated: AtomicU64,
+    requested: AtomicU64,
+    peak_allocated: AtomicU64,
+    peak_requested: AtomicU64,
+}
+
+/// What the fast path reads on every call, written rarely.
+#[derive(Debug, Default)]
+struct Gates {
+    /// Mirror of the device's asleep tags (bit = tag index).
+    asleep_tags: AtomicU64,
+    /// Mirror of `history.recording`.
+    history: AtomicBool,
+    /// Most bytes one thread cache may hold (a quarter of the reserved bytes, like the
+    /// device's cache).
+    cache_limit: AtomicU64,
+}
+
+/// The thread front of one device (see the module docs).
+#[derive(Debug)]
+pub(crate) struct Front {
+    /// Unique for the life of the process: thread-local handles name their front by it.
+    id: u64,
+    live: Box<[Padded<Mutex<FxHashMap<u64, FrontLive>>>]>,
+    caches: Mutex<Vec<Arc<CacheSlot>>>,
+    /// Hint: thread caches whose thread exited since the last [`Front::take_gone`].
+    gone: AtomicUsize,
+    gates: Padded<Gates>,
+    bytes: Padded<ByteCounters>,
+}
+
+impl Default for Front {
+    fn default() -> Self {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+        Front {
+            id: NEXT_ID.fetch_add(1, Relaxed),
+            live: (0..LIVE_SHARDS).map(|_| Padded::default()).collect(),
+            caches: Mutex::default(),
+            gone: AtomicUsize::new(0),
+            gates: Padded::default(),
+            bytes: Padded::default(),
+        }
+    }
+}
+
+/// A thread's handle on its cache of one front; dropped at thread exit.
+struct CacheHandle {
+    front_id: u64,
+    front: Weak<Front>,
+    slot: Arc<CacheSlot>,
+}
+
+impl Drop for CacheHandle {
+    fn drop(&mut self) {
+        self.slot.lock().gone = true;
+        if let Some(front) = self.front.upgrade() {
+            front.gone.fetch_add(1, Relaxed);
+        }
+    }
+}
+
+thread_local! {
+    /// This thread's caches, one per front (device of a pool) it used.
+    static CACHES: RefCell<Vec<CacheHandle>> = const { RefCell::new(Vec::new()) };
+}
+
+impl Front {
+    fn shard(&self, ptr: u64) -> &Mutex<FxHashMap<u64, FrontLive>> {
+        // Blocks are 512-byte aligned: mix the bits above that.
+        let h = (ptr >> 9).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 58;
+        &self.live[h as usize % LIVE_SHARDS]
+    }
+
+    /// Run `f` on the calling thread's cache of this front (made on first use). `None`
+    /// when `f` declines, or while the thread is exiting (its thread-locals are gone).
+    fn with_cache<R>(self: &Arc<Self>, f: impl FnOnce(&mut ThreadCache) -> Option<R>) -> Option<R> {
+        CACHES
+            .try_with(|cell| {
+                let mut handles = cell.try_borrow_mut().ok()?;
+                let i = match handles.iter().position(|h| h.front_id == self.id) {
+                    Some(i) => i,
+                    None => {
+                        // Handles of dropped pools go first.
+                        handles.retain(|h| h.front.strong_count() > 0);
+                        let slot = Arc::new(CacheSlot::default());
+                        self.caches.lock().push(Arc::clone(&slot));
+                        handles.push(CacheHandle {
+                            front_id: self.id,
+                            front: Arc::downgrade(self),
+                            slot,
+                        });
+                        handles.len() - 1
+                    }
+                };
+                let mut cache = handles[i].slot.lock();
+                f(&mut cache)
+            })
+            .ok()
+            .flatten()
+    }
+
+    fn gated(&self, tag: u8) -> bool {
+        self.gates.asleep_tags.load(Relaxed) & (1 << tag) != 0 || self.gates.history.load(Relaxed)
+    }
+
+    /// The fast allocation: a block of `len` bytes and tag `tag` freed on `stream`, from
+    /// the calling thread's cache, recorded as live. `None` on a miss.
+    pub(crate) fn try_alloc(
+        self: &Arc<Self>,
+        stream: u64,
+        len: u64,
+        tag: u8,
+        requested: u64,
+    ) -> Option<u64> {
+        if len > CACHE_MAX_BLOCK {
+            return None;
+        }
+        self.with_cache(|cache| {
+            if self.gated(tag) {
+                return None;
+            }
+            let (ptr, arena) = cache
+                .blocks
+                .get_mut(&(stream, cache_len(len, tag)))?
+                .pop()?;
+            cache.bytes -= len;
+            let rec = FrontLive {
+                arena,
+                requested,
+                stream,
+                tag,
+            };
+            self.shard(ptr).lock().insert(ptr, rec);
+            cache.counts.alloc_count += 1;
+            cache.counts.allocations = cache.counts.allocations.wrapping_add(1);
+            self.add_bytes(len, requested);
+            Some(ptr)
+        })
+    }
+
+    /// The fast free: a plain allocation (its size `requested` when given) into the calling
+    /// thread's cache. `false` when it is not the front's to free that way (not recorded
+    /// here, a size mismatch, gated, too large, or the cache is full): the caller takes the
+    /// device lock's path.
+    pub(crate) fn try_free(self: &Arc<Self>, ptr: u64, requested: Option<u64>) -> bool {
+        self.with_cache(|cache| {
+            let mut shard = self.shard(ptr).lock();
+            let rec = *shard.get(&ptr)?;
+            if requested.is_some_and(|r| r != rec.requested) || self.gated(rec.tag) {
+                return None;
+            }
+            let len = block_len(rec.requested)?;
+            if len > CACHE_MAX_BLOCK || cache.bytes + len > self.gates.cache_limit.load(Relaxed) {
+                return None;
+            }
+            shard.remove(&ptr);
+            drop(shard);
+            let key = (rec.stream, cache_len(len, rec.tag));
+            cache.blocks.entry(key).or_default().push((ptr, rec.arena));
+            cache.bytes += len;
+            cache.counts.free_count += 1;
+            cache.counts.allocations = cache.counts.allocations.wrapping_sub(1);
+            self.sub_bytes(len, rec.requested);
+            Some(())
+        })
+        .is_some()
+    }
+
+    /// Record a plain allocation made under the device lock.
+    pub(crate) fn insert_live(&self, ptr: u64, rec: FrontLive) {
+        self.shard(ptr).lock().insert(ptr, rec);
+    }
+
+    /// Take the record of `ptr` out of the shards (to promote it).
+    pub(crate) fn take_live(&self, ptr: u64) -> Option<FrontLive> {
+        self.shard(ptr).lock().remove(&ptr)
+    }
+
+    pub(crate) fn contains_live(&self, ptr: u64) -> bool {
+        self.shard(ptr).lock().contains_key(&ptr)
+    }
+
+    /// Take every record out of the shards.
+    pub(crate) fn take_all_live(&self) -> Vec<(u64, FrontLive)> {
+        let mut out = Vec::new();
+        for s in self.live.iter() {
+            out.extend(s.lock().drain());
+        }
+        out
+    }
+
+    /// Lock every shard (in order), for a consistent read.
+    pub(crate) fn lock_live(&self) -> Vec<MutexGuard<'_, FxHashMap<u64, FrontLive>>> {
+        self.live.iter().map(|s| s.lock()).collect()
+    }
+
+    /// Lock the registry and every thread cache (in order), for a consistent read or a drain.
+    /// The registry stays locked while the result lives: no cache is added meanwhile.
+    pub(crate) fn lock_caches(&self) -> LockedCaches<'_> {
+        LockedCaches {
+            slots: self.caches.lock(),
+        }
+    }
+
+    /// Remove the caches whose thread exited from the registry: their blocks (by stream and
+    /// tag) and counts, for the caller to return to the device under its lock.
+    pub(crate) fn take_gone(&self) -> (Vec<((u64, usize), Vec<u64>)>, Counts) {
+        let mut blocks = Vec::new();
+        let mut counts = Counts::default();
+        if self.gone.swap(0, Relaxed) == 0 {
+            return (blocks, counts);
+        }
+        self.caches.lock().retain(|slot| {
+            let mut c = slot.lock();
+            if !c.gone {
+                return true;
+            }
+            counts.add(c.counts);
+            c.counts = Counts::default();
+            drain_blocks(&mut c, 0, &mut blocks);
+            false
+        });
+        (blocks, counts)
+    }
+
+    /// Drain the blocks longer than `min_len` from every thread cache, by (stream, tag).
+    pub(crate) fn drain_above(&self, min_len: u64) -> Vec<((u64, usize), Vec<u64>)> {
+        let mut blocks = Vec::new();
+        for slot in self.caches.lock().iter() {
+            drain_blocks(&mut slot.lock(), min_len, &mut blocks);
+        }
+        blocks
+    }
+
+    fn add_bytes(&self, len: u64, requested: u64) {
+        let b = &self.bytes;
+        let a = b.allocated.fetch_add(len, Relaxed) + len;
+        if a > b.peak_allocated.load(Relaxed) {
+            b.peak_allocated.fetch_max(a, Relaxed);
+        }
+        let r = b.requested.fetch_add(requested, Relaxed) + requested;
+        if r > b.peak_requested.load(Relaxed) {
+            b.peak_requested.fetch_max(r, Relaxed);
+        }
+    }
+
+    /// Count an allocation of `len` bytes (`requested` asked for) made under the device lock.
+    pub(crate) fn count_alloc(&self, len: u64, requested: u64) {
+        self.add_bytes(len, requested);
+    }
+
+    /// Count the end of an allocation of `len` bytes.
+    pub(crate) fn sub_bytes(&self, len: u64, requested: u64) {
+        self.bytes.allocated.fetch_sub(len, Relaxed);
+        self.bytes.requested.fetch_sub(requested, Relaxed);
+    }
+
+    /// Allocated bytes, requested bytes, and their peaks.
+    pub(crate) fn byte_counts(&self) -> [u64; 4] {
+        let b = &self.bytes;
+        [
+            b.allocated.load(Relaxed),
+            b.requested.load(Relaxed),
+            b.peak_allocated.load(Relaxed),
+            b.peak_requested.load(Relaxed),
+        ]
+    }
+
+    pub(crate) fn set_asleep_tags(&self, mask: u64) {
+        self.gates.asleep_tags.store(mask, Relaxed);
+    }
+
+    pub(crate) fn set_history(&self, on: bool) {
+        self.gates.history.store(on, Relaxed);
+    }
+
+    pub(crate) fn set_cache_limit(&self, bytes: u64) {
+        self.gates.cache_limit.store(bytes, Relaxed);
+    }
+}
+
+/// Move the blocks of `c` longer than `min_len` into `out`, by (stream, tag index).
+fn drain_blocks(c: &mut ThreadCache, min_len: u64, out: &mut Vec<((u64, usize), Vec<u64>)>) {
+    if c.bytes == 0 {
+        return;
+    }
+    let bytes = &mut c.bytes;
+    c.blocks.retain(|&(stream, key), blocks| {
+        let (len, tag) = super::device::cache_key_parts(key);
+        if len <= min_len {
+            return true;
+        }
+        *bytes -= len * blocks.len() as u64;
+        out.push(((stream, tag), blocks.drain(..).map(|(p, _)| p).collect()));
+        false
+    });
+}
+
+/// The registry's caches, for [`LockedCaches::lock`].
+pub(crate) struct LockedCaches<'a> {
+    slots: MutexGuard<'a, Vec<Arc<CacheSlot>>>,
+}
+
+impl LockedCaches<'_> {
+    /// Lock every cache, in registry order.
+    pub(crate) fn lock(&self) -> Vec<MutexGuard<'_, ThreadCache>> {
+        self.slots.iter().map(|s| s.lock()).collect()
+    }
+}
