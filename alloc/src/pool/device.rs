@@ -358,7 +358,7 @@ impl DeviceState {
             s.requested_bytes,
             s.peak_allocated_bytes,
             s.peak_requested_bytes,
-        ] = self.front.byte_counts();
+        ] = self.front.byte_counts(&caches);
         s
     }
 
@@ -604,7 +604,7 @@ impl DeviceState {
             }
             cached += in_thread;
         }
-        let [allocated_bytes, requested_bytes, ..] = self.front.byte_counts();
+        let [allocated_bytes, requested_bytes, ..] = self.front.byte_counts(&thread_caches);
         if requested != requested_bytes {
             return Err(format!(
                 "requested {requested_bytes} in stats, {requested} in records"

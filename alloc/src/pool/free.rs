@@ -47,8 +47,7 @@ impl Pool {
 
     fn free_on(&self, dp: &DevicePool, ptr: u64, requested: Option<u64>) -> Result<()> {
         // Fast path: a plain allocation into this thread's cache, no device lock.
-        if dp.front.try_free(ptr, requested) {
-            let [allocated_bytes, requested_bytes, ..] = dp.front.byte_counts();
+        if let Some([allocated_bytes, requested_bytes]) = dp.front.try_free(ptr, requested) {
             dp.metrics
                 .publish_allocated(allocated_bytes, requested_bytes);
             if self.config.validate {
@@ -80,7 +79,7 @@ impl Pool {
                 let tag = live_tag(&live);
                 st.release_live(ptr, live, tag)?;
             }
-            let [allocated_bytes, requested_bytes, ..] = dp.front.byte_counts();
+            let [allocated_bytes, requested_bytes] = dp.front.seen_bytes();
             dp.metrics
                 .publish_allocated(allocated_bytes, requested_bytes);
             if self.config.validate {

@@ -363,8 +363,9 @@ impl Pool {
         };
         let tag = crate::tags::current();
         // Fast path: a block freed on this stream, from this thread's cache, no device lock.
-        if let Some(ptr) = dp.front.try_alloc(stream.0, len, tag, bytes) {
-            let [allocated_bytes, requested_bytes, ..] = dp.front.byte_counts();
+        if let Some((ptr, [allocated_bytes, requested_bytes])) =
+            dp.front.try_alloc(stream.0, len, tag, bytes)
+        {
             dp.metrics
                 .publish_allocated(allocated_bytes, requested_bytes);
             if self.config.validate {
@@ -524,11 +525,10 @@ impl Pool {
             tag,
         };
         st.front.insert_live(ptr, rec);
-        st.front.count_alloc(len, requested);
+        let [allocated_bytes, requested_bytes] = st.front.count_alloc(len, requested);
         let s = &mut st.stats;
         s.allocations = s.allocations.wrapping_add(1);
         s.alloc_count += 1;
-        let [allocated_bytes, requested_bytes, ..] = st.front.byte_counts();
         dp.metrics
             .publish_allocated(allocated_bytes, requested_bytes);
         if st.history.recording {

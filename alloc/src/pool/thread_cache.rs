@@ -16,8 +16,16 @@
 //!   of different pointers rarely meet on a lock. Any operation that needs more than the
 //!   plain record (a share, `record_stream`, a free the front cannot take, a snapshot or a
 //!   sleep) first *promotes* it into the device state's map, under the device lock.
-//! - **Counters**: allocated and requested bytes (and their peaks) are atomics here, shared
-//!   by both paths; allocation and free counts are per cache, summed by `Pool::stats`.
+//! - **Counters**: each cache counts its thread's allocations, frees, and allocated and
+//!   requested bytes as changes (a block allocated on one thread and freed on another
+//!   makes one cache's change "negative": wrapping arithmetic); the device lock's path
+//!   counts into the device's counters and, for bytes, into [`Front`]'s base atomics.
+//!   `Pool::stats` adds them up with every cache locked: exact. A cache folds its byte
+//!   changes into the base when they pass [`FOLD_BYTES`], and the calling thread's cache is
+//!   folded by every allocation under the device lock, so no shared line is written per
+//!   fast operation. The peaks are raised with the base plus the calling thread's changes:
+//!   exact with one thread; with several threads allocating at once, short of the true peak
+//!   by at most what the other threads' caches have not folded ([`FOLD_BYTES`] each).
 //!
 //! **Lock order**: device state, then the registry, then thread caches, then live shards.
 //! The fast path holds only its own cache and one shard (never the device lock); every
@@ -46,6 +54,10 @@ use super::{block_len, CACHE_MAX_BLOCK};
 
 /// Number of live-allocation shards per device (a power of two).
 pub(crate) const LIVE_SHARDS: usize = 64;
+
+/// A thread cache folds its allocated-bytes change into the device's base once it passes
+/// this many bytes either way (bounding what a peak seen by another thread may miss).
+pub(crate) const FOLD_BYTES: u64 = 64 << 20;
 
 /// `T` on cache lines of its own (128 bytes: the adjacent-line prefetcher pairs lines), so
 /// that threads writing neighbouring values do not share a line.
@@ -99,13 +111,17 @@ pub(crate) struct ThreadCache {
     /// Bytes in `blocks`.
     pub(crate) bytes: u64,
     pub(crate) counts: Counts,
+    /// Change in allocated and requested bytes not yet folded into the base (wrapping).
+    allocated: u64,
+    requested: u64,
     /// Its thread exited: drained and dropped by the next [`Front::take_gone`].
     gone: bool,
 }
 
 type CacheSlot = Padded<Mutex<ThreadCache>>;
 
-/// Allocated and requested bytes of a device, and their peaks.
+/// Allocated and requested bytes of a device (the base: without the thread caches' unfolded
+/// changes), and their peaks.
 #[derive(Debug, Default)]
 struct ByteCounters {
     allocated: AtomicU64,
@@ -162,8 +178,12 @@ struct CacheHandle {
 
 impl Drop for CacheHandle {
     fn drop(&mut self) {
-        self.slot.lock().gone = true;
+        let mut cache = self.slot.lock();
+        cache.gone = true;
         if let Some(front) = self.front.upgrade() {
+            // Its byte changes at once (the peaks other threads raise count them); its
+            // blocks and counts at the next operation under the device lock.
+            front.fold(&mut cache);
             front.gone.fetch_add(1, Relaxed);
         }
     }
@@ -221,7 +241,7 @@ impl Front {
         len: u64,
         tag: u8,
         requested: u64,
-    ) -> Option<u64> {
+    ) -> Option<(u64, [u64; 2])> {
         if len > CACHE_MAX_BLOCK {
             return None;
         }
@@ -243,16 +263,17 @@ impl Front {
             self.shard(ptr).lock().insert(ptr, rec);
             cache.counts.alloc_count += 1;
             cache.counts.allocations = cache.counts.allocations.wrapping_add(1);
-            self.add_bytes(len, requested);
-            Some(ptr)
+            cache.allocated = cache.allocated.wrapping_add(len);
+            cache.requested = cache.requested.wrapping_add(requested);
+            Some((ptr, self.settle_bytes(cache, true)))
         })
     }
 
     /// The fast free: a plain allocation (its size `requested` when given) into the calling
     /// thread's cache. `false` when it is not the front's to free that way (not recorded
     /// here, a size mismatch, gated, too large, or the cache is full): the caller takes the
-    /// device lock's path.
-    pub(crate) fn try_free(self: &Arc<Self>, ptr: u64, requested: Option<u64>) -> bool {
+    /// device lock's path. Else the allocated and requested bytes as this thread sees them.
+    pub(crate) fn try_free(self: &Arc<Self>, ptr: u64, requested: Option<u64>) -> Option<[u64; 2]> {
         self.with_cache(|cache| {
             let mut shard = self.shard(ptr).lock();
             let rec = *shard.get(&ptr)?;
@@ -270,10 +291,48 @@ impl Front {
             cache.bytes += len;
             cache.counts.free_count += 1;
             cache.counts.allocations = cache.counts.allocations.wrapping_sub(1);
-            self.sub_bytes(len, rec.requested);
-            Some(())
+            cache.allocated = cache.allocated.wrapping_sub(len);
+            cache.requested = cache.requested.wrapping_sub(rec.requested);
+            Some(self.settle_bytes(cache, false))
         })
-        .is_some()
+    }
+
+    /// After a fast operation on `cache`: fold its byte changes into the base if they passed
+    /// [`FOLD_BYTES`], raise the peaks (after an allocation), and return the allocated and
+    /// requested bytes as this thread sees them (base plus its changes; exact with one
+    /// thread).
+    fn settle_bytes(&self, cache: &mut ThreadCache, allocated: bool) -> [u64; 2] {
+        let b = &self.bytes;
+        let change = cache.allocated as i64;
+        if change.unsigned_abs() > FOLD_BYTES {
+            self.fold(cache);
+        }
+        let seen = [
+            b.allocated.load(Relaxed).wrapping_add(cache.allocated),
+            b.requested.load(Relaxed).wrapping_add(cache.requested),
+        ];
+        if allocated {
+            self.raise_peaks(seen);
+        }
+        seen
+    }
+
+    /// Move a cache's byte changes into the base.
+    fn fold(&self, cache: &mut ThreadCache) {
+        let b = &self.bytes;
+        b.allocated.fetch_add(cache.allocated, Relaxed);
+        b.requested.fetch_add(cache.requested, Relaxed);
+        (cache.allocated, cache.requested) = (0, 0);
+    }
+
+    fn raise_peaks(&self, [allocated, requested]: [u64; 2]) {
+        let b = &self.bytes;
+        if allocated > b.peak_allocated.load(Relaxed) {
+            b.peak_allocated.fetch_max(allocated, Relaxed);
+        }
+        if requested > b.peak_requested.load(Relaxed) {
+            b.peak_requested.fetch_max(requested, Relaxed);
+        }
     }
 
     /// Record a plain allocation made under the device lock.
@@ -327,6 +386,7 @@ impl Front {
             }
             counts.add(c.counts);
             c.counts = Counts::default();
+            self.fold(&mut c);
             drain_blocks(&mut c, 0, &mut blocks);
             false
         });
@@ -342,35 +402,57 @@ impl Front {
         blocks
     }
 
-    fn add_bytes(&self, len: u64, requested: u64) {
+    /// Count an allocation of `len` bytes (`requested` asked for) made under the device
+    /// lock: into the base, with the calling thread's cache folded in first so that the
+    /// peaks it raises are exact for one thread. Returns the allocated and requested bytes
+    /// as this thread sees them.
+    pub(crate) fn count_alloc(self: &Arc<Self>, len: u64, requested: u64) -> [u64; 2] {
+        self.with_cache(|cache| {
+            self.fold(cache);
+            Some(())
+        });
         let b = &self.bytes;
-        let a = b.allocated.fetch_add(len, Relaxed) + len;
-        if a > b.peak_allocated.load(Relaxed) {
-            b.peak_allocated.fetch_max(a, Relaxed);
-        }
-        let r = b.requested.fetch_add(requested, Relaxed) + requested;
-        if r > b.peak_requested.load(Relaxed) {
-            b.peak_requested.fetch_max(r, Relaxed);
-        }
+        let seen = [
+            b.allocated.fetch_add(len, Relaxed).wrapping_add(len),
+            b.requested
+                .fetch_add(requested, Relaxed)
+                .wrapping_add(requested),
+        ];
+        self.raise_peaks(seen);
+        seen
     }
 
-    /// Count an allocation of `len` bytes (`requested` asked for) made under the device lock.
-    pub(crate) fn count_alloc(&self, len: u64, requested: u64) {
-        self.add_bytes(len, requested);
+    /// The allocated and requested bytes as the calling thread sees them (the base plus its
+    /// cache's changes: exact with one thread), for the gauges.
+    pub(crate) fn seen_bytes(self: &Arc<Self>) -> [u64; 2] {
+        let own = self.with_cache(|c| Some((c.allocated, c.requested)));
+        let (allocated, requested) = own.unwrap_or((0, 0));
+        let b = &self.bytes;
+        [
+            b.allocated.load(Relaxed).wrapping_add(allocated),
+            b.requested.load(Relaxed).wrapping_add(requested),
+        ]
     }
 
-    /// Count the end of an allocation of `len` bytes.
+    /// Count the end of an allocation of `len` bytes, under the device lock.
     pub(crate) fn sub_bytes(&self, len: u64, requested: u64) {
         self.bytes.allocated.fetch_sub(len, Relaxed);
         self.bytes.requested.fetch_sub(requested, Relaxed);
     }
 
-    /// Allocated bytes, requested bytes, and their peaks.
-    pub(crate) fn byte_counts(&self) -> [u64; 4] {
+    /// Allocated bytes, requested bytes, and their peaks: exact given every cache locked
+    /// ([`LockedCaches::lock`]).
+    pub(crate) fn byte_counts(&self, caches: &[MutexGuard<'_, ThreadCache>]) -> [u64; 4] {
         let b = &self.bytes;
+        let mut allocated = b.allocated.load(Relaxed);
+        let mut requested = b.requested.load(Relaxed);
+        for c in caches {
+            allocated = allocated.wrapping_add(c.allocated);
+            requested = requested.wrapping_add(c.requested);
+        }
         [
-            b.allocated.load(Relaxed),
-            b.requested.load(Relaxed),
+            allocated,
+            requested,
             b.peak_allocated.load(Relaxed),
             b.peak_requested.load(Relaxed),
         ]
@@ -415,5 +497,49 @@ impl LockedCaches<'_> {
     /// Lock every cache, in registry order.
     pub(crate) fn lock(&self) -> Vec<MutexGuard<'_, ThreadCache>> {
         self.slots.iter().map(|s| s.lock()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::sync::Arc;
+
+    use crate::backend::sim::{SimBackend, SimConfig};
+    use crate::{Pool, PoolConfig, StreamId};
+
+    const MIB: u64 = 1 << 20;
+
+    fn pool() -> Pool {
+        let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+        let config = PoolConfig {
+            arena_size: 64 * MIB,
+            validate: true,
+            ..PoolConfig::default()
+        };
+        Pool::new(sim, config).unwrap()
+    }
+
+    /// After the first pair, a pair on the same stream is served by the thread cache: the
+    /// device's own counters do not move.
+    #[test]
+    fn a_warm_pair_stays_in_the_thread_cache() {
+        let pool = pool();
+        let s = StreamId(7);
+        let a = pool.alloc(0, 2 * MIB, s).unwrap();
+        pool.free(a.ptr).unwrap();
+        let central = pool.devices[0].state.lock().stats;
+        for _ in 0..3 {
+            let b = pool.alloc(0, 2 * MIB, s).unwrap();
+            assert_eq!(b.ptr, a.ptr);
+            pool.free(b.ptr).unwrap();
+        }
+        assert_eq!(pool.devices[0].state.lock().stats, central);
+        let stats = pool.stats(0).unwrap();
+        assert_eq!(
+            (stats.alloc_count, stats.free_count, stats.allocations),
+            (4, 4, 0)
+        );
+        assert_eq!(stats.peak_allocated_bytes, 2 * MIB);
     }
 }
