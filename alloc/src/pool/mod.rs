@@ -61,6 +61,7 @@ mod observers;
 mod records;
 mod share;
 mod sleep;
+mod spin;
 mod thread_cache;
 mod trace;
 

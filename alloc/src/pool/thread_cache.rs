@@ -46,10 +46,11 @@ use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
 
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
 use super::device::cache_len;
+use super::spin::{SpinGuard, SpinLock};
 use super::{block_len, CACHE_MAX_BLOCK};
 
 /// Number of live-allocation shards per device (a power of two).
@@ -118,7 +119,7 @@ pub(crate) struct ThreadCache {
     gone: bool,
 }
 
-type CacheSlot = Padded<Mutex<ThreadCache>>;
+type CacheSlot = Padded<SpinLock<ThreadCache>>;
 
 /// Allocated and requested bytes of a device (the base: without the thread caches' unfolded
 /// changes), and their peaks.
@@ -147,7 +148,7 @@ struct Gates {
 pub(crate) struct Front {
     /// Unique for the life of the process: thread-local handles name their front by it.
     id: u64,
-    live: Box<[Padded<Mutex<FxHashMap<u64, FrontLive>>>]>,
+    live: Box<[Padded<SpinLock<FxHashMap<u64, FrontLive>>>]>,
     caches: Mutex<Vec<Arc<CacheSlot>>>,
     /// Hint: thread caches whose thread exited since the last [`Front::take_gone`].
     gone: AtomicUsize,
@@ -195,7 +196,7 @@ thread_local! {
 }
 
 impl Front {
-    fn shard(&self, ptr: u64) -> &Mutex<FxHashMap<u64, FrontLive>> {
+    fn shard(&self, ptr: u64) -> &SpinLock<FxHashMap<u64, FrontLive>> {
         // Blocks are 512-byte aligned: mix the bits above that.
         let h = (ptr >> 9).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 58;
         &self.live[h as usize % LIVE_SHARDS]
@@ -276,15 +277,17 @@ impl Front {
     pub(crate) fn try_free(self: &Arc<Self>, ptr: u64, requested: Option<u64>) -> Option<[u64; 2]> {
         self.with_cache(|cache| {
             let mut shard = self.shard(ptr).lock();
-            let rec = *shard.get(&ptr)?;
-            if requested.is_some_and(|r| r != rec.requested) || self.gated(rec.tag) {
+            // One lookup in the common case: put back when it is not ours to take.
+            let rec = shard.remove(&ptr)?;
+            let len = block_len(rec.requested).unwrap_or(u64::MAX);
+            if requested.is_some_and(|r| r != rec.requested)
+                || self.gated(rec.tag)
+                || len > CACHE_MAX_BLOCK
+                || cache.bytes + len > self.gates.cache_limit.load(Relaxed)
+            {
+                shard.insert(ptr, rec);
                 return None;
             }
-            let len = block_len(rec.requested)?;
-            if len > CACHE_MAX_BLOCK || cache.bytes + len > self.gates.cache_limit.load(Relaxed) {
-                return None;
-            }
-            shard.remove(&ptr);
             drop(shard);
             let key = (rec.stream, cache_len(len, rec.tag));
             cache.blocks.entry(key).or_default().push((ptr, rec.arena));
@@ -359,7 +362,7 @@ impl Front {
     }
 
     /// Lock every shard (in order), for a consistent read.
-    pub(crate) fn lock_live(&self) -> Vec<MutexGuard<'_, FxHashMap<u64, FrontLive>>> {
+    pub(crate) fn lock_live(&self) -> Vec<SpinGuard<'_, FxHashMap<u64, FrontLive>>> {
         self.live.iter().map(|s| s.lock()).collect()
     }
 
@@ -442,7 +445,7 @@ impl Front {
 
     /// Allocated bytes, requested bytes, and their peaks: exact given every cache locked
     /// ([`LockedCaches::lock`]).
-    pub(crate) fn byte_counts(&self, caches: &[MutexGuard<'_, ThreadCache>]) -> [u64; 4] {
+    pub(crate) fn byte_counts(&self, caches: &[SpinGuard<'_, ThreadCache>]) -> [u64; 4] {
         let b = &self.bytes;
         let mut allocated = b.allocated.load(Relaxed);
         let mut requested = b.requested.load(Relaxed);
@@ -490,12 +493,12 @@ fn drain_blocks(c: &mut ThreadCache, min_len: u64, out: &mut Vec<((u64, usize), 
 
 /// The registry's caches, for [`LockedCaches::lock`].
 pub(crate) struct LockedCaches<'a> {
-    slots: MutexGuard<'a, Vec<Arc<CacheSlot>>>,
+    slots: parking_lot::MutexGuard<'a, Vec<Arc<CacheSlot>>>,
 }
 
 impl LockedCaches<'_> {
     /// Lock every cache, in registry order.
-    pub(crate) fn lock(&self) -> Vec<MutexGuard<'_, ThreadCache>> {
+    pub(crate) fn lock(&self) -> Vec<SpinGuard<'_, ThreadCache>> {
         self.slots.iter().map(|s| s.lock()).collect()
     }
 }
