@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use super::thread_cache::{Counts, FrontLive};
+use super::thread_cache::FrontLive;
 use super::{DeviceState, Live, PendingFree, ANY_STREAM, FLUSH_FIRST_ABOVE, LIMBO_BASE};
 use crate::backend::{ArenaMem, Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
@@ -301,11 +301,13 @@ impl DeviceState {
 
     /// Return the blocks of thread caches whose thread exited and fold in their counts.
     pub(super) fn reclaim_gone_caches(&mut self) {
-        let (blocks, counts) = self.front.take_gone();
-        if blocks.is_empty() && counts == Counts::default() {
-            return;
+        let gone = self.front.take_gone();
+        let counts = gone.counts;
+        self.free_blocks(gone.blocks);
+        // Allocations of exited threads: recorded in the device's map from now on.
+        for (ptr, rec) in gone.live {
+            self.insert_promoted(ptr, rec);
         }
-        self.free_blocks(blocks);
         let s = &mut self.stats;
         s.alloc_count = s.alloc_count.wrapping_add(counts.alloc_count);
         s.free_count = s.free_count.wrapping_add(counts.free_count);
@@ -327,7 +329,7 @@ impl DeviceState {
         }
     }
 
-    fn insert_promoted(&mut self, ptr: u64, rec: FrontLive) {
+    pub(super) fn insert_promoted(&mut self, ptr: u64, rec: FrontLive) {
         if let Some(a) = self.arenas.get_mut(rec.arena) {
             a.live_allocs += 1;
         }
@@ -546,11 +548,10 @@ impl DeviceState {
             ));
         }
         // Every block the pool holds allocated in the ranges, each exactly once: live in
-        // the device's map or the front's shards, or cached by the device or a thread.
-        // (With the thread caches and shards locked: no fast path runs meanwhile.)
+        // the device's map or a thread cache's records, or cached by the device or a
+        // thread. (With every thread cache locked: no fast path runs meanwhile.)
         let registry = self.front.lock_caches();
         let thread_caches = registry.lock();
-        let shards = self.front.lock_live();
         let mut seen: HashMap<u64, &str> = HashMap::new();
         let mut whole = |ptr: u64, len: u64, what: &'static str| -> Result<(), String> {
             if let Some(other) = seen.insert(ptr, what) {
@@ -568,7 +569,7 @@ impl DeviceState {
             whole(ptr, l.bytes(), "live")?;
             (used, requested) = (used + l.bytes(), requested + l.requested);
         }
-        for (&ptr, l) in shards.iter().flat_map(|s| s.iter()) {
+        for (&ptr, l) in thread_caches.iter().flat_map(|c| c.live.iter()) {
             let len = super::block_len(l.requested).unwrap_or(0);
             whole(ptr, len, "live in the front")?;
             (used, requested) = (used + len, requested + l.requested);

@@ -525,8 +525,10 @@ impl Pool {
             stream: stream.0,
             tag,
         };
-        st.front.insert_live(ptr, rec);
-        let [allocated_bytes, requested_bytes] = st.front.count_alloc(len, requested);
+        let (recorded, [allocated_bytes, requested_bytes]) = st.front.record_alloc(ptr, rec, len);
+        if !recorded {
+            st.insert_promoted(ptr, rec);
+        }
         let s = &mut st.stats;
         s.allocations = s.allocations.wrapping_add(1);
         s.alloc_count += 1;

@@ -1,8 +1,9 @@
-//! A small spin lock for the thread front's caches and live shards (`pool/thread_cache.rs`):
+//! A small spin lock for the thread front's caches (`pool/thread_cache.rs`):
 //! each is almost always taken by one thread, for a few hash operations, so the lock's own
 //! cost is what matters. Taking it is one atomic swap, releasing it one plain store (a
 //! `parking_lot` mutex pays a compare-and-swap for each). When it is held (a flusher
-//! draining a cache, two threads freeing into one shard), the waiter spins briefly and then
+//! draining a cache, a free on another thread looking for its record), the waiter spins
+//! briefly and then
 //! yields, so a holder preempted on a busy machine is not spun against for a time slice.
 
 use std::cell::UnsafeCell;

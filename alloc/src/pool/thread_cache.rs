@@ -1,45 +1,49 @@
-//! The thread front of one device's pool: per-thread caches of exactly-sized freed blocks
-//! and a sharded map of the plain allocations, so that an alloc/free pair that hits the
-//! calling thread's cache takes no device-wide lock (tcmalloc's thread cache, mimalloc's
-//! per-thread heap).
+//! The thread front of one device's pool: per-thread caches of exactly-sized freed blocks,
+//! each with the records of the plain allocations it handed out, so that an alloc/free pair
+//! on one thread takes no device-wide lock and writes no line another thread writes
+//! (tcmalloc's thread cache, mimalloc's per-thread heap).
 //!
 //! - **Thread caches** ([`ThreadCache`]): one per thread and device, owned by the pool's
 //!   [`Front`] (its registry) and reached by the thread through a thread-local handle. A
 //!   cache holds freed blocks whole, keyed like the device's exact-size cache by (stream,
 //!   length, tag): a block freed on stream S is reused from a cache only by an allocation on
-//!   S (whichever thread frees it, the block keeps its stream). Each cache has its own lock,
-//!   which only its thread takes in the common case (no contention, the line stays in that
-//!   core's cache); flushers (a miss that would grow the pool, `empty_cache`, the OOM retry,
-//!   `sleep`, `validate`, `stats`) take it too, under the device lock, to drain or read it.
-//! - **Live shards** ([`Front::live`]): plain allocations (no share, no `record_stream`) are
-//!   recorded in one of [`LIVE_SHARDS`] maps by address, not in the device state, so frees
-//!   of different pointers rarely meet on a lock. Any operation that needs more than the
-//!   plain record (a share, `record_stream`, a free the front cannot take, a snapshot or a
-//!   sleep) first *promotes* it into the device state's map, under the device lock.
-//! - **Counters**: each cache counts its thread's allocations, frees, and allocated and
-//!   requested bytes as changes (a block allocated on one thread and freed on another
-//!   makes one cache's change "negative": wrapping arithmetic); the device lock's path
-//!   counts into the device's counters and, for bytes, into [`Front`]'s base atomics.
-//!   `Pool::stats` adds them up with every cache locked: exact. A cache folds its byte
-//!   changes into the base when they pass [`FOLD_BYTES`], and the calling thread's cache is
-//!   folded by every allocation under the device lock, so no shared line is written per
-//!   fast operation. The peaks are raised with the base plus the calling thread's changes:
-//!   exact with one thread; with several threads allocating at once, short of the true peak
-//!   by at most what the other threads' caches have not folded ([`FOLD_BYTES`] each).
+//!   S (whichever thread frees it, the block keeps its stream). Each cache has its own spin
+//!   lock (`pool/spin.rs`), which only its thread takes in the common case; flushers (a miss
+//!   that would grow the pool, `empty_cache`, the OOM retry, `sleep`) and readers
+//!   (`validate`, `stats`) take it too, under the device lock.
+//! - **Live records**: a plain allocation (no share, no `record_stream`) is recorded in the
+//!   cache of the thread that allocated it, not in the device state. Its free on that thread
+//!   is one lookup in its own cache. A free on another thread looks through the other
+//!   caches (one at a time, under the registry lock) and puts the block into the cache that
+//!   held the record: slower, still without the device lock. Any operation that needs more
+//!   than the plain record (a share, `record_stream`, a free the front declines, a snapshot,
+//!   a sleep) first *promotes* it into the device state's map, under the device lock.
+//! - **Counters**: each cache counts its allocations, frees, and allocated and requested
+//!   bytes as changes (a block allocated on one thread and freed on another makes one
+//!   cache's change "negative": wrapping arithmetic); the device lock's path counts into
+//!   the device's counters and, for bytes, into [`Front`]'s base atomics. `Pool::stats`
+//!   adds them up with every cache locked: exact. A cache folds its byte changes into the
+//!   base when they pass [`FOLD_BYTES`], and the calling thread's cache is folded by every
+//!   allocation under the device lock, so no shared line is written per fast operation.
+//!   The peaks are raised with the base plus the calling thread's changes: exact with one
+//!   thread; with several threads allocating at once, short of the true peak by at most
+//!   what the other threads' caches have not folded ([`FOLD_BYTES`] each).
 //!
-//! **Lock order**: device state, then the registry, then thread caches, then live shards.
-//! The fast path holds only its own cache and one shard (never the device lock); every
-//! counter and map it changes is changed with its cache locked, so a reader that holds the
-//! device lock and every cache lock sees a consistent pool.
+//! **Lock order**: device state, then the registry, then a thread cache (one at a time,
+//! except for the readers under the device lock, which lock them all in registry order).
+//! The fast path holds only its own cache (never the device lock); every counter and map
+//! it changes is changed with that cache locked, so a reader that holds the device lock
+//! and every cache lock sees a consistent pool.
 //!
 //! **Gates**: the fast path is off for a tag that sleeps and while history is recorded (the
 //! device lock's path records every event). Both are mirrored here as atomics, set under
 //! the device lock *before* the caches are drained, and read under the cache lock: a cache
 //! operation either completed before the drain (which then sees it) or sees the gate.
 //!
-//! **Thread exit**: the thread-local handle marks its cache gone; the next operation under
-//! the device lock returns the gone caches' blocks to the sub-allocator and folds their
-//! counts into the device's ([`Front::take_gone`]).
+//! **Thread exit**: the thread-local handle marks its cache gone and folds its byte
+//! changes; the next operation under the device lock returns the gone caches' blocks to the
+//! sub-allocator, moves their live records into the device's map and folds their counts
+//! ([`Front::take_gone`]).
 
 use std::cell::RefCell;
 use std::ops::Deref;
@@ -52,9 +56,6 @@ use rustc_hash::FxHashMap;
 use super::device::cache_len;
 use super::spin::{SpinGuard, SpinLock};
 use super::{block_len, CACHE_MAX_BLOCK};
-
-/// Number of live-allocation shards per device (a power of two).
-pub(crate) const LIVE_SHARDS: usize = 64;
 
 /// A thread cache folds its allocated-bytes change into the device's base once it passes
 /// this many bytes either way (bounding what a peak seen by another thread may miss).
@@ -73,7 +74,7 @@ impl<T> Deref for Padded<T> {
     }
 }
 
-/// A plain live allocation recorded in a shard: no share, no extra stream.
+/// A plain live allocation recorded in a thread cache: no share, no extra stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct FrontLive {
     /// Arena key (slab index) of its arena.
@@ -112,6 +113,9 @@ pub(crate) struct ThreadCache {
     /// Bytes in `blocks`.
     pub(crate) bytes: u64,
     pub(crate) counts: Counts,
+    /// The plain allocations this cache handed out (or its thread made under the device
+    /// lock), by address.
+    pub(crate) live: FxHashMap<u64, FrontLive>,
     /// Change in allocated and requested bytes not yet folded into the base (wrapping).
     allocated: u64,
     requested: u64,
@@ -148,7 +152,6 @@ struct Gates {
 pub(crate) struct Front {
     /// Unique for the life of the process: thread-local handles name their front by it.
     id: u64,
-    live: Box<[Padded<SpinLock<FxHashMap<u64, FrontLive>>>]>,
     caches: Mutex<Vec<Arc<CacheSlot>>>,
     /// Hint: thread caches whose thread exited since the last [`Front::take_gone`].
     gone: AtomicUsize,
@@ -161,7 +164,6 @@ impl Default for Front {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         Front {
             id: NEXT_ID.fetch_add(1, Relaxed),
-            live: (0..LIVE_SHARDS).map(|_| Padded::default()).collect(),
             caches: Mutex::default(),
             gone: AtomicUsize::new(0),
             gates: Padded::default(),
@@ -196,12 +198,6 @@ thread_local! {
 }
 
 impl Front {
-    fn shard(&self, ptr: u64) -> &SpinLock<FxHashMap<u64, FrontLive>> {
-        // Blocks are 512-byte aligned: mix the bits above that.
-        let h = (ptr >> 9).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 58;
-        &self.live[h as usize % LIVE_SHARDS]
-    }
-
     /// Run `f` on the calling thread's cache of this front (made on first use). `None`
     /// when `f` declines, or while the thread is exiting (its thread-locals are gone).
     fn with_cache<R>(self: &Arc<Self>, f: impl FnOnce(&mut ThreadCache) -> Option<R>) -> Option<R> {
@@ -261,7 +257,7 @@ impl Front {
                 stream,
                 tag,
             };
-            self.shard(ptr).lock().insert(ptr, rec);
+            cache.live.insert(ptr, rec);
             cache.counts.alloc_count += 1;
             cache.counts.allocations = cache.counts.allocations.wrapping_add(1);
             cache.allocated = cache.allocated.wrapping_add(len);
@@ -270,34 +266,51 @@ impl Front {
         })
     }
 
-    /// The fast free: a plain allocation (its size `requested` when given) into the calling
-    /// thread's cache. `false` when it is not the front's to free that way (not recorded
-    /// here, a size mismatch, gated, too large, or the cache is full): the caller takes the
-    /// device lock's path. Else the allocated and requested bytes as this thread sees them.
+    /// The fast free: a plain allocation (its size `requested` when given) into the cache
+    /// that recorded it: the calling thread's (one lookup), else another thread's (found
+    /// under the registry lock). `None` when it is not the front's to free that way (not
+    /// recorded here, a size mismatch, gated, too large, or that cache is full): the caller
+    /// takes the device lock's path. Else the allocated and requested bytes as seen.
     pub(crate) fn try_free(self: &Arc<Self>, ptr: u64, requested: Option<u64>) -> Option<[u64; 2]> {
-        self.with_cache(|cache| {
-            let mut shard = self.shard(ptr).lock();
-            // One lookup in the common case: put back when it is not ours to take.
-            let rec = shard.remove(&ptr)?;
-            let len = block_len(rec.requested).unwrap_or(u64::MAX);
-            if requested.is_some_and(|r| r != rec.requested)
-                || self.gated(rec.tag)
-                || len > CACHE_MAX_BLOCK
-                || cache.bytes + len > self.gates.cache_limit.load(Relaxed)
-            {
-                shard.insert(ptr, rec);
-                return None;
+        let own = self.with_cache(|cache| Some(self.free_into(cache, ptr, requested)));
+        match own {
+            Some(FreeStep::Freed(seen)) => return Some(seen),
+            Some(FreeStep::Declined) => return None,
+            Some(FreeStep::Absent) | None => {}
+        }
+        for slot in self.caches.lock().iter() {
+            match self.free_into(&mut slot.lock(), ptr, requested) {
+                FreeStep::Freed(seen) => return Some(seen),
+                FreeStep::Declined => return None,
+                FreeStep::Absent => {}
             }
-            drop(shard);
-            let key = (rec.stream, cache_len(len, rec.tag));
-            cache.blocks.entry(key).or_default().push((ptr, rec.arena));
-            cache.bytes += len;
-            cache.counts.free_count += 1;
-            cache.counts.allocations = cache.counts.allocations.wrapping_sub(1);
-            cache.allocated = cache.allocated.wrapping_sub(len);
-            cache.requested = cache.requested.wrapping_sub(rec.requested);
-            Some(self.settle_bytes(cache, false))
-        })
+        }
+        None
+    }
+
+    /// Free `ptr` into `cache` if `cache` holds its record.
+    fn free_into(&self, cache: &mut ThreadCache, ptr: u64, requested: Option<u64>) -> FreeStep {
+        // One lookup in the common case: put back when it is not ours to take.
+        let Some(rec) = cache.live.remove(&ptr) else {
+            return FreeStep::Absent;
+        };
+        let len = block_len(rec.requested).unwrap_or(u64::MAX);
+        if requested.is_some_and(|r| r != rec.requested)
+            || self.gated(rec.tag)
+            || len > CACHE_MAX_BLOCK
+            || cache.bytes + len > self.gates.cache_limit.load(Relaxed)
+        {
+            cache.live.insert(ptr, rec);
+            return FreeStep::Declined;
+        }
+        let key = (rec.stream, cache_len(len, rec.tag));
+        cache.blocks.entry(key).or_default().push((ptr, rec.arena));
+        cache.bytes += len;
+        cache.counts.free_count += 1;
+        cache.counts.allocations = cache.counts.allocations.wrapping_sub(1);
+        cache.allocated = cache.allocated.wrapping_sub(len);
+        cache.requested = cache.requested.wrapping_sub(rec.requested);
+        FreeStep::Freed(self.settle_bytes(cache, false))
     }
 
     /// After a fast operation on `cache`: fold its byte changes into the base if they passed
@@ -338,32 +351,57 @@ impl Front {
         }
     }
 
-    /// Record a plain allocation made under the device lock.
-    pub(crate) fn insert_live(&self, ptr: u64, rec: FrontLive) {
-        self.shard(ptr).lock().insert(ptr, rec);
+    /// Record a plain allocation of `len` bytes made under the device lock in the calling
+    /// thread's cache (`false` while the thread exits: the caller records it itself), and
+    /// count it: into the base, with that cache folded in first so that the peaks it
+    /// raises are exact for one thread. Also returns the allocated and requested bytes as
+    /// this thread sees them.
+    pub(crate) fn record_alloc(
+        self: &Arc<Self>,
+        ptr: u64,
+        rec: FrontLive,
+        len: u64,
+    ) -> (bool, [u64; 2]) {
+        let recorded = self
+            .with_cache(|cache| {
+                self.fold(cache);
+                cache.live.insert(ptr, rec);
+                Some(())
+            })
+            .is_some();
+        let b = &self.bytes;
+        let seen = [
+            b.allocated.fetch_add(len, Relaxed).wrapping_add(len),
+            b.requested
+                .fetch_add(rec.requested, Relaxed)
+                .wrapping_add(rec.requested),
+        ];
+        self.raise_peaks(seen);
+        (recorded, seen)
     }
 
-    /// Take the record of `ptr` out of the shards (to promote it).
+    /// Take the record of `ptr` out of the caches (to promote it).
     pub(crate) fn take_live(&self, ptr: u64) -> Option<FrontLive> {
-        self.shard(ptr).lock().remove(&ptr)
+        self.caches
+            .lock()
+            .iter()
+            .find_map(|slot| slot.lock().live.remove(&ptr))
     }
 
     pub(crate) fn contains_live(&self, ptr: u64) -> bool {
-        self.shard(ptr).lock().contains_key(&ptr)
+        self.caches
+            .lock()
+            .iter()
+            .any(|slot| slot.lock().live.contains_key(&ptr))
     }
 
-    /// Take every record out of the shards.
+    /// Take every record out of the caches.
     pub(crate) fn take_all_live(&self) -> Vec<(u64, FrontLive)> {
         let mut out = Vec::new();
-        for s in self.live.iter() {
-            out.extend(s.lock().drain());
+        for slot in self.caches.lock().iter() {
+            out.extend(slot.lock().live.drain());
         }
         out
-    }
-
-    /// Lock every shard (in order), for a consistent read.
-    pub(crate) fn lock_live(&self) -> Vec<SpinGuard<'_, FxHashMap<u64, FrontLive>>> {
-        self.live.iter().map(|s| s.lock()).collect()
     }
 
     /// Lock the registry and every thread cache (in order), for a consistent read or a drain.
@@ -375,25 +413,25 @@ impl Front {
     }
 
     /// Remove the caches whose thread exited from the registry: their blocks (by stream and
-    /// tag) and counts, for the caller to return to the device under its lock.
-    pub(crate) fn take_gone(&self) -> (Vec<((u64, usize), Vec<u64>)>, Counts) {
-        let mut blocks = Vec::new();
-        let mut counts = Counts::default();
+    /// tag), live records and counts, for the caller to take into the device under its lock.
+    pub(crate) fn take_gone(&self) -> Gone {
+        let mut gone = Gone::default();
         if self.gone.swap(0, Relaxed) == 0 {
-            return (blocks, counts);
+            return gone;
         }
         self.caches.lock().retain(|slot| {
             let mut c = slot.lock();
             if !c.gone {
                 return true;
             }
-            counts.add(c.counts);
+            gone.counts.add(c.counts);
             c.counts = Counts::default();
             self.fold(&mut c);
-            drain_blocks(&mut c, 0, &mut blocks);
+            drain_blocks(&mut c, 0, &mut gone.blocks);
+            gone.live.extend(c.live.drain());
             false
         });
-        (blocks, counts)
+        gone
     }
 
     /// Drain the blocks longer than `min_len` from every thread cache, by (stream, tag).
@@ -403,26 +441,6 @@ impl Front {
             drain_blocks(&mut slot.lock(), min_len, &mut blocks);
         }
         blocks
-    }
-
-    /// Count an allocation of `len` bytes (`requested` asked for) made under the device
-    /// lock: into the base, with the calling thread's cache folded in first so that the
-    /// peaks it raises are exact for one thread. Returns the allocated and requested bytes
-    /// as this thread sees them.
-    pub(crate) fn count_alloc(self: &Arc<Self>, len: u64, requested: u64) -> [u64; 2] {
-        self.with_cache(|cache| {
-            self.fold(cache);
-            Some(())
-        });
-        let b = &self.bytes;
-        let seen = [
-            b.allocated.fetch_add(len, Relaxed).wrapping_add(len),
-            b.requested
-                .fetch_add(requested, Relaxed)
-                .wrapping_add(requested),
-        ];
-        self.raise_peaks(seen);
-        seen
     }
 
     /// The allocated and requested bytes as the calling thread sees them (the base plus its
@@ -472,6 +490,26 @@ impl Front {
     pub(crate) fn set_cache_limit(&self, bytes: u64) {
         self.gates.cache_limit.store(bytes, Relaxed);
     }
+}
+
+/// What a free found in one cache.
+enum FreeStep {
+    /// Freed into the cache; the allocated and requested bytes as seen.
+    Freed([u64; 2]),
+    /// Recorded there, but not the front's to free (the device lock's path frees it).
+    Declined,
+    /// Not recorded there.
+    Absent,
+}
+
+/// What the caches of exited threads held ([`Front::take_gone`]).
+#[derive(Debug, Default)]
+pub(crate) struct Gone {
+    /// Cached blocks by (stream, tag index).
+    pub(crate) blocks: Vec<((u64, usize), Vec<u64>)>,
+    /// Live records (allocations those threads made, not freed yet).
+    pub(crate) live: Vec<(u64, FrontLive)>,
+    pub(crate) counts: Counts,
 }
 
 /// Move the blocks of `c` longer than `min_len` into `out`, by (stream, tag index).
