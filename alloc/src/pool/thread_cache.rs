@@ -462,7 +462,8 @@ impl Front {
     }
 
     /// Allocated bytes, requested bytes, and their peaks: exact given every cache locked
-    /// ([`LockedCaches::lock`]).
+    /// ([`LockedCaches::lock`]). The exact values raise the peaks first (so a peak is never
+    /// below a value read).
     pub(crate) fn byte_counts(&self, caches: &[SpinGuard<'_, ThreadCache>]) -> [u64; 4] {
         let b = &self.bytes;
         let mut allocated = b.allocated.load(Relaxed);
@@ -471,6 +472,7 @@ impl Front {
             allocated = allocated.wrapping_add(c.allocated);
             requested = requested.wrapping_add(c.requested);
         }
+        self.raise_peaks([allocated, requested]);
         [
             allocated,
             requested,

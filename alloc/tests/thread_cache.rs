@@ -1,0 +1,312 @@
+//! The pool's thread front (`pool/thread_cache.rs`) on the sim backend: per-thread caches
+//! and the live records they keep.
+//!
+//! - a multi-thread stress: threads on their own and on a shared stream allocate, free
+//!   their own allocations and each other's (cross-thread frees), `record_stream` and
+//!   `free_checked`, while a checker thread validates, reads stats and empties the cache
+//!   concurrently; a ledger of live ranges proves that no block is handed out twice, and at
+//!   the end the counters add up and every byte goes back;
+//! - a thread's cache comes back when the thread exits (its blocks, its live records);
+//! - `empty_cache` drains the caches of live threads; `sleep` drains and gates them;
+//! - a block freed on another thread goes back to the cache that recorded it and is reused
+//!   on its stream.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+
+use gpu_arena::backend::sim::{SimBackend, SimConfig};
+use gpu_arena::{tags, Error, Pool, PoolConfig, StreamId};
+use parking_lot::Mutex;
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const THREADS: u64 = 4;
+const OPS: u64 = 20_000;
+const SHARED_STREAM: StreamId = StreamId(0x5000);
+
+/// xorshift64*: deterministic per thread.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) % n
+    }
+}
+
+fn pool(validate: bool) -> (Arc<SimBackend>, Pool) {
+    let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+    let config = PoolConfig {
+        arena_size: 32 * MIB,
+        validate,
+        ..PoolConfig::default()
+    };
+    (sim.clone(), Pool::new(sim, config).unwrap())
+}
+
+/// Live ranges handed out, `start -> end`: an allocation that overlaps one is a block
+/// handed out twice.
+#[derive(Default)]
+struct Ledger(Mutex<BTreeMap<u64, u64>>);
+
+impl Ledger {
+    fn add(&self, ptr: u64, bytes: u64) {
+        let mut m = self.0.lock();
+        if let Some((&s, &e)) = m.range(..=ptr).next_back() {
+            assert!(
+                e <= ptr,
+                "[{ptr:#x}, +{bytes}) handed out inside live [{s:#x}, {e:#x})"
+            );
+        }
+        if let Some((&s, _)) = m.range(ptr..).next() {
+            assert!(
+                s >= ptr + bytes,
+                "[{ptr:#x}, +{bytes}) overlaps live {s:#x}"
+            );
+        }
+        m.insert(ptr, ptr + bytes);
+    }
+
+    /// Before the pool's free: once freed, another thread may be handed the range.
+    fn remove(&self, ptr: u64) {
+        assert!(self.0.lock().remove(&ptr).is_some(), "{ptr:#x} not live");
+    }
+}
+
+/// A few sizes (so that caches hit), some odd ones, some large.
+fn size(rng: &mut Rng) -> u64 {
+    match rng.below(8) {
+        0 => 2 * MIB,
+        1 => 1 + rng.below(3 * MIB),
+        2 | 3 => [512, 4 * KIB, 24 * KIB, 256 * KIB][rng.below(4) as usize],
+        _ => 1 + rng.below(64 * KIB),
+    }
+}
+
+struct Shared {
+    ledger: Ledger,
+    /// Allocations handed to other threads to free: (ptr, requested).
+    handoff: Mutex<Vec<(u64, u64)>>,
+    allocs: AtomicU64,
+    frees: AtomicU64,
+}
+
+fn free_one(pool: &Pool, sh: &Shared, rng: &mut Rng, ptr: u64, requested: u64) {
+    sh.ledger.remove(ptr);
+    if rng.below(4) == 0 {
+        pool.free_checked(ptr, requested, 0).unwrap();
+    } else {
+        pool.free(ptr).unwrap();
+    }
+    sh.frees.fetch_add(1, Ordering::Relaxed);
+}
+
+fn worker(pool: &Pool, sh: &Shared, t: u64) {
+    let mut rng = Rng(0x9E37_79B9 ^ (t + 1) * 0x1234_5678_9ABC);
+    let own = StreamId(t + 1);
+    let mut live: Vec<(u64, u64)> = Vec::new();
+    for _ in 0..OPS {
+        match rng.below(10) {
+            0..=4 if live.len() < 32 => {
+                let stream = if rng.below(4) == 0 {
+                    SHARED_STREAM
+                } else {
+                    own
+                };
+                let bytes = size(&mut rng);
+                let a = pool.alloc(0, bytes, stream).unwrap();
+                sh.ledger.add(a.ptr, a.bytes);
+                sh.allocs.fetch_add(1, Ordering::Relaxed);
+                if rng.below(16) == 0 {
+                    // Promoted out of the front; freed under the device lock with an event.
+                    let other = StreamId(0x6000 + rng.below(3));
+                    pool.record_stream(a.ptr, other).unwrap();
+                }
+                if rng.below(6) == 0 {
+                    sh.handoff.lock().push((a.ptr, bytes));
+                } else {
+                    live.push((a.ptr, bytes));
+                }
+            }
+            5 => {
+                let theirs = sh.handoff.lock().pop();
+                if let Some((ptr, requested)) = theirs {
+                    free_one(pool, sh, &mut rng, ptr, requested);
+                }
+            }
+            _ if !live.is_empty() => {
+                let i = rng.below(live.len() as u64) as usize;
+                let (ptr, requested) = live.swap_remove(i);
+                free_one(pool, sh, &mut rng, ptr, requested);
+            }
+            _ => {}
+        }
+    }
+    for (ptr, requested) in live {
+        free_one(pool, sh, &mut rng, ptr, requested);
+    }
+}
+
+/// No block is handed out twice while threads allocate, free each other's blocks, promote
+/// some with `record_stream`, and a checker validates, reads stats and empties the cache;
+/// at the end the counters add up and every byte goes back.
+#[test]
+fn threads_hand_out_no_block_twice_and_the_counters_add_up() {
+    let (sim, pool) = pool(false);
+    let sh = Shared {
+        ledger: Ledger::default(),
+        handoff: Mutex::new(Vec::new()),
+        allocs: AtomicU64::new(0),
+        frees: AtomicU64::new(0),
+    };
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let (pool, sh) = (&pool, &sh);
+                s.spawn(move || worker(pool, sh, t))
+            })
+            .collect();
+        s.spawn(|| {
+            let mut round = 0u64;
+            while !done.load(Ordering::Relaxed) {
+                pool.validate(0).unwrap();
+                let st = pool.stats(0).unwrap();
+                assert!(st.allocated_bytes <= st.reserved_bytes);
+                assert!(st.requested_bytes <= st.allocated_bytes);
+                assert!(st.peak_allocated_bytes >= st.allocated_bytes);
+                if round % 4 == 0 {
+                    pool.empty_cache(Some(0)).unwrap();
+                }
+                round += 1;
+                std::thread::yield_now();
+            }
+        });
+        for w in workers {
+            w.join().unwrap();
+        }
+        done.store(true, Ordering::Relaxed);
+    });
+    let mut rng = Rng(7);
+    for (ptr, requested) in std::mem::take(&mut *sh.handoff.lock()) {
+        free_one(&pool, &sh, &mut rng, ptr, requested);
+    }
+    assert!(sh.ledger.0.lock().is_empty());
+    pool.validate(0).unwrap();
+    // Frees of record_stream'd blocks wait for events: empty_cache synchronizes.
+    pool.empty_cache(None).unwrap();
+    let n = sh.allocs.load(Ordering::Relaxed);
+    assert_eq!(n, sh.frees.load(Ordering::Relaxed));
+    let st = pool.stats(0).unwrap();
+    assert_eq!(
+        (st.allocations, st.allocated_bytes, st.requested_bytes),
+        (0, 0, 0)
+    );
+    assert_eq!((st.alloc_count, st.free_count), (n, n));
+    assert_eq!(st.pending_free_bytes, 0);
+    assert_eq!((st.reserved_bytes, st.arenas), (0, 0));
+    assert_eq!(sim.ledger(0).held_bytes, 0);
+}
+
+/// A thread that exits leaves cached blocks and a live allocation in its cache: the live
+/// one can still be freed (by another thread), the counts stay exact, and every block
+/// comes back (empty_cache releases every arena).
+#[test]
+fn an_exited_threads_cache_comes_back() {
+    let (sim, pool) = pool(true);
+    let kept = std::thread::scope(|s| {
+        s.spawn(|| {
+            let s1 = StreamId(1);
+            let blocks: Vec<u64> = (0..4)
+                .map(|_| pool.alloc(0, 2 * MIB, s1).unwrap().ptr)
+                .collect();
+            for p in blocks {
+                pool.free(p).unwrap();
+            }
+            let kept = pool.alloc(0, MIB, s1).unwrap().ptr;
+            let reused = pool.alloc(0, 2 * MIB, s1).unwrap().ptr;
+            pool.free(reused).unwrap();
+            kept
+        })
+        .join()
+        .unwrap()
+    });
+    let st = pool.stats(0).unwrap();
+    assert_eq!((st.allocations, st.alloc_count, st.free_count), (1, 6, 5));
+    assert_eq!(st.allocated_bytes, MIB);
+    assert_eq!(st.peak_allocated_bytes, 8 * MIB);
+    // An operation under the device lock takes the exited thread's cache back.
+    let other = pool.alloc(0, 3 * MIB, StreamId(2)).unwrap().ptr;
+    pool.free(kept).unwrap();
+    pool.free(other).unwrap();
+    let st = pool.stats(0).unwrap();
+    assert_eq!((st.allocations, st.alloc_count, st.free_count), (0, 7, 7));
+    pool.empty_cache(None).unwrap();
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 0);
+    assert_eq!(sim.ledger(0).held_bytes, 0);
+}
+
+/// `empty_cache` drains the cache of a thread that is alive and idle.
+#[test]
+fn empty_cache_drains_a_live_threads_cache() {
+    let (sim, pool) = pool(true);
+    let (filled, drained) = (Barrier::new(2), Barrier::new(2));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let p = pool.alloc(0, 2 * MIB, StreamId(1)).unwrap().ptr;
+            pool.free(p).unwrap();
+            filled.wait();
+            drained.wait();
+            // The cache is empty now: this comes from a fresh arena.
+            let q = pool.alloc(0, 2 * MIB, StreamId(1)).unwrap().ptr;
+            pool.free(q).unwrap();
+        });
+        filled.wait();
+        assert_eq!(pool.empty_cache(Some(0)).unwrap(), 32 * MIB);
+        assert_eq!(sim.ledger(0).held_bytes, 0);
+        drained.wait();
+    });
+    assert_eq!(pool.stats(0).unwrap().backend_creates, 2);
+}
+
+/// A sleeping tag's blocks are not handed out from a thread cache, and a wake lets the tag
+/// allocate again.
+#[test]
+fn sleep_drains_and_gates_thread_caches() {
+    let (_sim, pool) = pool(true);
+    tags::set_current(Some("tc_sleep")).unwrap();
+    let p = pool.alloc(0, 2 * MIB, StreamId(1)).unwrap().ptr;
+    pool.free(p).unwrap();
+    pool.sleep(Some(0), &[]).unwrap();
+    let e = pool.alloc(0, 2 * MIB, StreamId(1)).unwrap_err();
+    assert!(matches!(e, Error::InvalidState(_)), "{e}");
+    pool.wake(Some(0), None).unwrap();
+    let q = pool.alloc(0, 2 * MIB, StreamId(1)).unwrap().ptr;
+    pool.free(q).unwrap();
+    tags::set_current(None).unwrap();
+}
+
+/// A block freed on another thread goes to the cache that recorded it and is reused there,
+/// on its stream only.
+#[test]
+fn a_block_freed_on_another_thread_returns_to_its_cache() {
+    let (_sim, pool) = pool(true);
+    let s1 = StreamId(1);
+    let p = pool.alloc(0, 2 * MIB, s1).unwrap().ptr;
+    std::thread::scope(|s| {
+        s.spawn(|| pool.free(p).unwrap());
+    });
+    // Another stream does not get it while it waits for no event...
+    let q = pool.alloc(0, 2 * MIB, StreamId(2)).unwrap().ptr;
+    assert_ne!(q, p);
+    // ...its own stream does.
+    assert_eq!(pool.alloc(0, 2 * MIB, s1).unwrap().ptr, p);
+    pool.free(p).unwrap();
+    pool.free(q).unwrap();
+    let st = pool.stats(0).unwrap();
+    assert_eq!((st.allocations, st.alloc_count, st.free_count), (0, 3, 3));
+}
