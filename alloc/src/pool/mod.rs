@@ -23,18 +23,32 @@
 //! only when all of them completed (as PyTorch's caching allocator does).
 //!
 //! **Cache.** A plain free (not shared, no other stream) of a block up to
-//! [`CACHE_MAX_BLOCK`] keeps it whole in an exact-size cache keyed by (stream, length) and
-//! bounded at a quarter of the reserved bytes: the next request of that length on that
-//! stream takes it with two hash operations and no sub-allocator call. On a miss that would
-//! otherwise grow the pool, cached blocks go back to the sub-allocator, where they
-//! coalesce: those above [`FLUSH_FIRST_ABOVE`] first, then the rest.
+//! [`CACHE_MAX_BLOCK`] keeps it whole: in the freeing thread's cache (or the cache that
+//! recorded the allocation), else in the device's exact-size cache, each keyed by (stream,
+//! length) and bounded at a quarter of the reserved bytes: the next request of that length
+//! on that stream takes it with two hash operations and no sub-allocator call. On a miss
+//! that would otherwise grow the pool, cached blocks (the threads' and the device's) go back
+//! to the sub-allocator, where they coalesce: those above [`FLUSH_FIRST_ABOVE`] first, then
+//! the rest.
 //!
 //! **Out of memory.** When the backend refuses memory, the pool synchronizes the device,
 //! releases every completed free, destroys its empty cached arenas and retries once; then it
 //! returns [`Error::OutOfMemory`] and stays valid.
 //!
-//! **Locks.** One `parking_lot::Mutex` per device. Arena creation and destruction (the slow
-//! driver calls) run with the lock released.
+//! **Threads and locks.** Each device has one `parking_lot::Mutex` (its `DeviceState`) and
+//! a thread front (`pool/thread_cache.rs`): every thread has its own cache of freed blocks
+//! per device, keyed like the exact-size cache by (stream, length, tag), behind a spin lock
+//! that only that thread takes in the common case. An allocation that hits it, and the free
+//! of a plain allocation (its record kept in the cache that made it), take no device lock
+//! and write no line another thread writes; a free on another thread finds the record's
+//! cache under the front's registry lock and puts the block back there (it keeps its
+//! stream). Everything else takes the device lock, where the allocation's record is first
+//! promoted into the device's map (`record_stream`, shares, a free the front declines,
+//! snapshots, sleep). A miss that would grow the pool, `empty_cache`, the OOM retry and
+//! `sleep` drain every thread's cache under the device lock; sleep and history recording
+//! gate the fast path first. Lock order: device, registry, thread caches. Arena creation
+//! and destruction (the slow driver calls) run with the device lock released; event
+//! record/query run under it, on the miss path only, never under a cache lock.
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};

@@ -27,7 +27,8 @@
 //!   allocation under the device lock, so no shared line is written per fast operation.
 //!   The peaks are raised with the base plus the calling thread's changes: exact with one
 //!   thread; with several threads allocating at once, short of the true peak by at most
-//!   what the other threads' caches have not folded ([`FOLD_BYTES`] each).
+//!   what the other threads' caches have not folded ([`FOLD_BYTES`] each). Every exact
+//!   read (`stats`, `validate`) raises them to the exact current value first.
 //!
 //! **Lock order**: device state, then the registry, then a thread cache (one at a time,
 //! except for the readers under the device lock, which lock them all in registry order).
