@@ -7,9 +7,11 @@
 //!    `KV_BENCH_SKIP_SUMMARY=1` skips it; under `--test` a small trace is used.
 //! 2. Criterion groups: `pair` (steady-state alloc+free of 2 MiB and 4 KiB on one stream,
 //!    per allocator), `replay` (a shorter trace, cold allocator each iteration, only the
-//!    replay loop timed), `pool_threads` (N = 1, 2, 4, 8 threads doing 2 MiB alloc+free
-//!    pairs, each on its own stream, against one shared pool; time is per pair per thread,
-//!    throughput counts all threads' pairs).
+//!    replay loop timed), `pool_threads` (N = 1, 2, 4, 8 threads, each on its own stream,
+//!    against one shared pool, doing 2 MiB alloc+free pairs or mixed-size pairs
+//!    (`gpu_arena_bench::threads`); time is per pair per thread, throughput counts all
+//!    threads' pairs: the aggregate). `cargo run --release -p gpu-arena-bench --example
+//!    thread_scaling` prints the same workloads as a table with the ratio to one thread.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use std::hint::black_box;
@@ -22,6 +24,7 @@ use gpu_arena::{Backend, Pool, PoolConfig, StreamId};
 use gpu_arena_bench::replay::{replay, FirstFitArena, PerAllocationBackend, TraceAllocator};
 use gpu_arena_bench::report::write_summary;
 use gpu_arena_bench::suite::{run_suite, SuiteConfig};
+use gpu_arena_bench::threads::{pair_2mib, Mixed};
 use gpu_arena_bench::trace::{generate, TraceConfig};
 use gpu_arena_bench::PoolAllocator;
 
@@ -142,36 +145,47 @@ fn bench_replay(c: &mut Criterion) {
 
 fn bench_threads(c: &mut Criterion) {
     let mut g = c.benchmark_group("pool_threads");
-    let size = 2 * MIB;
-    for threads in [1u64, 2, 4, 8] {
-        let pool = Pool::new(sim(), pool_config()).unwrap();
-        g.throughput(Throughput::Elements(threads));
-        g.bench_function(BenchmarkId::new("alloc_free_2MiB", threads), |b| {
-            b.iter_custom(|iters| {
-                let barrier = Barrier::new(threads as usize + 1);
-                std::thread::scope(|s| {
-                    let workers: Vec<_> = (0..threads)
-                        .map(|t| {
-                            let (pool, barrier) = (&pool, &barrier);
-                            s.spawn(move || {
-                                let stream = StreamId(t + 1);
-                                barrier.wait();
-                                for _ in 0..iters {
-                                    let a = pool.alloc(0, black_box(size), stream).unwrap();
-                                    pool.free(black_box(a.ptr)).unwrap();
-                                }
+    for mixed in [false, true] {
+        let name = if mixed {
+            "alloc_free_mixed"
+        } else {
+            "alloc_free_2MiB"
+        };
+        for threads in [1u64, 2, 4, 8] {
+            let pool = Pool::new(sim(), pool_config()).unwrap();
+            g.throughput(Throughput::Elements(threads));
+            g.bench_function(BenchmarkId::new(name, threads), |b| {
+                b.iter_custom(|iters| {
+                    let barrier = Barrier::new(threads as usize + 1);
+                    std::thread::scope(|s| {
+                        let workers: Vec<_> = (0..threads)
+                            .map(|t| {
+                                let (pool, barrier) = (&pool, &barrier);
+                                s.spawn(move || {
+                                    let stream = StreamId(t + 1);
+                                    let mut work = Mixed::new(stream);
+                                    barrier.wait();
+                                    for _ in 0..iters {
+                                        if mixed {
+                                            work.pair(pool).unwrap();
+                                        } else {
+                                            pair_2mib(pool, stream).unwrap();
+                                        }
+                                    }
+                                    work.finish(pool).unwrap();
+                                })
                             })
-                        })
-                        .collect();
-                    barrier.wait();
-                    let start = Instant::now();
-                    for w in workers {
-                        w.join().unwrap();
-                    }
-                    start.elapsed()
+                            .collect();
+                        barrier.wait();
+                        let start = Instant::now();
+                        for w in workers {
+                            w.join().unwrap();
+                        }
+                        start.elapsed()
+                    })
                 })
-            })
-        });
+            });
+        }
     }
     g.finish();
 }

@@ -1,9 +1,9 @@
 //! Thread scaling of one pool on the sim backend: T threads, each on its own stream, doing
 //! warm alloc/free pairs against one shared `Pool`, for T in `--threads` (default 1,2,4,8).
-//! Two workloads: `2MiB` (alloc then free of 2 MiB, the KV block) and `mixed` (each thread
-//! keeps 8 allocations live and replaces one per pair, sizes cycling through 512 B to
-//! 16 MiB). Prints, per workload and T, the aggregate pairs/s (all threads' pairs over the
-//! wall time from the common start to the last thread's end), ns per pair per thread, the
+//! Two workloads (`gpu_arena_bench::threads`): `2MiB` (alloc then free of 2 MiB, the KV
+//! block) and `mixed` (each thread keeps 8 allocations live and replaces one per pair,
+//! sizes cycling through 512 B to 16 MiB). Prints, per workload and T, the aggregate pairs/s (all threads' pairs over the
+//! wall time from the first thread's start to the last thread's end), ns per pair per thread, the
 //! threads' CPU time per pair (what contention costs shows here even when other processes
 //! take cores), and the ratio of the aggregate to T=1's (the issue #14 target: >= 0.8 x T
 //! up to the cores). A `control` workload (a thread-local hash-map insert and remove per
@@ -22,25 +22,9 @@ use std::time::{Duration, Instant};
 
 use gpu_arena::backend::sim::{SimBackend, SimConfig};
 use gpu_arena::{Backend, Pool, PoolConfig, StreamId};
+use gpu_arena_bench::threads::{pair_2mib, Mixed};
 
-const KIB: u64 = 1 << 10;
-const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
-
-/// The mixed workload's sizes, in the order each thread cycles through them.
-const MIXED: [u64; 8] = [
-    512,
-    4 * KIB,
-    24 * KIB,
-    256 * KIB,
-    MIB,
-    2 * MIB,
-    6 * MIB,
-    16 * MIB,
-];
-
-/// Live allocations each thread keeps in the mixed workload.
-const WINDOW: usize = 8;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Workload {
@@ -129,80 +113,61 @@ fn pool() -> Pool {
 }
 
 /// One thread's loop: `pairs` pairs on `stream` (after as many warm-up pairs, untimed).
-/// Returns when it ended and the CPU time it took.
+/// Returns when its timed loop began and ended, and the CPU time it took.
 fn work(
     pool: &Pool,
     w: Workload,
     stream: StreamId,
     pairs: u64,
     start: &Barrier,
-) -> (Instant, Duration) {
-    let mut live = [0u64; WINDOW];
-    let mut step = 0usize;
+) -> (Instant, Instant, Duration) {
+    let mut mixed = Mixed::new(stream);
     let mut local = std::collections::HashMap::new();
-    let mut pair = |step: &mut usize| match w {
+    let mut step = 0u64;
+    let mut pair = || match w {
         Workload::Control => {
-            local.insert(black_box(*step as u64), *step);
-            local.remove(&black_box(*step as u64));
-            *step += 1;
+            local.insert(black_box(step), step);
+            local.remove(&black_box(step));
+            step += 1;
         }
-        Workload::TwoMiB => {
-            let a = pool.alloc(0, black_box(2 * MIB), stream).unwrap();
-            pool.free(black_box(a.ptr)).unwrap();
-        }
-        Workload::Mixed => {
-            let slot = *step % WINDOW;
-            if live[slot] != 0 {
-                pool.free(live[slot]).unwrap();
-            }
-            let bytes = MIXED[(*step * 3 + *step / WINDOW) % MIXED.len()];
-            live[slot] = pool.alloc(0, black_box(bytes), stream).unwrap().ptr;
-            *step += 1;
-        }
+        Workload::TwoMiB => pair_2mib(pool, stream).unwrap(),
+        Workload::Mixed => mixed.pair(pool).unwrap(),
     };
     for _ in 0..pairs.min(20_000) {
-        pair(&mut step);
+        pair();
     }
     start.wait();
+    let begin = Instant::now();
     let cpu0 = thread_cpu();
     for _ in 0..pairs {
-        pair(&mut step);
+        pair();
     }
     let end = Instant::now();
     let cpu = thread_cpu().saturating_sub(cpu0);
-    for p in live {
-        if p != 0 {
-            pool.free(p).unwrap();
-        }
-    }
-    (end, cpu)
+    mixed.finish(pool).unwrap();
+    (begin, end, cpu)
 }
 
 /// Aggregate pairs per second of `threads` threads, each doing `pairs` pairs, and their CPU
 /// time per pair in ns.
 fn run(w: Workload, threads: usize, pairs: u64) -> (f64, f64) {
     let pool = pool();
-    let start = Barrier::new(threads + 1);
-    let (t0, ends) = std::thread::scope(|s| {
+    let start = Barrier::new(threads);
+    let runs: Vec<(Instant, Instant, Duration)> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..threads)
             .map(|t| {
                 let (pool, start) = (&pool, &start);
                 s.spawn(move || work(pool, w, StreamId(t as u64 + 1), pairs, start))
             })
             .collect();
-        start.wait();
-        let t0 = Instant::now();
-        let ends: Vec<(Instant, Duration)> =
-            workers.into_iter().map(|h| h.join().unwrap()).collect();
-        (t0, ends)
+        workers.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    let wall = ends
-        .iter()
-        .map(|e| e.0.saturating_duration_since(t0))
-        .max()
-        .unwrap_or(Duration::ZERO);
+    // From the first thread's start to the last one's end.
+    let first = runs.iter().map(|r| r.0).min().unwrap();
+    let last = runs.iter().map(|r| r.1).max().unwrap();
+    let wall = last.saturating_duration_since(first);
     let all = (pairs * threads as u64) as f64;
-    let cpu: f64 = ends.iter().map(|e| e.1.as_secs_f64()).sum();
+    let cpu: f64 = runs.iter().map(|r| r.2.as_secs_f64()).sum();
     (all / wall.as_secs_f64().max(1e-9), 1e9 * cpu / all)
 }
 

@@ -9,6 +9,7 @@
 //! - [`suite`]: the whole comparison (and the arena-size sweep) as the criterion bench
 //!   `kv_cache` and the `kv_replay` binary run it; [`report`] renders it as markdown.
 //! - [`units`]: sizes and times as text, for all of the above.
+//! - [`threads`]: the thread-scaling workloads (2 MiB pairs, mixed sizes).
 //!
 //! Imports go one way, each module importing only modules listed before it: `units`,
 //! `trace`, `trace_file`, `replay`, `pool_adapter`, `report`, `suite`.
@@ -17,6 +18,7 @@ pub mod pool_adapter;
 pub mod replay;
 pub mod report;
 pub mod suite;
+pub mod threads;
 pub mod trace;
 pub mod trace_file;
 pub mod units;
