@@ -4,7 +4,9 @@
 //   (c) cuMemAllocAsync / cuMemFreeAsync on the device's default pool (release threshold max),
 //   (d) PyTorch's CUDA caching allocator (c10 raw_alloc_with_stream / raw_delete),
 // cold (first replay) and warm (second replay on the same allocator), then the warm
-// alloc+free pair latency of 2 MiB through each, on one thread and on N threads.
+// alloc+free pair latency of 2 MiB through each, on one thread and on N threads, and the
+// thread scaling (T = 1, 2, 4, 8; 2 MiB and mixed-size pairs) of (a), (c) and (d):
+// kv_threads.h.
 //
 // The trace file comes from `kv_trace_dump` (bench/src/trace_file.rs has the format).
 // Build and run with bench/gpu/run.sh; see bench/gpu/README.md.
@@ -486,81 +488,10 @@ Row run_phase(const std::string& label, A& a, const Trace& t, size_t baseline_fr
 }
 
 // ---------------------------------------------------------------------------------------
-// Pair latency: warm alloc+free of `bytes` on each thread's own stream.
+// Pair latency and thread scaling: kv_threads.h (pair_bench, the fixed and mixed workloads,
+// scaling_bench, scaling_markdown).
 
-struct PairOut {
-  bool ran = false;
-  std::string why_not;
-  int threads = 0;
-  uint64_t pairs_per_thread = 0;
-  double ns_per_pair_mean = 0, ns_per_pair_max = 0, pairs_per_s = 0;
-  uint64_t failures = 0;
-};
-
-// `init` runs once on each thread before its warm-up (e.g. torch's current device).
-template <class Init, class Alloc, class Free>
-PairOut pair_bench(int nthreads, uint64_t pairs, uint64_t warmup, size_t bytes,
-                   const std::vector<CUstream>& streams, Init init, Alloc al, Free fr) {
-  struct Res {
-    Clock::time_point t0, t1;
-    uint64_t fails = 0;
-  };
-  std::vector<Res> res(nthreads);
-  std::atomic<int> ready{0};
-  std::atomic<bool> go{false};
-  std::vector<std::thread> th;
-  for (int i = 0; i < nthreads; ++i) {
-    th.emplace_back([&, i] {
-      make_current();
-      init();
-      CUstream s = streams[i];
-      uint64_t fails = 0;
-      for (uint64_t k = 0; k < warmup; ++k) {
-        void* p = al(bytes, s);
-        if (p == nullptr) {
-          ++fails;
-          continue;
-        }
-        if (!fr(p, bytes, s)) ++fails;
-      }
-      ready.fetch_add(1);
-      while (!go.load(std::memory_order_acquire)) std::this_thread::yield();
-      const Clock::time_point t0 = Clock::now();
-      for (uint64_t k = 0; k < pairs; ++k) {
-        void* p = al(bytes, s);
-        if (p == nullptr) {
-          ++fails;
-          continue;
-        }
-        if (!fr(p, bytes, s)) ++fails;
-      }
-      const Clock::time_point t1 = Clock::now();
-      res[i] = Res{t0, t1, fails};
-    });
-  }
-  while (ready.load() < nthreads) std::this_thread::yield();
-  go.store(true, std::memory_order_release);
-  for (auto& x : th) x.join();
-  CU_CHECK(cuCtxSynchronize());
-  PairOut o;
-  o.ran = true;
-  o.threads = nthreads;
-  o.pairs_per_thread = pairs;
-  Clock::time_point first = res[0].t0, last = res[0].t1;
-  double sum = 0;
-  for (const auto& r : res) {
-    const double ns = secs(r.t1 - r.t0) * 1e9 / static_cast<double>(pairs ? pairs : 1);
-    sum += ns;
-    o.ns_per_pair_max = std::max(o.ns_per_pair_max, ns);
-    first = std::min(first, r.t0);
-    last = std::max(last, r.t1);
-    o.failures += r.fails;
-  }
-  o.ns_per_pair_mean = sum / nthreads;
-  const double wall = secs(last - first);
-  o.pairs_per_s = wall > 0 ? static_cast<double>(pairs) * nthreads / wall : 0;
-  return o;
-}
+#include "kv_threads.h"
 
 struct PairRow {
   std::string name;
@@ -580,14 +511,17 @@ struct Options {
   uint64_t cumem_pairs = 2000, cumem_thread_pairs = 250;
   int threads = 8;
   size_t pair_bytes = 2u << 20;
-  bool no_pairs = false, no_replay = false;
+  bool no_pairs = false, no_replay = false, no_scaling = false;
+  std::vector<int> scaling_threads = {1, 2, 4, 8};
+  uint64_t scaling_pairs = 100000;
 };
 
 const char* kUsage =
     "usage: kv_bench --trace FILE [--out FILE.md] [--device N] [--skip LIST]\n"
     "                [--arena-conf STR] [--pairs N] [--thread-pairs N] [--threads N]\n"
     "                [--warmup N] [--pair-bytes N] [--cumem-pairs N] [--cumem-thread-pairs N]\n"
-    "                [--no-pairs] [--no-replay]\n"
+    "                [--no-pairs] [--no-replay] [--no-scaling] [--scaling-threads 1,2,4,8]\n"
+    "                [--scaling-pairs N]\n"
     "  LIST: comma-separated among gpu-arena,cumemalloc,async,torch\n";
 
 Options parse_args(int argc, char** argv) {
@@ -619,6 +553,20 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--cumem-thread-pairs") o.cumem_thread_pairs = num(i);
     else if (a == "--no-pairs") o.no_pairs = true;
     else if (a == "--no-replay") o.no_replay = true;
+    else if (a == "--no-scaling") o.no_scaling = true;
+    else if (a == "--scaling-pairs") o.scaling_pairs = num(i);
+    else if (a == "--scaling-threads") {
+      o.scaling_threads.clear();
+      std::string v = need(i);
+      for (size_t k = 0; k < v.size();) {
+        size_t e = v.find(',', k);
+        if (e == std::string::npos) e = v.size();
+        const int t = std::atoi(v.substr(k, e - k).c_str());
+        if (t < 1 || t > 256) die(strf("--scaling-threads: %s is not 1..256\n%s", v.c_str(), kUsage));
+        o.scaling_threads.push_back(t);
+        k = e + 1;
+      }
+    }
     else if (a == "-h" || a == "--help") {
       std::fputs(kUsage, stdout);
       std::exit(0);
@@ -882,12 +830,24 @@ int main(int argc, char** argv) {
     }
   }
 
-  // Item 5: warm pair latency.
+  // Item 5: warm pair latency; item 6: thread scaling (kv_threads.h).
   std::vector<PairRow> prow;
+  std::vector<ScalingRow> srow;
   if (!opt.no_pairs) {
     const size_t B = opt.pair_bytes;
     const int N = opt.threads;
     auto no_init = [] {};
+    auto scale = [&](const std::string& name, auto init, auto al, auto fr) {
+      ScalingRow sr;
+      sr.name = name;
+      if (opt.no_scaling) return;
+      logf("scaling %s: threads", name.c_str());
+      sr.points = scaling_bench(opt.scaling_threads, opt.scaling_pairs, std::min<uint64_t>(opt.warmup, opt.scaling_pairs),
+                                B, make_streams, init, al, fr);
+      for (const auto& p : sr.points)
+        if (p.fixed.failures || p.mixed.failures) any_failure = true;
+      srow.push_back(sr);
+    };
     auto both = [&](PairRow& r, uint64_t p1, uint64_t pn, auto init, auto al, auto fr) {
       logf("pairs %s: 1 thread x %" PRIu64, r.name.c_str(), p1);
       r.one = pair_bench(1, p1, std::min<uint64_t>(opt.warmup, p1), B, make_streams(1), init, al, fr);
@@ -901,12 +861,14 @@ int main(int argc, char** argv) {
       PairRow r;
       r.name = ga_label;
       if (ga_skip.empty()) {
-        both(r, opt.pairs, opt.thread_pairs, no_init,
-             [](size_t b, CUstream s) { return g_ga.malloc(static_cast<ssize_t>(b), g_dev.ordinal, s); },
-             [](void* p, size_t b, CUstream s) {
-               g_ga.free(p, static_cast<ssize_t>(b), g_dev.ordinal, s);
-               return true;
-             });
+        auto al = [](size_t b, CUstream s) { return g_ga.malloc(static_cast<ssize_t>(b), g_dev.ordinal, s); };
+        auto fr = [](void* p, size_t b, CUstream s) {
+          g_ga.free(p, static_cast<ssize_t>(b), g_dev.ordinal, s);
+          return true;
+        };
+        both(r, opt.pairs, opt.thread_pairs, no_init, al, fr);
+        g_ga.empty_cache(-1);
+        scale(r.name, no_init, al, fr);
         g_ga.empty_cache(-1);
       } else {
         r.one.why_not = ga_skip;
@@ -918,22 +880,26 @@ int main(int argc, char** argv) {
       PairRow r;
       r.name = "PyTorch CUDACachingAllocator";
       if (torch_skip.empty()) {
-        both(r, opt.pairs, opt.thread_pairs, [] { c10::cuda::set_device(torch_dev()); },
-             [](size_t b, CUstream s) -> void* {
-               try {
-                 return tca::raw_alloc_with_stream(b, reinterpret_cast<cudaStream_t>(s));
-               } catch (const std::exception&) {
-                 return nullptr;
-               }
-             },
-             [](void* p, size_t, CUstream) {
-               try {
-                 tca::raw_delete(p);
-                 return true;
-               } catch (const std::exception&) {
-                 return false;
-               }
-             });
+        auto init = [] { c10::cuda::set_device(torch_dev()); };
+        auto al = [](size_t b, CUstream s) -> void* {
+          try {
+            return tca::raw_alloc_with_stream(b, reinterpret_cast<cudaStream_t>(s));
+          } catch (const std::exception&) {
+            return nullptr;
+          }
+        };
+        auto fr = [](void* p, size_t, CUstream) {
+          try {
+            tca::raw_delete(p);
+            return true;
+          } catch (const std::exception&) {
+            return false;
+          }
+        };
+        both(r, opt.pairs, opt.thread_pairs, init, al, fr);
+        tca::emptyCache();
+        make_current();
+        scale(r.name, init, al, fr);
         tca::emptyCache();
         make_current();
       } else {
@@ -952,14 +918,16 @@ int main(int argc, char** argv) {
     if (!skipped(opt, "async")) {
       PairRow r;
       r.name = "cuMemAllocAsync (default pool, threshold max)";
-      both(r, opt.pairs, opt.thread_pairs, no_init,
-           [](size_t b, CUstream s) -> void* {
-             CUdeviceptr d = 0;
-             return cuMemAllocAsync(&d, b, s) == CUDA_SUCCESS ? reinterpret_cast<void*>(d) : nullptr;
-           },
-           [](void* p, size_t, CUstream s) {
-             return cuMemFreeAsync(reinterpret_cast<CUdeviceptr>(p), s) == CUDA_SUCCESS;
-           });
+      auto al = [](size_t b, CUstream s) -> void* {
+        CUdeviceptr d = 0;
+        return cuMemAllocAsync(&d, b, s) == CUDA_SUCCESS ? reinterpret_cast<void*>(d) : nullptr;
+      };
+      auto fr = [](void* p, size_t, CUstream s) {
+        return cuMemFreeAsync(reinterpret_cast<CUdeviceptr>(p), s) == CUDA_SUCCESS;
+      };
+      both(r, opt.pairs, opt.thread_pairs, no_init, al, fr);
+      CU_CHECK(cuMemPoolTrimTo(pool, 0));
+      scale(r.name, no_init, al, fr);
       CU_CHECK(cuMemPoolTrimTo(pool, 0));
       prow.push_back(r);
     }
@@ -1067,6 +1035,8 @@ int main(int argc, char** argv) {
                  r.many.pairs_per_thread, r.many.pairs_per_s, r.one.failures + r.many.failures, r.note.c_str());
     }
   }
+  if (!srow.empty())
+    md += scaling_markdown(srow, opt.scaling_pairs, std::min<uint64_t>(opt.warmup, opt.scaling_pairs), opt.pair_bytes);
   md += strf("\nResult: %s\n", any_failure ? "FAILURES (see the table and notes)" : "no failures");
 
   std::fputs(md.c_str(), stdout);
