@@ -310,3 +310,48 @@ fn a_block_freed_on_another_thread_returns_to_its_cache() {
     let st = pool.stats(0).unwrap();
     assert_eq!((st.allocations, st.alloc_count, st.free_count), (0, 3, 3));
 }
+
+/// With several devices, `free` finds the device of a pointer held by this thread's cache,
+/// by another thread's, or by the device's map (after `record_stream`).
+#[test]
+fn frees_find_their_device_among_several() {
+    let sim = Arc::new(
+        SimBackend::new(SimConfig {
+            devices: 3,
+            ..SimConfig::default()
+        })
+        .unwrap(),
+    );
+    let config = PoolConfig {
+        arena_size: 32 * MIB,
+        validate: true,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::new(sim, config).unwrap();
+    let s = StreamId(1);
+    let ptrs: Vec<u64> = (0..3)
+        .flat_map(|d| (0..2).map(move |_| d))
+        .map(|d| pool.alloc(d, 2 * MIB, s).unwrap().ptr)
+        .collect();
+    pool.record_stream(ptrs[5], StreamId(2)).unwrap();
+    pool.free(ptrs[0]).unwrap();
+    pool.free(ptrs[3]).unwrap();
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            for &p in &[ptrs[1], ptrs[2], ptrs[4], ptrs[5]] {
+                pool.free(p).unwrap();
+            }
+        });
+    });
+    assert!(pool.free(ptrs[0]).is_err());
+    pool.empty_cache(None).unwrap();
+    for d in 0..3 {
+        let st = pool.stats(d).unwrap();
+        assert_eq!(
+            (st.allocations, st.alloc_count, st.free_count),
+            (0, 2, 2),
+            "device {d}"
+        );
+        assert_eq!(st.reserved_bytes, 0);
+    }
+}

@@ -13,6 +13,15 @@ impl Pool {
     /// Free an allocation. A range still shared with other processes is kept until its
     /// shares end; a range recorded on other streams is kept until their work completes.
     pub fn free(&self, ptr: u64) -> Result<()> {
+        if self.devices.len() > 1 {
+            // The calling thread's own cache of each device first: no device lock.
+            for dp in &self.devices {
+                if let Some(seen) = dp.front.try_free_own(ptr) {
+                    self.after_fast_free(dp, seen);
+                    return Ok(());
+                }
+            }
+        }
         let dp = self.device_of(ptr)?;
         self.free_on(dp, ptr, None)
     }
@@ -24,16 +33,23 @@ impl Pool {
         self.free_on(dp, ptr, Some(requested))
     }
 
+    /// After a free by the thread front: the gauges, and `validate` when configured.
+    fn after_fast_free(&self, dp: &DevicePool, [allocated_bytes, requested_bytes]: [u64; 2]) {
+        dp.metrics
+            .publish_allocated(allocated_bytes, requested_bytes);
+        if self.config.validate {
+            dp.state.lock().validate_or_log();
+        }
+    }
+
     /// The device whose arenas contain `ptr` (the free path then says precisely what is
     /// wrong with it).
     fn device_of(&self, ptr: u64) -> Result<&DevicePool> {
         if let [only] = self.devices.as_slice() {
             return Ok(only);
         }
+        // Every allocation, plain or not, lies inside an arena of its device.
         for dp in &self.devices {
-            if dp.front.contains_live(ptr) {
-                return Ok(dp);
-            }
             let st = dp.state.lock();
             if st.allocs.contains_key(&ptr) || st.arena_of(ptr).is_some() {
                 return Ok(dp);
@@ -47,12 +63,8 @@ impl Pool {
 
     fn free_on(&self, dp: &DevicePool, ptr: u64, requested: Option<u64>) -> Result<()> {
         // Fast path: a plain allocation into this thread's cache, no device lock.
-        if let Some([allocated_bytes, requested_bytes]) = dp.front.try_free(ptr, requested) {
-            dp.metrics
-                .publish_allocated(allocated_bytes, requested_bytes);
-            if self.config.validate {
-                dp.state.lock().validate_or_log();
-            }
+        if let Some(seen) = dp.front.try_free(ptr, requested) {
+            self.after_fast_free(dp, seen);
             return Ok(());
         }
         let mut st = dp.state.lock();

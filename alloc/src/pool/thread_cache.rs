@@ -289,6 +289,15 @@ impl Front {
         None
     }
 
+    /// [`Self::try_free`] in the calling thread's cache only (a pool of several devices tries
+    /// each device's this way before it looks for the device).
+    pub(crate) fn try_free_own(self: &Arc<Self>, ptr: u64) -> Option<[u64; 2]> {
+        match self.with_cache(|cache| Some(self.free_into(cache, ptr, None)))? {
+            FreeStep::Freed(seen) => Some(seen),
+            FreeStep::Declined | FreeStep::Absent => None,
+        }
+    }
+
     /// Free `ptr` into `cache` if `cache` holds its record.
     fn free_into(&self, cache: &mut ThreadCache, ptr: u64, requested: Option<u64>) -> FreeStep {
         // One lookup in the common case: put back when it is not ours to take.
@@ -387,13 +396,6 @@ impl Front {
             .lock()
             .iter()
             .find_map(|slot| slot.lock().live.remove(&ptr))
-    }
-
-    pub(crate) fn contains_live(&self, ptr: u64) -> bool {
-        self.caches
-            .lock()
-            .iter()
-            .any(|slot| slot.lock().live.contains_key(&ptr))
     }
 
     /// Take every record out of the caches.
