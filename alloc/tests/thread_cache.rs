@@ -106,7 +106,7 @@ fn free_one(pool: &Pool, sh: &Shared, rng: &mut Rng, ptr: u64, requested: u64) {
 }
 
 fn worker(pool: &Pool, sh: &Shared, t: u64) {
-    let mut rng = Rng(0x9E37_79B9 ^ (t + 1) * 0x1234_5678_9ABC);
+    let mut rng = Rng(0x9E37_79B9 ^ ((t + 1) * 0x1234_5678_9ABC));
     let own = StreamId(t + 1);
     let mut live: Vec<(u64, u64)> = Vec::new();
     for _ in 0..OPS {
