@@ -588,4 +588,26 @@ mod tests {
         );
         assert_eq!(stats.peak_allocated_bytes, 2 * MIB);
     }
+
+    /// Threads on their own streams stay in their caches: after each thread's first pair,
+    /// the device lock's path allocates nothing.
+    #[test]
+    fn concurrent_warm_pairs_take_no_device_lock() {
+        let pool = pool();
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let pool = &pool;
+                s.spawn(move || {
+                    for _ in 0..2000 {
+                        let a = pool.alloc(0, 2 * MIB, StreamId(t + 1)).unwrap();
+                        pool.free(a.ptr).unwrap();
+                    }
+                });
+            }
+        });
+        let central = pool.devices[0].state.lock().stats;
+        assert_eq!((central.alloc_count, central.free_count), (4, 0));
+        let stats = pool.stats(0).unwrap();
+        assert_eq!((stats.alloc_count, stats.free_count), (8000, 8000));
+    }
 }
