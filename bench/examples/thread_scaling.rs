@@ -12,7 +12,7 @@
 //! No assertion: the figures are printed.
 //!
 //! `cargo run --release -p gpu-arena-bench --example thread_scaling -- [--quick]
-//!  [--threads 1,2,4,8] [--pairs N] [--repeat N]`; `--quick` (CI) is 1,2 threads, 100k pairs
+//!  [--threads 1,2,4,8] [--workloads control,2MiB,mixed] [--pairs N] [--repeat N]`; `--quick` (CI) is 1,2 threads, 100k pairs
 //! per thread, one run.
 #![allow(clippy::unwrap_used, missing_docs)]
 
@@ -55,6 +55,7 @@ fn thread_cpu() -> Duration {
 }
 
 struct Opts {
+    workloads: Vec<Workload>,
     threads: Vec<usize>,
     pairs: u64,
     repeat: usize,
@@ -62,6 +63,7 @@ struct Opts {
 
 fn opts() -> Opts {
     let mut o = Opts {
+        workloads: vec![Workload::Control, Workload::TwoMiB, Workload::Mixed],
         threads: vec![1, 2, 4, 8],
         pairs: 500_000,
         repeat: 3,
@@ -80,6 +82,18 @@ fn opts() -> Opts {
                 o.threads = value().split(',').map(|t| t.parse().unwrap()).collect();
                 i += 1;
             }
+            "--workloads" => {
+                o.workloads = value()
+                    .split(',')
+                    .map(|w| match w {
+                        "control" => Workload::Control,
+                        "2MiB" => Workload::TwoMiB,
+                        "mixed" => Workload::Mixed,
+                        _ => panic!("--workloads: {w} is not control, 2MiB or mixed"),
+                    })
+                    .collect();
+                i += 1;
+            }
             "--pairs" => {
                 o.pairs = value().parse().unwrap();
                 i += 1;
@@ -89,7 +103,10 @@ fn opts() -> Opts {
                 i += 1;
             }
             a => {
-                panic!("unknown argument {a}: [--quick] [--threads 1,2,4] [--pairs N] [--repeat N]")
+                panic!(
+                    "unknown argument {a}: [--quick] [--threads 1,2,4] \
+                     [--workloads control,2MiB,mixed] [--pairs N] [--repeat N]"
+                )
             }
         }
         i += 1;
@@ -182,7 +199,7 @@ fn main() {
         "| workload | threads | pairs/s (all threads) | ns/pair/thread | CPU ns/pair | vs 1 thread |"
     );
     println!("|---|---|---|---|---|---|");
-    for w in [Workload::Control, Workload::TwoMiB, Workload::Mixed] {
+    for &w in &o.workloads {
         let mut one = None;
         for &t in &o.threads {
             let (best, cpu) = (0..o.repeat)
