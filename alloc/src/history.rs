@@ -1,10 +1,12 @@
 //! Allocation history: a fixed-capacity ring of small plain records per device (PyTorch's
 //! `_record_memory_history` for gpu-arena), read back through the JSON snapshot.
 //!
-//! **Cost when off.** Each device's ring lives in its `DeviceState`, behind the device lock
-//! every alloc and free already holds. The hot path checks one `bool` field of that state
-//! ([`History::recording`]): no atomic, no extra lock, no allocation. When on, an event is
-//! one coarse clock read, one thread-local read and a 48-byte copy into the ring
+//! **Cost when off.** Each device's ring lives in its `DeviceState`, behind the device lock.
+//! The path under that lock checks one `bool` field of that state ([`History::recording`]);
+//! the thread caches' path (`pool/thread_cache.rs`), which takes no device lock, reads a
+//! relaxed atomic mirror of it and, while recording is on, leaves every operation to the
+//! device lock's path (so every event is recorded). No allocation when off. When on, an
+//! event is one coarse clock read, one thread-local read and a 48-byte copy into the ring
 //! (`bench/examples/history_overhead.rs` measures both).
 //!
 //! **Events** ([`Action`]): `alloc` (size = the block length, requested = the asked-for
