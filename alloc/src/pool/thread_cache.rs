@@ -345,6 +345,9 @@ impl Front {
 
     /// Move a cache's byte changes into the base.
     fn fold(&self, cache: &mut ThreadCache) {
+        if (cache.allocated, cache.requested) == (0, 0) {
+            return;
+        }
         let b = &self.bytes;
         b.allocated.fetch_add(cache.allocated, Relaxed);
         b.requested.fetch_add(cache.requested, Relaxed);
@@ -419,7 +422,9 @@ impl Front {
     /// tag), live records and counts, for the caller to take into the device under its lock.
     pub(crate) fn take_gone(&self) -> Gone {
         let mut gone = Gone::default();
-        if self.gone.swap(0, Relaxed) == 0 {
+        // A load first: the device lock's path calls this every time, and a swap would
+        // write the line each time.
+        if self.gone.load(Relaxed) == 0 || self.gone.swap(0, Relaxed) == 0 {
             return gone;
         }
         self.caches.lock().retain(|slot| {
