@@ -199,7 +199,9 @@ pub(crate) struct Arena {
     pub(crate) mem: ArenaMem,
     /// Unique for the life of the pool (share handles name arenas by it).
     pub(crate) id: u64,
-    /// Live (or freed-but-still-referenced) allocations inside.
+    /// Live (or freed-but-still-referenced) allocations inside whose records are in the
+    /// device's map; those recorded by thread caches are not counted (their ranges, still
+    /// allocated in the sub-allocator, keep the arena from being destroyed all the same).
     pub(crate) live_allocs: u64,
     /// Export and sharing state (`crate::lifetime`).
     pub(crate) lifetime: ArenaLifetime<Export>,
