@@ -23,7 +23,16 @@ use parking_lot::Mutex;
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 const THREADS: u64 = 4;
+/// Operations per thread in the stress (`GPU_ARENA_STRESS_OPS` overrides it, as for
+/// `stress.rs`).
 const OPS: u64 = 20_000;
+
+fn ops() -> u64 {
+    std::env::var("GPU_ARENA_STRESS_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(OPS)
+}
 const SHARED_STREAM: StreamId = StreamId(0x5000);
 
 /// xorshift64*: deterministic per thread.
@@ -109,7 +118,7 @@ fn worker(pool: &Pool, sh: &Shared, t: u64) {
     let mut rng = Rng(0x9E37_79B9 ^ ((t + 1) * 0x1234_5678_9ABC));
     let own = StreamId(t + 1);
     let mut live: Vec<(u64, u64)> = Vec::new();
-    for _ in 0..OPS {
+    for _ in 0..ops() {
         match rng.below(10) {
             0..=4 if live.len() < 32 => {
                 let stream = if rng.below(4) == 0 {
