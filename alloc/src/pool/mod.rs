@@ -292,6 +292,8 @@ pub(crate) struct DevicePool {
     pub(crate) state: Mutex<DeviceState>,
     /// The thread front, reached without the lock.
     pub(crate) front: Arc<Front>,
+    /// Serialises the export self-test (`pool/share.rs`), run with the device lock released.
+    pub(crate) export_probe: Mutex<Option<crate::backend::ExportKind>>,
     pub(crate) metrics: DeviceMetrics,
 }
 
@@ -326,6 +328,7 @@ impl Pool {
                         ..DeviceState::default()
                     }),
                     front,
+                    export_probe: Mutex::new(None),
                     metrics: DeviceMetrics::new(device),
                 }
             })

@@ -324,7 +324,18 @@ impl Pool {
         if let Some(k) = st.shares.probed_kind.get() {
             return Ok(*k);
         }
-        let kind = parking_lot::MutexGuard::unlocked(st, || self.probe_export(dp))?;
+        let kind = parking_lot::MutexGuard::unlocked(st, || {
+            // One self-test at a time per device: two at once (the first shares of a device
+            // racing) each saw the other's probe arena still held in `mem_info` and both
+            // concluded "pinning", which pinned the arena for good.
+            let mut probed = dp.export_probe.lock();
+            if let Some(k) = *probed {
+                return Ok(k);
+            }
+            let k = self.probe_export(dp)?;
+            *probed = Some(k);
+            Ok(k)
+        })?;
         tracing::info!(
             device = dp.device,
             backend = self.backend.name(),
