@@ -21,10 +21,10 @@
 //! - **Counters**: each cache counts its allocations, frees, and allocated and requested
 //!   bytes as changes (a block allocated on one thread and freed on another makes one
 //!   cache's change "negative": wrapping arithmetic); the device lock's path counts into
-//!   the device's counters and, for bytes, into [`Front`]'s base atomics. `Pool::stats`
-//!   adds them up with every cache locked: exact. A cache folds its byte changes into the
-//!   base when they pass [`FOLD_BYTES`], and the calling thread's cache is folded by every
-//!   allocation under the device lock, so no shared line is written per fast operation.
+//!   the device's counters (its allocations' bytes into the calling thread's cache as
+//!   well; its frees' into [`Front`]'s base atomics). `Pool::stats` adds them up with every
+//!   cache locked: exact. A cache folds its byte changes into the base when they pass
+//!   [`FOLD_BYTES`], so no shared line is written per allocation or fast free.
 //!   The peaks are raised with the base plus the calling thread's changes: exact with one
 //!   thread; with several threads allocating at once, short of the true peak by at most
 //!   what the other threads' caches have not folded ([`FOLD_BYTES`] each). Every exact
@@ -365,23 +365,25 @@ impl Front {
     }
 
     /// Record a plain allocation of `len` bytes made under the device lock in the calling
-    /// thread's cache (`false` while the thread exits: the caller records it itself), and
-    /// count it: into the base, with that cache folded in first so that the peaks it
-    /// raises are exact for one thread. Also returns the allocated and requested bytes as
-    /// this thread sees them.
+    /// thread's cache and count its bytes there, as a fast allocation does (no shared
+    /// write). `false` while the thread exits: the caller records it itself, and the bytes
+    /// go to the base. Also returns the allocated and requested bytes as this thread sees
+    /// them.
     pub(crate) fn record_alloc(
         self: &Arc<Self>,
         ptr: u64,
         rec: FrontLive,
         len: u64,
     ) -> (bool, [u64; 2]) {
-        let recorded = self
-            .with_cache(|cache| {
-                self.fold(cache);
-                cache.live.insert(ptr, rec);
-                Some(())
-            })
-            .is_some();
+        let recorded = self.with_cache(|cache| {
+            cache.live.insert(ptr, rec);
+            cache.allocated = cache.allocated.wrapping_add(len);
+            cache.requested = cache.requested.wrapping_add(rec.requested);
+            Some(self.settle_bytes(cache, true))
+        });
+        if let Some(seen) = recorded {
+            return (true, seen);
+        }
         let b = &self.bytes;
         let seen = [
             b.allocated.fetch_add(len, Relaxed).wrapping_add(len),
@@ -390,7 +392,7 @@ impl Front {
                 .wrapping_add(rec.requested),
         ];
         self.raise_peaks(seen);
-        (recorded, seen)
+        (false, seen)
     }
 
     /// Take the record of `ptr` out of the caches (to promote it).
