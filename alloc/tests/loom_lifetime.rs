@@ -14,7 +14,7 @@
 //!
 //! | step here | real code |
 //! |---|---|
-//! | [`Model::alloc`] | `Pool::alloc` / `finish_alloc_in` (`live_allocs += 1`, a fresh `AllocHold`) |
+//! | [`Model::alloc`] | `Pool::alloc` / `finish_alloc_in`, and `DeviceState::promote` when the first share moves the record out of the thread cache (`live_allocs += 1`, a fresh `AllocHold`) |
 //! | [`Model::share`] | `Pool::share`: check live, `take_ref`, `ensure_exported`, `new_share`, insert the record |
 //! | [`Model::ensure_exported`] | `Pool::ensure_exported`: probe (lock released on the device's first call), `begin_export` until not `Wait` (unlock + yield), export with the lock released, `finish_export` / `export_failed` |
 //! | [`Model::unshare`] | `Pool::unshare`: `ArenaLifetime::unshare`, `apply_ended`, close after unlocking |
