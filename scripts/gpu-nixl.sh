@@ -18,12 +18,12 @@ export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=${UCX_CUDA_IPC_ENABLE_GET_ZCOPY:-y}
 kv() { timeout "${T:-400}" python3 tests/gpu/gpu_nixl_kv.py --out "$OUT/nixl" "$@" 2>&1 | tail -1 | tee -a "$OUT/nixl/summary.jsonl"; }
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(naive nocache vmm legacy kill)
 for s in "${steps[@]}"; do case $s in
-  vmm) kv --flow arena --cycles 2 --blocks 128 --tag -vmm ;;
-  legacy) kv --flow arena --conf legacy_ipc=1 --cycles 10 --tag -legacy ;;
-  naive) kv --flow naive --cycles 3 --tag -naive ;;
-  nocache) UCX_CUDA_IPC_CACHE=n kv --flow naive --cycles 3 --tag -naive-nocache ;;
-  kill) kv --flow arena --conf legacy_ipc=1 --kill --tag -legacy ;;
-  peer) kv --flow arena --conf legacy_ipc=1 --cycles 3 --consumer-device 1 --tag -legacy-peer ;;
-  peer_vmm) kv --flow arena --cycles 2 --blocks 128 --consumer-device 1 --tag -vmm-peer ;;
+  vmm) kv --flow arena --cycles 2 --blocks 128 --tag=-vmm ;;
+  legacy) kv --flow arena --conf legacy_ipc=1 --cycles 10 --tag=-legacy ;;
+  naive) kv --flow naive --cycles 3 --tag=-naive ;;
+  nocache) UCX_CUDA_IPC_CACHE=n kv --flow naive --cycles 3 --tag=-naive-nocache ;;
+  kill) kv --flow arena --conf legacy_ipc=1 --kill --tag=-legacy ;;
+  peer) kv --flow arena --conf legacy_ipc=1 --cycles 3 --consumer-device 1 --tag=-legacy-peer ;;
+  peer_vmm) kv --flow arena --cycles 2 --blocks 128 --consumer-device 1 --tag=-vmm-peer ;;
   *) echo "unknown scenario $s" ;;
 esac; done

@@ -266,7 +266,8 @@ def proto_tables(text):
 
 def orchestrate(a):
     os.makedirs(a.out, exist_ok=True)
-    work = os.path.join(a.out, f"work-{a.flow}{'-kill' if a.kill else ''}")
+    label = f"{a.flow}{'-kill' if a.kill else ''}{a.tag}"
+    work = os.path.join(a.out, f"work-{label}")
     os.makedirs(work, exist_ok=True)
     for f in os.listdir(work):
         os.unlink(os.path.join(work, f))
@@ -274,8 +275,8 @@ def orchestrate(a):
     common = ["--work", work, "--flow", a.flow, "--layers", str(a.layers), "--layer-gib", str(a.layer_gib),
               "--cycles", str(a.cycles), "--blocks", str(a.blocks), "--timeout", str(a.timeout),
               "--consumer-device", str(a.consumer_device)] + (["--conf", a.conf] if a.conf else []) + (["--kill"] if a.kill else [])
-    plog = open(os.path.join(a.out, f"{a.flow}{'-kill' if a.kill else ''}.producer.log"), "w")
-    clog_path = os.path.join(a.out, f"{a.flow}{'-kill' if a.kill else ''}.consumer.log")
+    plog = open(os.path.join(a.out, f"{label}.producer.log"), "w")
+    clog_path = os.path.join(a.out, f"{label}.consumer.log")
     clog = open(clog_path, "w")
     prod = subprocess.Popen([sys.executable, __file__, "--role", "producer"] + common, env=env, stdout=plog, stderr=subprocess.STDOUT)
     report = {"flow": a.flow, "conf": a.conf, "kill": a.kill, "layers": a.layers, "layer_gib": a.layer_gib,
@@ -317,7 +318,7 @@ def orchestrate(a):
         reg_ms_each=cyc[0]["reg_ms_each"] if cyc else None,
         blocks_gbps=[c.get("blocks_gbps") for c in cyc], layers_gbps=[c.get("layers_gbps") for c in cyc],
         copy_gbps=cyc[0].get("copy_gbps") if cyc else None, peer_copy_gbps=cyc[0].get("peer_copy_gbps") if cyc else None)
-    name = f"nixl-{a.flow}{'-kill' if a.kill else ''}{a.tag}.json"
+    name = f"nixl-{label}.json"
     with open(os.path.join(a.out, name), "w") as f:
         json.dump(report, f, indent=1)
     print(json.dumps({"flow": a.flow, "tag": a.tag, "cuda_ipc_used": report["cuda_ipc_used"],
