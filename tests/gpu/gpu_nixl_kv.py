@@ -59,6 +59,17 @@ def wait_file(path, seconds, alive=None):
         return json.load(f)
 
 
+def process_memory_mib():
+    """Device memory used per process (pid -> MiB), as nvidia-smi attributes it."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=30).stdout
+        return {int(p): int(m) for p, m in (l.split(",") for l in out.splitlines() if "," in l)}
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return {}
+
+
 def nixl_agent_class():
     from gpu_arena.nixl import import_nixl
 
@@ -85,8 +96,10 @@ def producer(a):
     Agent = nixl_agent_class()
     work = a.work
     cycles = []
+    publish(f"{work}/producer-up", {})
+    # The baseline: both processes up, the consumer's buffers allocated.
+    consumer_pid = wait_file(f"{work}/consumer-up", a.timeout)["pid"]
     baseline = torch.cuda.mem_get_info()[0]
-    publish(f"{work}/producer-up", {"baseline_free": baseline})
     layer_bytes = int(a.layer_gib * GIB)
     for cycle in range(a.cycles):
         t_start = now()
@@ -94,20 +107,19 @@ def producer(a):
         reg_s, regs, registrations = 0.0, [], 0
         if a.flow == "arena":
             registrar = gn.attach(agent)
-        kv = []
-        for layer in range(a.layers):
-            t = torch.empty(layer_bytes, dtype=torch.uint8, device="cuda")
+        kv = [torch.empty(layer_bytes, dtype=torch.uint8, device="cuda") for _ in range(a.layers)]
+        for layer, t in enumerate(kv):
             t.fill_((cycle * 37 + layer) % 251)
-            kv.append(t)
+        del t
         torch.cuda.synchronize()
         if a.flow == "arena":
             registrations = registrar.registrations
             reg_s = registrar.register_seconds
             ranges = [registrar.ranges(t)[0] for t in kv]
         else:
-            for t in kv:
+            for layer in range(len(kv)):
                 t0 = now()
-                regs.append(agent.register_memory(t))
+                regs.append(agent.register_memory(kv[layer]))
                 reg_s += now() - t0
             registrations = len(regs)
             ranges = [(t.data_ptr(), layer_bytes, 0) for t in kv]
@@ -135,7 +147,9 @@ def producer(a):
         shutdown_s = now() - t0
         time.sleep(0.2)  # the driver frees asynchronously on some paths
         free_after = torch.cuda.mem_get_info()[0]
-        rec = dict(cycle=cycle, registrations=registrations,
+        per_process = process_memory_mib()
+        rec = dict(producer_mib=per_process.get(os.getpid()), consumer_mib=per_process.get(consumer_pid),
+                   cycle=cycle, registrations=registrations,
                    reg_ms_total=round(reg_s * 1e3, 3),
                    reg_ms_each=round(reg_s * 1e3 / max(registrations, 1), 3),
                    registrations_left=left, reserved_after=stats["reserved_bytes"],
@@ -186,7 +200,7 @@ def consumer(a):
         ceiling["copy_gbps"] = round(3 * layer_bytes / (now() - t0) / 1e9, 1)
     del src
     torch.cuda.empty_cache()
-    publish(f"{a.work}/consumer-up", ceiling)
+    publish(f"{a.work}/consumer-up", dict(ceiling, pid=os.getpid()))
     for cycle in range(a.cycles):
         meta = wait_file(f"{a.work}/meta-{cycle}", a.timeout)
         peer = agent.add_remote_agent(bytes.fromhex(meta["metadata"]))
@@ -317,6 +331,7 @@ def orchestrate(a):
         registrations=cyc[0]["registrations"] if cyc else None,
         reg_ms_each=cyc[0]["reg_ms_each"] if cyc else None,
         blocks_gbps=[c.get("blocks_gbps") for c in cyc], layers_gbps=[c.get("layers_gbps") for c in cyc],
+        producer_mib=[c.get("producer_mib") for c in cyc], consumer_mib=[c.get("consumer_mib") for c in cyc],
         copy_gbps=cyc[0].get("copy_gbps") if cyc else None, peer_copy_gbps=cyc[0].get("peer_copy_gbps") if cyc else None)
     name = f"nixl-{label}.json"
     with open(os.path.join(a.out, name), "w") as f:
