@@ -6,6 +6,7 @@
 #   legacy     gpu-arena with legacy_ipc=1 (cuIpc-capable arenas) (10 cycles)
 #   naive      PyTorch's allocator, one registration per tensor   (3 cycles)
 #   nocache    naive with UCX_CUDA_IPC_CACHE=n                    (3 cycles)
+#   legacy_nocache  legacy with UCX_CUDA_IPC_CACHE=n in the consumer (10 cycles)
 #   kill       legacy, the consumer SIGKILLed mid-transfer
 #   peer       legacy, the consumer on GPU 1 (two GPUs)           (3 cycles)
 set -uo pipefail
@@ -16,12 +17,13 @@ export PYTHONPATH=$site:$PWD/python GPU_ARENA_LIB=$PWD/.gpu/libgpu_arena.so PYTH
 # One H200 has no NVLink peer: UCX then turns cuda_ipc GET off ("auto"); the consumer READs.
 export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=${UCX_CUDA_IPC_ENABLE_GET_ZCOPY:-y}
 kv() { timeout "${T:-400}" python3 tests/gpu/gpu_nixl_kv.py --out "$OUT/nixl" "$@" 2>&1 | tail -1 | tee -a "$OUT/nixl/summary.jsonl"; }
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(naive nocache vmm legacy kill)
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(naive nocache vmm legacy legacy_nocache kill)
 for s in "${steps[@]}"; do case $s in
   vmm) kv --flow arena --cycles 2 --blocks 128 --tag=-vmm ;;
   legacy) kv --flow arena --conf legacy_ipc=1 --cycles 10 --tag=-legacy ;;
   naive) kv --flow naive --cycles 3 --tag=-naive ;;
   nocache) UCX_CUDA_IPC_CACHE=n kv --flow naive --cycles 3 --tag=-naive-nocache ;;
+  legacy_nocache) UCX_CUDA_IPC_CACHE=n kv --flow arena --conf legacy_ipc=1 --cycles 10 --tag=-legacy-nocache ;;
   kill) kv --flow arena --conf legacy_ipc=1 --kill --tag=-legacy ;;
   peer) kv --flow arena --conf legacy_ipc=1 --cycles 3 --consumer-device 1 --tag=-legacy-peer ;;
   peer_vmm) kv --flow arena --cycles 2 --blocks 128 --consumer-device 1 --tag=-vmm-peer ;;
