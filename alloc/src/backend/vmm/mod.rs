@@ -47,11 +47,15 @@
 //! behaviour. Streams are the exception: a [`StreamId`] is the caller's stream handle and must
 //! be 0, one of the vendor's special handles, or a live stream of the device.
 
+mod access;
 mod device;
 pub mod driver;
 mod registry;
+#[cfg(test)]
+mod tests;
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::AtomicBool;
 use std::sync::OnceLock;
 
 use parking_lot::{Mutex, RwLock};
@@ -63,6 +67,7 @@ use crate::backend::{
 use crate::error::{Error, Result};
 use crate::ids::{DeviceId, StreamId};
 
+pub use access::FabricHandles;
 use device::DeviceState;
 pub use driver::{
     driver_string, DeviceSupport, Driver, DriverError, DriverResult, Failure, LegacyIpc,
@@ -79,6 +84,11 @@ pub struct VmmBackend<D: Driver> {
     device_count: usize,
     /// Use the legacy IPC path on every device, even where VMM works.
     legacy_ipc: bool,
+    /// Whether VMM arenas get FABRIC handles too (config key `fabric_handles`).
+    fabric_mode: FabricHandles,
+    /// Per device: whether its arenas are created with FABRIC handles now (set on first use,
+    /// cleared for good when the driver refuses them in `auto` mode).
+    fabric: Vec<AtomicBool>,
     /// Per device, filled on first use.
     devices: Vec<OnceLock<DeviceState<D::Device>>>,
     /// Serialises the first use of a device (opening it once).
@@ -132,6 +142,8 @@ impl<D: Driver> VmmBackend<D> {
             driver,
             device_count,
             legacy_ipc: false,
+            fabric_mode: FabricHandles::Auto,
+            fabric: (0..device_count).map(|_| AtomicBool::new(false)).collect(),
             devices: (0..device_count).map(|_| OnceLock::new()).collect(),
             init_lock: Mutex::new(()),
             regions: RwLock::new(BTreeMap::new()),
@@ -161,13 +173,6 @@ impl<D: Driver> VmmBackend<D> {
         self.driver
             .current_on_thread()
             .map_err(|e| e.into_error(-1, 0))
-    }
-
-    /// Ask for the legacy IPC path on every device (for drivers that have one): see the
-    /// vendor's `with_legacy_ipc`.
-    #[cfg(feature = "hip")]
-    pub(in crate::backend) fn set_legacy_ipc(&mut self, legacy: bool) {
-        self.legacy_ipc = legacy && D::LEGACY_IPC.is_some();
     }
 
     /// Whether arenas on `device` use the legacy IPC path (initialises the device).
@@ -246,68 +251,6 @@ impl<D: Driver> VmmBackend<D> {
         let device = registry::range_device(&regions, D::NAME, addr, len)?;
         let (_state, _current) = self.make_current(device)?;
         call(&self.driver).map_err(|e| e.into_error(device, 0))
-    }
-
-    /// Reserve an address range for `n` bytes, map `handle` there and make it read-write for
-    /// `device`. On failure everything this did is undone (the handle stays the caller's).
-    /// Call with the device made current.
-    fn reserve_map_access(
-        &self,
-        state: &DeviceState<D::Device>,
-        device: DeviceId,
-        handle: u64,
-        n: usize,
-    ) -> DriverResult<u64> {
-        let d = &self.driver;
-        let base = d.address_reserve(n, to_usize(state.granularity).unwrap_or(0))?;
-        // SAFETY: `base..base + n` is the reservation just made, with nothing mapped; `handle`
-        // is a live allocation handle (the caller's contract).
-        if let Err(e) = unsafe { d.map(base, n, handle) } {
-            // SAFETY: our own reservation, nothing mapped in it, freed once.
-            warn_undo(device, unsafe { d.address_free(base, n) });
-            return Err(e);
-        }
-        // SAFETY: `base..base + n` was just mapped.
-        if let Err(e) = unsafe { d.set_access(base, n, device) } {
-            // SAFETY: our own fresh mapping, never used by device work.
-            warn_undo(device, unsafe { d.unmap(base, n) });
-            // SAFETY: our own reservation, now unmapped, freed once.
-            warn_undo(device, unsafe { d.address_free(base, n) });
-            return Err(e);
-        }
-        Ok(base)
-    }
-
-    /// Import a VMM fd: import, map, release the import's handle. Call with the device made
-    /// current.
-    fn import_fd(
-        &self,
-        state: &DeviceState<D::Device>,
-        device: DeviceId,
-        fd: std::os::fd::BorrowedFd<'_>,
-        bytes: u64,
-        n: usize,
-    ) -> Result<u64> {
-        let d = &self.driver;
-        let handle = d.import_fd(fd).map_err(|e| e.into_error(device, bytes))?;
-        let mapped = self.reserve_map_access(state, device, handle, n);
-        // The mapping (if any) holds the memory now: give the import's handle back at once.
-        // SAFETY: the handle just imported, released once.
-        let released = unsafe { d.mem_release(handle) };
-        match (mapped, released) {
-            (Ok(base), Ok(())) => Ok(base),
-            (Err(e), released) => {
-                warn_undo(device, released);
-                Err(e.into_error(device, bytes))
-            }
-            (Ok(base), Err(e)) => {
-                // SAFETY: our own fresh mapping, never used by device work.
-                warn_undo(device, unsafe { d.unmap(base, n) });
-                // SAFETY: our own reservation, now unmapped, freed once.
-                warn_undo(device, unsafe { d.address_free(base, n) });
-                Err(e.into_error(device, bytes))
-            }
-        }
     }
 
     /// The region an [`ArenaMem`] describes (handle 0: a legacy arena).
@@ -439,8 +382,8 @@ impl<D: Driver> Backend for VmmBackend<D> {
         let (_, current) = self.make_current(device)?;
         let d = &self.driver;
         let (base, handle, kind) = if state.vmm {
-            let handle = d
-                .mem_create(&state.device, n)
+            let handle = self
+                .create_physical(&state, device, n)
                 .map_err(|e| e.into_error(device, bytes))?;
             let base = match self.reserve_map_access(&state, device, handle, n) {
                 Ok(base) => base,
@@ -636,7 +579,7 @@ impl<D: Driver> Backend for VmmBackend<D> {
         let expect = Self::arena_region(arena);
         let RegionKind::Arena { handle } = expect.kind else {
             return Err(Error::Unavailable(format!(
-                "{}: a legacy (non-VMM) arena cannot sleep: its memory and addresses are one",
+                "{}: a legacy IPC arena (legacy_ipc=1, or a device without VMM) cannot sleep: its memory and addresses are one (it stays awake)",
                 D::NAME
             )));
         };
@@ -688,21 +631,14 @@ impl<D: Driver> Backend for VmmBackend<D> {
         let (_, _current) = self.make_current(arena.device)?;
         let d = &self.driver;
         let device = arena.device;
-        let handle = d
-            .mem_create(&state.device, n)
+        let handle = self
+            .create_physical(&state, device, n)
             .map_err(|e| e.into_error(device, arena.bytes))?;
-        // SAFETY: `base..base + n` is our reservation with nothing mapped (asleep); `handle`
-        // was just created.
-        if let Err(e) = unsafe { d.map(arena.base, n, handle) } {
-            // SAFETY: the handle just created, unmapped, released once.
-            warn_undo(device, unsafe { d.mem_release(handle) });
-            return Err(e.into_error(device, arena.bytes));
-        }
-        // SAFETY: `base..base + n` was just mapped.
-        if let Err(e) = unsafe { d.set_access(arena.base, n, device) } {
-            // SAFETY: our own fresh mapping, never used by device work.
-            warn_undo(device, unsafe { d.unmap(arena.base, n) });
-            // SAFETY: the handle just created, now unmapped, released once.
+        // `base..base + n` is our reservation with nothing mapped (asleep); `handle` was just
+        // created. Access: the device and its peers, as when the arena was first created.
+        if let Err(e) = self.map_access(&state, device, arena.base, n, handle) {
+            // SAFETY: the handle just created, unmapped (map_access undid its mapping),
+            // released once.
             warn_undo(device, unsafe { d.mem_release(handle) });
             return Err(e.into_error(device, arena.bytes));
         }
