@@ -8,7 +8,9 @@
 //!   an import) is then made read-write for its own device and all those peers in one
 //!   [`Driver::set_access`] call, so memory created before a second device is first used is
 //!   reachable from it too (PyTorch `.to("cuda:1")`, a kernel on one GPU reading another's
-//!   tensor). A driver that cannot answer means no peers.
+//!   tensor). A driver that cannot answer means no peers. A grant naming peers that the
+//!   driver refuses (not for lack of memory) is retried for the owner alone, and that
+//!   device's peers are not named again (warned once): the GPU stays usable.
 //! - **FABRIC handles** ([`FabricHandles`], config key `fabric_handles`). Where the device
 //!   reports FABRIC support ([`DeviceSupport::fabric`]), arenas are created exportable as
 //!   FABRIC handles as well as POSIX fds, so UCX's cuda_ipc transport (NIXL) can open them.
@@ -182,6 +184,49 @@ impl<D: Driver> VmmBackend<D> {
         }
     }
 
+    /// The devices a mapping on `device` is made accessible from: the device, then its peers
+    /// (unless a grant naming them was refused before).
+    fn access_list(&self, state: &DeviceState<D::Device>, device: DeviceId) -> Vec<DeviceId> {
+        let granted = usize::try_from(device)
+            .ok()
+            .and_then(|i| self.peer_grants.get(i))
+            .is_some_and(|g| g.load(Ordering::Relaxed));
+        if granted {
+            state.peers.access_list(device)
+        } else {
+            vec![device]
+        }
+    }
+
+    /// Read-write access to the fresh mapping `base..base + n` for `device` and its peers. A
+    /// refused grant that names peers (not out of memory) is retried for the owner alone, and
+    /// the device's peers are not named again (warned once).
+    fn grant_access(
+        &self,
+        state: &DeviceState<D::Device>,
+        device: DeviceId,
+        base: u64,
+        n: usize,
+    ) -> DriverResult<()> {
+        let d = &self.driver;
+        let devices = self.access_list(state, device);
+        // SAFETY: `base..base + n` is mapped (the caller's contract).
+        let granted = unsafe { d.set_access(base, n, &devices) };
+        match granted {
+            Err(e) if devices.len() > 1 && e.failure != Failure::OutOfMemory => {
+                let slot = usize::try_from(device)
+                    .ok()
+                    .and_then(|i| self.peer_grants.get(i));
+                if slot.is_some_and(|g| g.swap(false, Ordering::Relaxed)) {
+                    tracing::warn!(backend = D::NAME, device, peers = ?&devices[1..], call = e.call, error = %e.message, "granting peer access refused: this device's memory is accessible from itself only from now on");
+                }
+                // SAFETY: as above.
+                unsafe { d.set_access(base, n, &[device]) }
+            }
+            other => other,
+        }
+    }
+
     /// Map `handle` at `base..base + n` (nothing mapped there) and make it read-write for
     /// `device` and its peers. On failure the mapping is undone (the reservation and the
     /// handle stay the caller's). Call with the device made current.
@@ -197,9 +242,7 @@ impl<D: Driver> VmmBackend<D> {
         // SAFETY: the caller's reservation with nothing mapped at `base..base + n`; `handle`
         // is a live allocation handle (the caller's contract).
         unsafe { d.map(base, n, handle) }?;
-        let devices = state.peers.access_list(device);
-        // SAFETY: `base..base + n` was just mapped.
-        if let Err(e) = unsafe { d.set_access(base, n, &devices) } {
+        if let Err(e) = self.grant_access(state, device, base, n) {
             // SAFETY: our own fresh mapping, never used by device work.
             warn_undo(device, unsafe { d.unmap(base, n) });
             return Err(e);

@@ -56,7 +56,10 @@
 //! arena when created, an arena re-created on wake, an import) is made read-write for its
 //! own device and all of those peers in one [`Driver::set_access`] call, so an arena made
 //! before a second device is first used is reachable from it too; an import on device D of
-//! another process's arena is accessible from D and D's peers. Legacy arenas get no access
+//! another process's arena is accessible from D and D's peers. Should the driver refuse a
+//! grant that names peers (anything but out of memory), the backend warns once, grants the
+//! owner alone and stops naming that device's peers: the GPU stays usable, peer access is
+//! lost for it. Legacy arenas get no access
 //! list (the driver's own peer rules apply; imports open with lazy peer access).
 //!
 //! # FABRIC handles
@@ -119,6 +122,9 @@ pub struct VmmBackend<D: Driver> {
     /// Per device: whether its arenas are created with FABRIC handles now (set on first use,
     /// cleared for good when the driver refuses them in `auto` mode).
     fabric: Vec<AtomicBool>,
+    /// Per device: whether mappings are still made accessible from its peers (cleared for
+    /// good when the driver refuses a grant that names them; the owner alone is retried).
+    peer_grants: Vec<AtomicBool>,
     /// Per device, filled on first use.
     devices: Vec<OnceLock<DeviceState<D::Device>>>,
     /// Serialises the first use of a device (opening it once).
@@ -174,6 +180,7 @@ impl<D: Driver> VmmBackend<D> {
             legacy_ipc: false,
             fabric_mode: FabricHandles::Auto,
             fabric: (0..device_count).map(|_| AtomicBool::new(false)).collect(),
+            peer_grants: (0..device_count).map(|_| AtomicBool::new(true)).collect(),
             devices: (0..device_count).map(|_| OnceLock::new()).collect(),
             init_lock: Mutex::new(()),
             regions: RwLock::new(BTreeMap::new()),

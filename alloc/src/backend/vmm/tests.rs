@@ -30,6 +30,8 @@ struct Setup {
     /// A create with FABRIC handles fails like this.
     fabric_refused: Option<Failure>,
     fail_set_access: bool,
+    /// Set access fails when it names more than one device.
+    refuse_peer_grants: bool,
 }
 
 impl Default for Setup {
@@ -42,6 +44,7 @@ impl Default for Setup {
             fabric_supported: false,
             fabric_refused: None,
             fail_set_access: false,
+            refuse_peer_grants: false,
         }
     }
 }
@@ -201,7 +204,8 @@ impl Driver for Mock {
         devices: &[DeviceId],
     ) -> DriverResult<()> {
         self.record(Call::SetAccess(base, devices.to_vec()));
-        if self.fail_set_access.load(Ordering::Relaxed) {
+        let refused = self.setup.refuse_peer_grants && devices.len() > 1;
+        if refused || self.fail_set_access.load(Ordering::Relaxed) {
             return Err(Mock::fail("set_access", Failure::Other));
         }
         Ok(())
@@ -351,7 +355,8 @@ fn a_failed_set_access_is_undone_in_order() {
         fail_set_access: true,
         ..Setup::default()
     });
-    // Create: create, reserve, map, set access (fails), then unmap, free the range, release.
+    // Create: create, reserve, map, set access (fails, and again for the owner alone), then
+    // unmap, free the range, release.
     let e = b.create_arena(0, 2 * MIB).unwrap_err();
     assert!(e.to_string().contains("set_access"), "{e}");
     let calls = take_calls(&b);
@@ -366,12 +371,48 @@ fn a_failed_set_access_is_undone_in_order() {
         calls[3..],
         [
             Call::SetAccess(base, vec![0, 1]),
+            Call::SetAccess(base, vec![0]),
             Call::Unmap(base),
             Call::AddressFree(base),
             Call::Release(handle),
         ]
     );
     assert!(b.regions.read().is_empty());
+    // Without peers: one grant, the same undo.
+    let b = backend(Setup {
+        fail_set_access: true,
+        ..Setup::default()
+    });
+    assert!(b.create_arena(2, 2 * MIB).is_err());
+    let calls = take_calls(&b);
+    assert_eq!(access_lists(&calls), [vec![2]]);
+    assert!(matches!(
+        calls[4..],
+        [Call::Unmap(_), Call::AddressFree(_), Call::Release(_)]
+    ));
+}
+
+#[test]
+fn a_refused_peer_grant_keeps_the_device_usable_without_peers() {
+    let b = backend(Setup {
+        peers: vec![(0, 1), (1, 0)],
+        refuse_peer_grants: true,
+        ..Setup::default()
+    });
+    let a = b.create_arena(0, 2 * MIB).unwrap();
+    let c = b.create_arena(0, 2 * MIB).unwrap();
+    // The first grant names the peer, is refused, and the owner alone is granted; later
+    // mappings on that device name the owner only.
+    assert_eq!(
+        access_lists(&take_calls(&b)),
+        [vec![0, 1], vec![0], vec![0]]
+    );
+    // Device 1 tries its own peers once.
+    let d = b.create_arena(1, 2 * MIB).unwrap();
+    assert_eq!(access_lists(&take_calls(&b)), [vec![1, 0], vec![1]]);
+    for arena in [a, c, d] {
+        b.destroy_arena(arena).unwrap();
+    }
 }
 
 #[test]
@@ -395,6 +436,7 @@ fn a_failed_set_access_on_wake_keeps_the_arena_asleep() {
         calls[2..],
         [
             Call::SetAccess(a.base, vec![0, 1]),
+            Call::SetAccess(a.base, vec![0]),
             Call::Unmap(a.base),
             Call::Release(handle),
         ]
