@@ -742,3 +742,25 @@ impl Driver for CudaDriver {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// Every `sys::cu*` function this file calls is in [`super::SYMBOLS`], so a libcuda that
+    /// lacks one is refused at load instead of panicking in cudarc at the first call.
+    #[test]
+    fn every_called_symbol_is_checked_at_load() {
+        let source = include_str!("driver.rs");
+        let mut missing = Vec::new();
+        for (i, _) in source.match_indices("sys::cu") {
+            let name: String = source[i + 5..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            let called = source[i + 5 + name.len()..].starts_with('(');
+            if called && name != "culib" && !super::SYMBOLS.contains(&name.as_str()) {
+                missing.push(name);
+            }
+        }
+        assert!(missing.is_empty(), "not in SYMBOLS: {missing:?}");
+    }
+}
