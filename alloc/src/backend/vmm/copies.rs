@@ -2,6 +2,8 @@
 //! and mappings (range-checked against the registry), and freeing pinned host buffers.
 
 use super::{registry, to_usize, warn_undo, Driver, DriverResult, VmmBackend};
+#[cfg(doc)]
+use crate::error::Error;
 use crate::error::Result;
 use crate::ids::DeviceId;
 
