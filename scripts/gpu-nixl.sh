@@ -7,6 +7,7 @@
 #   naive      PyTorch's allocator, one registration per tensor   (3 cycles)
 #   nocache    naive with UCX_CUDA_IPC_CACHE=n                    (3 cycles)
 #   legacy_nocache  legacy with UCX_CUDA_IPC_CACHE=n in the consumer (10 cycles)
+#   fresh      legacy, the consumer replaces its NIXL agent after each cycle (3 cycles)
 #   kill       legacy, the consumer SIGKILLed mid-transfer
 #   peer       legacy, the consumer on GPU 1 (two GPUs)           (3 cycles)
 set -uo pipefail
@@ -24,6 +25,7 @@ for s in "${steps[@]}"; do case $s in
   naive) kv --flow naive --cycles 3 --tag=-naive ;;
   nocache) UCX_CUDA_IPC_CACHE=n kv --flow naive --cycles 3 --tag=-naive-nocache ;;
   legacy_nocache) UCX_CUDA_IPC_CACHE=n kv --flow arena --conf legacy_ipc=1 --cycles 10 --tag=-legacy-nocache ;;
+  fresh) kv --flow arena --conf legacy_ipc=1 --cycles 3 --fresh-agent --tag=-legacy-fresh ;;
   kill) kv --flow arena --conf legacy_ipc=1 --kill --tag=-legacy ;;
   peer) kv --flow arena --conf legacy_ipc=1 --cycles 3 --consumer-device 1 --tag=-legacy-peer ;;
   peer_vmm) kv --flow arena --cycles 2 --blocks 128 --consumer-device 1 --tag=-vmm-peer ;;

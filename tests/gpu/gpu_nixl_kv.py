@@ -247,6 +247,13 @@ def consumer(a):
                         for i in range(len(lay)))
         res["verified"] = ok_blocks and ok_layers
         agent.remove_remote_agent(peer)
+        if a.fresh_agent:
+            # Close this consumer's UCX context (and the IPC mappings it cached) before the
+            # producer shuts down; the next cycle gets a new agent.
+            agent.deregister_memory(local_reg)
+            del agent, local_reg
+            agent = Agent(f"consumer-{cycle + 1}")
+            local_reg = agent.register_memory([dst_layers, dst_blocks])
         publish(f"{a.work}/pulled-{cycle}", res)
         wait_file(f"{a.work}/released-{cycle}", a.timeout)
     agent.deregister_memory(local_reg)
@@ -288,7 +295,7 @@ def orchestrate(a):
     env = dict(os.environ, UCX_PROTO_INFO="y", PYTHONUNBUFFERED="1")
     common = ["--work", work, "--flow", a.flow, "--layers", str(a.layers), "--layer-gib", str(a.layer_gib),
               "--cycles", str(a.cycles), "--blocks", str(a.blocks), "--timeout", str(a.timeout),
-              "--consumer-device", str(a.consumer_device)] + (["--conf", a.conf] if a.conf else []) + (["--kill"] if a.kill else [])
+              "--consumer-device", str(a.consumer_device)] + (["--conf", a.conf] if a.conf else []) + (["--kill"] if a.kill else []) + (["--fresh-agent"] if a.fresh_agent else [])
     plog = open(os.path.join(a.out, f"{label}.producer.log"), "w")
     clog_path = os.path.join(a.out, f"{label}.consumer.log")
     clog = open(clog_path, "w")
@@ -357,6 +364,8 @@ def main():
     ap.add_argument("--consumer-device", type=int, default=0)
     ap.add_argument("--conf", default="")
     ap.add_argument("--kill", action="store_true")
+    ap.add_argument("--fresh-agent", action="store_true",
+                    help="the consumer replaces its NIXL agent after each cycle's pulls")
     a = ap.parse_args()
     if a.kill:
         a.cycles = 1
