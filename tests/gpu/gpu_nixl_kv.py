@@ -329,8 +329,10 @@ def orchestrate(a):
         clog.close()
     tables = proto_tables(open(clog_path).read())
     report["ucx_tables"] = tables
-    report["cuda_ipc_used"] = any("cuda_ipc" in c for _, cells in tables for c in cells)
-    report["transports"] = sorted({c for _, cells in tables for c in cells})
+    # What moved the KV bytes: the protocol tables of READs into cuda memory.
+    reads = [cells for title, cells in tables if "remote memory read" in title]
+    report["transports"] = sorted({c for cells in reads for c in cells})
+    report["cuda_ipc_used"] = bool(reads) and all(any("cuda_ipc" in c for c in cells) for cells in reads)
     cyc = report.get("cycles", [])
     report["summary"] = dict(
         cycles=len(cyc), verified=all(c.get("verified", False) for c in cyc if "verified" in c),
