@@ -10,6 +10,8 @@
 #   fresh      legacy, the consumer replaces its NIXL agent after each cycle (3 cycles)
 #   kill       legacy, the consumer SIGKILLed mid-transfer
 #   peer       legacy, the consumer on GPU 1 (two GPUs)           (3 cycles)
+#   peer_nocache  peer with UCX_CUDA_IPC_CACHE=n                   (10 cycles)
+#   peer_kill  peer, the consumer SIGKILLed mid-transfer
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT/nixl"
 site=/tmp/nixl-site
@@ -28,6 +30,8 @@ for s in "${steps[@]}"; do case $s in
   fresh) kv --flow arena --conf legacy_ipc=1 --cycles 3 --fresh-agent --tag=-legacy-fresh ;;
   kill) kv --flow arena --conf legacy_ipc=1 --kill --tag=-legacy ;;
   peer) kv --flow arena --conf legacy_ipc=1 --cycles 3 --consumer-device 1 --tag=-legacy-peer ;;
+  peer_nocache) UCX_CUDA_IPC_CACHE=n kv --flow arena --conf legacy_ipc=1 --cycles 10 --consumer-device 1 --tag=-legacy-peer-nocache ;;
+  peer_kill) kv --flow arena --conf legacy_ipc=1 --kill --consumer-device 1 --tag=-legacy-peer ;;
   peer_vmm) kv --flow arena --cycles 2 --blocks 128 --consumer-device 1 --tag=-vmm-peer ;;
   *) echo "unknown scenario $s" ;;
 esac; done

@@ -100,6 +100,7 @@ def producer(a):
     # The baseline: both processes up, the consumer's buffers allocated.
     consumer_pid = wait_file(f"{work}/consumer-up", a.timeout)["pid"]
     baseline = torch.cuda.mem_get_info()[0]
+    producer_mib_baseline = process_memory_mib().get(os.getpid())
     layer_bytes = int(a.layer_gib * GIB)
     for cycle in range(a.cycles):
         t_start = now()
@@ -148,7 +149,7 @@ def producer(a):
         time.sleep(0.2)  # the driver frees asynchronously on some paths
         free_after = torch.cuda.mem_get_info()[0]
         per_process = process_memory_mib()
-        rec = dict(producer_mib=per_process.get(os.getpid()), consumer_mib=per_process.get(consumer_pid),
+        rec = dict(producer_mib_baseline=producer_mib_baseline, producer_mib=per_process.get(os.getpid()), consumer_mib=per_process.get(consumer_pid),
                    cycle=cycle, registrations=registrations,
                    reg_ms_total=round(reg_s * 1e3, 3),
                    reg_ms_each=round(reg_s * 1e3 / max(registrations, 1), 3),
