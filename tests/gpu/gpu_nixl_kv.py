@@ -65,7 +65,12 @@ def process_memory_mib():
         out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
                               "--format=csv,noheader,nounits"], capture_output=True, text=True,
                              timeout=30).stdout
-        return {int(p): int(m) for p, m in (l.split(",") for l in out.splitlines() if "," in l)}
+        used = {}
+        for line in out.splitlines():
+            if "," in line:  # one line per (process, GPU): add a process's GPUs up
+                pid, mib = line.split(",")
+                used[int(pid)] = used.get(int(pid), 0) + int(mib)
+        return used
     except (OSError, ValueError, subprocess.SubprocessError):
         return {}
 
@@ -100,7 +105,9 @@ def producer(a):
     # The baseline: both processes up, the consumer's buffers allocated.
     consumer_pid = wait_file(f"{work}/consumer-up", a.timeout)["pid"]
     baseline = torch.cuda.mem_get_info()[0]
-    producer_mib_baseline = process_memory_mib().get(os.getpid())
+    at_baseline = process_memory_mib()
+    producer_mib_baseline = at_baseline.get(os.getpid())
+    consumer_mib_baseline = at_baseline.get(consumer_pid)
     layer_bytes = int(a.layer_gib * GIB)
     for cycle in range(a.cycles):
         t_start = now()
@@ -149,7 +156,13 @@ def producer(a):
         time.sleep(0.2)  # the driver frees asynchronously on some paths
         free_after = torch.cuda.mem_get_info()[0]
         per_process = process_memory_mib()
-        rec = dict(producer_mib_baseline=producer_mib_baseline, producer_mib=per_process.get(os.getpid()), consumer_mib=per_process.get(consumer_pid),
+        consumer_mib = per_process.get(consumer_pid)
+        consumer_growth = (consumer_mib - consumer_mib_baseline) * MIB if consumer_mib and consumer_mib_baseline else 0
+        rec = dict(producer_mib_baseline=producer_mib_baseline, producer_mib=per_process.get(os.getpid()),
+                   consumer_mib_baseline=consumer_mib_baseline,
+                   # What the device lost that is not the consumer's own growth (its UCX
+                   # buffers) -- the producer's leak, as far as nvidia-smi can attribute it.
+                   leaked_not_consumer_gib=round((baseline - free_after - consumer_growth) / GIB, 3), consumer_mib=consumer_mib,
                    cycle=cycle, registrations=registrations,
                    reg_ms_total=round(reg_s * 1e3, 3),
                    reg_ms_each=round(reg_s * 1e3 / max(registrations, 1), 3),
@@ -338,6 +351,7 @@ def orchestrate(a):
     report["summary"] = dict(
         cycles=len(cyc), verified=all(c.get("verified", False) for c in cyc if "verified" in c),
         leaked_gib_max=max((c["leaked_gib"] for c in cyc), default=None),
+        leaked_not_consumer_gib=[c.get("leaked_not_consumer_gib") for c in cyc],
         registrations=cyc[0]["registrations"] if cyc else None,
         reg_ms_each=cyc[0]["reg_ms_each"] if cyc else None,
         blocks_gbps=[c.get("blocks_gbps") for c in cyc], layers_gbps=[c.get("layers_gbps") for c in cyc],
