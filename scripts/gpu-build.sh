@@ -26,4 +26,6 @@ for f in .gpu/libgpu_arena.so .gpu/bin/*; do strip "$f"; done
 cp ffi/include/gpu_arena.h .gpu/ 2>/dev/null || true
 # The seeded KV trace for bench/gpu/kv_bench.cpp (built on the GPU machine).
 target/release/kv_trace_dump --out .gpu/kv_trace.bin
+# The second trace (longer prompts, wider batches, mixed activation sizes).
+target/release/kv_trace_dump --profile long --out .gpu/kv_trace_long.bin
 du -sh .gpu
