@@ -56,17 +56,17 @@ fn idx(name: &str) -> u8 {
 #[test]
 fn tags_never_share_an_arena() {
     let (_sim, pool) = pool();
-    let a = alloc_with(&pool, "tw_a", MIB);
-    let b = alloc_with(&pool, "tw_b", MIB);
-    let d = alloc_with(&pool, "default", MIB);
+    let a = alloc_with(&pool, "tw_a", 2 * MIB);
+    let b = alloc_with(&pool, "tw_b", 2 * MIB);
+    let d = alloc_with(&pool, "default", 2 * MIB);
     assert_eq!(pool.stats(0).unwrap().arenas, 3);
     let arena = |p: u64| p & !(8 * MIB - 1);
     assert_ne!(arena(a), arena(b));
     // A freed range of one tag is not reused by another.
     pool.free(a).unwrap();
-    let b2 = alloc_with(&pool, "tw_b", MIB);
+    let b2 = alloc_with(&pool, "tw_b", 2 * MIB);
     assert_ne!(b2, a);
-    let a2 = alloc_with(&pool, "tw_a", MIB);
+    let a2 = alloc_with(&pool, "tw_a", 2 * MIB);
     assert_eq!(a2, a, "the tag's own freed block comes back");
     for p in [b, d, b2, a2] {
         pool.free(p).unwrap();
@@ -160,7 +160,7 @@ fn sleep_offloads_one_tag_discards_the_other_and_wakes_at_the_same_addresses() {
 #[test]
 fn empty_cache_and_drop_leave_sleeping_arenas_alone_and_clean() {
     let (sim, pool) = pool();
-    let p = alloc_with(&pool, "ec_kv", MIB);
+    let p = alloc_with(&pool, "ec_kv", 2 * MIB);
     pool.free(p).unwrap();
     pool.sleep(None, &[]).unwrap();
     assert_eq!(pool.empty_cache(None).unwrap(), 0, "asleep: not destroyed");
@@ -171,11 +171,11 @@ fn empty_cache_and_drop_leave_sleeping_arenas_alone_and_clean() {
 #[test]
 fn shared_arenas_keep_their_memory_and_sleeping_memory_is_not_shared() {
     let (sim, pool) = pool();
-    let shared = alloc_with(&pool, "sh_kv", MIB);
-    let other = alloc_with(&pool, "sh_kv", MIB);
+    let shared = alloc_with(&pool, "sh_kv", 2 * MIB);
+    let other = alloc_with(&pool, "sh_kv", 2 * MIB);
     fill(shared, MIB as usize, 7);
-    let info = pool.share(shared, MIB).unwrap();
-    let mine = alloc_with(&pool, "sh_w", MIB);
+    let info = pool.share(shared, 2 * MIB).unwrap();
+    let mine = alloc_with(&pool, "sh_w", 2 * MIB);
     let r = pool.sleep(Some(0), &[]).unwrap();
     assert_eq!(r.kept_shared_bytes, 8 * MIB);
     assert_eq!(r.arena_bytes, 8 * MIB, "the unshared arena slept");
@@ -192,12 +192,12 @@ fn shared_arenas_keep_their_memory_and_sleeping_memory_is_not_shared() {
     assert_eq!(sim.ledger(0).held_bytes, 8 * MIB);
     // New shares of a sleeping tag's memory are refused, kept arena or not.
     for p in [other, mine] {
-        let e = pool.share(p, MIB).unwrap_err();
+        let e = pool.share(p, 2 * MIB).unwrap_err();
         assert!(is_asleep_error(&e), "{e}");
     }
     pool.unshare(0, info.share_key, &info.token).unwrap();
     pool.wake(None, None).unwrap();
-    let again = pool.share(other, MIB).unwrap();
+    let again = pool.share(other, 2 * MIB).unwrap();
     pool.unshare(0, again.share_key, &again.token).unwrap();
     for p in [shared, other, mine] {
         pool.free(p).unwrap();
@@ -227,8 +227,8 @@ fn observers_are_told_before_sleep_and_after_wake() {
     let (_sim, pool) = pool();
     let c = Arc::new(Counter::default());
     let id = pool.observe_arenas(c.clone());
-    let a = alloc_with(&pool, "ob_w", MIB);
-    let b = alloc_with(&pool, "ob_kv", MIB);
+    let a = alloc_with(&pool, "ob_w", 2 * MIB);
+    let b = alloc_with(&pool, "ob_kv", 2 * MIB);
     assert_eq!(c.ready.load(Ordering::SeqCst), 2);
     pool.sleep(Some(0), &[idx("ob_w")]).unwrap();
     assert_eq!(c.release.load(Ordering::SeqCst), 2);
@@ -291,20 +291,20 @@ fn every_device_skips_devices_with_nothing_to_do() {
 fn offload_host_buffers_are_freed_after_wake_and_on_drop_while_asleep() {
     let (sim, pool) = pool();
     // Live, freed gap, live: one segment with the gap; contents intact after the wake.
-    let a = alloc_with(&pool, "hb_w", MIB);
-    let gap = alloc_with(&pool, "hb_w", MIB);
-    let b = alloc_with(&pool, "hb_w", MIB);
+    let a = alloc_with(&pool, "hb_w", 2 * MIB);
+    let gap = alloc_with(&pool, "hb_w", 2 * MIB);
+    let b = alloc_with(&pool, "hb_w", 2 * MIB);
     // Another tag: its arena is discarded, no host buffer.
-    let _other = alloc_with(&pool, "hb_x", MIB);
+    let _other = alloc_with(&pool, "hb_x", 2 * MIB);
     pool.free(gap).unwrap();
     fill(a, MIB as usize, 3);
     fill(b, MIB as usize, 9);
     let (wa, wb) = (read(a, MIB as usize), read(b, MIB as usize));
     let r = pool.sleep(Some(0), &[idx("hb_w")]).unwrap();
-    assert_eq!(r.copied_bytes, 2 * MIB, "live bytes, gaps not counted");
+    assert_eq!(r.copied_bytes, 4 * MIB, "live bytes, gaps not counted");
     assert_eq!(sim.host_buffers(), 1, "one host buffer per offloaded arena");
     let r = pool.wake(Some(0), None).unwrap();
-    assert_eq!(r.copied_bytes, 2 * MIB);
+    assert_eq!(r.copied_bytes, 4 * MIB);
     assert_eq!(sim.host_buffers(), 0, "freed after the wake");
     assert_eq!(read(a, MIB as usize), wa);
     assert_eq!(read(b, MIB as usize), wb);
