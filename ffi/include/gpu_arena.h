@@ -496,6 +496,17 @@ int gpu_arena_set_tag(const char *tag);
 int gpu_arena_sleep(int device, const char *offload_tags);
 
 /**
+ * Put only the tags named in `tags` (comma-separated; NULL or "": every awake tag, as
+ * `gpu_arena_sleep`) of `device` (-1: every device) to sleep; the other tags stay awake and
+ * keep allocating. The contents of the tags in `offload_tags` (each one of `tags`) are
+ * copied to host memory, the rest is discarded, as `gpu_arena_sleep` does. An offload tag
+ * not among `tags` is `GPU_ARENA_ERR_INVALID_ARGUMENT`; a named tag that already sleeps is
+ * `GPU_ARENA_ERR_INVALID_STATE` (with -1, devices where every named tag sleeps are
+ * skipped). An error changes nothing.
+ */
+int gpu_arena_sleep_tags(int device, const char *tags, const char *offload_tags);
+
+/**
  * Wake the tags named in `tags` (comma-separated; NULL or "": every sleeping tag) on
  * `device` (-1: every device): memory is mapped again at the same addresses and offloaded
  * contents are copied back. Waking a tag that is awake (with -1: asleep on no device), or

@@ -343,6 +343,7 @@ _SIGNATURES = {
     # Tags, sleep and wake (ffi/src/sleep_api.rs).
     "gpu_arena_set_tag": (c_int, [c_char_p]),
     "gpu_arena_sleep": (c_int, [c_int, c_char_p]),
+    "gpu_arena_sleep_tags": (c_int, [c_int, c_char_p, c_char_p]),
     "gpu_arena_wake": (c_int, [c_int, c_char_p]),
 }
 

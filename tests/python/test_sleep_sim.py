@@ -96,11 +96,11 @@ def test_cumem_compat_facade_and_use_tag():
         a = CuMemAllocatorCompat.get_instance()
         with a.use_memory_pool(tag="weights"):
             inside = gpu_arena.current_tag()
-            w = gpu_arena.malloc(MiB)
+            w = gpu_arena.malloc(2 * MiB)
         outside = gpu_arena.current_tag()
         try:
             with use_tag("kv_cache"):
-                kv = gpu_arena.malloc(MiB)
+                kv = gpu_arena.malloc(2 * MiB)
                 raise KeyError("x")
         except KeyError:
             pass
@@ -111,7 +111,7 @@ def test_cumem_compat_facade_and_use_tag():
         a.wake_up(tags=["weights"])
         a.wake_up()
         same = ctypes.string_at(w, 8) == b"\\x33" * 8
-        gpu_arena.free(w, MiB); gpu_arena.free(kv, MiB)
+        gpu_arena.free(w, 2 * MiB); gpu_arena.free(kv, 2 * MiB)
         print("RESULT=" + json.dumps(dict(inside=inside, outside=outside, restored=restored,
               usage_asleep=usage_asleep, same=same, usage=a.get_current_usage())))
     """)
@@ -119,3 +119,34 @@ def test_cumem_compat_facade_and_use_tag():
     assert out["usage_asleep"] == 0
     assert out["same"]
     assert out["usage"] == 16 << 20
+
+
+def test_sleep_one_tag_while_the_other_stays_awake():
+    out = scenario("""
+        from gpu_arena.torch import CuMemAllocatorCompat
+        a = CuMemAllocatorCompat.get_instance()
+        with a.use_memory_pool(tag="weights"):
+            w = gpu_arena.malloc(2 * MiB)
+        with a.use_memory_pool(tag="kv_cache"):
+            kv = gpu_arena.malloc(2 * MiB)
+        ctypes.memset(w, 0x44, 2 * MiB)
+        bad = raises(InvalidArgumentError, gpu_arena.sleep, "weights", tags="kv_cache")
+        a.sleep(tags=["kv_cache"])
+        st = gpu_arena.stats()
+        with a.use_memory_pool(tag="weights"):
+            w2 = gpu_arena.malloc(2 * MiB)
+        twice = raises(InvalidStateError, gpu_arena.sleep, tags="kv_cache")
+        same = ctypes.string_at(w, 8) == b"\\x44" * 8
+        a.wake_up(tags=["kv_cache"])
+        after = gpu_arena.stats()
+        for p in (w, w2, kv):
+            gpu_arena.free(p, 2 * MiB)
+        print("RESULT=" + json.dumps(dict(bad=bad, reserved=st["reserved_bytes"],
+              sleeping=st["sleeping_bytes"], twice=twice, same=same,
+              after=after["sleeping_bytes"])))
+    """)
+    assert out["bad"] and "weights" in out["bad"], out
+    assert (out["reserved"], out["sleeping"]) == (8 << 20, 8 << 20), out
+    assert out["twice"], out
+    assert out["same"], "the awake tag kept its contents"
+    assert out["after"] == 0

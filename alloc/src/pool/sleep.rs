@@ -2,7 +2,8 @@
 //! reserved, and map new memory at the same addresses later (RLHF: an inference engine
 //! sleeps while the trainer uses the GPU, and wakes with its CUDA graphs still valid).
 //!
-//! **Sleep** (`Pool::sleep`) puts every awake tag of the device to sleep. After a device
+//! **Sleep** (`Pool::sleep`) puts every awake tag of the device to sleep, `Pool::sleep_tags`
+//! only the tags it names (the others stay awake and keep allocating). After a device
 //! synchronize and settling every pending free, each arena of those tags:
 //! - is *kept* (memory and contents untouched) when it is shared, exported, pinned or being
 //!   announced to an observer: sleep never breaks a consumer. Its bytes are reported
@@ -109,8 +110,23 @@ impl Pool {
 
     /// Put every awake tag of `device` (every device for `None`) to sleep, keeping the
     /// contents of the tags in `offload` (tag indices, `crate::tags`) on the host. See the
-    /// module docs.
+    /// module docs. The same as [`Pool::sleep_tags`] with no tags named.
     pub fn sleep(&self, device: Option<DeviceId>, offload: &[u8]) -> Result<SleepReport> {
+        self.sleep_tags(device, None, offload)
+    }
+
+    /// Put the tags in `tags` (tag indices; `None`: every awake tag) of `device` (every
+    /// device for `None`) to sleep, keeping the contents of those in `offload` on the host;
+    /// the other tags stay awake and keep allocating. An `offload` tag not among `tags`, or
+    /// an empty `tags`, is `InvalidArgument`; a named tag already asleep is `InvalidState`
+    /// (with every device, a device where every named tag already sleeps is skipped). An
+    /// error changes nothing.
+    pub fn sleep_tags(
+        &self,
+        device: Option<DeviceId>,
+        sleep_tags: Option<&[u8]>,
+        offload: &[u8],
+    ) -> Result<SleepReport> {
         let _serial = self.sleep_lock.lock();
         let devices = self.sleep_devices(device)?;
         let all = if tags::count() >= 64 {
@@ -118,20 +134,37 @@ impl Pool {
         } else {
             (1u64 << tags::count()) - 1
         };
+        let want = sleep_tags.map_or(all, mask);
         let offload_mask = mask(offload);
+        if want == 0 {
+            return Err(Error::invalid("sleep: no tag named to put to sleep"));
+        }
+        if offload_mask & !want != 0 {
+            return Err(Error::invalid(format!(
+                "sleep: offload tag(s) {} are not among the tags put to sleep ({})",
+                names(offload_mask & !want),
+                names(want)
+            )));
+        }
         // Check every device first: an error changes nothing. With every device (`None`),
-        // a device where every tag sleeps already is skipped.
+        // a device where every tag to sleep sleeps already is skipped.
         let mut awake = Vec::new();
         for dp in devices {
             let asleep = dp.state.lock().asleep_tags;
-            if asleep & offload_mask != 0 {
+            let twice = asleep
+                & if sleep_tags.is_some() {
+                    want
+                } else {
+                    offload_mask
+                };
+            if twice != 0 && (want & !asleep != 0 || device.is_some()) {
                 return Err(Error::InvalidState(format!(
                     "sleep of device {}: tag(s) {} already asleep (wake them first)",
                     dp.device,
-                    names(asleep & offload_mask)
+                    names(twice)
                 )));
             }
-            if all & !asleep != 0 {
+            if want & !asleep != 0 {
                 awake.push(dp);
             } else if device.is_some() {
                 return Err(Error::InvalidState(format!(
@@ -142,12 +175,12 @@ impl Pool {
         }
         if awake.is_empty() {
             return Err(Error::InvalidState(
-                "sleep of every device: every tag is already asleep".into(),
+                "sleep of every device: every tag to sleep is already asleep".into(),
             ));
         }
         let mut report = SleepReport::default();
         for dp in awake {
-            let r = self.sleep_device(dp, all, offload_mask)?;
+            let r = self.sleep_device(dp, want, offload_mask)?;
             report.arena_bytes += r.arena_bytes;
             report.copied_bytes += r.copied_bytes;
             report.kept_shared_bytes += r.kept_shared_bytes;
@@ -156,7 +189,7 @@ impl Pool {
         Ok(report)
     }
 
-    fn sleep_device(&self, dp: &DevicePool, all: u64, offload: u64) -> Result<SleepReport> {
+    fn sleep_device(&self, dp: &DevicePool, want: u64, offload: u64) -> Result<SleepReport> {
         let device = dp.device;
         self.backend.synchronize(device)?;
         let mut report = SleepReport::default();
@@ -167,7 +200,7 @@ impl Pool {
         {
             let mut st = dp.state.lock();
             st.settle_all(self.backend.as_ref());
-            sleeping = all & !st.asleep_tags;
+            sleeping = want & !st.asleep_tags;
             st.asleep_tags |= sleeping;
             let st = &mut *st;
             for (k, a) in st.arenas.iter_mut() {
