@@ -288,7 +288,7 @@ fn every_device_skips_devices_with_nothing_to_do() {
 }
 
 #[test]
-fn offload_host_buffers_are_freed_after_wake_and_on_drop_while_asleep() {
+fn offload_host_buffers_are_kept_reused_released_and_freed_on_drop() {
     let (sim, pool) = pool();
     // Live, freed gap, live: one segment with the gap; contents intact after the wake.
     let a = alloc_with(&pool, "hb_w", 2 * MIB);
@@ -300,17 +300,44 @@ fn offload_host_buffers_are_freed_after_wake_and_on_drop_while_asleep() {
     fill(a, MIB as usize, 3);
     fill(b, MIB as usize, 9);
     let (wa, wb) = (read(a, MIB as usize), read(b, MIB as usize));
+    let host = |pool: &Pool| pool.stats(0).unwrap().offload_host_bytes;
     let r = pool.sleep(Some(0), &[idx("hb_w")]).unwrap();
     assert_eq!(r.copied_bytes, 4 * MIB, "live bytes, gaps not counted");
     assert_eq!(sim.host_buffers(), 1, "one host buffer per offloaded arena");
+    assert_eq!(host(&pool), 6 * MIB, "one segment: a, the gap, b");
     let r = pool.wake(Some(0), None).unwrap();
     assert_eq!(r.copied_bytes, 4 * MIB);
-    assert_eq!(sim.host_buffers(), 0, "freed after the wake");
     assert_eq!(read(a, MIB as usize), wa);
     assert_eq!(read(b, MIB as usize), wb);
+    assert_eq!(
+        sim.host_buffers(),
+        1,
+        "kept after the wake for the next sleep"
+    );
+    assert_eq!(host(&pool), 6 * MIB);
     pool.validate(0).unwrap();
 
-    // Asleep when the pool goes: the buffer is freed with it.
+    // A smaller offload reuses the kept buffer (a new one would be 2 MiB).
+    pool.free(b).unwrap();
+    pool.sleep(Some(0), &[idx("hb_w")]).unwrap();
+    assert_eq!((sim.host_buffers(), host(&pool)), (1, 6 * MIB), "reused");
+    assert_eq!(pool.release_host_buffers(None).unwrap(), 0, "in use: stays");
+    pool.wake(Some(0), None).unwrap();
+    assert_eq!(read(a, MIB as usize), wa);
+    // A larger one replaces it: still one buffer.
+    let _c = alloc_with(&pool, "hb_w", 6 * MIB);
+    pool.sleep(Some(0), &[idx("hb_w")]).unwrap();
+    assert_eq!(sim.host_buffers(), 1, "the too-small buffer was replaced");
+    assert_eq!(host(&pool), 8 * MIB, "a and c: 2 + 6 MiB");
+    pool.wake(Some(0), None).unwrap();
+    // empty_cache leaves kept buffers; release_host_buffers frees them.
+    pool.empty_cache(None).unwrap();
+    assert_eq!(sim.host_buffers(), 1);
+    assert_eq!(pool.release_host_buffers(Some(0)).unwrap(), 8 * MIB);
+    assert_eq!((sim.host_buffers(), host(&pool)), (0, 0));
+    pool.validate(0).unwrap();
+
+    // Asleep when the pool goes: the buffer is freed with it; so is a kept one.
     pool.sleep(Some(0), &[idx("hb_w")]).unwrap();
     assert_eq!(sim.host_buffers(), 1);
     drop(pool);
@@ -318,6 +345,18 @@ fn offload_host_buffers_are_freed_after_wake_and_on_drop_while_asleep() {
         sim.host_buffers(),
         0,
         "freed when the pool is dropped while asleep"
+    );
+    let (sim, pool) = self::pool();
+    let p = alloc_with(&pool, "hb_w", 2 * MIB);
+    pool.sleep(Some(0), &[idx("hb_w")]).unwrap();
+    pool.wake(Some(0), None).unwrap();
+    assert_eq!(sim.host_buffers(), 1);
+    pool.free(p).unwrap();
+    drop(pool);
+    assert_eq!(
+        sim.host_buffers(),
+        0,
+        "a kept buffer is freed with the pool"
     );
 }
 

@@ -196,6 +196,12 @@ typedef struct gpu_arena_stats_t {
      * memory went back to the driver (not in `reserved_bytes`).
      */
     uint64_t sleeping_bytes;
+    /**
+     * Bytes of host memory (pinned where the backend has it) held for sleep offloads: the
+     * contents of sleeping arenas, and buffers kept for the next sleep (reused, so a sleep
+     * need not pin again; `gpu_arena_sleep_release_host` frees the kept ones).
+     */
+    uint64_t offload_host_bytes;
 } gpu_arena_stats_t;
 
 /**
@@ -513,6 +519,15 @@ int gpu_arena_sleep_tags(int device, const char *tags, const char *offload_tags)
  * waking when nothing sleeps, is `GPU_ARENA_ERR_INVALID_STATE` and changes nothing.
  */
 int gpu_arena_wake(int device, const char *tags);
+
+/**
+ * Free the host buffers gpu-arena keeps for the next sleep on `device` (-1: every device).
+ * A wake keeps the (pinned) buffer that held an arena's offloaded contents, so the next
+ * sleep copies into memory already pinned instead of pinning again
+ * (`gpu_arena_stats_t.offload_host_bytes` counts them); this gives that host memory back.
+ * Buffers holding a sleeping arena's contents stay. `empty_cache` does not free them.
+ */
+int gpu_arena_sleep_release_host(int device);
 
 /**
  * Set the level of gpu-arena's stderr log: `"off"`, `"error"`, `"warn"`, `"info"`,

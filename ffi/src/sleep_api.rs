@@ -96,3 +96,18 @@ pub extern "C" fn gpu_arena_wake(device: c_int, tags: *const c_char) -> c_int {
         Ok(GPU_ARENA_OK)
     })
 }
+
+/// Free the host buffers gpu-arena keeps for the next sleep on `device` (-1: every device).
+/// A wake keeps the (pinned) buffer that held an arena's offloaded contents, so the next
+/// sleep copies into memory already pinned instead of pinning again
+/// (`gpu_arena_stats_t.offload_host_bytes` counts them); this gives that host memory back.
+/// Buffers holding a sleeping arena's contents stay. `empty_cache` does not free them.
+#[no_mangle]
+pub extern "C" fn gpu_arena_sleep_release_host(device: c_int) -> c_int {
+    let call = format!("gpu_arena_sleep_release_host(device={device})");
+    with_pool("gpu_arena_sleep_release_host", |p| {
+        let which = (device != -1).then_some(device);
+        p.release_host_buffers(which).map_err(|e| fail(&call, e))?;
+        Ok(GPU_ARENA_OK)
+    })
+}

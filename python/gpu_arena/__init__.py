@@ -103,6 +103,7 @@ __all__ = [
     "set_tag",
     "current_tag",
     "sleep",
+    "sleep_release_host",
     "wake",
     "snapshot",
     "validate",
@@ -259,6 +260,16 @@ def sleep(offload_tags=None, device: int = -1, tags=None) -> None:
     _lib.check(
         _lib.lib().gpu_arena_sleep_tags(_int(device, "device"), _tag_list(tags, "tags"), offload),
         "gpu_arena_sleep_tags",
+    )
+
+
+def sleep_release_host(device: int = -1) -> None:
+    """Free the host buffers kept for the next sleep on ``device`` (-1: all). A wake keeps
+    the pinned buffer of each offloaded arena so that the next sleep need not pin again
+    (``stats()["offload_host_bytes"]`` counts them); buffers of sleeping arenas stay."""
+    _lib.check(
+        _lib.lib().gpu_arena_sleep_release_host(_int(device, "device")),
+        "gpu_arena_sleep_release_host",
     )
 
 

@@ -726,7 +726,8 @@ static void bad_inputs(void) {
 /* Tags, sleep and wake on device 0: bad tag names and devices refused with nothing changed,
  * the offloaded tag identical at the same address after a wake, the memory given back while
  * asleep, allocations of a sleeping tag refused, double sleep / waking an awake tag refused,
- * one tag asleep (gpu_arena_sleep_tags) while another allocates. */
+ * one tag asleep (gpu_arena_sleep_tags) while another allocates, the offload's host buffer
+ * kept after a wake and freed by gpu_arena_sleep_release_host. */
 static void sleep_wake(void) {
     gpu_arena_stats_t s;
     char long_tag[65];
@@ -778,6 +779,12 @@ static void sleep_wake(void) {
     CHECK(read_block(w, 2 * MiB, 41), "the awake tag's contents untouched");
     CHECK_CODE(gpu_arena_free_checked(w2, 2 * MiB, 0), GPU_ARENA_OK, "free w2");
     CHECK_CODE(gpu_arena_wake(0, "c_kv"), GPU_ARENA_OK, "wake(0, c_kv)");
+    CHECK_CODE(gpu_arena_stats(0, &s), GPU_ARENA_OK, "stats after the wakes");
+    CHECK(s.offload_host_bytes >= 2 * (uint64_t)MiB,
+          "the offload's host buffer is kept for the next sleep: %" PRIu64, s.offload_host_bytes);
+    CHECK_CODE(gpu_arena_sleep_release_host(-1), GPU_ARENA_OK, "sleep_release_host(-1)");
+    CHECK_CODE(gpu_arena_stats(0, &s), GPU_ARENA_OK, "stats after sleep_release_host");
+    CHECK(s.offload_host_bytes == 0, "kept host buffers freed");
     CHECK_CODE(gpu_arena_free_checked(w, 2 * MiB, 0), GPU_ARENA_OK, "free w");
     CHECK_CODE(gpu_arena_free_checked(kv, 2 * MiB, 0), GPU_ARENA_OK, "free kv");
     CHECK_CODE(gpu_arena_set_tag(NULL), GPU_ARENA_OK, "set_tag(NULL)");

@@ -68,6 +68,9 @@ def test_sleep_offloads_weights_and_wakes_them_at_the_same_addresses():
         gpu_arena.set_tag(None)
         again = raises(InvalidStateError, gpu_arena.sleep, offload_tags=["weights"])
         gpu_arena.wake(["weights"])
+        kept = gpu_arena.stats()["offload_host_bytes"]
+        gpu_arena.sleep_release_host()
+        released = gpu_arena.stats()["offload_host_bytes"]
         same = ctypes.string_at(w, len(pattern)) == pattern
         awake_twice = raises(InvalidStateError, gpu_arena.wake, "weights")
         gpu_arena.wake()
@@ -78,7 +81,7 @@ def test_sleep_offloads_weights_and_wakes_them_at_the_same_addresses():
         print("RESULT=" + json.dumps(dict(
             before=before["reserved_bytes"], asleep_reserved=asleep["reserved_bytes"],
             asleep_sleeping=asleep["sleeping_bytes"], refused=refused, again=again,
-            same=same, awake_twice=awake_twice, kv_after=list(kv_after), nothing=nothing,
+            same=same, kept=kept, released=released, awake_twice=awake_twice, kv_after=list(kv_after), nothing=nothing,
             after=after["reserved_bytes"], after_sleeping=after["sleeping_bytes"])))
     """)
     assert out["before"] == 16 << 20
@@ -86,6 +89,8 @@ def test_sleep_offloads_weights_and_wakes_them_at_the_same_addresses():
     assert "asleep" in out["refused"]
     assert out["again"] and out["awake_twice"] and out["nothing"]
     assert out["same"], "weights bitwise identical after sleep/wake"
+    assert out["kept"] >= 3 << 20, "the offload's host buffer is kept after the wake"
+    assert out["released"] == 0, "sleep_release_host freed it"
     assert out["kv_after"] == [0, 0, 0, 0], "the discarded tag came back as new memory"
     assert (out["after"], out["after_sleeping"]) == (16 << 20, 0)
 

@@ -468,6 +468,13 @@ impl DeviceState {
                 self.stats.reserved_bytes, self.stats.sleeping_bytes, rs.region_bytes
             ));
         }
+        if self.host_bytes_held() != self.stats.offload_host_bytes {
+            return Err(format!(
+                "host buffers hold {} bytes, offload_host_bytes says {}",
+                self.host_bytes_held(),
+                self.stats.offload_host_bytes
+            ));
+        }
         let used: u64 = self.allocs.values().map(Live::bytes).sum();
         let requested: u64 = self.allocs.values().map(|l| l.requested).sum();
         if requested != self.stats.requested_bytes {

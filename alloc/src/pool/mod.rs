@@ -59,11 +59,13 @@ mod classes;
 mod device;
 mod limits;
 mod observers;
+mod offload;
 mod records;
 mod share;
 mod sleep;
 mod snapshot;
 mod trace;
+mod wake;
 
 pub use classes::SMALL_ARENA;
 pub use limits::{MaxReserved, MIN_ARENA_SIZE};
@@ -266,6 +268,8 @@ pub(crate) struct DeviceState {
     pub(crate) shares: ShareTables,
     /// The event ring (`crate::history`); off unless `record_history` turned it on.
     pub(crate) history: History,
+    /// Host buffers kept for the next sleep's offload (`pool/offload.rs`).
+    pub(crate) host_buffers: Vec<crate::backend::HostBuffer>,
 }
 
 /// One device's pool.
@@ -773,6 +777,7 @@ impl Drop for Pool {
                 );
             }
         }
+        self.free_kept_host_buffers();
         self.drop_all_arenas();
     }
 }
