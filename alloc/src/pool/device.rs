@@ -37,10 +37,11 @@ impl DeviceState {
         backend: &dyn Backend,
         device: DeviceId,
     ) -> Option<u64> {
-        let t = Class::of(tag, len).index();
-        self.ranges_mut(Class::of(tag, len));
-        // The stream's own frees first (safe at once, and it keeps shared space for others),
-        // then ranges any stream may use.
+        let class = Class::of(tag, len);
+        let t = class.index();
+        self.ranges_mut(class); // created on first use
+                                // The stream's own frees first (safe at once, and it keeps shared space for others),
+                                // then ranges any stream may use.
         if let Some(p) = self.ranges[t].alloc(len, stream.0) {
             return Some(p);
         }
@@ -56,7 +57,6 @@ impl DeviceState {
         // Miss: give this class's cached blocks back to the ranges, where they coalesce, and
         // retry: the large ones first, then all (see FLUSH_FIRST_ABOVE; small blocks are all
         // below it).
-        let class = Class::of(tag, len);
         let passes: &[u64] = if class.small {
             &[0]
         } else {
@@ -96,37 +96,38 @@ impl DeviceState {
     /// reusable by any stream.
     pub(super) fn settle(&mut self, backend: &dyn Backend, device: DeviceId, class: usize) {
         self.poll_pending(backend);
+        // Completed events first: an event recorded by another class's settle covers only
+        // that class's ranges, and while it is pending its stream gets no other event.
+        self.retire_done_events(backend);
         // Streams with free ranges in `class` and no event yet: record one, and move exactly
         // the ranges it covers (those freed so far) to a limbo tag of their own. (A stream's
-        // ranges in other classes keep their stream tag until a settle of their class after
-        // this event is gone; an event completing frees its limbo ranges in every class.)
-        let mut fresh: Vec<(u64, u64)> = Vec::new();
-        for r in class..(class + 1).min(self.ranges.len()) {
-            for (tag, _) in self.ranges[r].free_tags() {
-                if tag >= LIMBO_BASE {
-                    continue;
+        // ranges in other classes keep their stream tag until a settle of their class; an
+        // event completing frees its limbo ranges wherever they are.)
+        let tags = self
+            .ranges
+            .get(class)
+            .map(|r| r.free_tags())
+            .unwrap_or_default();
+        for (tag, _) in tags {
+            if tag >= LIMBO_BASE || self.stream_events.contains_key(&tag) {
+                continue;
+            }
+            match backend.record_event(device, StreamId(tag)) {
+                Ok(ev) => {
+                    let limbo = LIMBO_BASE + self.next_limbo;
+                    self.next_limbo = (self.next_limbo + 1) % (ANY_STREAM - LIMBO_BASE);
+                    self.ranges[class].retag(tag, limbo);
+                    self.stream_events.insert(tag, (ev, limbo));
                 }
-                if let Some(&(_, limbo)) = fresh.iter().find(|(s, _)| *s == tag) {
-                    self.ranges[r].retag(tag, limbo);
-                    continue;
-                }
-                if self.stream_events.contains_key(&tag) {
-                    continue;
-                }
-                match backend.record_event(device, StreamId(tag)) {
-                    Ok(ev) => {
-                        let limbo = LIMBO_BASE + self.next_limbo;
-                        self.next_limbo = (self.next_limbo + 1) % (ANY_STREAM - LIMBO_BASE);
-                        self.ranges[r].retag(tag, limbo);
-                        self.stream_events.insert(tag, (ev, limbo));
-                        fresh.push((tag, limbo));
-                    }
-                    Err(e) => tracing::warn!(error = %e, "record_event failed"),
-                }
+                Err(e) => tracing::warn!(error = %e, "record_event failed"),
             }
         }
-        // Events that completed (an idle stream's fresh event completes at once): their
-        // limbo ranges are safe for every stream.
+        // An idle stream's fresh event completes at once.
+        self.retire_done_events(backend);
+    }
+
+    /// Events that completed: their limbo ranges are safe for every stream.
+    fn retire_done_events(&mut self, backend: &dyn Backend) {
         let done: Vec<u64> = self
             .stream_events
             .iter()
