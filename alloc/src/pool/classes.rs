@@ -15,7 +15,8 @@
 //!
 //! A miss in one class flushes and settles only that class's cached blocks and free ranges:
 //! small misses are frequent (a 2 MiB arena fills quickly), and moving the large class's
-//! ranges on each of them changed its placement (one more 1 GiB arena on the KV trace).
+//! ranges on each of them changed its placement (one more 1 GiB arena on the KV trace). A
+//! small class below [`SMALL_GROW_FREELY`] grows instead of flushing at all.
 
 use super::{Arena, DeviceState, LARGE_MIN};
 use crate::range::{self, RangeAllocator};
@@ -24,6 +25,14 @@ const MIB: u64 = 1 << 20;
 
 /// Bytes of a small arena (rounded up to the backend's granularity).
 pub const SMALL_ARENA: u64 = 2 * MIB;
+
+/// Until a (device, tag)'s small arenas hold this many bytes, a small miss grows the class
+/// by a new small arena rather than flushing the class's cached blocks and settling its
+/// streams. Small misses are frequent in 2 MiB arenas, and each flush turned the cache's
+/// next hits into sub-allocator calls: the KV replay ran about 20% slower; with this it
+/// runs as before for 18 MiB more at peak (bench/results/sim-2026-11-30-small-survivors.md).
+/// `empty_cache` still flushes everything and releases every empty small arena.
+pub const SMALL_GROW_FREELY: u64 = 32 * MIB;
 
 /// A sub-allocator: a tag and a size class.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +71,19 @@ impl Arena {
 }
 
 impl DeviceState {
+    /// Whether a miss in `class` should grow it at once (a small class holding less than
+    /// [`SMALL_GROW_FREELY`]) rather than flush its cache and settle its streams first.
+    pub(crate) fn grows_freely(&self, class: Class) -> bool {
+        class.small
+            && self
+                .arenas
+                .iter()
+                .filter(|(_, a)| a.class() == class)
+                .map(|(_, a)| a.mem.bytes)
+                .sum::<u64>()
+                < SMALL_GROW_FREELY
+    }
+
     /// The sub-allocator of `class`, created on first use.
     pub(crate) fn ranges_mut(&mut self, class: Class) -> &mut RangeAllocator {
         let i = class.index();

@@ -57,6 +57,9 @@ impl DeviceState {
         // Miss: give this class's cached blocks back to the ranges, where they coalesce, and
         // retry: the large ones first, then all (see FLUSH_FIRST_ABOVE; small blocks are all
         // below it).
+        if self.grows_freely(class) {
+            return None;
+        }
         let passes: &[u64] = if class.small {
             &[0]
         } else {

@@ -67,7 +67,7 @@ mod snapshot;
 mod trace;
 mod wake;
 
-pub use classes::SMALL_ARENA;
+pub use classes::{SMALL_ARENA, SMALL_GROW_FREELY};
 pub use limits::{MaxReserved, MIN_ARENA_SIZE};
 pub use observers::{
     ArenaInfo, ArenaObserver, ObserverError, ObserverId, ARENA_EXPORTED, ARENA_PINNED,
