@@ -153,3 +153,43 @@ fn an_injected_driver_failure_midway_is_undone_with_its_error() {
     }
     assert_eq!(pool.asleep_tags(0).unwrap(), 0);
 }
+
+#[test]
+fn a_wake_of_every_device_is_undone_on_every_device() {
+    let sim = Arc::new(
+        SimBackend::new(SimConfig {
+            devices: 2,
+            ..SimConfig::default()
+        })
+        .unwrap(),
+    );
+    let config = PoolConfig {
+        arena_size: 8 * MIB,
+        validate: true,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::new(sim.clone(), config).unwrap();
+    tags::set_current(Some("wr_d")).unwrap();
+    let blocks: Vec<(u64, Vec<u8>)> = (0..2u8)
+        .map(|d| {
+            let p = pool.alloc(i32::from(d), 4 * MIB, S).unwrap().ptr;
+            fill(p, (4 * MIB) as usize, d);
+            (p, read(p, (4 * MIB) as usize))
+        })
+        .collect();
+    tags::set_current(None).unwrap();
+    let w = tags::index(Some("wr_d")).unwrap();
+    pool.sleep_tags(None, Some(&[w]), &[w]).unwrap();
+    // Device 0's arena is restored first, device 1's fails: device 0 goes back to sleep.
+    sim.fail_nth(SimCall::CreateArena, 2);
+    assert!(pool.wake(None, None).is_err());
+    for d in 0..2 {
+        assert_eq!(pool.asleep_tags(d).unwrap(), 1 << w, "device {d}");
+        assert_eq!(sim.ledger(d).held_bytes, 0, "device {d}");
+        pool.validate(d).unwrap();
+    }
+    pool.wake(None, None).unwrap();
+    for (p, want) in &blocks {
+        assert_eq!(&read(*p, want.len()), want);
+    }
+}

@@ -276,7 +276,8 @@ def sleep_release_host(device: int = -1) -> None:
 def wake(tags=None, device: int = -1) -> None:
     """Wake ``tags`` (None: every sleeping tag) on ``device`` (-1: all): memory mapped again
     at the same addresses, offloaded contents copied back. Raises InvalidStateError for a
-    tag that is awake (nothing changes)."""
+    tag that is awake, OutOfMemoryError when the device has no room (what the wake had
+    already woken goes back to sleep): either way nothing changes."""
     _lib.check(
         _lib.lib().gpu_arena_wake(_int(device, "device"), _tag_list(tags, "tags")),
         "gpu_arena_wake",
