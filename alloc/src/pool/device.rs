@@ -147,12 +147,16 @@ impl DeviceState {
         }
     }
 
-    /// Free bytes in limbo tags: freed on some stream, waiting for its event.
-    pub(super) fn limbo_bytes(&self) -> u64 {
+    /// Free bytes of `class` in limbo tags: freed on some stream, waiting for its event;
+    /// none counted for a class that grows without settling (`grows_freely`): waiting for
+    /// its events would not make them usable.
+    pub(super) fn limbo_bytes(&self, class: Class) -> u64 {
+        if self.grows_freely(class) {
+            return 0;
+        }
         self.ranges
-            .iter()
-            .map(|r| r.free_bytes_in(LIMBO_BASE..=ANY_STREAM - 1))
-            .sum()
+            .get(class.index())
+            .map_or(0, |r| r.free_bytes_in(LIMBO_BASE..=ANY_STREAM - 1))
     }
 
     /// The limbo tag holding `stream`'s own earlier frees (reusable by that stream at once).

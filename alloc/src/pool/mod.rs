@@ -410,7 +410,7 @@ impl Pool {
                 if let Some(ptr) = st.take_range(len, stream, tag, self.backend.as_ref(), device) {
                     return Ok(self.finish_alloc(dp, &mut st, ptr, len, requested, stream));
                 }
-                if st.limbo_bytes() < len || Instant::now() >= deadline {
+                if st.limbo_bytes(class) < len || Instant::now() >= deadline {
                     break;
                 }
                 drop(st);
