@@ -95,6 +95,7 @@ print("RESULT=" + json.dumps({{"problems": check_snapshot(snap), "again": check_
     "frames0": snap["device_traces"][0][0]["frames"][:2],
     "segments": [(s["total_size"], [(b["state"], b["size"], b["requested_size"], bool(b["frames"]))
                   for b in s["blocks"]]) for s in snap["segments"]],
+    "types": sorted({{(s["segment_type"], s["total_size"]) for s in snap["segments"]}}),
     "keys": sorted(snap)}}, default=str))
 """))
     assert r["problems"] == [] and r["again"] == []
@@ -115,6 +116,8 @@ print("RESULT=" + json.dumps({{"problems": check_snapshot(snap), "again": check_
     assert live == [(512, 512, True)] * 3 + [(4096, 4096, False)]
     for total, blocks in r["segments"]:
         assert sum(b[1] for b in blocks) == total
+    # What is left after empty_cache: the small blocks' 2 MiB arena, a "small" segment.
+    assert [list(t) for t in r["types"]] == [["small", 2 * MiB]]
 
 
 def test_history_off_by_default_and_bad_stacks():
