@@ -129,6 +129,41 @@ fn scattered_small_survivors_keep_only_their_2_mib_arenas() {
     assert_eq!(pool.stats(0).unwrap().reserved_bytes, 0);
 }
 
+/// Each class settles its own streams: an event a small-class miss recorded for a stream
+/// (pending while the stream is busy) does not keep that stream's freed large range from
+/// serving another stream once the work is done, and small and large misses never flush or
+/// settle each other's blocks.
+#[test]
+fn a_small_class_settle_does_not_strand_another_streams_large_range() {
+    const S2: StreamId = StreamId(0x2000);
+    let (sim, pool) = pool(64 * MIB, true);
+    // Past SMALL_GROW_FREELY, so that a small miss settles instead of growing.
+    let n = (gpu_arena::pool::SMALL_GROW_FREELY / MIB) as usize + 8;
+    let small: Vec<_> = (0..n).map(|_| pool.alloc(0, MIB, S).unwrap()).collect();
+    let large = pool.alloc(0, 40 * MIB, S).unwrap();
+    for a in small.iter().chain([&large]) {
+        pool.free(a.ptr).unwrap();
+    }
+    sim.block_stream(0, S);
+    let creates = pool.stats(0).unwrap().backend_creates;
+    // S2's small request: S's ranges wait for S's event (pending): a new small arena.
+    let b = pool.alloc(0, MIB, S2).unwrap();
+    assert!(
+        sim.pending_events(0) >= 1,
+        "an event was recorded on the busy stream"
+    );
+    assert_eq!(pool.stats(0).unwrap().backend_creates, creates + 1);
+    sim.unblock_stream(0, S);
+    // S's work is done: its freed large range serves S2 without a new arena.
+    let l = pool.alloc(0, 40 * MIB, S2).unwrap();
+    assert_eq!(l.ptr, large.ptr, "the large range S freed");
+    assert_eq!(pool.stats(0).unwrap().backend_creates, creates + 1);
+    pool.free(b.ptr).unwrap();
+    pool.free(l.ptr).unwrap();
+    pool.empty_cache(None).unwrap();
+    assert!(sim.is_clean(0));
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
 
