@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 
+use super::classes::Class;
 use super::{DeviceState, Live, PendingFree, ANY_STREAM, FLUSH_FIRST_ABOVE, LIMBO_BASE};
 use crate::backend::{ArenaMem, Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
@@ -36,12 +37,11 @@ impl DeviceState {
         backend: &dyn Backend,
         device: DeviceId,
     ) -> Option<u64> {
-        let t = usize::from(tag);
-        if self.ranges.len() <= t {
-            self.ranges.resize_with(t + 1, RangeAllocator::default);
-        }
-        // The stream's own frees first (safe at once, and it keeps shared space for others),
-        // then ranges any stream may use.
+        let class = Class::of(tag, len);
+        let t = class.index();
+        self.ranges_mut(class); // created on first use
+                                // The stream's own frees first (safe at once, and it keeps shared space for others),
+                                // then ranges any stream may use.
         if let Some(p) = self.ranges[t].alloc(len, stream.0) {
             return Some(p);
         }
@@ -54,13 +54,22 @@ impl DeviceState {
         if let Some(p) = self.ranges[t].alloc(len, ANY_STREAM) {
             return Some(p);
         }
-        // Miss: give cached blocks back to the ranges, where they coalesce, and retry: the
-        // large ones first, then all (see FLUSH_FIRST_ABOVE).
-        for min_len in [FLUSH_FIRST_ABOVE, 0] {
+        // Miss: give this class's cached blocks back to the ranges, where they coalesce, and
+        // retry: the large ones first, then all (see FLUSH_FIRST_ABOVE; small blocks are all
+        // below it).
+        if self.grows_freely(class) {
+            return None;
+        }
+        let passes: &[u64] = if class.small {
+            &[0]
+        } else {
+            &[FLUSH_FIRST_ABOVE, 0]
+        };
+        for &min_len in passes {
             if self.cached_bytes == 0 {
                 break;
             }
-            self.flush_cached_above(min_len);
+            self.flush_cached_above(min_len, Some(class));
             if let Some(p) = self.ranges[t]
                 .alloc(len, stream.0)
                 .or_else(|| self.ranges[t].alloc(len, ANY_STREAM))
@@ -72,7 +81,10 @@ impl DeviceState {
         // they move to its limbo tag (which it may still use) and, once its event completed,
         // to `ANY_STREAM`, where they merge with neighbouring free ranges of other streams.
         // (Skipping them left small free ranges of two tags side by side, unmergeable.)
-        self.settle(backend, device);
+        // Only this class's ranges move: small misses are frequent (small arenas are 2 MiB)
+        // and moving the large class's ranges on each of them changed its placement (one
+        // more 1 GiB arena on the KV trace, and slower).
+        self.settle(backend, device, t);
         self.ranges[t]
             .alloc(len, stream.0)
             .or_else(|| self.ranges[t].alloc(len, ANY_STREAM))
@@ -83,39 +95,42 @@ impl DeviceState {
     }
 
     /// Poll pending frees and per-stream events (recording events where none is pending);
-    /// ranges whose streams are done become reusable by any stream.
-    pub(super) fn settle(&mut self, backend: &dyn Backend, device: DeviceId) {
+    /// ranges of sub-allocator `class` (a `Class::index`) whose streams are done become
+    /// reusable by any stream.
+    pub(super) fn settle(&mut self, backend: &dyn Backend, device: DeviceId, class: usize) {
         self.poll_pending(backend);
-        // Streams with free ranges and no event yet: record one, and move exactly the ranges
-        // it covers (those freed so far) to a limbo tag of their own.
-        // (One event per stream, covering its ranges in every tag's allocator.)
-        let mut fresh: Vec<(u64, u64)> = Vec::new();
-        for r in 0..self.ranges.len() {
-            for (tag, _) in self.ranges[r].free_tags() {
-                if tag >= LIMBO_BASE {
-                    continue;
+        // Completed events first: an event recorded by another class's settle covers only
+        // that class's ranges, and while it is pending its stream gets no other event.
+        self.retire_done_events(backend);
+        // Streams with free ranges in `class` and no event yet: record one, and move exactly
+        // the ranges it covers (those freed so far) to a limbo tag of their own. (A stream's
+        // ranges in other classes keep their stream tag until a settle of their class; an
+        // event completing frees its limbo ranges wherever they are.)
+        let tags = self
+            .ranges
+            .get(class)
+            .map(|r| r.free_tags())
+            .unwrap_or_default();
+        for (tag, _) in tags {
+            if tag >= LIMBO_BASE || self.stream_events.contains_key(&tag) {
+                continue;
+            }
+            match backend.record_event(device, StreamId(tag)) {
+                Ok(ev) => {
+                    let limbo = LIMBO_BASE + self.next_limbo;
+                    self.next_limbo = (self.next_limbo + 1) % (ANY_STREAM - LIMBO_BASE);
+                    self.ranges[class].retag(tag, limbo);
+                    self.stream_events.insert(tag, (ev, limbo));
                 }
-                if let Some(&(_, limbo)) = fresh.iter().find(|(s, _)| *s == tag) {
-                    self.ranges[r].retag(tag, limbo);
-                    continue;
-                }
-                if self.stream_events.contains_key(&tag) {
-                    continue;
-                }
-                match backend.record_event(device, StreamId(tag)) {
-                    Ok(ev) => {
-                        let limbo = LIMBO_BASE + self.next_limbo;
-                        self.next_limbo = (self.next_limbo + 1) % (ANY_STREAM - LIMBO_BASE);
-                        self.ranges[r].retag(tag, limbo);
-                        self.stream_events.insert(tag, (ev, limbo));
-                        fresh.push((tag, limbo));
-                    }
-                    Err(e) => tracing::warn!(error = %e, "record_event failed"),
-                }
+                Err(e) => tracing::warn!(error = %e, "record_event failed"),
             }
         }
-        // Events that completed (an idle stream's fresh event completes at once): their
-        // limbo ranges are safe for every stream.
+        // An idle stream's fresh event completes at once.
+        self.retire_done_events(backend);
+    }
+
+    /// Events that completed: their limbo ranges are safe for every stream.
+    fn retire_done_events(&mut self, backend: &dyn Backend) {
         let done: Vec<u64> = self
             .stream_events
             .iter()
@@ -132,12 +147,16 @@ impl DeviceState {
         }
     }
 
-    /// Free bytes in limbo tags: freed on some stream, waiting for its event.
-    pub(super) fn limbo_bytes(&self) -> u64 {
+    /// Free bytes of `class` in limbo tags: freed on some stream, waiting for its event;
+    /// none counted for a class that grows without settling (`grows_freely`): waiting for
+    /// its events would not make them usable.
+    pub(super) fn limbo_bytes(&self, class: Class) -> u64 {
+        if self.grows_freely(class) {
+            return 0;
+        }
         self.ranges
-            .iter()
-            .map(|r| r.free_bytes_in(LIMBO_BASE..=ANY_STREAM - 1))
-            .sum()
+            .get(class.index())
+            .map_or(0, |r| r.free_bytes_in(LIMBO_BASE..=ANY_STREAM - 1))
     }
 
     /// The limbo tag holding `stream`'s own earlier frees (reusable by that stream at once).
@@ -253,12 +272,13 @@ impl DeviceState {
 
     /// Return every cached block to the sub-allocator, tagged with its stream.
     pub(super) fn flush_cache(&mut self) {
-        self.flush_cached_above(0);
+        self.flush_cached_above(0, None);
     }
 
-    /// Return the cached blocks longer than `min_len` to the sub-allocator, tagged with
-    /// their streams.
-    pub(super) fn flush_cached_above(&mut self, min_len: u64) {
+    /// Return the cached blocks longer than `min_len` (of `class` only, if given: another
+    /// class's blocks lie in other arenas and cannot make room) to the sub-allocator, tagged
+    /// with their streams.
+    pub(super) fn flush_cached_above(&mut self, min_len: u64, class: Option<Class>) {
         if self.cached_bytes == 0 {
             return;
         }
@@ -268,18 +288,18 @@ impl DeviceState {
         let cached_bytes = &mut self.cached_bytes;
         self.cache.retain(|&(stream, key), blocks| {
             let (len, tag) = cache_key_parts(key);
-            if len <= min_len {
+            if len <= min_len || class.is_some_and(|c| c != Class::of(tag as u8, len)) {
                 return true;
             }
             *cached_bytes -= len * blocks.len() as u64;
             by_stream
-                .entry((stream, tag))
+                .entry((stream, Class::of(tag as u8, len).index()))
                 .or_default()
                 .extend(blocks.drain(..).map(|(ptr, _)| ptr));
             false
         });
-        for ((stream, tag), mut ptrs) in by_stream {
-            for ptr in self.ranges[tag].free_many(&mut ptrs, stream) {
+        for ((stream, class), mut ptrs) in by_stream {
+            for ptr in self.ranges[class].free_many(&mut ptrs, stream) {
                 tracing::error!(ptr, "flushing a cached block failed: not allocated");
             }
         }
@@ -296,10 +316,7 @@ impl DeviceState {
 
     /// Give a removed record's range back to the sub-allocator under `tag`.
     pub(super) fn release_live(&mut self, ptr: u64, live: Live, tag: u64) -> Result<()> {
-        let t = self
-            .arenas
-            .get(live.arena)
-            .map_or(0, |a| usize::from(a.tag));
+        let t = self.arenas.get(live.arena).map_or(0, |a| a.class().index());
         self.ranges
             .get_mut(t)
             .ok_or(crate::range::RangeError::NotAllocated(ptr))
@@ -346,7 +363,7 @@ impl DeviceState {
     /// The sub-allocator of the tag whose arena holds `ptr`.
     pub(crate) fn ranges_of(&self, ptr: u64) -> Option<&RangeAllocator> {
         let a = self.arenas.get(self.arena_of(ptr)?)?;
-        self.ranges.get(usize::from(a.tag))
+        self.ranges.get(a.class().index())
     }
 
     /// Add an arena under `id` (reserved by `pool/observers.rs`).
@@ -354,15 +371,11 @@ impl DeviceState {
         &mut self,
         mem: ArenaMem,
         id: u64,
-        tag: u8,
+        class: Class,
         metrics: &DeviceMetrics,
     ) -> Result<usize> {
         let (base, bytes) = (mem.base, mem.bytes);
-        let t = usize::from(tag);
-        if self.ranges.len() <= t {
-            self.ranges.resize_with(t + 1, RangeAllocator::default);
-        }
-        self.ranges[t]
+        self.ranges_mut(class)
             .add_region(base, bytes, ANY_STREAM)
             .map_err(|e| Error::Internal(format!("backend returned an unusable arena: {e}")))?;
         let key = self.arenas.insert(Arena {
@@ -370,7 +383,8 @@ impl DeviceState {
             id,
             live_allocs: 0,
             lifetime: ArenaLifetime::default(),
-            tag,
+            tag: class.tag,
+            small: class.small,
             sleep: None,
         });
         self.arena_at.insert(base..base + bytes, key);
@@ -403,7 +417,7 @@ impl DeviceState {
             .collect();
         let mut out = Vec::new();
         for k in keys {
-            let (base, t) = (self.arenas[k].mem.base, usize::from(self.arenas[k].tag));
+            let (base, t) = (self.arenas[k].mem.base, self.arenas[k].class().index());
             if self.ranges[t].remove_region(base).is_err() {
                 continue;
             }
@@ -460,6 +474,13 @@ impl DeviceState {
             return Err(format!(
                 "reserved {} and sleeping {} in stats, {reserved} and {asleep} in arenas, {} in regions",
                 self.stats.reserved_bytes, self.stats.sleeping_bytes, rs.region_bytes
+            ));
+        }
+        if self.host_bytes_held() != self.stats.offload_host_bytes {
+            return Err(format!(
+                "host buffers hold {} bytes, offload_host_bytes says {}",
+                self.host_bytes_held(),
+                self.stats.offload_host_bytes
             ));
         }
         let used: u64 = self.allocs.values().map(Live::bytes).sum();
