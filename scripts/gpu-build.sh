@@ -9,7 +9,9 @@ cd "$(dirname "$0")/.."
 cargo build --release -p gpu-arena-bench --bins
 cargo test --release --no-run -p gpu-arena --test cuda_backend --test pool_sim --test ipc_sim 2>&1 \
   | tee /tmp/gpu-build.log
-rm -rf .gpu && mkdir -p .gpu/bin
+# Everything but the NIXL wheel (scripts/nixl-wheel.sh: a download, kept between builds).
+mkdir -p .gpu && find .gpu -mindepth 1 -maxdepth 1 ! -name wheels -exec rm -rf {} + && mkdir -p .gpu/bin
+ls .gpu/wheels/nixl_*.whl >/dev/null 2>&1 || bash scripts/nixl-wheel.sh .gpu/wheels >/dev/null
 # The wheel (pip install .gpu/gpu_arena-*.whl); the library in it is the one .gpu/ uses, so
 # the fat-LTO link runs once.
 wheel=$(bash scripts/build-wheel.sh .gpu | tail -1)
@@ -24,4 +26,6 @@ for f in .gpu/libgpu_arena.so .gpu/bin/*; do strip "$f"; done
 cp ffi/include/gpu_arena.h .gpu/ 2>/dev/null || true
 # The seeded KV trace for bench/gpu/kv_bench.cpp (built on the GPU machine).
 target/release/kv_trace_dump --out .gpu/kv_trace.bin
+# The second trace (longer prompts, wider batches, mixed activation sizes).
+target/release/kv_trace_dump --profile long --out .gpu/kv_trace_long.bin
 du -sh .gpu

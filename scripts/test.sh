@@ -3,7 +3,7 @@
 # the C programs tests/c/*_test.c against libgpu_arena.so, the header check) and the Python
 # package's tests (tests/python) against the installed wheel: the wheel is built
 # (scripts/build-wheel.sh --dev), installed with tests/python/requirements.txt (pinned) into
-# a fresh venv (target/test-venv), and pytest runs there with GPU_ARENA_LIB unset, python/
+# a fresh venv (target/test-venv) with NIXL (tests/python/requirements-nixl.txt), and pytest runs there with GPU_ARENA_LIB unset, python/
 # off the path and GPU_ARENA_EXPECT_INSTALLED=1 (test_install.py checks the package and its
 # library come from the venv). GPU-only tests are #[ignore]d / skipped here;
 # scripts/gpu-check.sh runs them, and tests/gpu/, on a GPU.
@@ -18,5 +18,6 @@ venv=target/test-venv
 rm -rf "$venv"
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check "$wheel" -r tests/python/requirements.txt
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r tests/python/requirements-nixl.txt
 env -u GPU_ARENA_LIB -u PYTHONPATH GPU_ARENA_EXPECT_INSTALLED=1 \
   "$venv/bin/python" -m pytest -q -rs tests/python

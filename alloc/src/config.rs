@@ -13,6 +13,8 @@
 //! | `legacy_pin` | `0`/`1`: sim exports pin for the process's life (ROCm 7.2) | `0` |
 //! | `unsafe_ignore_streams` | `0`/`1`: demonstration only, disables the stream rules | `0` |
 //! | `allowed_uids` | `:`-separated uids allowed to import, besides our own | (none) |
+//! | `legacy_ipc` | `0`/`1` (cuda, hip): arenas from `cuMemAlloc`/`hipMalloc`, shared with `cuIpc`/`hipIpc` handles: what UCX's cuda_ipc opens on hosts without fabric handles; sleep/wake unavailable | `0` |
+//! | `fabric_handles` | `auto`/`0`/`1` (cuda): VMM arenas also exportable as FABRIC handles (what UCX's cuda_ipc opens) where the device supports them; `auto` falls back to POSIX fds for good on a device whose driver refuses them (no IMEX channel), `1` fails instead | `auto` |
 //!
 //! Sizes: bytes (`4096`), or a number (fractions too: `1.5GiB`) with a unit: `KiB`, `MiB`,
 //! `GiB`, `TiB` and `K`, `M`, `G`, `T` alone are binary (2^10...), `KB`, `MB`, `GB`, `TB`
@@ -26,6 +28,7 @@
 use std::sync::Arc;
 
 use crate::backend::sim::{SimBackend, SimConfig};
+use crate::backend::vmm::FabricHandles;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::pool::{MaxReserved, Pool, PoolConfig};
@@ -71,6 +74,10 @@ pub struct Config {
     pub sim: SimConfig,
     /// Uids besides our own whose processes may import our shares.
     pub allowed_uids: Vec<u32>,
+    /// cuda/hip: legacy IPC arenas (`cuMemAlloc`/`hipMalloc`, `cuIpc`/`hipIpc` handles).
+    pub legacy_ipc: bool,
+    /// cuda: FABRIC handles on VMM arenas.
+    pub fabric_handles: FabricHandles,
 }
 
 /// `key=value` as a size, or an error naming the key, the value and the accepted forms.
@@ -172,6 +179,8 @@ impl Config {
                 "sim_capacity" => next.sim.capacity = size_of(key, value)?,
                 "sim_granularity" => next.sim.granularity = size_of(key, value)?,
                 "legacy_pin" => next.sim.legacy_pin = parse_bool(key, value)?,
+                "legacy_ipc" => next.legacy_ipc = parse_bool(key, value)?,
+                "fabric_handles" => next.fabric_handles = value.parse()?,
                 "allowed_uids" => {
                     next.allowed_uids = value
                         .split(':')
@@ -185,7 +194,7 @@ impl Config {
                 }
                 _ => {
                     return Err(Error::invalid(format!(
-                        "unknown key `{key}` (known: backend, arena_size, max_reserved, validate, sim_devices, sim_capacity, sim_granularity, legacy_pin, allowed_uids, unsafe_ignore_streams)"
+                        "unknown key `{key}` (known: backend, arena_size, max_reserved, validate, sim_devices, sim_capacity, sim_granularity, legacy_pin, legacy_ipc, fabric_handles, allowed_uids, unsafe_ignore_streams)"
                     )))
                 }
             }
@@ -216,10 +225,10 @@ impl Config {
     pub fn open_backend(&self) -> Result<Arc<dyn Backend>> {
         match self.backend {
             BackendChoice::Sim => Ok(Arc::new(SimBackend::new(self.sim.clone())?)),
-            BackendChoice::Cuda => open_cuda(),
-            BackendChoice::Hip => open_hip(),
+            BackendChoice::Cuda => open_cuda(self),
+            BackendChoice::Hip => open_hip(self),
             BackendChoice::Auto => {
-                let cuda = match open_cuda() {
+                let cuda = match open_cuda(self) {
                     Ok(b) => {
                         tracing::info!("gpu-arena: backend=auto chose cuda");
                         return Ok(b);
@@ -227,7 +236,7 @@ impl Config {
                     Err(e) => e,
                 };
                 tracing::info!(reason = %cuda, "gpu-arena: backend=auto passed over cuda");
-                match open_hip() {
+                match open_hip(self) {
                     Ok(b) => {
                         tracing::info!("gpu-arena: backend=auto chose hip");
                         Ok(b)
@@ -248,24 +257,30 @@ impl Config {
 }
 
 #[cfg(feature = "cuda")]
-fn open_cuda() -> Result<Arc<dyn Backend>> {
-    Ok(Arc::new(crate::backend::cuda::CudaBackend::new()?))
+fn open_cuda(c: &Config) -> Result<Arc<dyn Backend>> {
+    let backend = crate::backend::cuda::CudaBackend::new()?
+        .with_legacy_ipc(c.legacy_ipc)
+        .with_fabric_handles(c.fabric_handles);
+    Ok(Arc::new(backend))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn open_cuda() -> Result<Arc<dyn Backend>> {
+fn open_cuda(_: &Config) -> Result<Arc<dyn Backend>> {
     Err(Error::Unavailable(
         "gpu-arena was built without the `cuda` feature".into(),
     ))
 }
 
 #[cfg(feature = "hip")]
-fn open_hip() -> Result<Arc<dyn Backend>> {
-    Ok(Arc::new(crate::backend::hip::HipBackend::new()?))
+fn open_hip(c: &Config) -> Result<Arc<dyn Backend>> {
+    let backend = crate::backend::hip::HipBackend::new()?
+        .with_legacy_ipc(c.legacy_ipc)
+        .with_fabric_handles(c.fabric_handles);
+    Ok(Arc::new(backend))
 }
 
 #[cfg(not(feature = "hip"))]
-fn open_hip() -> Result<Arc<dyn Backend>> {
+fn open_hip(_: &Config) -> Result<Arc<dyn Backend>> {
     Err(Error::Unavailable(
         "gpu-arena was built without the `hip` feature".into(),
     ))
@@ -340,6 +355,17 @@ mod tests {
     fn parse_and_reject() {
         let c = Config::parse("backend=sim, arena_size=256MiB,sim_devices=2,legacy_pin=1").unwrap();
         assert_eq!(c.backend, BackendChoice::Sim);
+        assert!(!c.legacy_ipc);
+        assert_eq!(c.fabric_handles, FabricHandles::Auto);
+        let v = Config::parse("legacy_ipc=1,fabric_handles=0").unwrap();
+        assert!(v.legacy_ipc);
+        assert_eq!(v.fabric_handles, FabricHandles::Off);
+        let on = Config::parse("fabric_handles=1").unwrap();
+        assert_eq!(on.fabric_handles, FabricHandles::On);
+        assert_eq!(
+            Config::parse("fabric_handles=auto").unwrap().fabric_handles,
+            FabricHandles::Auto
+        );
         assert_eq!(c.pool.arena_size, 256 << 20);
         assert_eq!(c.sim.devices, 2);
         assert!(c.sim.legacy_pin);
@@ -351,6 +377,8 @@ mod tests {
             "color=blue",
             "legacy_pin=maybe",
             "sim_devices=0",
+            "legacy_ipc=2",
+            "fabric_handles=sometimes",
         ] {
             let e = c2.apply(bad).unwrap_err();
             assert!(matches!(e, Error::InvalidArgument(_)), "{bad}: {e}");

@@ -135,6 +135,20 @@ pub enum OomCause {
         /// Of those, bytes in no live allocation (free ranges of arenas still in use).
         cached: u64,
     },
+    /// A wake (`gpu_arena_wake`) found no memory for a sleeping arena: everything that
+    /// wake had already woken went back to sleep, and nothing changed.
+    Wake {
+        /// Bytes of the sleeping arenas the wake needed on the device.
+        needed: u64,
+        /// Of those, bytes it had already woken and put back to sleep.
+        undone: u64,
+        /// Free bytes on the device when the driver refused.
+        free: u64,
+        /// The device's total memory.
+        total: u64,
+        /// The tags it was waking, comma-separated.
+        tags: String,
+    },
 }
 
 impl OomCause {
@@ -193,6 +207,19 @@ impl OomCause {
                     size(others)
                 )
             }
+            OomCause::Wake {
+                needed,
+                undone,
+                free,
+                total,
+                ref tags,
+            } => format!(
+                "waking tag(s) {tags} needs {} on device {device} and the driver refused ({} free of {}); the {} this wake had already woken went back to sleep, so nothing changed and the tags still sleep; free device memory (another process's, or empty_cache of what is awake) and wake again, or wake fewer tags",
+                size(needed),
+                size(free),
+                size(total),
+                size(undone)
+            ),
         }
     }
 }

@@ -67,6 +67,10 @@ pub struct PoolStats {
     /// Bytes of arenas asleep (`gpu_arena_sleep`): their addresses stay reserved, their
     /// memory went back to the driver (not in `reserved_bytes`).
     pub sleeping_bytes: u64,
+    /// Bytes of host memory (pinned where the backend has it) held for sleep offloads: the
+    /// contents of sleeping arenas, and buffers kept for the next sleep (reused, so a sleep
+    /// need not pin again; `gpu_arena_sleep_release_host` frees the kept ones).
+    pub offload_host_bytes: u64,
 }
 
 /// `metrics` handles for one device, registered once so the hot path does not format labels.

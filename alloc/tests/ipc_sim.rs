@@ -182,8 +182,10 @@ fn share_import_write_read_in_process_then_everything_returns() {
     assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
 }
 
+/// 10,000 small blocks (48 KiB, below `LARGE_MIN`): small blocks live in 2 MiB arenas of
+/// their own (42 blocks each), one export per arena touched, never one per block.
 #[test]
-fn exports_equal_arenas_10000_blocks_in_5_arenas() {
+fn exports_equal_arenas_10000_small_blocks_in_239_arenas() {
     let _g = SERIAL.lock();
     let backend = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
     let config = PoolConfig {
@@ -199,8 +201,8 @@ fn exports_equal_arenas_10000_blocks_in_5_arenas() {
         .collect();
     assert_eq!(
         pool.stats(0).unwrap().arenas,
-        5,
-        "10,000 x 48 KiB fill five 100 MiB arenas"
+        239,
+        "10,000 x 48 KiB fill 239 2 MiB small arenas (42 blocks each)"
     );
     let exports_before = sim.calls(SimCall::Export);
     let handles: Vec<_> = blocks
@@ -210,10 +212,10 @@ fn exports_equal_arenas_10000_blocks_in_5_arenas() {
     let s = pool.stats(0).unwrap();
     assert_eq!(
         (s.exports_total, s.exports_live, s.shares_live),
-        (5, 5, 10_000)
+        (239, 239, 10_000)
     );
     // One more driver export is the once-per-device self-test (export, close, destroy).
-    assert_eq!(sim.calls(SimCall::Export) - exports_before, 6);
+    assert_eq!(sim.calls(SimCall::Export) - exports_before, 240);
     for h in &handles {
         broker.unshare(h).unwrap();
     }
@@ -556,10 +558,10 @@ fn concurrent_imports_and_closes_of_one_arena_map_it_once_and_leave_nothing() {
     let (sim, pool, broker) = producer(SimConfig::default(), 64 * MIB);
     let fds = fd_count();
     let importer = Arc::new(Importer::new(sim.clone() as Arc<dyn Backend>));
-    // Eight 1 MiB allocations in one arena, each filled with its index.
+    // Eight 2 MiB allocations in one (large) arena, each filled with its index.
     let allocs: Vec<_> = (0..8u8)
         .map(|i| {
-            let a = pool.alloc(0, MIB, S).unwrap();
+            let a = pool.alloc(0, 2 * MIB, S).unwrap();
             // SAFETY: sim pointers are live host mappings of the allocation's size.
             unsafe { std::ptr::write_bytes(a.ptr as *mut u8, i, a.bytes as usize) };
             a

@@ -148,7 +148,7 @@ fn unobserve(pool: &Pool, r: &Recorder, id: ObserverId) {
 #[test]
 fn ready_for_existing_and_new_arenas_before_their_memory_is_handed_out() {
     let (_sim, pool) = pool();
-    let a = pool.alloc(0, MIB, S).unwrap();
+    let a = pool.alloc(0, 2 * MIB, S).unwrap();
     let r = Arc::new(Recorder::default());
     // Inside on_ready of a new arena, no allocation of it may exist yet.
     let weak: Weak<Pool> = Arc::downgrade(&pool);
@@ -189,7 +189,7 @@ fn release_on_empty_cache_while_the_arena_is_still_mapped() {
     let (sim, pool) = pool();
     let r = Arc::new(Recorder::default());
     let id = observe(&pool, &r);
-    let a = pool.alloc(0, MIB, S).unwrap();
+    let a = pool.alloc(0, 2 * MIB, S).unwrap();
     // SAFETY: sim device pointers are host addresses of live mappings of `bytes` bytes.
     unsafe { std::ptr::write_bytes(a.ptr as *mut u8, 0x5A, a.bytes as usize) };
     pool.free(a.ptr).unwrap();
@@ -215,7 +215,7 @@ fn release_after_the_last_share_of_a_freed_arena() {
     let (sim, pool) = pool();
     let r = Arc::new(Recorder::default());
     let id = observe(&pool, &r);
-    let a = pool.alloc(0, MIB, S).unwrap();
+    let a = pool.alloc(0, 2 * MIB, S).unwrap();
     let share = pool.share(a.ptr, a.bytes).unwrap();
     assert_eq!(sim.ledger(0).open_exports, 1);
     pool.free(a.ptr).unwrap(); // deferred: still shared
@@ -245,7 +245,7 @@ fn release_at_pool_drop_before_the_export_is_closed() {
     let (sim, pool) = pool();
     let r = Arc::new(Recorder::default());
     observe(&pool, &r);
-    let a = pool.alloc(0, MIB, S).unwrap();
+    let a = pool.alloc(0, 2 * MIB, S).unwrap();
     pool.share(a.ptr, a.bytes).unwrap();
     let sim2 = sim.clone();
     let export_open = Arc::new(AtomicBool::new(false));
@@ -276,7 +276,7 @@ fn a_pinned_arena_is_released_on_unobserve_and_drop() {
         ..SimConfig::default()
     };
     let (_sim, pool) = pool_with(sim, 8 * MIB, true);
-    let a = pool.alloc(0, MIB, S).unwrap();
+    let a = pool.alloc(0, 2 * MIB, S).unwrap();
     let share = pool.share(a.ptr, a.bytes).unwrap();
     pool.unshare(0, share.share_key, &share.token).unwrap();
     pool.free(a.ptr).unwrap();
@@ -306,7 +306,7 @@ fn a_failed_on_ready_is_counted_and_the_arena_stays_usable() {
     let good = Arc::new(Recorder::default());
     let bad_id = observe(&pool, &bad);
     let good_id = observe(&pool, &good);
-    let a = pool.alloc(0, MIB, S).unwrap();
+    let a = pool.alloc(0, 2 * MIB, S).unwrap();
     assert_eq!(pool.stats(0).unwrap().observer_errors, 1);
     // SAFETY: a live sim allocation: the arena is usable.
     unsafe { std::ptr::write_bytes(a.ptr as *mut u8, 1, a.bytes as usize) };
@@ -355,7 +355,7 @@ fn panics_in_observers_are_caught_and_counted() {
     let (_sim, pool) = pool();
     let p = pool.observe_arenas(Arc::new(Panicker));
     let q = pool.observe_arenas(Arc::new(PanicOnRelease));
-    let a = pool.alloc(0, MIB, S).unwrap();
+    let a = pool.alloc(0, 2 * MIB, S).unwrap();
     assert_eq!(pool.stats(0).unwrap().observer_errors, 1, "on_ready panic");
     pool.free(a.ptr).unwrap();
     pool.empty_cache(None).unwrap();
@@ -372,7 +372,7 @@ fn panics_in_observers_are_caught_and_counted() {
 #[test]
 fn unobserve_twice_or_unknown_is_refused_and_changes_nothing() {
     let (_sim, pool) = pool();
-    let a = pool.alloc(0, MIB, S).unwrap();
+    let a = pool.alloc(0, 2 * MIB, S).unwrap();
     let r = Arc::new(Recorder::default());
     let id = observe(&pool, &r);
     let other = Arc::new(Recorder::default());
@@ -398,7 +398,7 @@ fn unobserve_twice_or_unknown_is_refused_and_changes_nothing() {
 #[test]
 fn callbacks_may_call_back_into_the_pool() {
     let (_sim, pool) = pool();
-    let existing = pool.alloc(0, MIB, S).unwrap();
+    let existing = pool.alloc(0, 2 * MIB, S).unwrap();
     pool.free(existing.ptr).unwrap(); // the arena is empty: empty_cache could release it
     let r = Arc::new(Recorder::default());
     let weak = Arc::downgrade(&pool);
@@ -429,7 +429,7 @@ fn callbacks_may_call_back_into_the_pool() {
         // Inside on_release: stats, and an allocation (a new arena: this one is leaving).
         let p = weak.upgrade().unwrap();
         p.stats(0).unwrap();
-        let a = p.alloc(0, MIB, S).unwrap();
+        let a = p.alloc(0, 2 * MIB, S).unwrap();
         p.free(a.ptr).unwrap();
     }));
     pool.empty_cache(None).unwrap();
@@ -475,7 +475,7 @@ fn an_observer_may_unobserve_itself_from_its_callback() {
     });
     let id = pool.observe_arenas(o.clone());
     *o.id.lock().unwrap() = Some(id);
-    let a = pool.alloc(0, MIB, S).unwrap(); // on_ready unobserves: then its own release
+    let a = pool.alloc(0, 2 * MIB, S).unwrap(); // on_ready unobserves: then its own release
     assert_eq!(
         o.calls.load(Ordering::SeqCst),
         2,
@@ -626,7 +626,7 @@ fn an_on_ready_that_always_allocates_does_not_recurse_without_end() {
     let id = pool.observe_arenas(o.clone());
     // The pool is empty: A's on_ready allocates -> arena B (nested) -> B's on_ready
     // allocates -> a third arena would be needed: refused; B stays usable and serves A's.
-    let a = pool.alloc(0, MIB, S).unwrap();
+    let a = pool.alloc(0, 2 * MIB, S).unwrap();
     let results = o.results.lock().unwrap().clone();
     assert_eq!(results.len(), 2, "{results:?}");
     assert!(

@@ -45,8 +45,8 @@ fn alloc_write_read_free_and_empty_cache() {
         assert_eq!(*((b.ptr + b.bytes - 1) as *const u8), 0xAB);
     }
     let s = pool.stats(0).unwrap();
-    assert_eq!(s.arenas, 1);
-    assert_eq!(s.reserved_bytes, 64 * MIB);
+    assert_eq!(s.arenas, 2, "a small arena and a large one");
+    assert_eq!(s.reserved_bytes, 2 * MIB + 64 * MIB);
     assert_eq!(b.bytes, 4 * MIB, "above 1 MiB: rounded to 2 MiB");
     assert_eq!(s.allocated_bytes, 1024 + 4 * MIB);
     pool.free(a.ptr).unwrap();
@@ -55,13 +55,13 @@ fn alloc_write_read_free_and_empty_cache() {
     assert_eq!(pool.stats(0).unwrap().allocated_bytes, 0);
     assert_eq!(
         sim.ledger(0).held_bytes,
-        64 * MIB,
+        66 * MIB,
         "cached until empty_cache"
     );
-    assert_eq!(pool.empty_cache(None).unwrap(), 64 * MIB);
+    assert_eq!(pool.empty_cache(None).unwrap(), 66 * MIB);
     assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
     let s = pool.stats(0).unwrap();
-    assert_eq!((s.arenas, s.backend_creates, s.backend_destroys), (0, 1, 1));
+    assert_eq!((s.arenas, s.backend_creates, s.backend_destroys), (0, 2, 2));
 }
 
 #[test]
@@ -181,7 +181,7 @@ fn max_reserved_caps_the_pool_and_says_so() {
     let _a = pool.alloc(0, 64 * MIB, S1).unwrap();
     let _b = pool.alloc(0, 64 * MIB, S1).unwrap();
     assert_oom(
-        &pool.alloc(0, MIB, S1).unwrap_err(),
+        &pool.alloc(0, 2 * MIB, S1).unwrap_err(),
         |c| matches!(c, OomCause::MaxReserved { .. }),
         &[
             "out of memory on device 0",
@@ -213,7 +213,7 @@ fn max_reserved_fraction_is_resolved_against_the_device() {
     assert_eq!(pool.stats(0).unwrap().reserved_bytes, 256 * MIB);
     // An arena larger than the cap: the message says which knob to lower.
     let small = capped_pool(SimConfig::default(), GIB, MaxReserved::Bytes(512 * MIB));
-    let m = small.alloc(0, 4096, S1).unwrap_err().to_string();
+    let m = small.alloc(0, 2 * MIB, S1).unwrap_err().to_string();
     assert!(
         m.contains("lower arena_size") && m.contains("raise max_reserved"),
         "{m}"
@@ -229,7 +229,7 @@ fn arena_larger_than_the_device_names_arena_size() {
     };
     let (backend, pool) = pool_with(sim, 4 * GIB);
     assert_oom(
-        &pool.alloc(0, 4096, S1).unwrap_err(),
+        &pool.alloc(0, 2 * MIB, S1).unwrap_err(),
         |c| matches!(c, OomCause::ArenaLargerThanDevice { .. }),
         &["arena_size=4 GiB is larger than device 0's 1 GiB; lower arena_size"],
     );
@@ -398,19 +398,23 @@ fn backend_failures_surface_and_leave_the_pool_valid() {
     sim.fail_nth(SimCall::Synchronize, 1);
     assert!(pool.empty_cache(None).is_err());
     pool.validate(0).unwrap();
-    assert_eq!(pool.empty_cache(None).unwrap(), 64 * MIB);
+    assert_eq!(pool.empty_cache(None).unwrap(), 2 * MIB, "one small arena");
     assert!(sim.is_clean(0));
 }
 
 #[test]
 fn snapshot_is_json_with_arenas_and_ranges() {
     let (_sim, pool) = pool();
-    let _a = pool.alloc(0, MIB, S1).unwrap();
+    let _a = pool.alloc(0, 2 * MIB, S1).unwrap();
+    let _b = pool.alloc(0, 4096, S1).unwrap();
     let v: serde_json::Value = serde_json::from_str(&pool.snapshot_json()).unwrap();
     assert_eq!(v["backend"], "sim");
-    let arena = &v["devices"][0]["arenas"][0];
-    assert_eq!(arena["bytes"], 64 * MIB);
-    assert_eq!(arena["ranges"].as_array().unwrap().len(), 2);
+    let arenas = v["devices"][0]["arenas"].as_array().unwrap();
+    let large = arenas.iter().find(|a| a["small"] == false).unwrap();
+    assert_eq!(large["bytes"], 64 * MIB);
+    assert_eq!(large["ranges"].as_array().unwrap().len(), 2);
+    let small = arenas.iter().find(|a| a["small"] == true).unwrap();
+    assert_eq!(small["bytes"], 2 * MIB);
 }
 
 #[test]

@@ -56,17 +56,17 @@ fn idx(name: &str) -> u8 {
 #[test]
 fn tags_never_share_an_arena() {
     let (_sim, pool) = pool();
-    let a = alloc_with(&pool, "tw_a", MIB);
-    let b = alloc_with(&pool, "tw_b", MIB);
-    let d = alloc_with(&pool, "default", MIB);
+    let a = alloc_with(&pool, "tw_a", 2 * MIB);
+    let b = alloc_with(&pool, "tw_b", 2 * MIB);
+    let d = alloc_with(&pool, "default", 2 * MIB);
     assert_eq!(pool.stats(0).unwrap().arenas, 3);
     let arena = |p: u64| p & !(8 * MIB - 1);
     assert_ne!(arena(a), arena(b));
     // A freed range of one tag is not reused by another.
     pool.free(a).unwrap();
-    let b2 = alloc_with(&pool, "tw_b", MIB);
+    let b2 = alloc_with(&pool, "tw_b", 2 * MIB);
     assert_ne!(b2, a);
-    let a2 = alloc_with(&pool, "tw_a", MIB);
+    let a2 = alloc_with(&pool, "tw_a", 2 * MIB);
     assert_eq!(a2, a, "the tag's own freed block comes back");
     for p in [b, d, b2, a2] {
         pool.free(p).unwrap();
@@ -160,7 +160,7 @@ fn sleep_offloads_one_tag_discards_the_other_and_wakes_at_the_same_addresses() {
 #[test]
 fn empty_cache_and_drop_leave_sleeping_arenas_alone_and_clean() {
     let (sim, pool) = pool();
-    let p = alloc_with(&pool, "ec_kv", MIB);
+    let p = alloc_with(&pool, "ec_kv", 2 * MIB);
     pool.free(p).unwrap();
     pool.sleep(None, &[]).unwrap();
     assert_eq!(pool.empty_cache(None).unwrap(), 0, "asleep: not destroyed");
@@ -171,11 +171,11 @@ fn empty_cache_and_drop_leave_sleeping_arenas_alone_and_clean() {
 #[test]
 fn shared_arenas_keep_their_memory_and_sleeping_memory_is_not_shared() {
     let (sim, pool) = pool();
-    let shared = alloc_with(&pool, "sh_kv", MIB);
-    let other = alloc_with(&pool, "sh_kv", MIB);
+    let shared = alloc_with(&pool, "sh_kv", 2 * MIB);
+    let other = alloc_with(&pool, "sh_kv", 2 * MIB);
     fill(shared, MIB as usize, 7);
-    let info = pool.share(shared, MIB).unwrap();
-    let mine = alloc_with(&pool, "sh_w", MIB);
+    let info = pool.share(shared, 2 * MIB).unwrap();
+    let mine = alloc_with(&pool, "sh_w", 2 * MIB);
     let r = pool.sleep(Some(0), &[]).unwrap();
     assert_eq!(r.kept_shared_bytes, 8 * MIB);
     assert_eq!(r.arena_bytes, 8 * MIB, "the unshared arena slept");
@@ -192,12 +192,12 @@ fn shared_arenas_keep_their_memory_and_sleeping_memory_is_not_shared() {
     assert_eq!(sim.ledger(0).held_bytes, 8 * MIB);
     // New shares of a sleeping tag's memory are refused, kept arena or not.
     for p in [other, mine] {
-        let e = pool.share(p, MIB).unwrap_err();
+        let e = pool.share(p, 2 * MIB).unwrap_err();
         assert!(is_asleep_error(&e), "{e}");
     }
     pool.unshare(0, info.share_key, &info.token).unwrap();
     pool.wake(None, None).unwrap();
-    let again = pool.share(other, MIB).unwrap();
+    let again = pool.share(other, 2 * MIB).unwrap();
     pool.unshare(0, again.share_key, &again.token).unwrap();
     for p in [shared, other, mine] {
         pool.free(p).unwrap();
@@ -227,8 +227,8 @@ fn observers_are_told_before_sleep_and_after_wake() {
     let (_sim, pool) = pool();
     let c = Arc::new(Counter::default());
     let id = pool.observe_arenas(c.clone());
-    let a = alloc_with(&pool, "ob_w", MIB);
-    let b = alloc_with(&pool, "ob_kv", MIB);
+    let a = alloc_with(&pool, "ob_w", 2 * MIB);
+    let b = alloc_with(&pool, "ob_kv", 2 * MIB);
     assert_eq!(c.ready.load(Ordering::SeqCst), 2);
     pool.sleep(Some(0), &[idx("ob_w")]).unwrap();
     assert_eq!(c.release.load(Ordering::SeqCst), 2);
@@ -296,8 +296,10 @@ fn every_device_skips_devices_with_nothing_to_do() {
     pool.sleep(Some(0), &[]).unwrap();
     pool.sleep(None, &[]).unwrap();
     assert_eq!(backend.ledger(1).held_bytes, 0);
+    // The default tag (the only one used here) sleeps everywhere: nothing to do. (Named:
+    // "every tag" also covers tags that other tests of this binary register concurrently.)
     assert!(matches!(
-        pool.sleep(None, &[]).unwrap_err(),
+        pool.sleep_tags(None, Some(&[0]), &[]).unwrap_err(),
         Error::InvalidState(_)
     ));
     pool.wake(None, None).unwrap();
@@ -305,29 +307,56 @@ fn every_device_skips_devices_with_nothing_to_do() {
 }
 
 #[test]
-fn offload_host_buffers_are_freed_after_wake_and_on_drop_while_asleep() {
+fn offload_host_buffers_are_kept_reused_released_and_freed_on_drop() {
     let (sim, pool) = pool();
     // Live, freed gap, live: one segment with the gap; contents intact after the wake.
-    let a = alloc_with(&pool, "hb_w", MIB);
-    let gap = alloc_with(&pool, "hb_w", MIB);
-    let b = alloc_with(&pool, "hb_w", MIB);
+    let a = alloc_with(&pool, "hb_w", 2 * MIB);
+    let gap = alloc_with(&pool, "hb_w", 2 * MIB);
+    let b = alloc_with(&pool, "hb_w", 2 * MIB);
     // Another tag: its arena is discarded, no host buffer.
-    let _other = alloc_with(&pool, "hb_x", MIB);
+    let _other = alloc_with(&pool, "hb_x", 2 * MIB);
     pool.free(gap).unwrap();
     fill(a, MIB as usize, 3);
     fill(b, MIB as usize, 9);
     let (wa, wb) = (read(a, MIB as usize), read(b, MIB as usize));
+    let host = |pool: &Pool| pool.stats(0).unwrap().offload_host_bytes;
     let r = pool.sleep(Some(0), &[idx("hb_w")]).unwrap();
-    assert_eq!(r.copied_bytes, 2 * MIB, "live bytes, gaps not counted");
+    assert_eq!(r.copied_bytes, 4 * MIB, "live bytes, gaps not counted");
     assert_eq!(sim.host_buffers(), 1, "one host buffer per offloaded arena");
+    assert_eq!(host(&pool), 6 * MIB, "one segment: a, the gap, b");
     let r = pool.wake(Some(0), None).unwrap();
-    assert_eq!(r.copied_bytes, 2 * MIB);
-    assert_eq!(sim.host_buffers(), 0, "freed after the wake");
+    assert_eq!(r.copied_bytes, 4 * MIB);
     assert_eq!(read(a, MIB as usize), wa);
     assert_eq!(read(b, MIB as usize), wb);
+    assert_eq!(
+        sim.host_buffers(),
+        1,
+        "kept after the wake for the next sleep"
+    );
+    assert_eq!(host(&pool), 6 * MIB);
     pool.validate(0).unwrap();
 
-    // Asleep when the pool goes: the buffer is freed with it.
+    // A smaller offload reuses the kept buffer (a new one would be 2 MiB).
+    pool.free(b).unwrap();
+    pool.sleep(Some(0), &[idx("hb_w")]).unwrap();
+    assert_eq!((sim.host_buffers(), host(&pool)), (1, 6 * MIB), "reused");
+    assert_eq!(pool.release_host_buffers(None).unwrap(), 0, "in use: stays");
+    pool.wake(Some(0), None).unwrap();
+    assert_eq!(read(a, MIB as usize), wa);
+    // A larger one replaces it: still one buffer.
+    let _c = alloc_with(&pool, "hb_w", 6 * MIB);
+    pool.sleep(Some(0), &[idx("hb_w")]).unwrap();
+    assert_eq!(sim.host_buffers(), 1, "the too-small buffer was replaced");
+    assert_eq!(host(&pool), 8 * MIB, "a and c: 2 + 6 MiB");
+    pool.wake(Some(0), None).unwrap();
+    // empty_cache leaves kept buffers; release_host_buffers frees them.
+    pool.empty_cache(None).unwrap();
+    assert_eq!(sim.host_buffers(), 1);
+    assert_eq!(pool.release_host_buffers(Some(0)).unwrap(), 8 * MIB);
+    assert_eq!((sim.host_buffers(), host(&pool)), (0, 0));
+    pool.validate(0).unwrap();
+
+    // Asleep when the pool goes: the buffer is freed with it; so is a kept one.
     pool.sleep(Some(0), &[idx("hb_w")]).unwrap();
     assert_eq!(sim.host_buffers(), 1);
     drop(pool);
@@ -336,4 +365,77 @@ fn offload_host_buffers_are_freed_after_wake_and_on_drop_while_asleep() {
         0,
         "freed when the pool is dropped while asleep"
     );
+    let (sim, pool) = self::pool();
+    let p = alloc_with(&pool, "hb_w", 2 * MIB);
+    pool.sleep(Some(0), &[idx("hb_w")]).unwrap();
+    pool.wake(Some(0), None).unwrap();
+    assert_eq!(sim.host_buffers(), 1);
+    pool.free(p).unwrap();
+    drop(pool);
+    assert_eq!(
+        sim.host_buffers(),
+        0,
+        "a kept buffer is freed with the pool"
+    );
+}
+
+#[test]
+fn sleep_tags_sleeps_one_tag_while_the_others_allocate() {
+    let (sim, pool) = pool();
+    let w = alloc_with(&pool, "st_w", 2 * MIB);
+    let kv = alloc_with(&pool, "st_kv", 2 * MIB);
+    fill(w, 2 * MIB as usize, 5);
+    let want = read(w, 2 * MIB as usize);
+    // Refused, nothing changed: an offload tag not put to sleep, an empty list.
+    let e = pool
+        .sleep_tags(Some(0), Some(&[idx("st_kv")]), &[idx("st_w")])
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument(ref m) if m.contains("st_w")),
+        "{e}"
+    );
+    assert!(matches!(
+        pool.sleep_tags(Some(0), Some(&[]), &[]).unwrap_err(),
+        Error::InvalidArgument(_)
+    ));
+    assert_eq!(pool.asleep_tags(0).unwrap(), 0);
+
+    let r = pool
+        .sleep_tags(Some(0), Some(&[idx("st_kv")]), &[])
+        .unwrap();
+    assert_eq!((r.arenas, r.arena_bytes, r.copied_bytes), (1, 8 * MIB, 0));
+    assert_eq!(pool.asleep_tags(0).unwrap(), 1 << idx("st_kv"));
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.sleeping_bytes), (8 * MIB, 8 * MIB));
+    assert_eq!(sim.ledger(0).held_bytes, 8 * MIB, "the kv arena went back");
+    // The awake tags allocate and keep their contents; the sleeping one is refused.
+    assert_eq!(read(w, 2 * MIB as usize), want);
+    let w2 = alloc_with(&pool, "st_w", 2 * MIB);
+    let d = alloc_with(&pool, "default", 4096);
+    tags::set_current(Some("st_kv")).unwrap();
+    assert!(is_asleep_error(&pool.alloc(0, MIB, S).unwrap_err()));
+    tags::set_current(None).unwrap();
+    // Sleeping it again is refused, nothing changes; another tag may sleep on its own.
+    let e = pool
+        .sleep_tags(Some(0), Some(&[idx("st_kv")]), &[])
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidState(ref m) if m.contains("st_kv")),
+        "{e}"
+    );
+    pool.sleep_tags(None, Some(&[idx("st_w")]), &[idx("st_w")])
+        .unwrap();
+    assert_eq!(
+        pool.asleep_tags(0).unwrap(),
+        (1 << idx("st_kv")) | (1 << idx("st_w"))
+    );
+    // With every device, a device where every named tag sleeps is skipped: refused here
+    // only because no device has one awake.
+    assert!(pool.sleep_tags(None, Some(&[idx("st_w")]), &[]).is_err());
+    pool.wake(Some(0), None).unwrap();
+    assert_eq!(read(w, 2 * MIB as usize), want, "offloaded st_w identical");
+    for p in [w, w2, kv, d] {
+        pool.free(p).unwrap();
+    }
+    pool.validate(0).unwrap();
 }

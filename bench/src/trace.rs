@@ -111,6 +111,32 @@ impl Default for TraceConfig {
 }
 
 impl TraceConfig {
+    /// A second workload with different shapes (issue #14's "second trace"): longer
+    /// prompts and outputs, a wider batch and a larger KV budget, more and more varied
+    /// activation temporaries (4 KiB to 256 MiB, up to 12 per step), a third of them on
+    /// the side stream, another seed.
+    pub fn long_context() -> Self {
+        Self {
+            seed: 0x6c6f_6e67_6374_7802,
+            requests: 700,
+            max_running: 512,
+            arrival_rate: 2.0,
+            prompt_median_tokens: 2_000.0,
+            prompt_sigma: 1.0,
+            prompt_max_tokens: 32_768,
+            output_median_tokens: 400.0,
+            output_sigma: 0.9,
+            output_max_tokens: 8_192,
+            kv_budget_bytes: 48 * GIB,
+            temps_min_per_step: 4,
+            temps_max_per_step: 12,
+            temp_min_bytes: 4 * KIB,
+            temp_max_bytes: 256 * MIB,
+            side_stream_fraction: 0.33,
+            ..Self::default()
+        }
+    }
+
     /// The default config with fewer requests (for quick runs: about `requests * 180` ops).
     pub fn with_requests(requests: u32) -> Self {
         Self {

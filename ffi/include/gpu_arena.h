@@ -196,6 +196,12 @@ typedef struct gpu_arena_stats_t {
      * memory went back to the driver (not in `reserved_bytes`).
      */
     uint64_t sleeping_bytes;
+    /**
+     * Bytes of host memory (pinned where the backend has it) held for sleep offloads: the
+     * contents of sleeping arenas, and buffers kept for the next sleep (reused, so a sleep
+     * need not pin again; `gpu_arena_sleep_release_host` frees the kept ones).
+     */
+    uint64_t offload_host_bytes;
 } gpu_arena_stats_t;
 
 /**
@@ -496,12 +502,35 @@ int gpu_arena_set_tag(const char *tag);
 int gpu_arena_sleep(int device, const char *offload_tags);
 
 /**
+ * Put only the tags named in `tags` (comma-separated; NULL or "": every awake tag, as
+ * `gpu_arena_sleep`) of `device` (-1: every device) to sleep; the other tags stay awake and
+ * keep allocating. The contents of the tags in `offload_tags` (each one of `tags`) are
+ * copied to host memory, the rest is discarded, as `gpu_arena_sleep` does. An offload tag
+ * not among `tags` is `GPU_ARENA_ERR_INVALID_ARGUMENT`; a named tag that already sleeps is
+ * `GPU_ARENA_ERR_INVALID_STATE` (with -1, devices where every named tag sleeps are
+ * skipped). An error changes nothing.
+ */
+int gpu_arena_sleep_tags(int device, const char *tags, const char *offload_tags);
+
+/**
  * Wake the tags named in `tags` (comma-separated; NULL or "": every sleeping tag) on
  * `device` (-1: every device): memory is mapped again at the same addresses and offloaded
  * contents are copied back. Waking a tag that is awake (with -1: asleep on no device), or
- * waking when nothing sleeps, is `GPU_ARENA_ERR_INVALID_STATE` and changes nothing.
+ * waking when nothing sleeps, is `GPU_ARENA_ERR_INVALID_STATE` and changes nothing. A wake
+ * is all or nothing: when the driver refuses memory midway, what this call already woke
+ * goes back to sleep (contents kept on the host) and nothing changes;
+ * `GPU_ARENA_ERR_OUT_OF_MEMORY` says what the wake needed and what is free.
  */
 int gpu_arena_wake(int device, const char *tags);
+
+/**
+ * Free the host buffers gpu-arena keeps for the next sleep on `device` (-1: every device).
+ * A wake keeps the (pinned) buffer that held an arena's offloaded contents, so the next
+ * sleep copies into memory already pinned instead of pinning again
+ * (`gpu_arena_stats_t.offload_host_bytes` counts them); this gives that host memory back.
+ * Buffers holding a sleeping arena's contents stay. `empty_cache` does not free them.
+ */
+int gpu_arena_sleep_release_host(int device);
 
 /**
  * Set the level of gpu-arena's stderr log: `"off"`, `"error"`, `"warn"`, `"info"`,

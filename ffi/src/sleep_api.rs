@@ -54,10 +54,39 @@ pub extern "C" fn gpu_arena_sleep(device: c_int, offload_tags: *const c_char) ->
     })
 }
 
+/// Put only the tags named in `tags` (comma-separated; NULL or "": every awake tag, as
+/// `gpu_arena_sleep`) of `device` (-1: every device) to sleep; the other tags stay awake and
+/// keep allocating. The contents of the tags in `offload_tags` (each one of `tags`) are
+/// copied to host memory, the rest is discarded, as `gpu_arena_sleep` does. An offload tag
+/// not among `tags` is `GPU_ARENA_ERR_INVALID_ARGUMENT`; a named tag that already sleeps is
+/// `GPU_ARENA_ERR_INVALID_STATE` (with -1, devices where every named tag sleeps are
+/// skipped). An error changes nothing.
+#[no_mangle]
+pub extern "C" fn gpu_arena_sleep_tags(
+    device: c_int,
+    tags: *const c_char,
+    offload_tags: *const c_char,
+) -> c_int {
+    let call = format!("gpu_arena_sleep_tags(device={device})");
+    with_pool("gpu_arena_sleep_tags", |p| {
+        let named = tags::parse_list(opt_str(&call, "tags", tags)?).map_err(|e| fail(&call, e))?;
+        let list = opt_str(&call, "offload_tags", offload_tags)?;
+        let offload = tags::parse_list(list).map_err(|e| fail(&call, e))?;
+        let which = (device != -1).then_some(device);
+        let want = (!named.is_empty()).then_some(named.as_slice());
+        p.sleep_tags(which, want, &offload)
+            .map_err(|e| fail(&call, e))?;
+        Ok(GPU_ARENA_OK)
+    })
+}
+
 /// Wake the tags named in `tags` (comma-separated; NULL or "": every sleeping tag) on
 /// `device` (-1: every device): memory is mapped again at the same addresses and offloaded
 /// contents are copied back. Waking a tag that is awake (with -1: asleep on no device), or
-/// waking when nothing sleeps, is `GPU_ARENA_ERR_INVALID_STATE` and changes nothing.
+/// waking when nothing sleeps, is `GPU_ARENA_ERR_INVALID_STATE` and changes nothing. A wake
+/// is all or nothing: when the driver refuses memory midway, what this call already woke
+/// goes back to sleep (contents kept on the host) and nothing changes;
+/// `GPU_ARENA_ERR_OUT_OF_MEMORY` says what the wake needed and what is free.
 #[no_mangle]
 pub extern "C" fn gpu_arena_wake(device: c_int, tags: *const c_char) -> c_int {
     let call = format!("gpu_arena_wake(device={device})");
@@ -67,6 +96,21 @@ pub extern "C" fn gpu_arena_wake(device: c_int, tags: *const c_char) -> c_int {
         let which = (device != -1).then_some(device);
         let want = (!named.is_empty()).then_some(named.as_slice());
         p.wake(which, want).map_err(|e| fail(&call, e))?;
+        Ok(GPU_ARENA_OK)
+    })
+}
+
+/// Free the host buffers gpu-arena keeps for the next sleep on `device` (-1: every device).
+/// A wake keeps the (pinned) buffer that held an arena's offloaded contents, so the next
+/// sleep copies into memory already pinned instead of pinning again
+/// (`gpu_arena_stats_t.offload_host_bytes` counts them); this gives that host memory back.
+/// Buffers holding a sleeping arena's contents stay. `empty_cache` does not free them.
+#[no_mangle]
+pub extern "C" fn gpu_arena_sleep_release_host(device: c_int) -> c_int {
+    let call = format!("gpu_arena_sleep_release_host(device={device})");
+    with_pool("gpu_arena_sleep_release_host", |p| {
+        let which = (device != -1).then_some(device);
+        p.release_host_buffers(which).map_err(|e| fail(&call, e))?;
         Ok(GPU_ARENA_OK)
     })
 }

@@ -103,6 +103,7 @@ __all__ = [
     "set_tag",
     "current_tag",
     "sleep",
+    "sleep_release_host",
     "wake",
     "snapshot",
     "validate",
@@ -148,7 +149,7 @@ __all__ = [
 def configure(conf: str) -> None:
     """Configure before first use, e.g. ``"backend=sim,arena_size=1GiB"`` (keys: backend,
     arena_size, max_reserved, validate, sim_devices, sim_capacity, sim_granularity,
-    legacy_pin). Several calls accumulate. Once initialized (by :func:`init` or the first
+    legacy_pin, legacy_ipc, fabric_handles). Several calls accumulate. Once initialized (by :func:`init` or the first
     call that needs the pool): ``InvalidStateError``."""
     if not isinstance(conf, str):
         raise TypeError(f"conf must be a str, not {type(conf).__name__}")
@@ -244,22 +245,39 @@ def current_tag() -> str:
     return getattr(_tag_state, "tag", "default")
 
 
-def sleep(offload_tags=None, device: int = -1) -> None:
-    """Put every awake tag of ``device`` (-1: all) to sleep: the contents of
-    ``offload_tags`` (a comma-separated string or a list) are copied to host memory, the
-    rest is discarded, and the memory goes back to the driver while every address stays
-    reserved. Arenas shared with other processes keep their memory. Raises
-    InvalidStateError when a named tag, or every tag, already sleeps (nothing changes)."""
+def sleep(offload_tags=None, device: int = -1, tags=None) -> None:
+    """Put the tags in ``tags`` (a comma-separated string or a list; None: every awake tag)
+    of ``device`` (-1: all) to sleep, the other tags staying awake: the contents of
+    ``offload_tags`` (each one of ``tags``) are copied to host memory, the rest is
+    discarded, and the memory goes back to the driver while every address stays reserved.
+    Arenas shared with other processes keep their memory. Raises InvalidStateError when a
+    named tag, or every tag, already sleeps, InvalidArgumentError for an offload tag that is
+    not put to sleep (nothing changes)."""
+    offload = _tag_list(offload_tags, "offload_tags")
+    if tags is None:
+        _lib.check(_lib.lib().gpu_arena_sleep(_int(device, "device"), offload), "gpu_arena_sleep")
+        return
     _lib.check(
-        _lib.lib().gpu_arena_sleep(_int(device, "device"), _tag_list(offload_tags, "offload_tags")),
-        "gpu_arena_sleep",
+        _lib.lib().gpu_arena_sleep_tags(_int(device, "device"), _tag_list(tags, "tags"), offload),
+        "gpu_arena_sleep_tags",
+    )
+
+
+def sleep_release_host(device: int = -1) -> None:
+    """Free the host buffers kept for the next sleep on ``device`` (-1: all). A wake keeps
+    the pinned buffer of each offloaded arena so that the next sleep need not pin again
+    (``stats()["offload_host_bytes"]`` counts them); buffers of sleeping arenas stay."""
+    _lib.check(
+        _lib.lib().gpu_arena_sleep_release_host(_int(device, "device")),
+        "gpu_arena_sleep_release_host",
     )
 
 
 def wake(tags=None, device: int = -1) -> None:
     """Wake ``tags`` (None: every sleeping tag) on ``device`` (-1: all): memory mapped again
     at the same addresses, offloaded contents copied back. Raises InvalidStateError for a
-    tag that is awake (nothing changes)."""
+    tag that is awake, OutOfMemoryError when the device has no room (what the wake had
+    already woken goes back to sleep): either way nothing changes."""
     _lib.check(
         _lib.lib().gpu_arena_wake(_int(device, "device"), _tag_list(tags, "tags")),
         "gpu_arena_wake",

@@ -203,6 +203,7 @@ class GpuArenaStats(ctypes.Structure):
         ("peak_requested_bytes", ctypes.c_uint64),
         ("observer_errors", ctypes.c_uint64),
         ("sleeping_bytes", ctypes.c_uint64),
+        ("offload_host_bytes", ctypes.c_uint64),
     ]
 
     def to_dict(self) -> dict:
@@ -343,7 +344,9 @@ _SIGNATURES = {
     # Tags, sleep and wake (ffi/src/sleep_api.rs).
     "gpu_arena_set_tag": (c_int, [c_char_p]),
     "gpu_arena_sleep": (c_int, [c_int, c_char_p]),
+    "gpu_arena_sleep_tags": (c_int, [c_int, c_char_p, c_char_p]),
     "gpu_arena_wake": (c_int, [c_int, c_char_p]),
+    "gpu_arena_sleep_release_host": (c_int, [c_int]),
 }
 
 # The IPC part (ffi/src/ipc_api.rs), declared when the library has it (has_ipc() says

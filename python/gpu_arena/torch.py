@@ -359,16 +359,17 @@ def use_tag(tag: Optional[str]):
         api.set_tag(previous)
 
 
-def sleep(offload_tags=None, device: int = -1) -> None:
-    """Synchronize, then ``gpu_arena.sleep``: every awake tag sleeps, ``offload_tags`` keep
-    their contents on the host; the memory goes back to the driver, addresses stay."""
+def sleep(offload_tags=None, device: int = -1, tags=None) -> None:
+    """Synchronize, then ``gpu_arena.sleep``: the tags in ``tags`` (None: every awake tag)
+    sleep, the others stay awake; ``offload_tags`` keep their contents on the host; the
+    memory goes back to the driver, addresses stay."""
     try:
         import torch
     except ImportError:  # gpu-arena alone (sim): nothing of torch's to wait for
         torch = None
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
-    _api().sleep(offload_tags, device)
+    _api().sleep(offload_tags, device, tags)
 
 
 def wake(tags=None, device: int = -1) -> None:
@@ -402,12 +403,19 @@ class CuMemAllocatorCompat:
         with use_tag(tag or self.default_tag):
             yield
 
-    def sleep(self, offload_tags=None) -> None:
+    def sleep(self, offload_tags=None, tags=None) -> None:
+        """vLLM's ``sleep(offload_tags)``; ``tags`` (an addition: None, as in vLLM, for
+        every tag) sleeps only those tags, the others stay awake. With ``tags`` given and
+        ``offload_tags`` None, nothing is offloaded unless the default tag is among them."""
+        if isinstance(tags, str):
+            tags = (tags,)
         if offload_tags is None:
             offload_tags = (self.default_tag,)
+            if tags is not None and self.default_tag not in tags:
+                offload_tags = ()
         elif isinstance(offload_tags, str):
             offload_tags = (offload_tags,)
-        sleep(list(offload_tags))
+        sleep(list(offload_tags), tags=None if tags is None else list(tags))
 
     def wake_up(self, tags=None) -> None:
         wake(None if tags is None else list(tags))

@@ -29,8 +29,9 @@ key                                    gpu-arena counter
 ``max_split_size``                     -1 (gpu-arena splits blocks of any size)
 =====================================  ================================================
 
-Not honoured, hence absent: the ``large_pool``/``small_pool`` splits (gpu-arena has one pool:
-small and large blocks share arenas; only ``.all.`` keys exist), the cumulative byte counts
+Not honoured, hence absent: the ``large_pool``/``small_pool`` splits (gpu-arena keeps blocks
+up to 1 MiB in 2 MiB arenas of their own, but its counters are not split by size class;
+only ``.all.`` keys exist), the cumulative byte counts
 (``*_bytes.all.allocated/freed``), the peaks of counts (``allocation.all.peak``...),
 ``inactive_split*``, ``oversize_*``, ``num_alloc_retries`` and ``num_sync_all_streams``.
 Frees still waiting for a ``record_stream`` stream or a share count as allocated (PyTorch
@@ -151,9 +152,10 @@ def _format_count(cnt: Optional[int], pref_cnt: Optional[int]) -> str:
 
 
 def memory_summary(device=None, abbreviated: bool = False) -> str:
-    """A table like ``torch.cuda.memory_summary()``, from :func:`memory_stats`. gpu-arena has
-    one pool, so there are no "from large/small pool" rows (``abbreviated`` is accepted
-    for compatibility); a value gpu-arena does not count shows as ``n/a``."""
+    """A table like ``torch.cuda.memory_summary()``, from :func:`memory_stats`. gpu-arena's
+    counters are not split by size class, so there are no "from large/small pool" rows
+    (``abbreviated`` is accepted for compatibility); a value gpu-arena does not count shows
+    as ``n/a``."""
     del abbreviated
     stats = memory_stats(device)
     dev = _device(device)
@@ -183,7 +185,7 @@ def memory_summary(device=None, abbreviated: bool = False) -> str:
         lines.append(f" {name:<21} | {cells} ")
     lines.append("=" * 75)
     lines.append(
-        " {:<73} ".format("One pool: no small/large split. n/a: not counted by gpu-arena.")
+        " {:<73} ".format("Counters not split into small/large pools. n/a: not counted.")
     )
     lines.append("=" * 75)
     return "|" + "|\n|".join(lines) + "|\n"

@@ -725,7 +725,9 @@ static void bad_inputs(void) {
 
 /* Tags, sleep and wake on device 0: bad tag names and devices refused with nothing changed,
  * the offloaded tag identical at the same address after a wake, the memory given back while
- * asleep, allocations of a sleeping tag refused, double sleep / waking an awake tag refused. */
+ * asleep, allocations of a sleeping tag refused, double sleep / waking an awake tag refused,
+ * one tag asleep (gpu_arena_sleep_tags) while another allocates, the offload's host buffer
+ * kept after a wake and freed by gpu_arena_sleep_release_host. */
 static void sleep_wake(void) {
     gpu_arena_stats_t s;
     char long_tag[65];
@@ -741,27 +743,50 @@ static void sleep_wake(void) {
     CHECK_CODE(gpu_arena_wake(0, NULL), GPU_ARENA_ERR_INVALID_STATE, "wake with nothing asleep");
 
     CHECK_CODE(gpu_arena_set_tag("c_weights"), GPU_ARENA_OK, "set_tag(c_weights)");
-    void *w = gpu_arena_malloc(MiB, 0, NULL);
+    void *w = gpu_arena_malloc(2 * MiB, 0, NULL);
     CHECK_CODE(gpu_arena_set_tag("c_kv"), GPU_ARENA_OK, "set_tag(c_kv)");
-    void *kv = gpu_arena_malloc(MiB, 0, NULL);
+    void *kv = gpu_arena_malloc(2 * MiB, 0, NULL);
     CHECK(w != NULL && kv != NULL, "tagged mallocs");
-    write_block(w, MiB, 41);
+    write_block(w, 2 * MiB, 41);
     CHECK_CODE(gpu_arena_sleep(0, "c_weights"), GPU_ARENA_OK, "sleep(0, c_weights)");
     CHECK_CODE(gpu_arena_stats(0, &s), GPU_ARENA_OK, "stats asleep");
     CHECK(s.reserved_bytes == 0 && s.sleeping_bytes == 2 * (uint64_t)ARENA_SIZE,
           "asleep: reserved %" PRIu64 ", sleeping %" PRIu64, s.reserved_bytes, s.sleeping_bytes);
-    CHECK(gpu_arena_malloc(MiB, 0, NULL) == NULL, "malloc of a sleeping tag fails");
+    CHECK(gpu_arena_malloc(2 * MiB, 0, NULL) == NULL, "malloc of a sleeping tag fails");
     CHECK_CODE(gpu_arena_last_error_code(), GPU_ARENA_ERR_INVALID_STATE, "malloc while asleep");
     CHECK_ERROR_NAMES("asleep", "c_kv");
     CHECK_CODE(gpu_arena_sleep(0, "c_weights"), GPU_ARENA_ERR_INVALID_STATE, "sleep twice");
     CHECK_CODE(gpu_arena_wake(0, "c_weights"), GPU_ARENA_OK, "wake(0, c_weights)");
-    CHECK(read_block(w, MiB, 41), "weights identical after wake");
+    CHECK(read_block(w, 2 * MiB, 41), "weights identical after wake");
     CHECK_CODE(gpu_arena_wake(0, "c_weights"), GPU_ARENA_ERR_INVALID_STATE, "wake an awake tag");
     CHECK_CODE(gpu_arena_wake(-1, NULL), GPU_ARENA_OK, "wake(-1, NULL)");
     CHECK_CODE(gpu_arena_stats(0, &s), GPU_ARENA_OK, "stats awake");
     CHECK(s.reserved_bytes == 2 * (uint64_t)ARENA_SIZE && s.sleeping_bytes == 0, "awake again");
-    CHECK_CODE(gpu_arena_free_checked(w, MiB, 0), GPU_ARENA_OK, "free w");
-    CHECK_CODE(gpu_arena_free_checked(kv, MiB, 0), GPU_ARENA_OK, "free kv");
+
+    /* One tag sleeps while the other stays awake and allocates. */
+    CHECK_CODE(gpu_arena_sleep_tags(0, "c_kv", "c_weights"), GPU_ARENA_ERR_INVALID_ARGUMENT,
+               "sleep_tags offloading a tag it does not put to sleep");
+    CHECK_CODE(gpu_arena_sleep_tags(0, "c_kv", NULL), GPU_ARENA_OK, "sleep_tags(0, c_kv)");
+    CHECK_CODE(gpu_arena_stats(0, &s), GPU_ARENA_OK, "stats, c_kv asleep");
+    CHECK(s.reserved_bytes == (uint64_t)ARENA_SIZE && s.sleeping_bytes == (uint64_t)ARENA_SIZE,
+          "c_kv asleep: reserved %" PRIu64 ", sleeping %" PRIu64, s.reserved_bytes,
+          s.sleeping_bytes);
+    CHECK_CODE(gpu_arena_sleep_tags(0, "c_kv", NULL), GPU_ARENA_ERR_INVALID_STATE,
+               "sleep_tags twice");
+    CHECK_CODE(gpu_arena_set_tag("c_weights"), GPU_ARENA_OK, "set_tag(c_weights) again");
+    void *w2 = gpu_arena_malloc(2 * MiB, 0, NULL);
+    CHECK(w2 != NULL, "the awake tag allocates while c_kv sleeps");
+    CHECK(read_block(w, 2 * MiB, 41), "the awake tag's contents untouched");
+    CHECK_CODE(gpu_arena_free_checked(w2, 2 * MiB, 0), GPU_ARENA_OK, "free w2");
+    CHECK_CODE(gpu_arena_wake(0, "c_kv"), GPU_ARENA_OK, "wake(0, c_kv)");
+    CHECK_CODE(gpu_arena_stats(0, &s), GPU_ARENA_OK, "stats after the wakes");
+    CHECK(s.offload_host_bytes >= 2 * (uint64_t)MiB,
+          "the offload's host buffer is kept for the next sleep: %" PRIu64, s.offload_host_bytes);
+    CHECK_CODE(gpu_arena_sleep_release_host(-1), GPU_ARENA_OK, "sleep_release_host(-1)");
+    CHECK_CODE(gpu_arena_stats(0, &s), GPU_ARENA_OK, "stats after sleep_release_host");
+    CHECK(s.offload_host_bytes == 0, "kept host buffers freed");
+    CHECK_CODE(gpu_arena_free_checked(w, 2 * MiB, 0), GPU_ARENA_OK, "free w");
+    CHECK_CODE(gpu_arena_free_checked(kv, 2 * MiB, 0), GPU_ARENA_OK, "free kv");
     CHECK_CODE(gpu_arena_set_tag(NULL), GPU_ARENA_OK, "set_tag(NULL)");
     CHECK_CODE(gpu_arena_empty_cache(-1), GPU_ARENA_OK, "empty_cache after sleep/wake");
     CHECK_CODE(gpu_arena_validate(0), GPU_ARENA_OK, "validate after sleep/wake");

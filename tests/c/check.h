@@ -119,7 +119,7 @@ static const char *const STAT_NAMES[] = {
     "arenas", "backend_creates", "backend_destroys", "exports_live", "exports_total",
     "shares_live", "imports_live", "pinned_bytes", "allocations", "alloc_count", "free_count",
     "oom_count", "deferred_free_bytes", "pending_free_bytes", "requested_bytes",
-    "peak_requested_bytes", "observer_errors", "sleeping_bytes",
+    "peak_requested_bytes", "observer_errors", "sleeping_bytes", "offload_host_bytes",
 };
 
 /* The first field of gpu_arena_stats_t that differs between a and b ("name a -> b"), or

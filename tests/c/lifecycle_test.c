@@ -79,22 +79,22 @@ static void mode_before_init(void) {
     /* Still before first use: configure works, and the first malloc initializes with it. */
     CHECK_CODE(gpu_arena_configure("backend=sim,arena_size=4MiB"), GPU_ARENA_OK,
                "configure after the refused calls (still before first use)");
-    void *p = gpu_arena_malloc(4096, 0, NULL);
-    CHECK(p != NULL, "malloc(4096) before init initializes lazily: %p", p);
+    void *p = gpu_arena_malloc(2 * MiB, 0, NULL); /* large: from an arena_size arena */
+    CHECK(p != NULL, "malloc(2 MiB) before init initializes lazily: %p", p);
     CHECK_CODE(gpu_arena_init_status(), GPU_ARENA_OK, "init_status() after the lazy init");
     CHECK(strcmp(gpu_arena_backend_name(), "sim") == 0, "backend is sim");
     memset(p, 0x5A, 4096);
     CHECK(((unsigned char *)p)[4095] == 0x5A, "the block is writable");
     CHECK_CODE(gpu_arena_stats(0, &s), GPU_ARENA_OK, "stats(0)");
     CHECK(s.reserved_bytes == 4 * MiB && s.alloc_count == 1 && s.free_count == 0 &&
-              s.requested_bytes == 4096,
+              s.requested_bytes == 2 * MiB,
           "one 4 MiB arena (arena_size=4MiB applied), one alloc, the refused calls left no trace");
     CHECK_CODE(gpu_arena_configure("arena_size=8MiB"), GPU_ARENA_ERR_INVALID_STATE,
                "configure after the lazy init");
     CHECK_ERROR_NAMES("gpu_arena_configure", "after first use", "initialized by gpu_arena_malloc");
     gpu_arena_init(1);
     CHECK_CODE(gpu_arena_init_status(), GPU_ARENA_OK, "init(1) after the lazy init: no change");
-    CHECK_CODE(gpu_arena_free_checked(p, 4096, 0), GPU_ARENA_OK, "free it");
+    CHECK_CODE(gpu_arena_free_checked(p, 2 * MiB, 0), GPU_ARENA_OK, "free it");
     CHECK_CODE(gpu_arena_validate(0), GPU_ARENA_OK, "validate(0)");
 }
 

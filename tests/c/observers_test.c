@@ -183,8 +183,8 @@ static void bad_input(void) {
 }
 
 static void ready_release_and_errors(void) {
-    unsigned char *p = gpu_arena_malloc(MiB, 0, NULL);
-    CHECK(p != NULL, "malloc 1 MiB");
+    unsigned char *p = gpu_arena_malloc(2 * MiB, 0, NULL);
+    CHECK(p != NULL, "malloc 2 MiB (a large block: an arena_size arena)");
     memset(p, 0x5A, MiB);
 
     recorder a;
@@ -221,7 +221,7 @@ static void ready_release_and_errors(void) {
     memset(big, 1, 20 * MiB);
 
     gpu_arena_free(big, 20 * MiB, 0, NULL);
-    gpu_arena_free(p, MiB, 0, NULL);
+    gpu_arena_free(p, 2 * MiB, 0, NULL);
     CHECK(gpu_arena_empty_cache(-1) == GPU_ARENA_OK, "empty_cache");
     CHECK(a.released == 2, "on_release for both arenas (%d)", a.released);
     CHECK(a.watch_byte == 0x5A, "the arena was still mapped in on_release (read %#x at its base)",

@@ -13,9 +13,10 @@ Under ``gpu_arena.torch.install()``:
       compared bitwise to a CPU copy, and the graph's replay output compared bitwise to the
       reference (the graph is replayed at the same addresses, so they must hold);
   (b) timing: sleep (offload) and wake (copy back) of --big-gib (or as much as fits) of
-      weights, against the raw copy cost (``tensor.to("cpu", non_blocking=True)`` into
-      pinned memory, and back) and the map cost (sleep/wake of the same bytes discarded,
-      no copy), all in the same run.
+      weights, twice (the first sleep pins its host buffers, the second reuses the ones the
+      first wake kept), against the raw copy cost (``tensor.to("cpu", non_blocking=True)``
+      into pinned memory, and back) and the map cost (sleep/wake of the same bytes
+      discarded, no copy), all in the same run.
 
 The report goes to stdout and DIR/sleep_wake.md (plus DIR/sleep_wake.json). Exit status 1
 when a check fails. Meant to run in well under 3 minutes on an H200.
@@ -181,6 +182,10 @@ def main() -> int:
     getattr(torch._C, "_host_emptyCache", lambda: None)()
     torch.cuda.synchronize()
     gt.empty_cache()
+    kept_engine = gpu_arena.stats(0)["offload_host_bytes"]
+    check(kept_engine >= n_w * GiB, "the weights' host buffers were not kept after the wakes")
+    gpu_arena.sleep_release_host()
+    check(gpu_arena.stats(0)["offload_host_bytes"] == 0, "sleep_release_host left host buffers")
 
     # ---- (b) timing at scale --------------------------------------------------------------
     free_b = free_now()
@@ -216,6 +221,16 @@ def main() -> int:
     w_off = time.perf_counter() - t
     ok = all(bool((b == 1.5).all()) for b in bigs[:4] + bigs[-2:])
     check(ok, "big offloaded tensors differ after wake")
+    # Again: the host buffers the wake kept are reused (no pinning).
+    t = time.perf_counter()
+    gt.sleep(offload_tags="big_w")
+    s_off2 = time.perf_counter() - t
+    t = time.perf_counter()
+    gt.wake()
+    w_off2 = time.perf_counter() - t
+    ok = all(bool((b == 1.5).all()) for b in bigs[:4] + bigs[-2:])
+    check(ok, "big offloaded tensors differ after the second wake")
+    gpu_arena.sleep_release_host()
     # Map cost: the same bytes discarded (no copy).
     t = time.perf_counter()
     gt.sleep(offload_tags=None)
@@ -227,7 +242,8 @@ def main() -> int:
     torch.cuda.synchronize()
     gt.empty_cache()
     timing = dict(gib=n_big, d2h_s=d2h, h2d_s=h2d, sleep_offload_s=s_off, wake_offload_s=w_off,
-                  sleep_discard_s=s_map, wake_discard_s=w_map)
+                  sleep_offload_kept_s=s_off2, wake_offload_kept_s=w_off2,
+                  sleep_discard_s=s_map, wake_discard_s=w_map, engine_kept_host_bytes=kept_engine)
     report["timing"] = timing
     report["rows"] = rows
     report["failures"] = failures
@@ -248,13 +264,17 @@ def main() -> int:
            "| operation | seconds | rate |", "|---|---|---|",
            f"| raw D2H copy into pinned memory (`copy_(non_blocking)`) | {d2h:.3f} | {rate(d2h)} |",
            f"| raw H2D copy from pinned memory | {h2d:.3f} | {rate(h2d)} |",
-           f"| sleep, offloaded (copy out + unmap/release) | {s_off:.3f} | {rate(s_off)} |",
-           f"| wake, offloaded (create/map + copy back) | {w_off:.3f} | {rate(w_off)} |",
+           f"| sleep, offloaded, first (pin host buffers + copy out + unmap/release) | {s_off:.3f} | {rate(s_off)} |",
+           f"| wake, offloaded, first (create/map + copy back) | {w_off:.3f} | {rate(w_off)} |",
+           f"| sleep, offloaded, again (kept host buffers: copy out + unmap/release) | {s_off2:.3f} | {rate(s_off2)} |",
+           f"| wake, offloaded, again (create/map + copy back) | {w_off2:.3f} | {rate(w_off2)} |",
            f"| sleep, discarded (unmap/release only: map cost) | {s_map:.3f} | {rate(s_map)} |",
            f"| wake, discarded (create/map/access only: map cost) | {w_map:.3f} | {rate(w_map)} |",
-           "", "Offload buffers are pinned host memory (one per arena, allocated at the sleep "
-           "and freed at the wake, both inside the timed rows): compare the offloaded rows "
-           "with the raw pinned copies.", ""]
+           "", "Offload buffers are pinned host memory, one per arena: the first sleep "
+           "allocates them (inside its timed row), the wake keeps them, the second sleep "
+           "reuses them; compare the offloaded rows with the raw pinned copies. The engine's "
+           f"kept host buffers after its cycles: {gib(kept_engine)} (freed by "
+           "`gpu_arena.sleep_release_host()` before this measurement).", ""]
     md += ["## Result", "", "PASS" if not failures else "FAIL: " + "; ".join(failures), ""]
     text = "\n".join(md)
     print(text)

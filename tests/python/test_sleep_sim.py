@@ -68,6 +68,9 @@ def test_sleep_offloads_weights_and_wakes_them_at_the_same_addresses():
         gpu_arena.set_tag(None)
         again = raises(InvalidStateError, gpu_arena.sleep, offload_tags=["weights"])
         gpu_arena.wake(["weights"])
+        kept = gpu_arena.stats()["offload_host_bytes"]
+        gpu_arena.sleep_release_host()
+        released = gpu_arena.stats()["offload_host_bytes"]
         same = ctypes.string_at(w, len(pattern)) == pattern
         awake_twice = raises(InvalidStateError, gpu_arena.wake, "weights")
         gpu_arena.wake()
@@ -78,7 +81,7 @@ def test_sleep_offloads_weights_and_wakes_them_at_the_same_addresses():
         print("RESULT=" + json.dumps(dict(
             before=before["reserved_bytes"], asleep_reserved=asleep["reserved_bytes"],
             asleep_sleeping=asleep["sleeping_bytes"], refused=refused, again=again,
-            same=same, awake_twice=awake_twice, kv_after=list(kv_after), nothing=nothing,
+            same=same, kept=kept, released=released, awake_twice=awake_twice, kv_after=list(kv_after), nothing=nothing,
             after=after["reserved_bytes"], after_sleeping=after["sleeping_bytes"])))
     """)
     assert out["before"] == 16 << 20
@@ -86,6 +89,8 @@ def test_sleep_offloads_weights_and_wakes_them_at_the_same_addresses():
     assert "asleep" in out["refused"]
     assert out["again"] and out["awake_twice"] and out["nothing"]
     assert out["same"], "weights bitwise identical after sleep/wake"
+    assert out["kept"] >= 3 << 20, "the offload's host buffer is kept after the wake"
+    assert out["released"] == 0, "sleep_release_host freed it"
     assert out["kv_after"] == [0, 0, 0, 0], "the discarded tag came back as new memory"
     assert (out["after"], out["after_sleeping"]) == (16 << 20, 0)
 
@@ -96,11 +101,11 @@ def test_cumem_compat_facade_and_use_tag():
         a = CuMemAllocatorCompat.get_instance()
         with a.use_memory_pool(tag="weights"):
             inside = gpu_arena.current_tag()
-            w = gpu_arena.malloc(MiB)
+            w = gpu_arena.malloc(2 * MiB)
         outside = gpu_arena.current_tag()
         try:
             with use_tag("kv_cache"):
-                kv = gpu_arena.malloc(MiB)
+                kv = gpu_arena.malloc(2 * MiB)
                 raise KeyError("x")
         except KeyError:
             pass
@@ -111,7 +116,7 @@ def test_cumem_compat_facade_and_use_tag():
         a.wake_up(tags=["weights"])
         a.wake_up()
         same = ctypes.string_at(w, 8) == b"\\x33" * 8
-        gpu_arena.free(w, MiB); gpu_arena.free(kv, MiB)
+        gpu_arena.free(w, 2 * MiB); gpu_arena.free(kv, 2 * MiB)
         print("RESULT=" + json.dumps(dict(inside=inside, outside=outside, restored=restored,
               usage_asleep=usage_asleep, same=same, usage=a.get_current_usage())))
     """)
@@ -119,3 +124,34 @@ def test_cumem_compat_facade_and_use_tag():
     assert out["usage_asleep"] == 0
     assert out["same"]
     assert out["usage"] == 16 << 20
+
+
+def test_sleep_one_tag_while_the_other_stays_awake():
+    out = scenario("""
+        from gpu_arena.torch import CuMemAllocatorCompat
+        a = CuMemAllocatorCompat.get_instance()
+        with a.use_memory_pool(tag="weights"):
+            w = gpu_arena.malloc(2 * MiB)
+        with a.use_memory_pool(tag="kv_cache"):
+            kv = gpu_arena.malloc(2 * MiB)
+        ctypes.memset(w, 0x44, 2 * MiB)
+        bad = raises(InvalidArgumentError, gpu_arena.sleep, "weights", tags="kv_cache")
+        a.sleep(tags=["kv_cache"])
+        st = gpu_arena.stats()
+        with a.use_memory_pool(tag="weights"):
+            w2 = gpu_arena.malloc(2 * MiB)
+        twice = raises(InvalidStateError, gpu_arena.sleep, tags="kv_cache")
+        same = ctypes.string_at(w, 8) == b"\\x44" * 8
+        a.wake_up(tags=["kv_cache"])
+        after = gpu_arena.stats()
+        for p in (w, w2, kv):
+            gpu_arena.free(p, 2 * MiB)
+        print("RESULT=" + json.dumps(dict(bad=bad, reserved=st["reserved_bytes"],
+              sleeping=st["sleeping_bytes"], twice=twice, same=same,
+              after=after["sleeping_bytes"])))
+    """)
+    assert out["bad"] and "weights" in out["bad"], out
+    assert (out["reserved"], out["sleeping"]) == (8 << 20, 8 << 20), out
+    assert out["twice"], out
+    assert out["same"], "the awake tag kept its contents"
+    assert out["after"] == 0

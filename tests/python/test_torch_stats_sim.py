@@ -39,8 +39,10 @@ print("RESULT=" + json.dumps({"stats": s, "keys": list(s), "raw": gpu_arena.stat
     assert r["keys"] == sorted(r["keys"])
     assert s["allocated_bytes.all.current"] == raw["allocated_bytes"] == 1024
     assert s["allocated_bytes.all.peak"] == 4 * MiB + 1024  # 3 MiB rounds to 4 MiB
-    assert s["reserved_bytes.all.current"] == 64 * MiB
-    assert s["segment.all.current"] == 1 and s["segment.all.allocated"] == 1
+    # The 1000-byte block's 2 MiB small arena is left: the OOM retry released the 3 MiB
+    # block's emptied 64 MiB arena.
+    assert s["reserved_bytes.all.current"] == 2 * MiB
+    assert s["segment.all.current"] == 1 and s["segment.all.allocated"] == 2
     assert s["allocation.all.current"] == 1
     assert s["allocation.all.allocated"] == 2 and s["allocation.all.freed"] == 1
     assert s["num_ooms"] == 1 == r["dev1"]
@@ -50,14 +52,14 @@ print("RESULT=" + json.dumps({"stats": s, "keys": list(s), "raw": gpu_arena.stat
     assert "allocated_bytes.all.allocated" not in s
     # requested_bytes exactly when the library's stats struct has the field.
     assert ("requested_bytes.all.current" in s) == ("requested_bytes" in raw)
-    assert (r["alloc"], r["res"]) == (1024, 64 * MiB)
-    assert (r["maxalloc"], r["maxres"]) == (4 * MiB + 1024, 64 * MiB)
+    assert (r["alloc"], r["res"]) == (1024, 2 * MiB)
+    assert (r["maxalloc"], r["maxres"]) == (4 * MiB + 1024, 66 * MiB)
     lines = r["summary"].splitlines()
     assert all(len(line) == 77 for line in lines), lines
     assert "gpu-arena CUDA memory summary, device ID 0" in lines[1]
     assert "CUDA OOMs: 1" in lines[3]
     row = next(line for line in lines if line.startswith("| GPU reserved memory"))
-    assert row == "| GPU reserved memory   |  65536 KiB |  65536 KiB |     n/a    |     n/a    |"
+    assert row == "| GPU reserved memory   |   2048 KiB |  67584 KiB |     n/a    |     n/a    |"
 
 
 def test_history_snapshot_for_the_viewers(tmp_path):
@@ -93,6 +95,7 @@ print("RESULT=" + json.dumps({{"problems": check_snapshot(snap), "again": check_
     "frames0": snap["device_traces"][0][0]["frames"][:2],
     "segments": [(s["total_size"], [(b["state"], b["size"], b["requested_size"], bool(b["frames"]))
                   for b in s["blocks"]]) for s in snap["segments"]],
+    "types": sorted({{(s["segment_type"], s["total_size"]) for s in snap["segments"]}}),
     "keys": sorted(snap)}}, default=str))
 """))
     assert r["problems"] == [] and r["again"] == []
@@ -113,6 +116,8 @@ print("RESULT=" + json.dumps({{"problems": check_snapshot(snap), "again": check_
     assert live == [(512, 512, True)] * 3 + [(4096, 4096, False)]
     for total, blocks in r["segments"]:
         assert sum(b[1] for b in blocks) == total
+    # What is left after empty_cache: the small blocks' 2 MiB arena, a "small" segment.
+    assert [list(t) for t in r["types"]] == [["small", 2 * MiB]]
 
 
 def test_history_off_by_default_and_bad_stacks():

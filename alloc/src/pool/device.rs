@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 
+use super::classes::Class;
 use super::thread_cache::FrontLive;
 use super::{DeviceState, Live, PendingFree, ANY_STREAM, FLUSH_FIRST_ABOVE, LIMBO_BASE};
 use crate::backend::{ArenaMem, Backend, DeviceId, StreamId};
@@ -37,12 +38,11 @@ impl DeviceState {
         backend: &dyn Backend,
         device: DeviceId,
     ) -> Option<u64> {
-        let t = usize::from(tag);
-        if self.ranges.len() <= t {
-            self.ranges.resize_with(t + 1, RangeAllocator::default);
-        }
-        // The stream's own frees first (safe at once, and it keeps shared space for others),
-        // then ranges any stream may use.
+        let class = Class::of(tag, len);
+        let t = class.index();
+        self.ranges_mut(class); // created on first use
+                                // The stream's own frees first (safe at once, and it keeps shared space for others),
+                                // then ranges any stream may use.
         if let Some(p) = self.ranges[t].alloc(len, stream.0) {
             return Some(p);
         }
@@ -55,10 +55,19 @@ impl DeviceState {
         if let Some(p) = self.ranges[t].alloc(len, ANY_STREAM) {
             return Some(p);
         }
-        // Miss: give cached blocks back to the ranges, where they coalesce, and retry: the
-        // large ones first, then all (see FLUSH_FIRST_ABOVE).
-        for min_len in [FLUSH_FIRST_ABOVE, 0] {
-            if !self.flush_cached_above(min_len) {
+        // Miss: give this class's cached blocks, the device's and the thread caches', back
+        // to the ranges, where they coalesce, and retry: the large ones first, then all (see
+        // FLUSH_FIRST_ABOVE; small blocks are all below it).
+        if self.grows_freely(class) {
+            return None;
+        }
+        let passes: &[u64] = if class.small {
+            &[0]
+        } else {
+            &[FLUSH_FIRST_ABOVE, 0]
+        };
+        for &min_len in passes {
+            if !self.flush_cached_above(min_len, Some(class)) {
                 continue;
             }
             if let Some(p) = self.ranges[t]
@@ -72,7 +81,10 @@ impl DeviceState {
         // they move to its limbo tag (which it may still use) and, once its event completed,
         // to `ANY_STREAM`, where they merge with neighbouring free ranges of other streams.
         // (Skipping them left small free ranges of two tags side by side, unmergeable.)
-        self.settle(backend, device);
+        // Only this class's ranges move: small misses are frequent (small arenas are 2 MiB)
+        // and moving the large class's ranges on each of them changed its placement (one
+        // more 1 GiB arena on the KV trace, and slower).
+        self.settle(backend, device, t);
         self.ranges[t]
             .alloc(len, stream.0)
             .or_else(|| self.ranges[t].alloc(len, ANY_STREAM))
@@ -83,39 +95,42 @@ impl DeviceState {
     }
 
     /// Poll pending frees and per-stream events (recording events where none is pending);
-    /// ranges whose streams are done become reusable by any stream.
-    pub(super) fn settle(&mut self, backend: &dyn Backend, device: DeviceId) {
+    /// ranges of sub-allocator `class` (a `Class::index`) whose streams are done become
+    /// reusable by any stream.
+    pub(super) fn settle(&mut self, backend: &dyn Backend, device: DeviceId, class: usize) {
         self.poll_pending(backend);
-        // Streams with free ranges and no event yet: record one, and move exactly the ranges
-        // it covers (those freed so far) to a limbo tag of their own.
-        // (One event per stream, covering its ranges in every tag's allocator.)
-        let mut fresh: Vec<(u64, u64)> = Vec::new();
-        for r in 0..self.ranges.len() {
-            for (tag, _) in self.ranges[r].free_tags() {
-                if tag >= LIMBO_BASE {
-                    continue;
+        // Completed events first: an event recorded by another class's settle covers only
+        // that class's ranges, and while it is pending its stream gets no other event.
+        self.retire_done_events(backend);
+        // Streams with free ranges in `class` and no event yet: record one, and move exactly
+        // the ranges it covers (those freed so far) to a limbo tag of their own. (A stream's
+        // ranges in other classes keep their stream tag until a settle of their class; an
+        // event completing frees its limbo ranges wherever they are.)
+        let tags = self
+            .ranges
+            .get(class)
+            .map(|r| r.free_tags())
+            .unwrap_or_default();
+        for (tag, _) in tags {
+            if tag >= LIMBO_BASE || self.stream_events.contains_key(&tag) {
+                continue;
+            }
+            match backend.record_event(device, StreamId(tag)) {
+                Ok(ev) => {
+                    let limbo = LIMBO_BASE + self.next_limbo;
+                    self.next_limbo = (self.next_limbo + 1) % (ANY_STREAM - LIMBO_BASE);
+                    self.ranges[class].retag(tag, limbo);
+                    self.stream_events.insert(tag, (ev, limbo));
                 }
-                if let Some(&(_, limbo)) = fresh.iter().find(|(s, _)| *s == tag) {
-                    self.ranges[r].retag(tag, limbo);
-                    continue;
-                }
-                if self.stream_events.contains_key(&tag) {
-                    continue;
-                }
-                match backend.record_event(device, StreamId(tag)) {
-                    Ok(ev) => {
-                        let limbo = LIMBO_BASE + self.next_limbo;
-                        self.next_limbo = (self.next_limbo + 1) % (ANY_STREAM - LIMBO_BASE);
-                        self.ranges[r].retag(tag, limbo);
-                        self.stream_events.insert(tag, (ev, limbo));
-                        fresh.push((tag, limbo));
-                    }
-                    Err(e) => tracing::warn!(error = %e, "record_event failed"),
-                }
+                Err(e) => tracing::warn!(error = %e, "record_event failed"),
             }
         }
-        // Events that completed (an idle stream's fresh event completes at once): their
-        // limbo ranges are safe for every stream.
+        // An idle stream's fresh event completes at once.
+        self.retire_done_events(backend);
+    }
+
+    /// Events that completed: their limbo ranges are safe for every stream.
+    fn retire_done_events(&mut self, backend: &dyn Backend) {
         let done: Vec<u64> = self
             .stream_events
             .iter()
@@ -132,12 +147,16 @@ impl DeviceState {
         }
     }
 
-    /// Free bytes in limbo tags: freed on some stream, waiting for its event.
-    pub(super) fn limbo_bytes(&self) -> u64 {
+    /// Free bytes of `class` in limbo tags: freed on some stream, waiting for its event;
+    /// none counted for a class that grows without settling (`grows_freely`): waiting for
+    /// its events would not make them usable.
+    pub(super) fn limbo_bytes(&self, class: Class) -> u64 {
+        if self.grows_freely(class) {
+            return 0;
+        }
         self.ranges
-            .iter()
-            .map(|r| r.free_bytes_in(LIMBO_BASE..=ANY_STREAM - 1))
-            .sum()
+            .get(class.index())
+            .map_or(0, |r| r.free_bytes_in(LIMBO_BASE..=ANY_STREAM - 1))
     }
 
     /// The limbo tag holding `stream`'s own earlier frees (reusable by that stream at once).
@@ -252,45 +271,50 @@ impl DeviceState {
 
     /// Return every cached block to the sub-allocator, tagged with its stream.
     pub(super) fn flush_cache(&mut self) {
-        self.flush_cached_above(0);
+        self.flush_cached_above(0, None);
     }
 
-    /// Return the cached blocks longer than `min_len`, the device's and the thread caches',
-    /// to the sub-allocator, tagged with their streams.
-    /// Returns whether any block went back.
-    pub(super) fn flush_cached_above(&mut self, min_len: u64) -> bool {
-        let drained = self.front.drain_above(min_len);
-        let from_threads = !drained.is_empty();
-        self.free_blocks(drained);
-        if self.cached_bytes == 0 {
-            return from_threads;
-        }
-        // Per stream, in one sorted pass: neighbouring cached blocks (a finished sequence's
-        // KV blocks often are) merge before touching the free index.
+    /// Return the cached blocks longer than `min_len`, the device's (of `class` only, if
+    /// given: another class's blocks lie in other arenas and cannot make room) and the
+    /// thread caches' (every class), to the sub-allocator of their class, tagged with their
+    /// streams. Returns whether any block went back.
+    pub(super) fn flush_cached_above(&mut self, min_len: u64, class: Option<Class>) -> bool {
+        // Per (stream, class), in one sorted pass: neighbouring cached blocks (a finished
+        // sequence's KV blocks often are, whichever cache held them) merge before touching
+        // the free index. The thread caches give back every class's blocks, not only
+        // `class`'s: draining them by class kept small blocks in the threads' caches across
+        // large misses, and the KV trace with 256 MiB arenas then reached its final
+        // 17,430 MiB one replay later (growing in the fourth replay; bench/tests/kv_memory.rs).
+        // Each block still goes to its own class's sub-allocator.
         let mut by_stream: HashMap<(u64, usize), Vec<u64>> = HashMap::new();
+        for (key, ptrs) in self.front.drain_above(min_len, None) {
+            by_stream.entry(key).or_default().extend(ptrs);
+        }
         let cached_bytes = &mut self.cached_bytes;
-        self.cache.retain(|&(stream, key), blocks| {
-            let (len, tag) = cache_key_parts(key);
-            if len <= min_len {
-                return true;
-            }
-            *cached_bytes -= len * blocks.len() as u64;
-            by_stream
-                .entry((stream, tag))
-                .or_default()
-                .extend(blocks.drain(..).map(|(ptr, _)| ptr));
-            false
-        });
-        let from_device = !by_stream.is_empty();
+        if *cached_bytes != 0 {
+            self.cache.retain(|&(stream, key), blocks| {
+                let (len, tag) = cache_key_parts(key);
+                if len <= min_len || class.is_some_and(|c| c != Class::of(tag as u8, len)) {
+                    return true;
+                }
+                *cached_bytes -= len * blocks.len() as u64;
+                by_stream
+                    .entry((stream, Class::of(tag as u8, len).index()))
+                    .or_default()
+                    .extend(blocks.drain(..).map(|(ptr, _)| ptr));
+                false
+            });
+        }
+        let any = !by_stream.is_empty();
         self.free_blocks(by_stream);
-        from_threads || from_device
+        any
     }
 
-    /// Give cached blocks, by (stream, tag index), back to the sub-allocator.
+    /// Give cached blocks, by (stream, class index), back to their class's sub-allocator.
     fn free_blocks(&mut self, blocks: impl IntoIterator<Item = ((u64, usize), Vec<u64>)>) {
-        for ((stream, tag), mut ptrs) in blocks {
-            let Some(ranges) = self.ranges.get_mut(tag) else {
-                tracing::error!(tag, "flushing cached blocks of an unknown tag");
+        for ((stream, class), mut ptrs) in blocks {
+            let Some(ranges) = self.ranges.get_mut(class) else {
+                tracing::error!(class, "flushing cached blocks of an unknown class");
                 continue;
             };
             for ptr in ranges.free_many(&mut ptrs, stream) {
@@ -380,10 +404,7 @@ impl DeviceState {
 
     /// Give a removed record's range back to the sub-allocator under `tag`.
     pub(super) fn release_live(&mut self, ptr: u64, live: Live, tag: u64) -> Result<()> {
-        let t = self
-            .arenas
-            .get(live.arena)
-            .map_or(0, |a| usize::from(a.tag));
+        let t = self.arenas.get(live.arena).map_or(0, |a| a.class().index());
         self.ranges
             .get_mut(t)
             .ok_or(crate::range::RangeError::NotAllocated(ptr))
@@ -429,7 +450,7 @@ impl DeviceState {
     /// The sub-allocator of the tag whose arena holds `ptr`.
     pub(crate) fn ranges_of(&self, ptr: u64) -> Option<&RangeAllocator> {
         let a = self.arenas.get(self.arena_of(ptr)?)?;
-        self.ranges.get(usize::from(a.tag))
+        self.ranges.get(a.class().index())
     }
 
     /// Add an arena under `id` (reserved by `pool/observers.rs`).
@@ -437,15 +458,11 @@ impl DeviceState {
         &mut self,
         mem: ArenaMem,
         id: u64,
-        tag: u8,
+        class: Class,
         metrics: &DeviceMetrics,
     ) -> Result<usize> {
         let (base, bytes) = (mem.base, mem.bytes);
-        let t = usize::from(tag);
-        if self.ranges.len() <= t {
-            self.ranges.resize_with(t + 1, RangeAllocator::default);
-        }
-        self.ranges[t]
+        self.ranges_mut(class)
             .add_region(base, bytes, ANY_STREAM)
             .map_err(|e| Error::Internal(format!("backend returned an unusable arena: {e}")))?;
         let key = self.arenas.insert(Arena {
@@ -453,7 +470,8 @@ impl DeviceState {
             id,
             live_allocs: 0,
             lifetime: ArenaLifetime::default(),
-            tag,
+            tag: class.tag,
+            small: class.small,
             sleep: None,
         });
         self.arena_at.insert(base..base + bytes, key);
@@ -487,7 +505,7 @@ impl DeviceState {
             .collect();
         let mut out = Vec::new();
         for k in keys {
-            let (base, t) = (self.arenas[k].mem.base, usize::from(self.arenas[k].tag));
+            let (base, t) = (self.arenas[k].mem.base, self.arenas[k].class().index());
             if self.ranges[t].remove_region(base).is_err() {
                 continue;
             }
@@ -545,6 +563,13 @@ impl DeviceState {
             return Err(format!(
                 "reserved {} and sleeping {} in stats, {reserved} and {asleep} in arenas, {} in regions",
                 self.stats.reserved_bytes, self.stats.sleeping_bytes, rs.region_bytes
+            ));
+        }
+        if self.host_bytes_held() != self.stats.offload_host_bytes {
+            return Err(format!(
+                "host buffers hold {} bytes, offload_host_bytes says {}",
+                self.host_bytes_held(),
+                self.stats.offload_host_bytes
             ));
         }
         // Every block the pool holds allocated in the ranges, each exactly once: live in

@@ -7,10 +7,12 @@
 //! **Sizes** ([`block_len`]). Requests round up to 512 bytes; from 4 KiB to 1 MiB to
 //! quarter-octave classes (at most 25% more, few distinct sizes: the exact-size cache then
 //! serves most temporaries); above 1 MiB ([`LARGE_MIN`]) to 2 MiB multiples, so the holes
-//! large blocks leave fit other large blocks. Requests up to `arena_size` come from shared
-//! arenas of `arena_size` bytes; a larger request gets an arena of its own, rounded up to
-//! the backend's granularity. The default arena size is chosen by measurement (see
-//! [`PoolConfig::arena_size`]).
+//! large blocks leave fit other large blocks. Small blocks (up to [`LARGE_MIN`]) come from
+//! 2 MiB small arenas ([`SMALL_ARENA`]), large ones up to `arena_size` from shared arenas of
+//! `arena_size` bytes, and a larger request gets an arena of its own, rounded up to the
+//! backend's granularity: small and large blocks never share an arena, so after
+//! `empty_cache` a small survivor keeps at most 2 MiB (`pool/classes.rs`). The default arena
+//! size is chosen by measurement (see [`PoolConfig::arena_size`]).
 //!
 //! **Streams.** Free ranges are tagged with the stream they were freed on. An allocation on
 //! stream S takes, best fit, a range tagged S (reuse at once is safe: S's later work runs
@@ -26,10 +28,14 @@
 //! [`CACHE_MAX_BLOCK`] keeps it whole: in the freeing thread's cache (or the cache that
 //! recorded the allocation), else in the device's exact-size cache, each keyed by (stream,
 //! length) and bounded at a quarter of the reserved bytes: the next request of that length
-//! on that stream takes it with two hash operations and no sub-allocator call. On a miss
-//! that would otherwise grow the pool, cached blocks (the threads' and the device's) go back
-//! to the sub-allocator, where they coalesce: those above [`FLUSH_FIRST_ABOVE`] first, then
-//! the rest.
+//! on that stream takes it with two hash operations and no sub-allocator call. The key's
+//! length fixes the block's size class, so a cache hit (a thread's or the device's) stays
+//! in its class. On a miss that would otherwise grow the pool, the device's cached blocks
+//! of the missing class and the threads' cached blocks of every class go back to their
+//! class's sub-allocator, where they coalesce: those above [`FLUSH_FIRST_ABOVE`] first,
+//! then the rest (why the threads' of every class: `DeviceState::flush_cached_above`); a
+//! small class below [`SMALL_GROW_FREELY`] grows instead of flushing.
+//! `empty_cache`, the OOM retry and sleep flush every class.
 //!
 //! **Out of memory.** When the backend refuses memory, the pool synchronizes the device,
 //! releases every completed free, destroys its empty cached arenas and retries once; then it
@@ -45,8 +51,9 @@
 //! stream). Everything else takes the device lock, where the allocation's record is first
 //! promoted into the device's map (`record_stream`, shares, a free the front declines,
 //! snapshots, sleep). A miss that would grow the pool, `empty_cache`, the OOM retry and
-//! `sleep` drain every thread's cache under the device lock; sleep and history recording
-//! gate the fast path first. Lock order: device, registry, thread caches. Arena creation
+//! `sleep` drain every thread's cache under the device lock, each block back to its class's
+//! sub-allocator (the class derived from its tag and length); sleep (of the tags it puts to sleep) and history recording gate the fast path
+//! first. Lock order: device, registry, thread caches. Arena creation
 //! and destruction (the slow driver calls) run with the device lock released; event
 //! record/query run under it, on the miss path only, never under a cache lock.
 
@@ -68,17 +75,22 @@ use crate::stats::{DeviceMetrics, PoolStats};
 use records::ShareTables;
 use thread_cache::{Front, FrontLive};
 
+mod classes;
 mod device;
 mod free;
 mod limits;
 mod observers;
+mod offload;
 mod records;
 mod share;
 mod sleep;
+mod snapshot;
 mod spin;
 mod thread_cache;
 mod trace;
+mod wake;
 
+pub use classes::{SMALL_ARENA, SMALL_GROW_FREELY};
 pub use limits::{MaxReserved, MIN_ARENA_SIZE};
 pub use observers::{
     ArenaInfo, ArenaObserver, ObserverError, ObserverId, ARENA_EXPORTED, ARENA_PINNED,
@@ -207,6 +219,8 @@ pub(crate) struct Arena {
     pub(crate) lifetime: ArenaLifetime<Export>,
     /// Its allocations' tag index (`crate::tags`).
     pub(crate) tag: u8,
+    /// Whether it holds small blocks (`pool/classes.rs`).
+    pub(crate) small: bool,
     /// While asleep (`pool/sleep.rs`): the contents kept on the host, if offloaded.
     pub(crate) sleep: Option<sleep::Asleep>,
 }
@@ -251,8 +265,8 @@ struct PendingFree {
 /// Everything behind one device's lock.
 #[derive(Debug, Default)]
 pub(crate) struct DeviceState {
-    /// One sub-allocator per tag index (`crate::tags`): arenas of different tags never
-    /// share free ranges.
+    /// One sub-allocator per tag and size class (`pool/classes.rs`, by `Class::index`):
+    /// arenas of different tags or classes never share free ranges.
     pub(crate) ranges: Vec<RangeAllocator>,
     /// Tags asleep on this device (bit = tag index): their allocations are refused.
     pub(crate) asleep_tags: u64,
@@ -282,6 +296,8 @@ pub(crate) struct DeviceState {
     /// The thread front (`pool/thread_cache.rs`): thread caches and the plain allocations'
     /// records, outside this lock (the same one as [`DevicePool::front`]).
     pub(crate) front: Arc<Front>,
+    /// Host buffers kept for the next sleep's offload (`pool/offload.rs`).
+    pub(crate) host_buffers: Vec<crate::backend::HostBuffer>,
 }
 
 /// One device's pool.
@@ -427,12 +443,10 @@ impl Pool {
     ) -> Result<Allocation> {
         let device = dp.device;
         let limits = self.limits(dp)?;
-        let arena_bytes = if len > limits.arena_bytes {
-            range::round_up_to(len, limits.granularity)
-                .ok_or_else(|| Error::invalid("size overflows"))?
-        } else {
-            limits.arena_bytes
-        };
+        let class = classes::Class::of(tag, len);
+        let arena_bytes =
+            classes::arena_bytes_for(class, len, limits.arena_bytes, limits.granularity)
+                .ok_or_else(|| Error::invalid("size overflows"))?;
         let mut retried = false;
         loop {
             // Recycled (pinned) arenas and any range freed meanwhile come first. Ranges that
@@ -448,7 +462,7 @@ impl Pool {
                 if let Some(ptr) = st.take_range(len, stream, tag, self.backend.as_ref(), device) {
                     return Ok(self.finish_alloc(dp, &mut st, ptr, len, requested, stream));
                 }
-                if st.limbo_bytes() < len || Instant::now() >= deadline {
+                if st.limbo_bytes(class) < len || Instant::now() >= deadline {
                     break;
                 }
                 drop(st);
@@ -469,13 +483,11 @@ impl Pool {
             match created {
                 Ok(mem) => {
                     // Observers' on_ready runs before the arena enters the pool.
-                    let (mut st, key) = self.install_arena(dp, mem, tag)?;
+                    let (mut st, key) = self.install_arena(dp, mem, class)?;
                     dp.metrics.publish(&st.stats_now());
-                    let ptr = st.ranges[usize::from(tag)]
-                        .alloc(len, ANY_STREAM)
-                        .ok_or_else(|| {
-                            Error::Internal(format!("fresh arena {key} cannot fit {len} bytes"))
-                        })?;
+                    let ptr = st.ranges_mut(class).alloc(len, ANY_STREAM).ok_or_else(|| {
+                        Error::Internal(format!("fresh arena {key} cannot fit {len} bytes"))
+                    })?;
                     return Ok(self.finish_alloc(dp, &mut st, ptr, len, requested, stream));
                 }
                 Err(Error::DriverOutOfMemory { .. }) if !retried => {
@@ -642,48 +654,6 @@ impl Pool {
             .validate()
             .map_err(Error::Internal)
     }
-
-    /// A JSON snapshot of every device: stats, arenas, and the ranges in each arena.
-    pub fn snapshot_json(&self) -> String {
-        let devices: Vec<serde_json::Value> = self
-            .devices
-            .iter()
-            .map(|dp| {
-                let mut st = dp.state.lock();
-                // The plain allocations' records move into the device's map, to be listed.
-                st.promote_all();
-                let arenas: Vec<serde_json::Value> = st
-                    .arenas
-                    .iter()
-                    .map(|(_, a)| {
-                        serde_json::json!({
-                            "id": a.id,
-                            "base": a.mem.base,
-                            "bytes": a.mem.bytes,
-                            "live_allocations": a.live_allocs,
-                            "lifetime": {
-                                "state": a.lifetime.state_name(),
-                                "refs": a.lifetime.refs(),
-                                "pinned": a.lifetime.pinned(),
-                                "generation": a.lifetime.generation(),
-                            },
-                            "tag": crate::tags::name(a.tag),
-                            "asleep": a.sleep.is_some(),
-                            "ranges": st.ranges.get(usize::from(a.tag)).map(|r| r.ranges(a.mem.base)).unwrap_or_default(),
-                        })
-                    })
-                    .collect();
-                let mut d = serde_json::json!({
-                    "device": dp.device,
-                    "stats": st.stats_now(),
-                    "arenas": arenas,
-                });
-                trace::add_to_snapshot(&st, &mut d);
-                d
-            })
-            .collect();
-        serde_json::json!({ "backend": self.backend.name(), "devices": devices }).to_string()
-    }
 }
 
 impl Drop for Pool {
@@ -700,6 +670,7 @@ impl Drop for Pool {
                 );
             }
         }
+        self.free_kept_host_buffers();
         self.drop_all_arenas();
     }
 }

@@ -528,7 +528,7 @@ impl Pool {
         &self,
         dp: &'a DevicePool,
         mem: ArenaMem,
-        tag: u8,
+        class: super::classes::Class,
     ) -> Result<(MutexGuard<'a, DeviceState>, usize)> {
         if READY_DEPTH.with(|d| d.get()) > MAX_NESTED_ARENAS {
             let bytes = mem.bytes;
@@ -553,7 +553,7 @@ impl Pool {
             let mut st = dp.state.lock();
             let mut reg = self.observers.reg.lock();
             if !Observers::busy(&reg, key) {
-                match st.add_arena(mem.clone(), id, tag, &dp.metrics) {
+                match st.add_arena(mem.clone(), id, class, &dp.metrics) {
                     Ok(k) => return Ok((st, k)),
                     Err(e) => {
                         // Out of the pool: released to the observers, destroyed by the next

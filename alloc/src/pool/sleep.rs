@@ -2,36 +2,39 @@
 //! reserved, and map new memory at the same addresses later (RLHF: an inference engine
 //! sleeps while the trainer uses the GPU, and wakes with its CUDA graphs still valid).
 //!
-//! **Sleep** (`Pool::sleep`) puts every awake tag of the device to sleep. After a device
+//! **Sleep** (`Pool::sleep`) puts every awake tag of the device to sleep, `Pool::sleep_tags`
+//! only the tags it names (the others stay awake and keep allocating). After a device
 //! synchronize and settling every pending free, each arena of those tags:
 //! - is *kept* (memory and contents untouched) when it is shared, exported, pinned or being
 //!   announced to an observer: sleep never breaks a consumer. Its bytes are reported
 //!   ([`SleepReport::kept_shared_bytes`]) and logged;
 //! - otherwise its observers get `on_release`, the live allocations of a tag in `offload`
 //!   are copied into one host buffer per arena (`Backend::alloc_host`: pinned memory where
-//!   the backend has it, so the copies run at link speed), one copy per segment (live
+//!   the backend has it, so the copies run at link speed; a buffer kept from an earlier
+//!   sleep when one is large enough, `pool/offload.rs`), one copy per segment (live
 //!   allocations merged across gaps of at most [`GAP`]: copying a small gap is cheaper than
 //!   another call), and `Backend::release_physical` gives the memory back (the other tags'
-//!   contents are gone). The buffer is freed (`Backend::free_host`) when the arena wakes,
-//!   when sleeping it fails, or when the pool is dropped.
+//!   contents are gone). After the wake (or a failed sleep) the buffer is kept for the
+//!   next sleep; `Pool::release_host_buffers` frees kept buffers, the pool's drop all.
 //!
 //! While a tag sleeps its allocations are refused (`Error::InvalidState`, "asleep"), frees
-//! work, and new shares of its memory are refused. **Wake** (`Pool::wake`) maps new memory
-//! at the same addresses (`Backend::restore_physical`), copies offloaded runs back,
-//! announces the arenas to observers (`on_ready`) and lets the tags allocate again; tags
-//! wake one by one or all at once. Sleeping while every tag sleeps, naming an asleep tag to
-//! offload, or waking an awake tag is an `InvalidState` error that changes nothing.
+//! work, and new shares of its memory are refused. **Wake** (`Pool::wake`, `pool/wake.rs`)
+//! maps new memory at the same addresses (`Backend::restore_physical`), copies offloaded
+//! runs back, announces the arenas to observers (`on_ready`) and lets the tags allocate
+//! again; tags wake one by one or all at once; a wake that fails midway is undone. Sleeping
+//! while every tag sleeps, naming an asleep tag to offload, or waking an awake tag is an
+//! `InvalidState` error that changes nothing.
 
-use crate::backend::{ArenaMem, Backend, DeviceId, HostBuffer};
+use crate::backend::{ArenaMem, Backend, DeviceId};
 use crate::error::{Error, Result};
-use crate::pool::observers::ArenaInfo;
+use crate::pool::offload::Offload;
 use crate::pool::{DevicePool, DeviceState, Pool};
 use crate::tags;
 
-/// An arena's sleep: the contents kept on the host (offloaded tags).
+/// An arena's sleep: the contents kept on the host (offloaded tags; `pool/offload.rs`).
 #[derive(Debug, Default)]
 pub(crate) struct Asleep {
-    offload: Option<Offload>,
+    pub(crate) offload: Option<Offload>,
 }
 
 impl Asleep {
@@ -41,15 +44,11 @@ impl Asleep {
             backend.free_host(o.buf);
         }
     }
-}
 
-/// An arena's offloaded contents: the segments `(address, bytes)`, packed one after another
-/// in `buf`, and the live bytes among them (what the reports count).
-#[derive(Debug)]
-struct Offload {
-    buf: HostBuffer,
-    segments: Vec<(u64, u64)>,
-    live: u64,
+    /// Bytes of its host buffer, if it has one.
+    pub(crate) fn offload_bytes(&self) -> Option<u64> {
+        self.offload.as_ref().map(|o| o.buf.len() as u64)
+    }
 }
 
 /// Live allocations closer than this are copied as one segment, gap included.
@@ -82,11 +81,11 @@ pub(crate) fn asleep_error(device: DeviceId, tag: u8, bytes: u64) -> Error {
     ))
 }
 
-fn mask(tags: &[u8]) -> u64 {
+pub(super) fn mask(tags: &[u8]) -> u64 {
     tags.iter().fold(0, |m, &t| m | (1u64 << t))
 }
 
-fn names(mask: u64) -> String {
+pub(super) fn names(mask: u64) -> String {
     (0..64u8)
         .filter(|t| mask & (1 << t) != 0)
         .map(tags::name)
@@ -95,7 +94,7 @@ fn names(mask: u64) -> String {
 }
 
 impl Pool {
-    fn sleep_devices(&self, device: Option<DeviceId>) -> Result<Vec<&DevicePool>> {
+    pub(super) fn sleep_devices(&self, device: Option<DeviceId>) -> Result<Vec<&DevicePool>> {
         match device {
             Some(d) => Ok(vec![self.dev(d)?]),
             None => Ok(self.devices.iter().collect()),
@@ -109,8 +108,23 @@ impl Pool {
 
     /// Put every awake tag of `device` (every device for `None`) to sleep, keeping the
     /// contents of the tags in `offload` (tag indices, `crate::tags`) on the host. See the
-    /// module docs.
+    /// module docs. The same as [`Pool::sleep_tags`] with no tags named.
     pub fn sleep(&self, device: Option<DeviceId>, offload: &[u8]) -> Result<SleepReport> {
+        self.sleep_tags(device, None, offload)
+    }
+
+    /// Put the tags in `tags` (tag indices; `None`: every awake tag) of `device` (every
+    /// device for `None`) to sleep, keeping the contents of those in `offload` on the host;
+    /// the other tags stay awake and keep allocating. An `offload` tag not among `tags`, or
+    /// an empty `tags`, is `InvalidArgument`; a named tag already asleep is `InvalidState`
+    /// (with every device, a device where every named tag already sleeps is skipped). An
+    /// error changes nothing.
+    pub fn sleep_tags(
+        &self,
+        device: Option<DeviceId>,
+        sleep_tags: Option<&[u8]>,
+        offload: &[u8],
+    ) -> Result<SleepReport> {
         let _serial = self.sleep_lock.lock();
         let devices = self.sleep_devices(device)?;
         let all = if tags::count() >= 64 {
@@ -118,20 +132,37 @@ impl Pool {
         } else {
             (1u64 << tags::count()) - 1
         };
+        let want = sleep_tags.map_or(all, mask);
         let offload_mask = mask(offload);
+        if want == 0 {
+            return Err(Error::invalid("sleep: no tag named to put to sleep"));
+        }
+        if offload_mask & !want != 0 {
+            return Err(Error::invalid(format!(
+                "sleep: offload tag(s) {} are not among the tags put to sleep ({})",
+                names(offload_mask & !want),
+                names(want)
+            )));
+        }
         // Check every device first: an error changes nothing. With every device (`None`),
-        // a device where every tag sleeps already is skipped.
+        // a device where every tag to sleep sleeps already is skipped.
         let mut awake = Vec::new();
         for dp in devices {
             let asleep = dp.state.lock().asleep_tags;
-            if asleep & offload_mask != 0 {
+            let twice = asleep
+                & if sleep_tags.is_some() {
+                    want
+                } else {
+                    offload_mask
+                };
+            if twice != 0 && (want & !asleep != 0 || device.is_some()) {
                 return Err(Error::InvalidState(format!(
                     "sleep of device {}: tag(s) {} already asleep (wake them first)",
                     dp.device,
-                    names(asleep & offload_mask)
+                    names(twice)
                 )));
             }
-            if all & !asleep != 0 {
+            if want & !asleep != 0 {
                 awake.push(dp);
             } else if device.is_some() {
                 return Err(Error::InvalidState(format!(
@@ -142,12 +173,12 @@ impl Pool {
         }
         if awake.is_empty() {
             return Err(Error::InvalidState(
-                "sleep of every device: every tag is already asleep".into(),
+                "sleep of every device: every tag to sleep is already asleep".into(),
             ));
         }
         let mut report = SleepReport::default();
         for dp in awake {
-            let r = self.sleep_device(dp, all, offload_mask)?;
+            let r = self.sleep_device(dp, want, offload_mask)?;
             report.arena_bytes += r.arena_bytes;
             report.copied_bytes += r.copied_bytes;
             report.kept_shared_bytes += r.kept_shared_bytes;
@@ -156,7 +187,7 @@ impl Pool {
         Ok(report)
     }
 
-    fn sleep_device(&self, dp: &DevicePool, all: u64, offload: u64) -> Result<SleepReport> {
+    fn sleep_device(&self, dp: &DevicePool, want: u64, offload: u64) -> Result<SleepReport> {
         let device = dp.device;
         self.backend.synchronize(device)?;
         let mut report = SleepReport::default();
@@ -166,9 +197,10 @@ impl Pool {
         let sleeping;
         {
             let mut st = dp.state.lock();
-            sleeping = all & !st.asleep_tags;
-            // The thread caches' gate first: settle_all drains them, and no block of a
-            // sleeping tag is handed out or cached by them after that.
+            sleeping = want & !st.asleep_tags;
+            // The thread caches' gate first, for the tags going to sleep only: settle_all
+            // drains every thread cache, and no block of a sleeping tag is handed out or
+            // cached by them after that (other tags keep their fast path).
             st.front.set_asleep_tags(st.asleep_tags | sleeping);
             st.settle_all(self.backend.as_ref());
             st.asleep_tags |= sleeping;
@@ -229,12 +261,12 @@ impl Pool {
         self.count_failures(self.observers.deliver(calls));
         let mut first_err = None;
         for (k, mem, segments, live) in work {
-            let released = self.offload(device, segments, live).and_then(|kept| {
+            let released = self.offload(dp, segments, live).and_then(|kept| {
                 match self.backend.release_physical(&mem) {
                     Ok(()) => Ok(kept),
                     Err(e) => {
                         if let Some(o) = kept {
-                            self.backend.free_host(o.buf);
+                            dp.state.lock().keep_host_buffer(o.buf);
                         }
                         Err(e)
                     }
@@ -246,7 +278,7 @@ impl Pool {
                     if let Some(a) = st.arenas.get_mut(k) {
                         a.sleep = Some(Asleep { offload: kept });
                     } else if let Some(o) = kept {
-                        self.backend.free_host(o.buf);
+                        st.keep_host_buffer(o.buf);
                     }
                     report.arena_bytes += mem.bytes;
                     report.copied_bytes += live;
@@ -282,7 +314,7 @@ impl Pool {
 
     /// The end of a sleep or a wake on one device: publish the gauges, validate (when
     /// configured), and return the first error or the report.
-    fn settle(
+    pub(super) fn settle(
         &self,
         dp: &DevicePool,
         st: &DeviceState,
@@ -298,163 +330,5 @@ impl Pool {
             Some(e) => Err(e),
             None => Ok(report),
         }
-    }
-
-    /// Copy an arena's segments into one host buffer (none when there is nothing to copy).
-    /// On failure the buffer is freed.
-    fn offload(
-        &self,
-        device: DeviceId,
-        segments: Vec<(u64, u64)>,
-        live: u64,
-    ) -> Result<Option<Offload>> {
-        if segments.is_empty() {
-            return Ok(None);
-        }
-        let total: u64 = segments.iter().map(|s| s.1).sum();
-        let mut buf = match self.backend.alloc_host(device, total) {
-            Ok(buf) => buf,
-            Err(e) => {
-                tracing::warn!(device, bytes = total, error = %e, "no pinned host memory for the offload: using pageable memory (slower copies)");
-                HostBuffer::heap(device, total)?
-            }
-        };
-        let mut off = 0usize;
-        for &(p, len) in &segments {
-            let n = usize::try_from(len).unwrap_or(usize::MAX);
-            let dst = &mut buf.as_mut_slice()[off..off + n];
-            if let Err(e) = self.backend.copy_to_host(device, p, dst) {
-                self.backend.free_host(buf);
-                return Err(e);
-            }
-            off += n;
-        }
-        Ok(Some(Offload {
-            buf,
-            segments,
-            live,
-        }))
-    }
-
-    /// Tell every observer of an arena mapped again (no lock held).
-    fn announce(&self, dp: &DevicePool, id: u64, mem: &ArenaMem) {
-        let calls = self
-            .observers
-            .announce(ArenaInfo::mapped(dp.device, id, mem));
-        self.count_failures(self.observers.deliver(calls));
-    }
-
-    /// Wake `tags` (tag indices; `None`: every sleeping tag) on `device` (every device for
-    /// `None`): new memory at the same addresses, offloaded contents copied back.
-    pub fn wake(&self, device: Option<DeviceId>, wake_tags: Option<&[u8]>) -> Result<SleepReport> {
-        let _serial = self.sleep_lock.lock();
-        let devices = self.sleep_devices(device)?;
-        // One device: every named tag (or something) must be asleep there. Every device
-        // (`None`): each device wakes what of it sleeps there, and every named tag (or
-        // something) must be asleep on some device. Checked first: an error changes nothing.
-        let asleep_any = devices
-            .iter()
-            .fold(0u64, |m, dp| m | dp.state.lock().asleep_tags);
-        let named = wake_tags.map_or(asleep_any, mask);
-        if named == 0 || named & !asleep_any != 0 {
-            let which = match device {
-                Some(d) => format!("device {d}"),
-                None => "every device".to_string(),
-            };
-            return Err(Error::InvalidState(format!(
-                "wake of {which}: {} not asleep",
-                if named == 0 {
-                    "nothing is".to_string()
-                } else {
-                    format!("tag(s) {} are", names(named & !asleep_any))
-                }
-            )));
-        }
-        let mut report = SleepReport::default();
-        for dp in devices {
-            let want = named & dp.state.lock().asleep_tags;
-            if want == 0 {
-                continue;
-            }
-            let r = self.wake_device(dp, want)?;
-            report.arena_bytes += r.arena_bytes;
-            report.copied_bytes += r.copied_bytes;
-            report.arenas += r.arenas;
-        }
-        Ok(report)
-    }
-
-    fn wake_device(&self, dp: &DevicePool, want: u64) -> Result<SleepReport> {
-        let device = dp.device;
-        let mut report = SleepReport::default();
-        let work: Vec<(usize, u64, ArenaMem)> = {
-            let st = dp.state.lock();
-            st.arenas
-                .iter()
-                .filter(|(_, a)| a.sleep.is_some() && want & (1 << a.tag) != 0)
-                .map(|(k, a)| (k, a.id, a.mem.clone()))
-                .collect()
-        };
-        let mut failed = 0u64;
-        let mut first_err = None;
-        for (k, id, mem) in work {
-            let restored = self.backend.restore_physical(&mem);
-            let new = match restored {
-                Ok(new) => new,
-                Err(e) => {
-                    tracing::error!(device, base = mem.base, error = %e, "an arena could not wake");
-                    let st = dp.state.lock();
-                    failed |= st.arenas.get(k).map_or(0, |a| 1u64 << a.tag);
-                    first_err.get_or_insert(e);
-                    continue;
-                }
-            };
-            let offload = {
-                let mut st = dp.state.lock();
-                st.arenas
-                    .get_mut(k)
-                    .and_then(|a| a.sleep.as_mut())
-                    .and_then(|s| s.offload.take())
-            };
-            if let Some(o) = offload {
-                let mut off = 0usize;
-                for &(p, len) in &o.segments {
-                    let n = usize::try_from(len).unwrap_or(usize::MAX);
-                    let src = &o.buf.as_slice()[off..off + n];
-                    if let Err(e) = self.backend.copy_from_host(device, p, src) {
-                        tracing::error!(device, ptr = p, error = %e, "copying offloaded memory back failed");
-                        first_err.get_or_insert(e);
-                    }
-                    off += n;
-                }
-                report.copied_bytes += o.live;
-                self.backend.free_host(o.buf);
-            }
-            {
-                let mut st = dp.state.lock();
-                if let Some(a) = st.arenas.get_mut(k) {
-                    a.mem = new.clone();
-                    a.sleep = None;
-                }
-                st.stats.reserved_bytes += new.bytes;
-                st.stats.peak_reserved_bytes =
-                    st.stats.peak_reserved_bytes.max(st.stats.reserved_bytes);
-                st.stats.sleeping_bytes -= new.bytes;
-            }
-            self.announce(dp, id, &new);
-            report.arena_bytes += new.bytes;
-            report.arenas += 1;
-        }
-        let mut st = dp.state.lock();
-        st.asleep_tags &= !(want & !failed);
-        st.front.set_asleep_tags(st.asleep_tags);
-        tracing::info!(
-            device,
-            tags = %names(want),
-            restored_bytes = report.arena_bytes,
-            copied_back_bytes = report.copied_bytes,
-            "gpu-arena wake"
-        );
-        self.settle(dp, &st, first_err, report)
     }
 }

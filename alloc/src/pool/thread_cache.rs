@@ -54,6 +54,7 @@ use std::sync::{Arc, Weak};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
+use super::classes::Class;
 use super::device::cache_len;
 use super::spin::{SpinGuard, SpinLock};
 use super::{block_len, CACHE_MAX_BLOCK};
@@ -437,18 +438,24 @@ impl Front {
             gone.counts.add(c.counts);
             c.counts = Counts::default();
             self.fold(&mut c);
-            drain_blocks(&mut c, 0, &mut gone.blocks);
+            drain_blocks(&mut c, 0, None, &mut gone.blocks);
             gone.live.extend(c.live.drain());
             false
         });
         gone
     }
 
-    /// Drain the blocks longer than `min_len` from every thread cache, by (stream, tag).
-    pub(crate) fn drain_above(&self, min_len: u64) -> Vec<((u64, usize), Vec<u64>)> {
+    /// Drain the blocks longer than `min_len` (of `class` only, if given) from every thread
+    /// cache, by (stream, class index): each block goes back to the sub-allocator of its
+    /// class ([`Class::of`] its tag and length).
+    pub(crate) fn drain_above(
+        &self,
+        min_len: u64,
+        class: Option<Class>,
+    ) -> Vec<((u64, usize), Vec<u64>)> {
         let mut blocks = Vec::new();
         for slot in self.caches.lock().iter() {
-            drain_blocks(&mut slot.lock(), min_len, &mut blocks);
+            drain_blocks(&mut slot.lock(), min_len, class, &mut blocks);
         }
         blocks
     }
@@ -517,26 +524,39 @@ enum FreeStep {
 /// What the caches of exited threads held ([`Front::take_gone`]).
 #[derive(Debug, Default)]
 pub(crate) struct Gone {
-    /// Cached blocks by (stream, tag index).
+    /// Cached blocks by (stream, class index).
     pub(crate) blocks: Vec<((u64, usize), Vec<u64>)>,
     /// Live records (allocations those threads made, not freed yet).
     pub(crate) live: Vec<(u64, FrontLive)>,
     pub(crate) counts: Counts,
 }
 
-/// Move the blocks of `c` longer than `min_len` into `out`, by (stream, tag index).
-fn drain_blocks(c: &mut ThreadCache, min_len: u64, out: &mut Vec<((u64, usize), Vec<u64>)>) {
+/// Move the blocks of `c` longer than `min_len` (of `class` only, if given) into `out`, by
+/// (stream, class index).
+fn drain_blocks(
+    c: &mut ThreadCache,
+    min_len: u64,
+    class: Option<Class>,
+    out: &mut Vec<((u64, usize), Vec<u64>)>,
+) {
     if c.bytes == 0 {
         return;
     }
     let bytes = &mut c.bytes;
     c.blocks.retain(|&(stream, key), blocks| {
         let (len, tag) = super::device::cache_key_parts(key);
-        if len <= min_len {
+        let of = Class::of(tag as u8, len);
+        if blocks.is_empty() {
+            return false;
+        }
+        if len <= min_len || class.is_some_and(|c| c != of) {
             return true;
         }
         *bytes -= len * blocks.len() as u64;
-        out.push(((stream, tag), blocks.drain(..).map(|(p, _)| p).collect()));
+        out.push((
+            (stream, of.index()),
+            blocks.drain(..).map(|(p, _)| p).collect(),
+        ));
         false
     });
 }
@@ -616,5 +636,65 @@ mod tests {
         assert_eq!((central.alloc_count, central.free_count), (4, 0));
         let stats = pool.stats(0).unwrap();
         assert_eq!((stats.alloc_count, stats.free_count), (8000, 8000));
+    }
+
+    /// Small and large blocks cached by a thread go back to their own class's sub-allocator
+    /// when a miss drains the thread caches, and `empty_cache` then releases every arena
+    /// (`validate` runs after each operation: a block given to the wrong class's ranges
+    /// would fail it).
+    #[test]
+    fn drained_blocks_go_back_to_their_class() {
+        let pool = pool();
+        let s = StreamId(3);
+        let small = pool.alloc(0, 64 << 10, s).unwrap();
+        let large = pool.alloc(0, 4 * MIB, s).unwrap();
+        pool.free(small.ptr).unwrap();
+        pool.free(large.ptr).unwrap();
+        // An exact-size hit stays in its class.
+        let again = pool.alloc(0, 64 << 10, s).unwrap();
+        assert_eq!(again.ptr, small.ptr);
+        pool.free(again.ptr).unwrap();
+        // A large miss: the cached blocks go back to their ranges before the pool grows.
+        let big = pool.alloc(0, 62 * MIB, s).unwrap();
+        pool.free(big.ptr).unwrap();
+        pool.validate(0).unwrap();
+        pool.empty_cache(Some(0)).unwrap();
+        let st = pool.stats(0).unwrap();
+        assert_eq!((st.reserved_bytes, st.allocations), (0, 0));
+    }
+
+    /// Sleeping one tag gates only that tag's fast path: another tag's warm pairs stay in
+    /// the thread cache.
+    #[test]
+    fn sleeping_one_tag_keeps_the_others_fast_path() {
+        let pool = pool();
+        let s = StreamId(5);
+        crate::tags::set_current(Some("tc_gate_a")).unwrap();
+        let a = pool.alloc(0, 2 * MIB, s).unwrap();
+        pool.free(a.ptr).unwrap();
+        crate::tags::set_current(Some("tc_gate_b")).unwrap();
+        let b = pool.alloc(0, 64 << 10, s).unwrap();
+        pool.free(b.ptr).unwrap();
+        let ta = crate::tags::lookup("tc_gate_a").unwrap();
+        pool.sleep_tags(Some(0), Some(&[ta]), &[]).unwrap();
+        // Tag b: one pair under the device lock (sleep drained the caches), then the
+        // thread cache serves it.
+        let b = pool.alloc(0, 64 << 10, s).unwrap();
+        pool.free(b.ptr).unwrap();
+        let central = pool.devices[0].state.lock().stats;
+        for _ in 0..3 {
+            let c = pool.alloc(0, 64 << 10, s).unwrap();
+            assert_eq!(c.ptr, b.ptr);
+            pool.free(c.ptr).unwrap();
+        }
+        assert_eq!(pool.devices[0].state.lock().stats, central);
+        // Tag a sleeps: refused, from the cache too.
+        crate::tags::set_current(Some("tc_gate_a")).unwrap();
+        assert!(pool.alloc(0, 2 * MIB, s).is_err());
+        pool.wake(Some(0), None).unwrap();
+        let a = pool.alloc(0, 2 * MIB, s).unwrap();
+        pool.free(a.ptr).unwrap();
+        crate::tags::set_current(None).unwrap();
+        pool.validate(0).unwrap();
     }
 }

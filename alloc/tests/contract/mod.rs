@@ -87,7 +87,8 @@ pub fn facts(name: &str) -> Facts {
             bad_import: Some(("cuMemImportFromShareableHandle", "CUDA_ERROR_")),
             checked_copies: true,
             registry_errors: true,
-            refuses_byte_imports: true,
+            // CUDA has the legacy cuIpc path: 64 bytes go to cuIpcOpenMemHandle.
+            refuses_byte_imports: false,
         },
         "hip" => Facts {
             // The null stream (0) and hipStreamPerThread (2).

@@ -2,8 +2,10 @@
 //! `bench/gpu/kv_bench.cpp`; the format is in `gpu_arena_bench::trace_file`.
 //!
 //! ```text
-//! kv_trace_dump [--seed N] [--requests N] [--out PATH]     (default out: target/kv_trace.bin)
+//! kv_trace_dump [--profile default|long] [--seed N] [--requests N] [--out PATH]
 //! ```
+//! (default out: target/kv_trace.bin; `long` is `TraceConfig::long_context`, the second
+//! trace: longer prompts, wider batches, mixed activation sizes).
 #![allow(clippy::unwrap_used)]
 
 use std::path::PathBuf;
@@ -14,7 +16,8 @@ use gpu_arena_bench::trace::{generate, TraceConfig};
 use gpu_arena_bench::trace_file::{read_file, write_file};
 use gpu_arena_bench::units::fmt_bytes;
 
-const USAGE: &str = "usage: kv_trace_dump [--seed N] [--requests N] [--out PATH]";
+const USAGE: &str =
+    "usage: kv_trace_dump [--profile default|long] [--seed N] [--requests N] [--out PATH]";
 
 fn run() -> Result<(), String> {
     let mut cfg = TraceConfig::default();
@@ -26,6 +29,17 @@ fn run() -> Result<(), String> {
                 .ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))
         };
         match arg.as_str() {
+            "--profile" => {
+                let seed_or_requests_given = cfg != TraceConfig::default();
+                if seed_or_requests_given {
+                    return Err(format!("--profile must come first\n{USAGE}"));
+                }
+                cfg = match value("--profile")?.as_str() {
+                    "default" => TraceConfig::default(),
+                    "long" => TraceConfig::long_context(),
+                    other => return Err(format!("--profile {other:?}: default or long\n{USAGE}")),
+                }
+            }
             "--seed" => {
                 let v = value("--seed")?;
                 cfg.seed = match v.strip_prefix("0x") {

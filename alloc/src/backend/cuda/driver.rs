@@ -49,6 +49,7 @@ const SYMBOLS: &[&str] = &[
     "cuDeviceGetCount",
     "cuDeviceGet",
     "cuDeviceGetAttribute",
+    "cuDeviceCanAccessPeer",
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
     "cuCtxPushCurrent_v2",
@@ -73,13 +74,25 @@ const SYMBOLS: &[&str] = &[
     "cuMemcpyHtoD_v2",
     "cuMemcpyDtoH_v2",
     "cuMemsetD8_v2",
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle_v2",
+    "cuIpcCloseMemHandle",
 ];
+
+/// The size of a legacy IPC handle (`CUipcMemHandle`, `CU_IPC_HANDLE_SIZE`).
+const IPC_HANDLE_BYTES: usize = 64;
 
 /// `Ok` for `CUDA_SUCCESS`, else the call's [`DriverError`] with the driver's own words.
 fn check(call: &'static str, result: sys::CUresult) -> DriverResult<()> {
     match result {
         sys::CUresult::CUDA_SUCCESS => Ok(()),
         sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(failed(call, Failure::OutOfMemory, result)),
+        sys::CUresult::CUDA_ERROR_NOT_PERMITTED => Err(failed(call, Failure::NotPermitted, result)),
+        sys::CUresult::CUDA_ERROR_NOT_SUPPORTED => Err(failed(call, Failure::NotSupported, result)),
         _ => Err(failed(call, Failure::Other, result)),
     }
 }
@@ -300,14 +313,29 @@ fn device_location(ordinal: DeviceId) -> sys::CUmemLocation {
     }
 }
 
+/// The handle types an arena is created exportable as: a POSIX fd, and a FABRIC handle too
+/// when `fabric` is set (the enum is a bit set: `POSIX_FILE_DESCRIPTOR | FABRIC` = 1 | 8).
+fn handle_types(fabric: bool) -> sys::CUmemAllocationHandleType {
+    use sys::CUmemAllocationHandleType as H;
+    let posix = H::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.0;
+    if fabric {
+        H(posix | H::CU_MEM_HANDLE_TYPE_FABRIC.0)
+    } else {
+        H(posix)
+    }
+}
+
 /// The properties of every arena: pinned device memory on `ordinal`, exportable as a POSIX
-/// fd, GPUDirect-RDMA capable when the device supports that for VMM memory (as PyTorch's
-/// expandable segments do, for UCX/NIXL transfers).
-fn allocation_prop(ordinal: DeviceId, rdma_capable: bool) -> sys::CUmemAllocationProp {
+/// fd (and a FABRIC handle when `fabric` is set), GPUDirect-RDMA capable when the device
+/// supports that for VMM memory (as PyTorch's expandable segments do, for UCX/NIXL transfers).
+fn allocation_prop(
+    ordinal: DeviceId,
+    rdma_capable: bool,
+    fabric: bool,
+) -> sys::CUmemAllocationProp {
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes:
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        requestedHandleTypes: handle_types(fabric),
         location: device_location(ordinal),
         win32HandleMetaData: ptr::null_mut(),
         allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
@@ -327,8 +355,14 @@ fn event_ptr(raw: u64) -> sys::CUevent {
 impl Driver for CudaDriver {
     const NAME: &'static str = NAME;
     const VENDOR: &'static str = "CUDA";
-    /// Arenas are VMM only (CUDA's legacy `cuIpc*` IPC is not used: byte handles are refused).
-    const LEGACY_IPC: Option<LegacyIpc> = None;
+    /// `cuMemAlloc` arenas shared with 64-byte `cuIpcGetMemHandle` handles, only when asked
+    /// for (`with_legacy_ipc`, config `legacy_ipc=1`): no fallback for a device without VMM.
+    const LEGACY_IPC: Option<LegacyIpc> = Some(LegacyIpc {
+        handle_bytes: IPC_HANDLE_BYTES,
+        handle_name: "cuIpc",
+        granularity: 2 << 20,
+        fallback: false,
+    });
     const START_FAILURES: StartFailures = StartFailures {
         init: "the CUDA driver did not initialise",
         version: "could not read the CUDA driver version",
@@ -388,8 +422,9 @@ impl Driver for CudaDriver {
         )
     }
 
-    /// `cuDeviceGet` + `cuDeviceGetAttribute` for VMM, POSIX-fd handles and RDMA on VMM memory
-    /// (an older driver that does not know the RDMA attribute means no).
+    /// `cuDeviceGet` + `cuDeviceGetAttribute` for VMM, POSIX-fd handles, RDMA on VMM memory
+    /// and FABRIC handles (an older driver that does not know the RDMA or FABRIC attribute
+    /// means no).
     fn device_support(&self, ordinal: DeviceId) -> DriverResult<DeviceSupport> {
         use sys::CUdevice_attribute as A;
         let device = device_get(ordinal)?;
@@ -403,6 +438,7 @@ impl Driver for CudaDriver {
             )?),
             rdma: flag(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)
                 .unwrap_or(false),
+            fabric: flag(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED).unwrap_or(false),
         })
     }
 
@@ -427,9 +463,10 @@ impl Driver for CudaDriver {
         unsafe { CtxGuard::push(device.ctx) }
     }
 
-    /// `cuMemGetAllocationGranularity` (MINIMUM) for the arena properties.
+    /// `cuMemGetAllocationGranularity` (MINIMUM) for the arena properties (POSIX fd: the
+    /// FABRIC handle type does not change the granularity of device memory).
     fn granularity(&self, device: &CudaDevice) -> DriverResult<u64> {
-        let prop = allocation_prop(device.ordinal, device.rdma_capable);
+        let prop = allocation_prop(device.ordinal, device.rdma_capable, false);
         let mut granularity = 0usize;
         // SAFETY: the out-pointer is a valid local and `prop` a valid, initialised struct.
         check("cuMemGetAllocationGranularity", unsafe {
@@ -459,9 +496,9 @@ impl Driver for CudaDriver {
         check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
     }
 
-    /// `cuMemCreate`.
-    fn mem_create(&self, device: &CudaDevice, bytes: usize) -> DriverResult<u64> {
-        let prop = allocation_prop(device.ordinal, device.rdma_capable);
+    /// `cuMemCreate` (POSIX fd, or POSIX fd | FABRIC).
+    fn mem_create(&self, device: &CudaDevice, bytes: usize, fabric: bool) -> DriverResult<u64> {
+        let prop = allocation_prop(device.ordinal, device.rdma_capable, fabric);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: the out-pointer is a valid local and `prop` a valid, initialised struct; the
         // driver checks the size.
@@ -505,16 +542,31 @@ impl Driver for CudaDriver {
         check("cuMemUnmap", unsafe { sys::cuMemUnmap(base, bytes) })
     }
 
-    unsafe fn set_access(&self, base: u64, bytes: usize, ordinal: DeviceId) -> DriverResult<()> {
-        let desc = sys::CUmemAccessDesc {
-            location: device_location(ordinal),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: the caller guarantees the mapping; `desc` is one valid, initialised descriptor
-        // (count 1).
+    /// `cuMemSetAccess` with one read-write descriptor per device.
+    unsafe fn set_access(&self, base: u64, bytes: usize, devices: &[DeviceId]) -> DriverResult<()> {
+        let descs: Vec<sys::CUmemAccessDesc> = devices
+            .iter()
+            .map(|&ordinal| sys::CUmemAccessDesc {
+                location: device_location(ordinal),
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            })
+            .collect();
+        // SAFETY: the caller guarantees the mapping; `descs` holds descs.len() valid,
+        // initialised descriptors and outlives the call.
         check("cuMemSetAccess", unsafe {
-            sys::cuMemSetAccess(base, bytes, &desc, 1)
+            sys::cuMemSetAccess(base, bytes, descs.as_ptr(), descs.len())
         })
+    }
+
+    /// `cuDeviceCanAccessPeer(&can, peer, owner)`: whether `peer` can access `owner`'s memory.
+    fn can_access_peer(&self, owner: DeviceId, peer: DeviceId) -> DriverResult<bool> {
+        let (owner, peer) = (device_get(owner)?, device_get(peer)?);
+        let mut can: std::ffi::c_int = 0;
+        // SAFETY: the out-pointer is a valid local; both devices came from cuDeviceGet.
+        check("cuDeviceCanAccessPeer", unsafe {
+            sys::cuDeviceCanAccessPeer(&mut can, peer, owner)
+        })?;
+        Ok(can != 0)
     }
 
     unsafe fn export_fd(&self, handle: u64) -> DriverResult<OwnedFd> {
@@ -555,6 +607,60 @@ impl Driver for CudaDriver {
             )
         })?;
         Ok(handle)
+    }
+
+    /// `cuMemAlloc` in the current context (the device's primary context).
+    fn legacy_alloc(&self, bytes: usize) -> DriverResult<u64> {
+        let mut base: sys::CUdeviceptr = 0;
+        // SAFETY: the out-pointer is a valid local; the driver checks the size.
+        check("cuMemAlloc", unsafe {
+            sys::cuMemAlloc_v2(&mut base, bytes)
+        })?;
+        Ok(base)
+    }
+
+    /// `cuMemFree`.
+    unsafe fn legacy_free(&self, base: u64) -> DriverResult<()> {
+        // SAFETY: the caller frees its own allocation, once, no longer in use.
+        check("cuMemFree", unsafe { sys::cuMemFree_v2(base) })
+    }
+
+    /// `cuIpcGetMemHandle`: 64 bytes.
+    unsafe fn ipc_get_handle(&self, base: u64) -> DriverResult<Vec<u8>> {
+        let mut handle = sys::CUipcMemHandle {
+            reserved: [0; IPC_HANDLE_BYTES],
+        };
+        // SAFETY: the out-pointer is a valid local handle; the caller guarantees the allocation.
+        check("cuIpcGetMemHandle", unsafe {
+            sys::cuIpcGetMemHandle(&mut handle, base)
+        })?;
+        Ok(handle.reserved.iter().map(|&b| b as u8).collect())
+    }
+
+    /// `cuIpcOpenMemHandle` with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, in the current context.
+    fn ipc_open_handle(&self, bytes: &[u8]) -> DriverResult<u64> {
+        let mut handle = sys::CUipcMemHandle {
+            reserved: [0; IPC_HANDLE_BYTES],
+        };
+        for (dst, &src) in handle.reserved.iter_mut().zip(bytes.iter()) {
+            *dst = src as std::ffi::c_char;
+        }
+        let mut base: sys::CUdeviceptr = 0;
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint;
+        // SAFETY: the out-pointer is a valid local; the handle is passed by value and the
+        // driver checks that it names an exported allocation.
+        check("cuIpcOpenMemHandle", unsafe {
+            sys::cuIpcOpenMemHandle_v2(&mut base, handle, flags)
+        })?;
+        Ok(base)
+    }
+
+    /// `cuIpcCloseMemHandle`.
+    unsafe fn ipc_close_handle(&self, base: u64) -> DriverResult<()> {
+        // SAFETY: the caller closes its own opened handle, once, no longer in use.
+        check("cuIpcCloseMemHandle", unsafe {
+            sys::cuIpcCloseMemHandle(base)
+        })
     }
 
     /// `cuEventCreate` with `CU_EVENT_DISABLE_TIMING`, in the current context.
@@ -634,5 +740,27 @@ impl Driver for CudaDriver {
         check("cuMemFreeHost", unsafe {
             sys::cuMemFreeHost(ptr as *mut c_void)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every `sys::cu*` function this file calls is in [`super::SYMBOLS`], so a libcuda that
+    /// lacks one is refused at load instead of panicking in cudarc at the first call.
+    #[test]
+    fn every_called_symbol_is_checked_at_load() {
+        let source = include_str!("driver.rs");
+        let mut missing = Vec::new();
+        for (i, _) in source.match_indices("sys::cu") {
+            let name: String = source[i + 5..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            let called = source[i + 5 + name.len()..].starts_with('(');
+            if called && name != "culib" && !super::SYMBOLS.contains(&name.as_str()) {
+                missing.push(name);
+            }
+        }
+        assert!(missing.is_empty(), "not in SYMBOLS: {missing:?}");
     }
 }

@@ -27,11 +27,22 @@
 //! context.
 //!
 //! # Memory
-//! An arena is `cuMemCreate` (pinned, on the device, exportable as a POSIX fd, and
-//! GPUDirect-RDMA capable where the device supports that for VMM memory, as PyTorch's
-//! expandable segments do) + `cuMemAddressReserve` + `cuMemMap` + `cuMemSetAccess`.
-//! Exports are `cuMemExportToShareableHandle` fds; imports `cuMemImportFromShareableHandle`.
-//! There is no legacy IPC path: byte handles are refused.
+//! An arena is `cuMemCreate` (pinned, on the device, exportable as a POSIX fd, and as a
+//! FABRIC handle too where the device reports `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED`
+//! and the driver permits it (config `fabric_handles`), and GPUDirect-RDMA capable where the
+//! device supports that for VMM memory, as PyTorch's expandable segments do) +
+//! `cuMemAddressReserve` + `cuMemMap` + `cuMemSetAccess` (the device and every device that
+//! `cuDeviceCanAccessPeer` says can reach it). Exports are `cuMemExportToShareableHandle`
+//! fds; imports `cuMemImportFromShareableHandle`.
+//!
+//! Asked for (`CudaBackend::new()?.with_legacy_ipc(true)`, config `legacy_ipc=1`), arenas are
+//! `cuMemAlloc` instead (2 MiB granularity), exported as 64-byte `cuIpcGetMemHandle` handles
+//! of kind `Pinning` (CUDA documents `cuMemFree` of exported memory before every importer's
+//! `cuIpcCloseMemHandle` as undefined behaviour, so such arenas are recycled, never freed),
+//! imported with `cuIpcOpenMemHandle` (lazy peer access), closed with `cuIpcCloseMemHandle`.
+//! That is what UCX's cuda_ipc transport opens on hosts without FABRIC handles (no IMEX
+//! channel); these arenas cannot sleep. Unlike HIP, a device without VMM does not fall back
+//! to this path on its own.
 
 mod driver;
 

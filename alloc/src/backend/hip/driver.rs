@@ -211,6 +211,7 @@ impl Driver for HipDriver {
         handle_bytes: IPC_HANDLE_BYTES,
         handle_name: "hipIpc",
         granularity: 2 << 20,
+        fallback: true,
     });
 
     const START_FAILURES: StartFailures = StartFailures {
@@ -261,7 +262,8 @@ impl Driver for HipDriver {
 
     /// `hipDeviceGetAttribute(hipDeviceAttributeVirtualMemoryManagementSupported)` on a
     /// runtime whose attribute numbering the bindings match; otherwise unknown (the
-    /// granularity query decides). POSIX-fd export and RDMA are not queried.
+    /// granularity query decides). POSIX-fd export and RDMA are not queried; FABRIC handles
+    /// are not used (the bindings predate them).
     fn device_support(&self, ordinal: DeviceId) -> DriverResult<DeviceSupport> {
         let vmm = if self.version >= MIN_RUNTIME_FOR_VMM_ATTRIBUTE {
             let attribute =
@@ -274,6 +276,7 @@ impl Driver for HipDriver {
             vmm,
             posix_fd: None,
             rdma: false,
+            fabric: false,
         })
     }
 
@@ -318,8 +321,8 @@ impl Driver for HipDriver {
         })
     }
 
-    /// `hipMemCreate`.
-    fn mem_create(&self, device: &HipDevice, bytes: usize) -> DriverResult<u64> {
+    /// `hipMemCreate` (POSIX fd; `fabric` is never set: HIP reports no FABRIC support).
+    fn mem_create(&self, device: &HipDevice, bytes: usize, _fabric: bool) -> DriverResult<u64> {
         let prop = allocation_prop(device.ordinal);
         let mut handle: sys::hipMemGenericAllocationHandle_t = ptr::null_mut();
         // SAFETY: the out-pointer is a valid local and `prop` a valid, initialised struct; the
@@ -362,15 +365,29 @@ impl Driver for HipDriver {
         check("hipMemUnmap", r)
     }
 
-    unsafe fn set_access(&self, base: u64, bytes: usize, ordinal: DeviceId) -> DriverResult<()> {
-        let desc = sys::hipMemAccessDesc {
-            location: device_location(ordinal),
-            flags: sys::hipMemAccessFlags::hipMemAccessFlagsProtReadWrite,
-        };
-        // SAFETY: the caller guarantees the mapping; `desc` is one valid, initialised
-        // descriptor (count 1).
-        let r = unsafe { sys::hipMemSetAccess(dptr(base), bytes, &desc, 1) };
+    /// `hipMemSetAccess` with one read-write descriptor per device.
+    unsafe fn set_access(&self, base: u64, bytes: usize, devices: &[DeviceId]) -> DriverResult<()> {
+        let descs: Vec<sys::hipMemAccessDesc> = devices
+            .iter()
+            .map(|&ordinal| sys::hipMemAccessDesc {
+                location: device_location(ordinal),
+                flags: sys::hipMemAccessFlags::hipMemAccessFlagsProtReadWrite,
+            })
+            .collect();
+        // SAFETY: the caller guarantees the mapping; `descs` holds descs.len() valid,
+        // initialised descriptors and outlives the call.
+        let r = unsafe { sys::hipMemSetAccess(dptr(base), bytes, descs.as_ptr(), descs.len()) };
         check("hipMemSetAccess", r)
+    }
+
+    /// `hipDeviceCanAccessPeer(&can, peer, owner)`: whether `peer` can access `owner`'s memory.
+    fn can_access_peer(&self, owner: DeviceId, peer: DeviceId) -> DriverResult<bool> {
+        let mut can: c_int = 0;
+        // SAFETY: the out-pointer is a valid local; the runtime checks both ordinals.
+        check("hipDeviceCanAccessPeer", unsafe {
+            sys::hipDeviceCanAccessPeer(&mut can, peer, owner)
+        })?;
+        Ok(can != 0)
     }
 
     unsafe fn export_fd(&self, handle: u64) -> DriverResult<OwnedFd> {

@@ -4,8 +4,8 @@
 //! [`HipBackend`] is [`VmmBackend`]`<`[`HipDriver`]`>`: registries, per-device state,
 //! teardown, copies and `Drop` are the core's; every raw runtime call lives in `driver`
 //! (hip-sys, libamdhip64 linked at build time: see `driver`'s documentation for the ROCm
-//! versions and what the bindings lack). This module adds what is HIP's alone: start-up, the
-//! legacy-IPC switch, and the current-device query the tests use.
+//! versions and what the bindings lack). This module adds what is HIP's alone: start-up
+//! and the current-device query the tests use.
 //!
 //! # Start-up
 //! [`HipBackend::new`] runs `hipInit` and counts devices. A machine without an AMD GPU gets
@@ -27,7 +27,8 @@
 //!   process, so the pool recycles these arenas; its start-up self-test detects pinning at
 //!   run time anyway); imports are `hipIpcOpenMemHandle`, closed with `hipIpcCloseMemHandle`.
 //!
-//! The legacy path is used when [`HipBackend::with_legacy_ipc`]`(true)` asks for it (for peers
+//! The legacy path is used when `HipBackend::with_legacy_ipc(true)` (the core's, shared with
+//! CUDA; config key `legacy_ipc=1`) asks for it (for peers
 //! that only speak `hipIpc*` handles), or when the device lacks VMM: on ROCm >= 5.4
 //! `hipDeviceAttributeVirtualMemoryManagementSupported` is 0, or `hipMemGetAllocationGranularity`
 //! answers `hipErrorNotSupported` (the only check on ROCm < 5.4, whose headers lack the
@@ -52,17 +53,3 @@ pub use driver::{DeviceGuard, HipDevice, HipDriver};
 /// counts devices; `driver_version()` is `hipRuntimeGetVersion`; `current_on_thread()` is
 /// `hipGetDevice`.
 pub type HipBackend = VmmBackend<HipDriver>;
-
-impl VmmBackend<HipDriver> {
-    /// Use the legacy IPC path (`hipMalloc` arenas, 64-byte `hipIpcGetMemHandle` exports of
-    /// kind [`ExportKind::Pinning`]) on every device, even where VMM works: for consumers that
-    /// only open `hipIpc*` handles. Takes effect for devices not used yet (call it right after
-    /// [`HipBackend::new`]).
-    ///
-    /// [`ExportKind::Pinning`]: crate::backend::ExportKind::Pinning
-    #[must_use]
-    pub fn with_legacy_ipc(mut self, legacy: bool) -> HipBackend {
-        self.set_legacy_ipc(legacy);
-        self
-    }
-}

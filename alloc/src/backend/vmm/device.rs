@@ -1,6 +1,10 @@
 //! Per-device state of the VMM core: opening a device on first use, choosing VMM or the
-//! legacy IPC path, making it current for a call.
+//! legacy IPC path, finding its peers and whether it uses FABRIC handles, making it current
+//! for a call.
 
+use std::sync::atomic::Ordering;
+
+use super::access::Peers;
 use super::{to_usize, warn_undo, Driver, VmmBackend};
 use crate::error::{Error, Result};
 use crate::ids::DeviceId;
@@ -14,6 +18,9 @@ pub(super) struct DeviceState<Dev> {
     pub(super) granularity: u64,
     /// Whether arenas use VMM (else the legacy IPC path).
     pub(super) vmm: bool,
+    /// The other devices that can access this one's memory: every VMM mapping on this device
+    /// is made accessible from them too (none on the legacy path).
+    pub(super) peers: Peers,
 }
 
 impl<D: Driver> VmmBackend<D> {
@@ -65,11 +72,13 @@ impl<D: Driver> VmmBackend<D> {
                 .map_err(|e| e.into_error(device, 0))?,
             granularity: legacy.granularity,
             vmm: false,
+            peers: Peers::default(),
         })
     }
 
-    /// First use of a device: check VMM and POSIX-fd support, open it, read the granularity;
-    /// the legacy IPC path where asked for or where VMM is missing and the driver has it.
+    /// First use of a device: check VMM and POSIX-fd support, open it, read the granularity,
+    /// find its peers and whether it uses FABRIC handles; the legacy IPC path where asked for
+    /// or where VMM is missing and the driver falls back to it ([`super::LegacyIpc::fallback`]).
     fn init_device(&self, device: DeviceId) -> Result<DeviceState<D::Device>> {
         if self.legacy_ipc {
             return self.legacy_state(device, "legacy IPC asked for");
@@ -78,8 +87,9 @@ impl<D: Driver> VmmBackend<D> {
             .driver
             .device_support(device)
             .map_err(|e| e.into_error(device, 0))?;
+        let fallback = D::LEGACY_IPC.is_some_and(|l| l.fallback);
         if support.vmm == Some(false) {
-            if D::LEGACY_IPC.is_some() {
+            if fallback {
                 return self.legacy_state(device, "device lacks VMM");
             }
             return Err(Error::Unavailable(format!(
@@ -108,7 +118,7 @@ impl<D: Driver> VmmBackend<D> {
                 "{} device {device} reported granularity 0",
                 D::VENDOR
             ))),
-            Err(e) if e.is_not_supported() && D::LEGACY_IPC.is_some() => {
+            Err(e) if e.is_not_supported() && fallback => {
                 // SAFETY: closes the device opened above, which nothing else uses; the legacy
                 // state opens it again.
                 warn_undo(device, unsafe { self.driver.close_device(opened) });
@@ -116,6 +126,16 @@ impl<D: Driver> VmmBackend<D> {
             }
             Err(e) => Err(e.into_error(device, 0)),
         };
+        let granularity = granularity.and_then(|g| {
+            let fabric = self.start_fabric(device, support.fabric)?;
+            if let Some(slot) = usize::try_from(device)
+                .ok()
+                .and_then(|i| self.fabric.get(i))
+            {
+                slot.store(fabric, Ordering::Relaxed);
+            }
+            Ok(g)
+        });
         let granularity = match granularity {
             Ok(g) => g,
             Err(e) => {
@@ -124,11 +144,14 @@ impl<D: Driver> VmmBackend<D> {
                 return Err(e);
             }
         };
-        tracing::debug!(backend = D::NAME, device, granularity, rdma = support.rdma, opened = ?opened, "device ready");
+        let peers = self.find_peers(device);
+        let peer_list: Vec<DeviceId> = peers.iter().collect();
+        tracing::debug!(backend = D::NAME, device, granularity, rdma = support.rdma, fabric = self.uses_fabric(device), peers = ?peer_list, opened = ?opened, "device ready");
         Ok(DeviceState {
             device: opened,
             granularity,
             vmm: true,
+            peers,
         })
     }
 

@@ -23,6 +23,9 @@ pub enum Failure {
     OutOfMemory,
     /// The driver does not support the operation (HIP without VMM, a primitive a vendor lacks).
     NotSupported,
+    /// The driver refused the operation as not permitted (CUDA `CUDA_ERROR_NOT_PERMITTED`:
+    /// e.g. FABRIC handles on a host without an IMEX channel).
+    NotPermitted,
     /// Anything else.
     Other,
 }
@@ -92,7 +95,7 @@ impl DriverError {
                 device,
                 bytes,
             },
-            Failure::NotSupported | Failure::Other => Error::Backend {
+            Failure::NotSupported | Failure::NotPermitted | Failure::Other => Error::Backend {
                 backend: self.backend,
                 call: self.call,
                 message: self.message,
@@ -142,17 +145,25 @@ pub struct DeviceSupport {
     pub posix_fd: Option<bool>,
     /// GPUDirect RDMA on VMM memory (arenas are created RDMA-capable where it is there).
     pub rdma: bool,
+    /// FABRIC shareable handles on VMM memory (CUDA `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_
+    /// SUPPORTED`): arenas are then created exportable as FABRIC handles too, where the driver
+    /// permits it (see [`super::FabricHandles`]).
+    pub fabric: bool,
 }
 
-/// The legacy IPC path of a vendor that has one (HIP: `hipMalloc` arenas, byte handles).
+/// The legacy IPC path of a vendor that has one (HIP: `hipMalloc` arenas, CUDA: `cuMemAlloc`
+/// arenas; byte handles).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LegacyIpc {
-    /// The size of a handle in bytes (`HIP_IPC_HANDLE_SIZE`).
+    /// The size of a handle in bytes (`HIP_IPC_HANDLE_SIZE`, `CU_IPC_HANDLE_SIZE`: 64).
     pub handle_bytes: usize,
-    /// What a handle is called in errors (`hipIpc`).
+    /// What a handle is called in errors (`hipIpc`, `cuIpc`).
     pub handle_name: &'static str,
     /// Arena granularity in bytes on that path (its allocator has none of its own).
     pub granularity: u64,
+    /// Whether a device without VMM falls back to this path on its own (HIP); else (CUDA) the
+    /// path is used only when asked for and a device without VMM is unavailable.
+    pub fallback: bool,
 }
 
 /// One vendor's driver: the raw calls the VMM core ([`super::VmmBackend`]) is built on.
@@ -222,8 +233,10 @@ pub trait Driver: Send + Sync + fmt::Debug + Sized + 'static {
     /// Wait for all work of the current device.
     fn synchronize(&self) -> DriverResult<()>;
 
-    /// Physical memory of `bytes` on `device`, exportable as a POSIX fd; the allocation handle.
-    fn mem_create(&self, device: &Self::Device, bytes: usize) -> DriverResult<u64>;
+    /// Physical memory of `bytes` on `device`, exportable as a POSIX fd (and as a FABRIC
+    /// handle too when `fabric` is set: the core sets it only where
+    /// [`DeviceSupport::fabric`] said so); the allocation handle.
+    fn mem_create(&self, device: &Self::Device, bytes: usize, fabric: bool) -> DriverResult<u64>;
     /// Release an allocation handle.
     ///
     /// # Safety
@@ -250,11 +263,19 @@ pub trait Driver: Send + Sync + fmt::Debug + Sized + 'static {
     /// `base..base + bytes` is a whole mapping made with [`Driver::map`] that no queued or
     /// running device work uses any more (the caller synchronized).
     unsafe fn unmap(&self, base: u64, bytes: usize) -> DriverResult<()>;
-    /// Read-write access to a mapping from device `ordinal`.
+    /// Read-write access to a mapping from every device in `devices` (one driver call with one
+    /// descriptor per device; the core passes the owner first, then its peers).
     ///
     /// # Safety
     /// `base..base + bytes` is mapped by this process (with [`Driver::map`]).
-    unsafe fn set_access(&self, base: u64, bytes: usize, ordinal: DeviceId) -> DriverResult<()>;
+    unsafe fn set_access(&self, base: u64, bytes: usize, devices: &[DeviceId]) -> DriverResult<()>;
+    /// Whether device `peer` can access memory on device `owner` (`cuDeviceCanAccessPeer`,
+    /// `hipDeviceCanAccessPeer`). The default: not supported, which the core takes as "no
+    /// peers".
+    fn can_access_peer(&self, owner: DeviceId, peer: DeviceId) -> DriverResult<bool> {
+        let _ = (owner, peer);
+        Err(DriverError::not_supported(Self::NAME, "can_access_peer"))
+    }
     /// Export an allocation handle as a POSIX fd, owned by the caller.
     ///
     /// # Safety

@@ -3,9 +3,10 @@
 //!
 //! # Layering
 //! ```text
-//! VmmBackend<D>     this module: registries, per-device state, teardown, copies, Drop
+//! VmmBackend<D>     this module: registries, teardown, Drop; vmm::copies; vmm::device: per-device
+//!                   state; vmm::access: peers, FABRIC handles, map + set access
 //!   D: Driver       vmm::driver: the primitives, one per driver operation
-//!     cuda::driver  CudaDriver: every raw libcuda call (cudarc driver::sys)
+//!     cuda::driver  CudaDriver: every raw libcuda call (cudarc driver::sys), legacy cuIpc too
 //!     hip::driver   HipDriver: every raw libamdhip64 call (hip-sys), the legacy IPC path too
 //! ```
 //! All logic lives here: which primitives run in which order, what is undone when one fails,
@@ -26,18 +27,49 @@
 //! Per device, on first use, the backend picks one of two paths:
 //!
 //! - **VMM (the default)**: an arena is create (pinned, on the device, exportable as a POSIX
-//!   fd, RDMA-capable where the device supports it) + reserve + map + set access. Exports are
-//!   fds ([`ExportKind::Releasable`]): an open fd keeps the physical memory held after the
-//!   arena is destroyed, until it is closed. Imports map the whole shared allocation and
-//!   release their handle at once, so the mapping alone holds the memory until
-//!   [`Backend::unmap_import`].
-//! - **Legacy IPC**, only for a driver with [`Driver::LEGACY_IPC`] (HIP): an arena is plain
-//!   device memory; exports are byte handles ([`ExportPayload::Bytes`],
-//!   [`ExportKind::Pinning`]: ROCm 7.2.x keeps such memory for the life of the exporting
-//!   process, so the pool recycles these arenas); imports open such a handle. Used when
-//!   asked for (`HipBackend::with_legacy_ipc`) or when the device lacks VMM (the driver says
-//!   so, or the granularity query answers "not supported"). Without a legacy path a device
-//!   without VMM or POSIX-fd export is [`Error::Unavailable`].
+//!   fd, and as a FABRIC handle too where permitted: see below; RDMA-capable where the device
+//!   supports it) + reserve + map + set access. Exports are fds ([`ExportKind::Releasable`]):
+//!   an open fd keeps the physical memory held after the arena is destroyed, until it is
+//!   closed. Imports map the whole shared allocation and release their handle at once, so
+//!   the mapping alone holds the memory until [`Backend::unmap_import`].
+//! - **Legacy IPC**, only for a driver with [`Driver::LEGACY_IPC`] (CUDA: `cuMemAlloc` +
+//!   `cuIpc*`; HIP: `hipMalloc` + `hipIpc*`): an arena is plain device memory; exports are
+//!   64-byte handles ([`ExportPayload::Bytes`], [`ExportKind::Pinning`]); imports open such a
+//!   handle (with lazy peer access). Pinning because the exporter can never end an export:
+//!   both vendors document freeing exported memory before every importer closed it as
+//!   undefined behaviour, and ROCm 7.2.x keeps such memory for the life of the exporting
+//!   process; so the pool recycles these arenas and never frees them while the process
+//!   lives (its start-up probe, `pool/share.rs`, checks the kind at run time anyway). Used
+//!   when asked for ([`VmmBackend::with_legacy_ipc`], config key `legacy_ipc=1`: what UCX's
+//!   cuda_ipc transport opens on hosts without FABRIC handles), or, where the driver falls
+//!   back on its own ([`LegacyIpc::fallback`]: HIP), when the device lacks VMM (the driver
+//!   says so, or the granularity query answers "not supported"). Otherwise a device without
+//!   VMM or POSIX-fd export is [`Error::Unavailable`]. Legacy arenas cannot sleep: memory and
+//!   address are one, so `release_physical` is [`Error::Unavailable`] and the pool keeps the
+//!   arena awake (and reports the error).
+//!
+//! # Peer access
+//! VMM memory is reachable only from the devices set access names. On a device's first use
+//! the backend asks the driver which other devices can access its memory
+//! ([`Driver::can_access_peer`]: `cuDeviceCanAccessPeer`, `hipDeviceCanAccessPeer`; a driver
+//! that cannot say means none) and keeps the set (logged at debug). Every VMM mapping (an
+//! arena when created, an arena re-created on wake, an import) is made read-write for its
+//! own device and all of those peers in one [`Driver::set_access`] call, so an arena made
+//! before a second device is first used is reachable from it too; an import on device D of
+//! another process's arena is accessible from D and D's peers. Should the driver refuse a
+//! grant that names peers (anything but out of memory), the backend warns once, grants the
+//! owner alone and stops naming that device's peers: the GPU stays usable, peer access is
+//! lost for it. Legacy arenas get no access
+//! list (the driver's own peer rules apply; imports open with lazy peer access).
+//!
+//! # FABRIC handles
+//! Where the device reports FABRIC support ([`DeviceSupport::fabric`], CUDA only), VMM arenas
+//! are created with POSIX-fd *and* FABRIC handle types, so UCX's cuda_ipc transport (NIXL)
+//! can export them; our own exports stay POSIX fds. Config key `fabric_handles`
+//! ([`FabricHandles`]): `auto` (the default) retries a create the driver refuses as not
+//! permitted or not supported (a host without an IMEX channel) POSIX-only, and keeps that
+//! device POSIX-only from then on (logged once, at info); `1` makes the refusal (or a device
+//! without support) an error; `0` never asks.
 //!
 //! # Registries
 //! The backend records every live arena, import mapping and event it handed out. The
@@ -47,11 +79,16 @@
 //! behaviour. Streams are the exception: a [`StreamId`] is the caller's stream handle and must
 //! be 0, one of the vendor's special handles, or a live stream of the device.
 
+mod access;
+mod copies;
 mod device;
 pub mod driver;
 mod registry;
+#[cfg(test)]
+mod tests;
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::AtomicBool;
 use std::sync::OnceLock;
 
 use parking_lot::{Mutex, RwLock};
@@ -63,6 +100,7 @@ use crate::backend::{
 use crate::error::{Error, Result};
 use crate::ids::{DeviceId, StreamId};
 
+pub use access::FabricHandles;
 use device::DeviceState;
 pub use driver::{
     driver_string, DeviceSupport, Driver, DriverError, DriverResult, Failure, LegacyIpc,
@@ -79,6 +117,14 @@ pub struct VmmBackend<D: Driver> {
     device_count: usize,
     /// Use the legacy IPC path on every device, even where VMM works.
     legacy_ipc: bool,
+    /// Whether VMM arenas get FABRIC handles too (config key `fabric_handles`).
+    fabric_mode: FabricHandles,
+    /// Per device: whether its arenas are created with FABRIC handles now (set on first use,
+    /// cleared for good when the driver refuses them in `auto` mode).
+    fabric: Vec<AtomicBool>,
+    /// Per device: whether mappings are still made accessible from its peers (cleared for
+    /// good when the driver refuses a grant that names them; the owner alone is retried).
+    peer_grants: Vec<AtomicBool>,
     /// Per device, filled on first use.
     devices: Vec<OnceLock<DeviceState<D::Device>>>,
     /// Serialises the first use of a device (opening it once).
@@ -132,6 +178,9 @@ impl<D: Driver> VmmBackend<D> {
             driver,
             device_count,
             legacy_ipc: false,
+            fabric_mode: FabricHandles::Auto,
+            fabric: (0..device_count).map(|_| AtomicBool::new(false)).collect(),
+            peer_grants: (0..device_count).map(|_| AtomicBool::new(true)).collect(),
             devices: (0..device_count).map(|_| OnceLock::new()).collect(),
             init_lock: Mutex::new(()),
             regions: RwLock::new(BTreeMap::new()),
@@ -163,151 +212,12 @@ impl<D: Driver> VmmBackend<D> {
             .map_err(|e| e.into_error(-1, 0))
     }
 
-    /// Ask for the legacy IPC path on every device (for drivers that have one): see the
-    /// vendor's `with_legacy_ipc`.
-    #[cfg(feature = "hip")]
-    pub(in crate::backend) fn set_legacy_ipc(&mut self, legacy: bool) {
-        self.legacy_ipc = legacy && D::LEGACY_IPC.is_some();
-    }
-
     /// Whether arenas on `device` use the legacy IPC path (initialises the device).
     ///
     /// # Errors
     /// [`Error::InvalidDevice`], or a driver error from the device's first use.
     pub fn uses_legacy_ipc(&self, device: DeviceId) -> Result<bool> {
         Ok(!self.state(device)?.vmm)
-    }
-
-    /// Free pinned host memory `p`, just taken out of the `host` registry.
-    fn free_pinned(&self, p: u64, device: DeviceId) {
-        match self.make_current(device) {
-            Ok((_state, _current)) => {
-                // SAFETY: `p` came from host_alloc (it was in the registry, now removed, so
-                // it is freed once); its buffer was given up, so nothing uses it.
-                warn_undo(device, unsafe { self.driver.host_free(p) });
-            }
-            Err(e) => {
-                tracing::warn!(backend = D::NAME, device, ptr = p, error = %e, "freeing pinned host memory failed: leaked");
-            }
-        }
-    }
-
-    /// Copy `src` to device address `dst` (blocking). For tests and benches.
-    ///
-    /// `dst..dst + src.len()` must lie inside one live arena or import mapping of this
-    /// backend; the copy runs on the default stream with that device made current.
-    ///
-    /// # Errors
-    /// [`Error::UnknownPointer`] outside a live range, [`Error::Backend`] if the copy fails.
-    pub fn memcpy_htod(&self, dst: u64, src: &[u8]) -> Result<()> {
-        // SAFETY: in_live_range calls this only for a range inside a live arena or mapping,
-        // kept mapped while it runs; device memory is never host memory that Rust owns.
-        self.in_live_range(dst, src.len() as u64, |d| unsafe {
-            d.memcpy_htod(dst, src)
-        })
-    }
-
-    /// Copy from device address `src` into `dst` (blocking). For tests and benches.
-    ///
-    /// `src..src + dst.len()` must lie inside one live arena or import mapping.
-    ///
-    /// # Errors
-    /// [`Error::UnknownPointer`] outside a live range, [`Error::Backend`] if the copy fails.
-    pub fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> Result<()> {
-        let len = dst.len() as u64;
-        // SAFETY: as in memcpy_htod: a live range, kept mapped while the copy runs.
-        self.in_live_range(src, len, |d| unsafe { d.memcpy_dtoh(dst, src) })
-    }
-
-    /// Set `bytes` bytes at device address `dst` to `value` (on the default stream: ordered
-    /// before later copies and default-stream work). For tests and benches.
-    ///
-    /// # Errors
-    /// [`Error::UnknownPointer`] outside a live range, [`Error::Backend`] if the call fails.
-    pub fn memset_d8(&self, dst: u64, value: u8, bytes: u64) -> Result<()> {
-        let n = to_usize(bytes)?;
-        // SAFETY: as in memcpy_htod: a live range, kept mapped while the call runs.
-        self.in_live_range(dst, bytes, |d| unsafe { d.memset_d8(dst, value, n) })
-    }
-
-    /// Run `call` on `addr..addr + len` (nothing for an empty range) after checking that the
-    /// range lies inside one live arena or mapping, with its device made current and the
-    /// registry's read lock held (so the range stays mapped) until `call` returns.
-    fn in_live_range(
-        &self,
-        addr: u64,
-        len: u64,
-        call: impl FnOnce(&D) -> DriverResult<()>,
-    ) -> Result<()> {
-        if len == 0 {
-            return Ok(());
-        }
-        let regions = self.regions.read();
-        let device = registry::range_device(&regions, D::NAME, addr, len)?;
-        let (_state, _current) = self.make_current(device)?;
-        call(&self.driver).map_err(|e| e.into_error(device, 0))
-    }
-
-    /// Reserve an address range for `n` bytes, map `handle` there and make it read-write for
-    /// `device`. On failure everything this did is undone (the handle stays the caller's).
-    /// Call with the device made current.
-    fn reserve_map_access(
-        &self,
-        state: &DeviceState<D::Device>,
-        device: DeviceId,
-        handle: u64,
-        n: usize,
-    ) -> DriverResult<u64> {
-        let d = &self.driver;
-        let base = d.address_reserve(n, to_usize(state.granularity).unwrap_or(0))?;
-        // SAFETY: `base..base + n` is the reservation just made, with nothing mapped; `handle`
-        // is a live allocation handle (the caller's contract).
-        if let Err(e) = unsafe { d.map(base, n, handle) } {
-            // SAFETY: our own reservation, nothing mapped in it, freed once.
-            warn_undo(device, unsafe { d.address_free(base, n) });
-            return Err(e);
-        }
-        // SAFETY: `base..base + n` was just mapped.
-        if let Err(e) = unsafe { d.set_access(base, n, device) } {
-            // SAFETY: our own fresh mapping, never used by device work.
-            warn_undo(device, unsafe { d.unmap(base, n) });
-            // SAFETY: our own reservation, now unmapped, freed once.
-            warn_undo(device, unsafe { d.address_free(base, n) });
-            return Err(e);
-        }
-        Ok(base)
-    }
-
-    /// Import a VMM fd: import, map, release the import's handle. Call with the device made
-    /// current.
-    fn import_fd(
-        &self,
-        state: &DeviceState<D::Device>,
-        device: DeviceId,
-        fd: std::os::fd::BorrowedFd<'_>,
-        bytes: u64,
-        n: usize,
-    ) -> Result<u64> {
-        let d = &self.driver;
-        let handle = d.import_fd(fd).map_err(|e| e.into_error(device, bytes))?;
-        let mapped = self.reserve_map_access(state, device, handle, n);
-        // The mapping (if any) holds the memory now: give the import's handle back at once.
-        // SAFETY: the handle just imported, released once.
-        let released = unsafe { d.mem_release(handle) };
-        match (mapped, released) {
-            (Ok(base), Ok(())) => Ok(base),
-            (Err(e), released) => {
-                warn_undo(device, released);
-                Err(e.into_error(device, bytes))
-            }
-            (Ok(base), Err(e)) => {
-                // SAFETY: our own fresh mapping, never used by device work.
-                warn_undo(device, unsafe { d.unmap(base, n) });
-                // SAFETY: our own reservation, now unmapped, freed once.
-                warn_undo(device, unsafe { d.address_free(base, n) });
-                Err(e.into_error(device, bytes))
-            }
-        }
     }
 
     /// The region an [`ArenaMem`] describes (handle 0: a legacy arena).
@@ -439,8 +349,8 @@ impl<D: Driver> Backend for VmmBackend<D> {
         let (_, current) = self.make_current(device)?;
         let d = &self.driver;
         let (base, handle, kind) = if state.vmm {
-            let handle = d
-                .mem_create(&state.device, n)
+            let handle = self
+                .create_physical(&state, device, n)
                 .map_err(|e| e.into_error(device, bytes))?;
             let base = match self.reserve_map_access(&state, device, handle, n) {
                 Ok(base) => base,
@@ -636,7 +546,7 @@ impl<D: Driver> Backend for VmmBackend<D> {
         let expect = Self::arena_region(arena);
         let RegionKind::Arena { handle } = expect.kind else {
             return Err(Error::Unavailable(format!(
-                "{}: a legacy (non-VMM) arena cannot sleep: its memory and addresses are one",
+                "{}: a legacy IPC arena (legacy_ipc=1, or a device without VMM) cannot sleep: its memory and addresses are one (it stays awake)",
                 D::NAME
             )));
         };
@@ -688,21 +598,14 @@ impl<D: Driver> Backend for VmmBackend<D> {
         let (_, _current) = self.make_current(arena.device)?;
         let d = &self.driver;
         let device = arena.device;
-        let handle = d
-            .mem_create(&state.device, n)
+        let handle = self
+            .create_physical(&state, device, n)
             .map_err(|e| e.into_error(device, arena.bytes))?;
-        // SAFETY: `base..base + n` is our reservation with nothing mapped (asleep); `handle`
-        // was just created.
-        if let Err(e) = unsafe { d.map(arena.base, n, handle) } {
-            // SAFETY: the handle just created, unmapped, released once.
-            warn_undo(device, unsafe { d.mem_release(handle) });
-            return Err(e.into_error(device, arena.bytes));
-        }
-        // SAFETY: `base..base + n` was just mapped.
-        if let Err(e) = unsafe { d.set_access(arena.base, n, device) } {
-            // SAFETY: our own fresh mapping, never used by device work.
-            warn_undo(device, unsafe { d.unmap(arena.base, n) });
-            // SAFETY: the handle just created, now unmapped, released once.
+        // `base..base + n` is our reservation with nothing mapped (asleep); `handle` was just
+        // created. Access: the device and its peers, as when the arena was first created.
+        if let Err(e) = self.map_access(&state, device, arena.base, n, handle) {
+            // SAFETY: the handle just created, unmapped (map_access undid its mapping),
+            // released once.
             warn_undo(device, unsafe { d.mem_release(handle) });
             return Err(e.into_error(device, arena.bytes));
         }

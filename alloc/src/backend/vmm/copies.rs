@@ -1,0 +1,80 @@
+//! Memory the VMM core reaches on the host's behalf: the test/bench copies into live arenas
+//! and mappings (range-checked against the registry), and freeing pinned host buffers.
+
+use super::{registry, to_usize, warn_undo, Driver, DriverResult, VmmBackend};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
+use crate::ids::DeviceId;
+
+impl<D: Driver> VmmBackend<D> {
+    /// Free pinned host memory `p`, just taken out of the `host` registry.
+    pub(super) fn free_pinned(&self, p: u64, device: DeviceId) {
+        match self.make_current(device) {
+            Ok((_state, _current)) => {
+                // SAFETY: `p` came from host_alloc (it was in the registry, now removed, so
+                // it is freed once); its buffer was given up, so nothing uses it.
+                warn_undo(device, unsafe { self.driver.host_free(p) });
+            }
+            Err(e) => {
+                tracing::warn!(backend = D::NAME, device, ptr = p, error = %e, "freeing pinned host memory failed: leaked");
+            }
+        }
+    }
+
+    /// Copy `src` to device address `dst` (blocking). For tests and benches.
+    ///
+    /// `dst..dst + src.len()` must lie inside one live arena or import mapping of this
+    /// backend; the copy runs on the default stream with that device made current.
+    ///
+    /// # Errors
+    /// [`Error::UnknownPointer`] outside a live range, [`Error::Backend`] if the copy fails.
+    pub fn memcpy_htod(&self, dst: u64, src: &[u8]) -> Result<()> {
+        // SAFETY: in_live_range calls this only for a range inside a live arena or mapping,
+        // kept mapped while it runs; device memory is never host memory that Rust owns.
+        self.in_live_range(dst, src.len() as u64, |d| unsafe {
+            d.memcpy_htod(dst, src)
+        })
+    }
+
+    /// Copy from device address `src` into `dst` (blocking). For tests and benches.
+    ///
+    /// `src..src + dst.len()` must lie inside one live arena or import mapping.
+    ///
+    /// # Errors
+    /// [`Error::UnknownPointer`] outside a live range, [`Error::Backend`] if the copy fails.
+    pub fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> Result<()> {
+        let len = dst.len() as u64;
+        // SAFETY: as in memcpy_htod: a live range, kept mapped while the copy runs.
+        self.in_live_range(src, len, |d| unsafe { d.memcpy_dtoh(dst, src) })
+    }
+
+    /// Set `bytes` bytes at device address `dst` to `value` (on the default stream: ordered
+    /// before later copies and default-stream work). For tests and benches.
+    ///
+    /// # Errors
+    /// [`Error::UnknownPointer`] outside a live range, [`Error::Backend`] if the call fails.
+    pub fn memset_d8(&self, dst: u64, value: u8, bytes: u64) -> Result<()> {
+        let n = to_usize(bytes)?;
+        // SAFETY: as in memcpy_htod: a live range, kept mapped while the call runs.
+        self.in_live_range(dst, bytes, |d| unsafe { d.memset_d8(dst, value, n) })
+    }
+
+    /// Run `call` on `addr..addr + len` (nothing for an empty range) after checking that the
+    /// range lies inside one live arena or mapping, with its device made current and the
+    /// registry's read lock held (so the range stays mapped) until `call` returns.
+    fn in_live_range(
+        &self,
+        addr: u64,
+        len: u64,
+        call: impl FnOnce(&D) -> DriverResult<()>,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let regions = self.regions.read();
+        let device = registry::range_device(&regions, D::NAME, addr, len)?;
+        let (_state, _current) = self.make_current(device)?;
+        call(&self.driver).map_err(|e| e.into_error(device, 0))
+    }
+}

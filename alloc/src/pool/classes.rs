@@ -1,0 +1,127 @@
+//! Size classes: small blocks (up to [`LARGE_MIN`], PyTorch's small/large boundary) and
+//! large blocks never share an arena, so a few small tensors cannot pin a large arena.
+//!
+//! Each (tag, class) has its own sub-allocator ([`Class::index`] into
+//! `DeviceState::ranges`) and its own arenas:
+//! - **small** arenas are [`SMALL_ARENA`] bytes, rounded up to the backend granularity
+//!   (PyTorch's small segment): after `empty_cache` a small survivor keeps at most its own
+//!   2 MiB arena, and small blocks allocated together share arenas (600 live 4 KiB blocks
+//!   hold 4 MiB). Shared, small blocks cost one export per 2 MiB arena they touch (like
+//!   PyTorch's one IPC handle per segment);
+//! - **large** arenas are `arena_size` bytes (a block larger than that gets its own). A
+//!   large survivor keeps its whole arena after `empty_cache`: an arena is one physical
+//!   allocation and one export when shared. The choice, and the bound it gives, are in
+//!   docs/ARCHITECTURE.md ("Survivors after empty_cache").
+//!
+//! A miss in one class flushes and settles only that class's cached blocks and free ranges:
+//! small misses are frequent (a 2 MiB arena fills quickly), and moving the large class's
+//! ranges on each of them changed its placement (one more 1 GiB arena on the KV trace). A
+//! small class below [`SMALL_GROW_FREELY`] grows instead of flushing at all.
+
+use super::{Arena, DeviceState, LARGE_MIN};
+use crate::range::{self, RangeAllocator};
+
+const MIB: u64 = 1 << 20;
+
+/// Bytes of a small arena (rounded up to the backend's granularity).
+pub const SMALL_ARENA: u64 = 2 * MIB;
+
+/// Until a (device, tag)'s small arenas hold this many bytes, a small miss grows the class
+/// by a new small arena rather than flushing the class's cached blocks and settling its
+/// streams. Small misses are frequent in 2 MiB arenas, and each flush turned the cache's
+/// next hits into sub-allocator calls: the KV replay ran about 20% slower; with this it
+/// runs as before for 18 MiB more at peak (bench/results/sim-2026-11-30-small-survivors.md).
+/// `empty_cache` still flushes everything and releases every empty small arena.
+pub const SMALL_GROW_FREELY: u64 = 32 * MIB;
+
+/// A sub-allocator: a tag and a size class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Class {
+    /// The tag index (`crate::tags`).
+    pub(crate) tag: u8,
+    /// Blocks up to [`LARGE_MIN`] bytes.
+    pub(crate) small: bool,
+}
+
+impl Class {
+    /// The class serving a block of `len` bytes (a [`super::block_len`]) with tag `tag`.
+    #[inline]
+    pub(crate) fn of(tag: u8, len: u64) -> Class {
+        Class {
+            tag,
+            small: len <= LARGE_MIN,
+        }
+    }
+
+    /// Its index in `DeviceState::ranges`.
+    #[inline]
+    pub(crate) fn index(self) -> usize {
+        usize::from(self.tag) * 2 + usize::from(self.small)
+    }
+}
+
+impl Arena {
+    /// The class whose blocks it holds.
+    pub(crate) fn class(&self) -> Class {
+        Class {
+            tag: self.tag,
+            small: self.small,
+        }
+    }
+}
+
+impl DeviceState {
+    /// Whether a miss in `class` should grow it at once (a small class holding less than
+    /// [`SMALL_GROW_FREELY`]) rather than flush its cache and settle its streams first.
+    pub(crate) fn grows_freely(&self, class: Class) -> bool {
+        class.small
+            && self
+                .arenas
+                .iter()
+                .filter(|(_, a)| a.class() == class)
+                .map(|(_, a)| a.mem.bytes)
+                .sum::<u64>()
+                < SMALL_GROW_FREELY
+    }
+
+    /// The sub-allocator of `class`, created on first use.
+    pub(crate) fn ranges_mut(&mut self, class: Class) -> &mut RangeAllocator {
+        let i = class.index();
+        if self.ranges.len() <= i {
+            self.ranges.resize_with(i + 1, RangeAllocator::default);
+        }
+        &mut self.ranges[i]
+    }
+}
+
+/// The size of the arena to create for a block of `len` bytes of `class`: a small arena,
+/// an arena of its own for a block larger than `arena_bytes`, else a regular arena of
+/// `arena_bytes`. A multiple of `granularity`; `None` on overflow.
+pub(crate) fn arena_bytes_for(
+    class: Class,
+    len: u64,
+    arena_bytes: u64,
+    granularity: u64,
+) -> Option<u64> {
+    if class.small {
+        range::round_up_to(SMALL_ARENA, granularity)
+    } else if len > arena_bytes {
+        range::round_up_to(len, granularity)
+    } else {
+        Some(arena_bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classes_split_at_large_min() {
+        assert!(Class::of(3, 512).small);
+        assert!(Class::of(3, LARGE_MIN).small);
+        assert!(!Class::of(3, LARGE_MIN + 2 * MIB).small);
+        assert_ne!(Class::of(3, 512).index(), Class::of(3, 4 * MIB).index());
+        assert_ne!(Class::of(3, 512).index(), Class::of(4, 512).index());
+    }
+}

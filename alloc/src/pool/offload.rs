@@ -1,0 +1,179 @@
+//! The host side of sleep: offloaded contents and the host buffers that hold them.
+//!
+//! Pinning host memory costs far more than copying into it (on the H200, 44 GiB: 19.3 s of
+//! sleep against 0.85 s for the copy into buffers already pinned), so buffers are kept: a
+//! wake copies the contents back and *keeps* the buffer on its device, and the next sleep
+//! takes the smallest kept buffer large enough for an arena's segments (an arena offloads
+//! about the same bytes each cycle). When none is large enough, the largest kept buffer
+//! smaller than the need is freed (it was most likely the same arena's, now too small) and
+//! a new one allocated, so a device keeps at most one buffer per arena offloaded at once.
+//! Kept buffers are freed by [`Pool::release_host_buffers`] (`gpu_arena_sleep_release_host`)
+//! and when the pool goes; `empty_cache` leaves them (it is about device memory, and
+//! training loops call it often). `PoolStats::offload_host_bytes` counts every buffer a
+//! device holds, in use by a sleeping arena or kept.
+
+use crate::backend::{DeviceId, HostBuffer};
+use crate::error::Result;
+use crate::pool::{DevicePool, DeviceState, Pool};
+
+/// An arena's offloaded contents: the segments `(address, bytes)`, packed one after another
+/// in `buf`, and the live bytes among them (what the reports count).
+#[derive(Debug)]
+pub(crate) struct Offload {
+    pub(crate) buf: HostBuffer,
+    pub(crate) segments: Vec<(u64, u64)>,
+    pub(crate) live: u64,
+}
+
+impl DeviceState {
+    /// The smallest kept buffer of at least `bytes`, taken out of the kept ones.
+    fn take_host_buffer(&mut self, bytes: u64) -> Option<HostBuffer> {
+        let i = self
+            .host_buffers
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.len() as u64 >= bytes)
+            .min_by_key(|(_, b)| b.len())
+            .map(|(i, _)| i)?;
+        Some(self.host_buffers.swap_remove(i))
+    }
+
+    /// The largest kept buffer smaller than `bytes` (replaced by a larger one), taken out.
+    fn take_replaced_host_buffer(&mut self, bytes: u64) -> Option<HostBuffer> {
+        let i = self
+            .host_buffers
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| (b.len() as u64) < bytes)
+            .max_by_key(|(_, b)| b.len())
+            .map(|(i, _)| i)?;
+        Some(self.host_buffers.swap_remove(i))
+    }
+
+    /// Keep a buffer for the next sleep (still counted in `offload_host_bytes`).
+    pub(crate) fn keep_host_buffer(&mut self, buf: HostBuffer) {
+        self.host_buffers.push(buf);
+    }
+
+    /// Bytes of every host buffer the device holds: those of sleeping arenas and the kept
+    /// ones (what `offload_host_bytes` must say; `validate()` checks it).
+    pub(crate) fn host_bytes_held(&self) -> u64 {
+        let asleep: u64 = self
+            .arenas
+            .iter()
+            .filter_map(|(_, a)| a.sleep.as_ref()?.offload_bytes())
+            .sum();
+        asleep
+            + self
+                .host_buffers
+                .iter()
+                .map(|b| b.len() as u64)
+                .sum::<u64>()
+    }
+}
+
+impl Pool {
+    /// Copy an arena's segments into one host buffer (none when there is nothing to copy):
+    /// a kept buffer when one is large enough, else a new one (pinned where the backend
+    /// has it). On failure the buffer is kept for the next sleep.
+    pub(super) fn offload(
+        &self,
+        dp: &DevicePool,
+        segments: Vec<(u64, u64)>,
+        live: u64,
+    ) -> Result<Option<Offload>> {
+        if segments.is_empty() {
+            return Ok(None);
+        }
+        let device = dp.device;
+        let total: u64 = segments.iter().map(|s| s.1).sum();
+        let kept = dp.state.lock().take_host_buffer(total);
+        let mut buf = match kept {
+            Some(buf) => buf,
+            None => {
+                let replaced = dp.state.lock().take_replaced_host_buffer(total);
+                if let Some(old) = replaced {
+                    self.free_host_buffer(dp, old);
+                }
+                let buf = match self.backend.alloc_host(device, total) {
+                    Ok(buf) => buf,
+                    Err(e) => {
+                        tracing::warn!(device, bytes = total, error = %e, "no pinned host memory for the offload: using pageable memory (slower copies)");
+                        HostBuffer::heap(device, total)?
+                    }
+                };
+                dp.state.lock().stats.offload_host_bytes += buf.len() as u64;
+                buf
+            }
+        };
+        let mut off = 0usize;
+        for &(p, len) in &segments {
+            let n = usize::try_from(len).unwrap_or(usize::MAX);
+            let dst = &mut buf.as_mut_slice()[off..off + n];
+            if let Err(e) = self.backend.copy_to_host(device, p, dst) {
+                dp.state.lock().keep_host_buffer(buf);
+                return Err(e);
+            }
+            off += n;
+        }
+        Ok(Some(Offload {
+            buf,
+            segments,
+            live,
+        }))
+    }
+
+    /// Copy offloaded contents back to the device (woken at the same addresses) and keep
+    /// the buffer for the next sleep. Returns the live bytes and the first copy error.
+    pub(super) fn copy_back(&self, dp: &DevicePool, o: Offload) -> (u64, Option<crate::Error>) {
+        let mut first_err = None;
+        let mut off = 0usize;
+        for &(p, len) in &o.segments {
+            let n = usize::try_from(len).unwrap_or(usize::MAX);
+            let src = &o.buf.as_slice()[off..off + n];
+            if let Err(e) = self.backend.copy_from_host(dp.device, p, src) {
+                tracing::error!(device = dp.device, ptr = p, error = %e, "copying offloaded memory back failed");
+                first_err.get_or_insert(e);
+            }
+            off += n;
+        }
+        dp.state.lock().keep_host_buffer(o.buf);
+        (o.live, first_err)
+    }
+
+    /// Free one host buffer of `dp` (no longer kept nor in use).
+    fn free_host_buffer(&self, dp: &DevicePool, buf: HostBuffer) {
+        let bytes = buf.len() as u64;
+        self.backend.free_host(buf);
+        let mut st = dp.state.lock();
+        st.stats.offload_host_bytes -= bytes;
+        dp.metrics.publish(&st.stats_now());
+    }
+
+    /// Free the host buffers kept for the next sleep on `device` (every device for `None`);
+    /// those holding a sleeping arena's contents stay. Returns the bytes freed.
+    pub fn release_host_buffers(&self, device: Option<DeviceId>) -> Result<u64> {
+        let devices: Vec<&DevicePool> = match device {
+            Some(d) => vec![self.dev(d)?],
+            None => self.devices.iter().collect(),
+        };
+        let mut freed = 0;
+        for dp in devices {
+            let kept = std::mem::take(&mut dp.state.lock().host_buffers);
+            for buf in kept {
+                freed += buf.len() as u64;
+                self.free_host_buffer(dp, buf);
+            }
+        }
+        Ok(freed)
+    }
+
+    /// Free every kept buffer at teardown (the sleeping arenas' go with them).
+    pub(super) fn free_kept_host_buffers(&mut self) {
+        for dp in &mut self.devices {
+            for buf in std::mem::take(&mut dp.state.get_mut().host_buffers) {
+                self.backend.free_host(buf);
+            }
+        }
+    }
+}

@@ -1,0 +1,209 @@
+//! Wake (`Pool::wake`): sleeping arenas get memory again at the same addresses, their
+//! offloaded contents are copied back, observers are told (`on_ready`), and the tags
+//! allocate again (`pool/sleep.rs` for sleep).
+//!
+//! **All or nothing.** First every arena the call wakes, on every device it touches, gets
+//! its memory (`Backend::restore_physical`); only when all have it are contents copied back
+//! and the arenas announced. When the driver refuses one (typically out of memory: the
+//! trainer still holds the GPU), the arenas this call already restored give their memory
+//! back (`Backend::release_physical`) and stay asleep with their offloaded contents, so
+//! nothing changed: out of memory is [`Error::OutOfMemory`] with [`OomCause::Wake`] (what
+//! the wake needed, what is free, what went back to sleep), another failure is returned as
+//! the backend said it. (Should giving memory back fail as well, that arena is woken after
+//! all, contents copied back, and stays awake while its tag sleeps; logged.)
+
+use crate::backend::{ArenaMem, DeviceId};
+use crate::error::{Error, OomCause, Result};
+use crate::pool::observers::ArenaInfo;
+use crate::pool::sleep::{mask, names, SleepReport};
+use crate::pool::{DevicePool, Pool};
+
+/// A sleeping arena the wake restores: (index of its device in the plan, arena key, arena
+/// id, its memory).
+type WakeWork = (usize, usize, u64, ArenaMem);
+
+impl Pool {
+    /// Tell every observer of an arena mapped again (no lock held).
+    pub(super) fn announce(&self, dp: &DevicePool, id: u64, mem: &ArenaMem) {
+        let calls = self
+            .observers
+            .announce(ArenaInfo::mapped(dp.device, id, mem));
+        self.count_failures(self.observers.deliver(calls));
+    }
+
+    /// Wake `tags` (tag indices; `None`: every sleeping tag) on `device` (every device for
+    /// `None`): new memory at the same addresses, offloaded contents copied back. All or
+    /// nothing (see the module docs).
+    pub fn wake(&self, device: Option<DeviceId>, wake_tags: Option<&[u8]>) -> Result<SleepReport> {
+        let _serial = self.sleep_lock.lock();
+        let devices = self.sleep_devices(device)?;
+        // One device: every named tag (or something) must be asleep there. Every device
+        // (`None`): each device wakes what of it sleeps there, and every named tag (or
+        // something) must be asleep on some device. Checked first: an error changes nothing.
+        let asleep_any = devices
+            .iter()
+            .fold(0u64, |m, dp| m | dp.state.lock().asleep_tags);
+        let named = wake_tags.map_or(asleep_any, mask);
+        if named == 0 || named & !asleep_any != 0 {
+            let which = match device {
+                Some(d) => format!("device {d}"),
+                None => "every device".to_string(),
+            };
+            return Err(Error::InvalidState(format!(
+                "wake of {which}: {} not asleep",
+                if named == 0 {
+                    "nothing is".to_string()
+                } else {
+                    format!("tag(s) {} are", names(named & !asleep_any))
+                }
+            )));
+        }
+        // The plan: per device, the tags it wakes; the sleeping arenas of those tags.
+        let mut plan: Vec<(&DevicePool, u64)> = Vec::new();
+        let mut work: Vec<WakeWork> = Vec::new();
+        for dp in devices {
+            let st = dp.state.lock();
+            let want = named & st.asleep_tags;
+            if want == 0 {
+                continue;
+            }
+            work.extend(
+                st.arenas
+                    .iter()
+                    .filter(|(_, a)| a.sleep.is_some() && want & (1 << a.tag) != 0)
+                    .map(|(k, a)| (plan.len(), k, a.id, a.mem.clone())),
+            );
+            plan.push((dp, want));
+        }
+        // Memory for every arena first, or for none.
+        let mut restored: Vec<WakeWork> = Vec::with_capacity(work.len());
+        for (i, &(d, k, id, ref mem)) in work.iter().enumerate() {
+            match self.backend.restore_physical(mem) {
+                Ok(new) => restored.push((d, k, id, new)),
+                Err(e) => {
+                    let (dp, want) = plan[d];
+                    let needed: u64 = work.iter().filter(|w| w.0 == d).map(|w| w.3.bytes).sum();
+                    tracing::error!(device = dp.device, base = mem.base, error = %e, arenas_woken = i, "an arena could not wake: the wake is undone");
+                    let undone = self.undo_wake(&plan, restored);
+                    return Err(self.wake_error(dp, want, needed, undone, e));
+                }
+            }
+        }
+        let mut report = SleepReport::default();
+        let mut first_err = None;
+        for (d, &(dp, want)) in plan.iter().enumerate() {
+            let mut dev_report = SleepReport::default();
+            let mut dev_err = None;
+            for (_, k, id, new) in restored.iter().filter(|r| r.0 == d) {
+                let (copied, err) = self.commit_wake(dp, *k, *id, new);
+                dev_report.copied_bytes += copied;
+                dev_report.arena_bytes += new.bytes;
+                dev_report.arenas += 1;
+                if let Some(e) = err {
+                    dev_err.get_or_insert(e);
+                }
+            }
+            let mut st = dp.state.lock();
+            st.asleep_tags &= !want;
+            // The thread caches serve these tags again.
+            st.front.set_asleep_tags(st.asleep_tags);
+            tracing::info!(
+                device = dp.device,
+                tags = %names(want),
+                restored_bytes = dev_report.arena_bytes,
+                copied_back_bytes = dev_report.copied_bytes,
+                "gpu-arena wake"
+            );
+            match self.settle(dp, &st, dev_err, dev_report) {
+                Ok(r) => {
+                    report.arena_bytes += r.arena_bytes;
+                    report.copied_bytes += r.copied_bytes;
+                    report.arenas += r.arenas;
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
+
+    /// An arena has its memory again (`new`): record it awake, copy its offloaded contents
+    /// back (keeping the host buffer), tell the observers. Returns the live bytes copied and
+    /// the first copy error.
+    fn commit_wake(
+        &self,
+        dp: &DevicePool,
+        k: usize,
+        id: u64,
+        new: &ArenaMem,
+    ) -> (u64, Option<Error>) {
+        let offload = {
+            let mut st = dp.state.lock();
+            let offload = st.arenas.get_mut(k).and_then(|a| {
+                a.mem = new.clone();
+                a.sleep.take().and_then(|s| s.offload)
+            });
+            st.stats.reserved_bytes += new.bytes;
+            st.stats.peak_reserved_bytes =
+                st.stats.peak_reserved_bytes.max(st.stats.reserved_bytes);
+            st.stats.sleeping_bytes -= new.bytes;
+            offload
+        };
+        let copied = offload.map_or((0, None), |o| self.copy_back(dp, o));
+        self.announce(dp, id, new);
+        copied
+    }
+
+    /// Give back the memory of the arenas a failed wake already restored: they stay asleep,
+    /// contents still offloaded. Returns the bytes put back to sleep.
+    fn undo_wake(&self, plan: &[(&DevicePool, u64)], restored: Vec<WakeWork>) -> u64 {
+        let mut undone = 0;
+        for (d, k, id, new) in restored {
+            let dp = plan[d].0;
+            match self.backend.release_physical(&new) {
+                Ok(()) => {
+                    if let Some(a) = dp.state.lock().arenas.get_mut(k) {
+                        a.mem = new.clone();
+                    }
+                    undone += new.bytes;
+                }
+                Err(e) => {
+                    // Mapped and cannot be given back: wake it after all (its tag sleeps).
+                    tracing::error!(device = dp.device, base = new.base, error = %e, "undoing a wake: the arena could not give its memory back; it stays awake while its tag sleeps");
+                    if let (_, Some(e)) = self.commit_wake(dp, k, id, &new) {
+                        tracing::error!(device = dp.device, error = %e, "copying back failed too");
+                    }
+                }
+            }
+        }
+        undone
+    }
+
+    /// The error of a wake undone because `e` refused an arena on `dp`.
+    fn wake_error(&self, dp: &DevicePool, want: u64, needed: u64, undone: u64, e: Error) -> Error {
+        if !matches!(e, Error::DriverOutOfMemory { .. }) {
+            return e;
+        }
+        let device = dp.device;
+        let info = self.backend.mem_info(device).ok();
+        let st = dp.state.lock();
+        dp.metrics.publish(&st.stats_now());
+        Error::OutOfMemory {
+            device,
+            requested: needed,
+            reserved: st.stats.reserved_bytes,
+            free: info.map_or(0, |m| m.free),
+            cause: OomCause::Wake {
+                needed,
+                undone,
+                free: info.map_or(0, |m| m.free),
+                total: info.map_or(0, |m| m.total),
+                tags: names(want),
+            },
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! A wake that fails midway is undone (`alloc/src/pool/wake.rs`): the arenas it had already
+//! woken go back to sleep with their offloaded contents, nothing changes, and the error says
+//! what the wake needed; a later wake, with memory free, restores everything bitwise.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+
+use gpu_arena::backend::sim::{SimBackend, SimCall, SimConfig};
+use gpu_arena::error::OomCause;
+use gpu_arena::{tags, Error, Pool, PoolConfig, StreamId};
+
+const MIB: u64 = 1 << 20;
+const S: StreamId = StreamId(0x1000);
+
+fn pool(capacity: u64) -> (Arc<SimBackend>, Pool) {
+    let sim = Arc::new(
+        SimBackend::new(SimConfig {
+            capacity,
+            ..SimConfig::default()
+        })
+        .unwrap(),
+    );
+    let config = PoolConfig {
+        arena_size: 8 * MIB,
+        validate: true,
+        ..PoolConfig::default()
+    };
+    (sim.clone(), Pool::new(sim, config).unwrap())
+}
+
+fn alloc_with(pool: &Pool, tag: &str, bytes: u64) -> u64 {
+    tags::set_current(Some(tag)).unwrap();
+    let a = pool.alloc(0, bytes, S).unwrap();
+    tags::set_current(None).unwrap();
+    a.ptr
+}
+
+fn fill(ptr: u64, len: usize, seed: u8) {
+    // SAFETY: sim device addresses are host mappings of at least `len` bytes from `ptr`.
+    let s = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
+    for (i, b) in s.iter_mut().enumerate() {
+        *b = (i as u8).wrapping_mul(13).wrapping_add(seed);
+    }
+}
+
+fn read(ptr: u64, len: usize) -> Vec<u8> {
+    // SAFETY: as in `fill`.
+    unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }.to_vec()
+}
+
+/// Two 8 MiB arenas of tag `wr_w` (filled, offloaded) asleep; returns their blocks and
+/// contents.
+fn two_asleep(pool: &Pool) -> Vec<(u64, Vec<u8>)> {
+    let blocks: Vec<(u64, Vec<u8>)> = (0..2u8)
+        .map(|i| {
+            let p = alloc_with(pool, "wr_w", 6 * MIB);
+            fill(p, (6 * MIB) as usize, i);
+            (p, read(p, (6 * MIB) as usize))
+        })
+        .collect();
+    let w = tags::index(Some("wr_w")).unwrap();
+    let r = pool.sleep_tags(Some(0), Some(&[w]), &[w]).unwrap();
+    assert_eq!((r.arenas, r.copied_bytes), (2, 12 * MIB));
+    blocks
+}
+
+#[test]
+fn a_wake_out_of_memory_midway_is_undone_and_says_so() {
+    let (sim, pool) = pool(32 * MIB);
+    let blocks = two_asleep(&pool);
+    // The trainer takes the memory meanwhile: three of the four 8 MiB free.
+    let trainer: Vec<u64> = (0..3).map(|_| alloc_with(&pool, "wr_t", 6 * MIB)).collect();
+    let before = pool.stats(0).unwrap();
+    assert_eq!(
+        (before.reserved_bytes, before.sleeping_bytes),
+        (24 * MIB, 16 * MIB)
+    );
+    let e = pool.wake(Some(0), None).unwrap_err();
+    match &e {
+        Error::OutOfMemory {
+            cause: OomCause::Wake { needed, undone, .. },
+            ..
+        } => assert_eq!((*needed, *undone), (16 * MIB, 8 * MIB)),
+        other => panic!("not a wake OOM: {other}"),
+    }
+    let m = e.to_string();
+    for want in [
+        "wr_w",
+        "16 MiB",
+        "went back to sleep",
+        "nothing changed",
+        "wake again",
+    ] {
+        assert!(m.contains(want), "{m:?} lacks {want:?}");
+    }
+    // Nothing changed: still asleep, stats and the driver's ledger as before.
+    let w = tags::index(Some("wr_w")).unwrap();
+    assert_eq!(pool.asleep_tags(0).unwrap(), 1 << w);
+    let after = pool.stats(0).unwrap();
+    assert_eq!(
+        (
+            after.reserved_bytes,
+            after.sleeping_bytes,
+            after.offload_host_bytes
+        ),
+        (
+            before.reserved_bytes,
+            before.sleeping_bytes,
+            before.offload_host_bytes
+        )
+    );
+    assert_eq!(sim.ledger(0).held_bytes, 24 * MIB);
+    pool.validate(0).unwrap();
+    // The trainer gives memory back: the wake succeeds, contents bitwise identical.
+    for p in trainer {
+        pool.free(p).unwrap();
+    }
+    pool.empty_cache(None).unwrap();
+    let r = pool.wake(Some(0), None).unwrap();
+    assert_eq!((r.arenas, r.copied_bytes), (2, 12 * MIB));
+    for (p, want) in &blocks {
+        assert_eq!(&read(*p, want.len()), want);
+    }
+    pool.validate(0).unwrap();
+}
+
+#[test]
+fn an_injected_driver_failure_midway_is_undone_with_its_error() {
+    let (sim, pool) = pool(1 << 30);
+    let blocks = two_asleep(&pool);
+    let before = pool.stats(0).unwrap();
+    // restore_physical of the second arena fails (it counts as a create).
+    sim.fail_nth(SimCall::CreateArena, 2);
+    let e = pool.wake(None, None).unwrap_err();
+    assert!(
+        matches!(e, Error::Backend { ref message, .. } if message.contains("injected")),
+        "{e}"
+    );
+    let after = pool.stats(0).unwrap();
+    assert_eq!(
+        (after.reserved_bytes, after.sleeping_bytes),
+        (before.reserved_bytes, before.sleeping_bytes)
+    );
+    assert_eq!(
+        sim.ledger(0).held_bytes,
+        0,
+        "the first arena's memory went back"
+    );
+    pool.validate(0).unwrap();
+    pool.wake(None, None).unwrap();
+    for (p, want) in &blocks {
+        assert_eq!(&read(*p, want.len()), want);
+    }
+    assert_eq!(pool.asleep_tags(0).unwrap(), 0);
+}
+
+#[test]
+fn a_wake_of_every_device_is_undone_on_every_device() {
+    let sim = Arc::new(
+        SimBackend::new(SimConfig {
+            devices: 2,
+            ..SimConfig::default()
+        })
+        .unwrap(),
+    );
+    let config = PoolConfig {
+        arena_size: 8 * MIB,
+        validate: true,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::new(sim.clone(), config).unwrap();
+    tags::set_current(Some("wr_d")).unwrap();
+    let blocks: Vec<(u64, Vec<u8>)> = (0..2u8)
+        .map(|d| {
+            let p = pool.alloc(i32::from(d), 4 * MIB, S).unwrap().ptr;
+            fill(p, (4 * MIB) as usize, d);
+            (p, read(p, (4 * MIB) as usize))
+        })
+        .collect();
+    tags::set_current(None).unwrap();
+    let w = tags::index(Some("wr_d")).unwrap();
+    pool.sleep_tags(None, Some(&[w]), &[w]).unwrap();
+    // Device 0's arena is restored first, device 1's fails: device 0 goes back to sleep.
+    sim.fail_nth(SimCall::CreateArena, 2);
+    assert!(pool.wake(None, None).is_err());
+    for d in 0..2 {
+        assert_eq!(pool.asleep_tags(d).unwrap(), 1 << w, "device {d}");
+        assert_eq!(sim.ledger(d).held_bytes, 0, "device {d}");
+        pool.validate(d).unwrap();
+    }
+    pool.wake(None, None).unwrap();
+    for (p, want) in &blocks {
+        assert_eq!(&read(*p, want.len()), want);
+    }
+}
