@@ -16,8 +16,10 @@ pub mod broker;
 mod connection;
 pub mod handle;
 pub mod importer;
+mod mailbox;
 pub(crate) mod wire;
 
 pub use broker::{Broker, BrokerConfig, BrokerStats};
 pub use handle::{ShareHandle, HANDLE_BYTES};
 pub use importer::{Importer, ImporterStats};
+pub use mailbox::mailbox_enabled;
