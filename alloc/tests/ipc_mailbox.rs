@@ -116,10 +116,16 @@ impl RawMailbox {
 
 /// Ask for the mailbox on a raw connection and map it.
 fn raw_mailbox(sock: &OwnedFd) -> RawMailbox {
-    let mut r = round_trip(sock, &[5u8].iter().chain(&[0; 43]).copied().collect::<Vec<_>>());
+    let mut r = round_trip(
+        sock,
+        &[5u8].iter().chain(&[0; 43]).copied().collect::<Vec<_>>(),
+    );
     assert!(r.ok && r.fds.len() == 1, "mailbox refused: {}", r.message);
     let mb = RawMailbox::map(&r.fds.pop().unwrap());
-    assert_eq!(mb.word(MAGIC).load(Ordering::Acquire), 0x0001_626d_6175_7067);
+    assert_eq!(
+        mb.word(MAGIC).load(Ordering::Acquire),
+        0x0001_626d_6175_7067
+    );
     mb.word(CONSUMER_POLLING).store(1, Ordering::Release);
     mb
 }
@@ -175,7 +181,10 @@ fn garbage_in_the_mailbox_is_answered_with_errors_and_counted() {
     assert_eq!(imports_live(&p.pool), 1);
     // A second mailbox on the socket is refused; the socket still serves.
     let r = round_trip(&sock, &ask);
-    assert!(!r.ok && r.fds.is_empty() && r.message.contains("mailbox"), "{r:?}");
+    assert!(
+        !r.ok && r.fds.is_empty() && r.message.contains("mailbox"),
+        "{r:?}"
+    );
     bad += 1;
     let r = round_trip(&sock, &close_req(0, lease + 1000));
     assert!(!r.ok && r.message.contains("not held"), "{r:?}");
@@ -304,5 +313,8 @@ fn with_mailboxes_off_at_the_broker_everything_goes_over_the_socket() {
         20,
     );
     assert_eq!(stats.mailbox_requests, 0);
-    assert_eq!(stats.bad_requests, 0, "a declined mailbox is no bad request");
+    assert_eq!(
+        stats.bad_requests, 0,
+        "a declined mailbox is no bad request"
+    );
 }

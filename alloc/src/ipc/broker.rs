@@ -601,7 +601,10 @@ fn open_mailbox(
         return (Reply::error("malformed mailbox request").encode(), None);
     }
     if !shared.config.mailbox {
-        return (Reply::error("mailboxes are off at this producer").encode(), None);
+        return (
+            Reply::error("mailboxes are off at this producer").encode(),
+            None,
+        );
     }
     match Mailbox::create() {
         Ok((mb, fd)) => {

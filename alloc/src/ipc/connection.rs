@@ -304,9 +304,10 @@ fn free_mailbox(conn: &mut Connection) -> Result<bool> {
     else {
         return Ok(conn.unanswered.is_empty() && conn.early.is_empty());
     };
-    let (Channel::Mailbox(seq), timed_out) =
-        (conn.unanswered[last].channel, conn.unanswered[last].timed_out)
-    else {
+    let (Channel::Mailbox(seq), timed_out) = (
+        conn.unanswered[last].channel,
+        conn.unanswered[last].timed_out,
+    ) else {
         return Ok(false);
     };
     let MailboxUse::On { mailbox: mb, .. } = &conn.mailbox else {
@@ -708,12 +709,18 @@ mod tests {
         assert_eq!(r.lease_key, 100);
         send_close(&mut conn, &close_request(0, 100)).unwrap();
         let (r, _) = round_trip(&mut conn, &open(2)).unwrap();
-        assert_eq!(r.lease_key, 102, "the close's reply was not taken for this one");
+        assert_eq!(
+            r.lease_key, 102,
+            "the close's reply was not taken for this one"
+        );
         send_close(&mut conn, &close_request(0, 102)).unwrap();
         settle(&mut conn);
         assert!(conn.unanswered.is_empty());
         let seen = broker.join().unwrap();
-        assert!(seen.iter().all(|s| s.2), "all through the mailbox: {seen:?}");
+        assert!(
+            seen.iter().all(|s| s.2),
+            "all through the mailbox: {seen:?}"
+        );
     }
 
     /// A broker that dies while the consumer polls for its reply: the consumer hears the

@@ -134,11 +134,8 @@ impl Mailbox {
         .map_err(|e| fail("memfd_create", e))?;
         rustix::fs::ftruncate(&fd, MAILBOX_BYTES as u64).map_err(|e| fail("ftruncate", e))?;
         // A consumer that shrank the file would make the broker's next access fault.
-        rustix::fs::fcntl_add_seals(
-            &fd,
-            SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL,
-        )
-        .map_err(|e| fail("seals", e))?;
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+            .map_err(|e| fail("seals", e))?;
         let mailbox = Mailbox::map(&fd, Side::Broker)?;
         mailbox.word(MAGIC).store(MAILBOX_MAGIC, Ordering::Release);
         // Polling until it first sleeps: the first requests need no doorbell.
@@ -298,7 +295,10 @@ mod tests {
         assert_eq!(broker.peer_seq(), 1);
         assert_eq!(broker.peer_bytes().unwrap(), b"hello mailbox");
         consumer.stop_polling();
-        assert!(broker.publish(1, &[7; MAX_PACKET]), "the consumer sleeps: ring");
+        assert!(
+            broker.publish(1, &[7; MAX_PACKET]),
+            "the consumer sleeps: ring"
+        );
         assert_eq!(consumer.peer_seq(), 1);
         assert_eq!(consumer.peer_bytes().unwrap(), vec![7; MAX_PACKET]);
         consumer.scribble(9, MAX_PACKET as u64 + 1, b"x");
