@@ -380,8 +380,16 @@ enum Inbound {
 
 /// Wait for the next request: poll the mailbox (and now and then the socket) for `spin`,
 /// then sleep on the socket, which a request or a doorbell wakes. `served` is the last
-/// mailbox request number answered.
-fn next_inbound(conn: &OwnedFd, mailbox: Option<&Mailbox>, served: u64, spin: Duration) -> Inbound {
+/// mailbox request number answered; `socket_first`: the last request came over the socket,
+/// so the next one may be queued there already (closes sent without waiting come in
+/// bursts): look there at once.
+fn next_inbound(
+    conn: &OwnedFd,
+    mailbox: Option<&Mailbox>,
+    served: u64,
+    spin: Duration,
+    socket_first: bool,
+) -> Inbound {
     let socket = |got: Result<Received>| match got {
         Ok(Received::Packet(p, fds)) => {
             drop(fds); // consumers send none; close any they did
@@ -396,6 +404,13 @@ fn next_inbound(conn: &OwnedFd, mailbox: Option<&Mailbox>, served: u64, spin: Du
     let start = Instant::now();
     let mut socket_looked = start;
     mb.start_polling();
+    if socket_first && mb.peer_seq() == served {
+        match socket(wire::try_recv(conn.as_fd())) {
+            Some(Inbound::Socket(p)) if wire::is_doorbell(&p) => {}
+            Some(got) => return got,
+            None => {}
+        }
+    }
     loop {
         for _ in 0..POLLS_PER_YIELD {
             let seq = mb.peer_seq();
@@ -452,8 +467,16 @@ fn serve(shared: &Shared, conn: &OwnedFd) {
     // The last mailbox request number answered (the consumer numbers from 1).
     let mut served = 0u64;
     let mut last_heard = Instant::now();
+    let mut socket_first = false;
     while !shared.stop.load(Ordering::SeqCst) {
-        let inbound = next_inbound(conn, mailbox.as_ref(), served, shared.config.spin);
+        let inbound = next_inbound(
+            conn,
+            mailbox.as_ref(),
+            served,
+            shared.config.spin,
+            socket_first,
+        );
+        socket_first = matches!(&inbound, Inbound::Socket(p) if !wire::is_doorbell(p));
         let packet = match inbound {
             Inbound::Socket(p) => p,
             Inbound::Mailbox(seq) => {

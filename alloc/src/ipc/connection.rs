@@ -294,9 +294,9 @@ fn ask_for_mailbox(conn: &mut Connection) {
 }
 
 /// Make the mailbox free for a new request: read the replies up to that of its last
-/// request (waiting for it unless that request already timed out once). Returns whether
-/// it is free and nothing else is unanswered (a request then may go through it).
-fn free_mailbox(conn: &mut Connection) -> Result<bool> {
+/// request, waiting for it if `wait` and that request did not time out already. Returns
+/// whether it is free and nothing else is unanswered (a request then may go through it).
+fn free_mailbox(conn: &mut Connection, wait: bool) -> Result<bool> {
     let Some(last) = conn
         .unanswered
         .iter()
@@ -313,8 +313,9 @@ fn free_mailbox(conn: &mut Connection) -> Result<bool> {
     let MailboxUse::On { mailbox: mb, .. } = &conn.mailbox else {
         return Ok(false);
     };
-    if timed_out && mb.peer_seq() != seq {
-        // Still unanswered after a timeout: the socket carries what comes next.
+    if (timed_out || !wait) && mb.peer_seq() != seq {
+        // Still unanswered (after a timeout, or not to be waited for): the socket carries
+        // what comes next, and the broker answers the mailbox's request first.
         return Ok(false);
     }
     let mut stale_leases = Vec::new();
@@ -339,12 +340,21 @@ fn free_mailbox(conn: &mut Connection) -> Result<bool> {
 
 /// Send `packet` (the encoding of `req`, or of a batch `req` stands for): through the
 /// mailbox when its reply needs no fd and the mailbox can take it, else over the socket.
-fn post(conn: &mut Connection, packet: &[u8], req: &Request) -> Result<Channel> {
+/// With `wait_for_mailbox` (the caller waits for this reply anyway, which comes after the
+/// earlier one) a mailbox busy with a request sent without waiting is waited for; without
+/// (a close not waited for) the socket takes it, so closes stay pipelined when the broker
+/// lags behind.
+fn post(
+    conn: &mut Connection,
+    packet: &[u8],
+    req: &Request,
+    wait_for_mailbox: bool,
+) -> Result<Channel> {
     if !req.want_fd && req.op != Op::Mailbox && packet.len() <= wire::MAX_PACKET {
         if matches!(conn.mailbox, MailboxUse::NotAsked) {
             ask_for_mailbox(conn);
         }
-        if matches!(conn.mailbox, MailboxUse::On { .. }) && free_mailbox(conn)? {
+        if matches!(conn.mailbox, MailboxUse::On { .. }) && free_mailbox(conn, wait_for_mailbox)? {
             if let MailboxUse::On { mailbox, last_seq } = &mut conn.mailbox {
                 *last_seq += 1;
                 if mailbox.publish(*last_seq, packet) {
@@ -367,7 +377,7 @@ pub(super) fn send_close(conn: &mut Connection, req: &Request) -> Result<()> {
 
 /// [`send_close`] of `packet`, which `req` stands for in the queue of unanswered requests.
 pub(super) fn send_close_packet(conn: &mut Connection, packet: &[u8], req: &Request) -> Result<()> {
-    let channel = post(conn, packet, req)?;
+    let channel = post(conn, packet, req, false)?;
     conn.unanswered.push_back(Sent {
         req: req.clone(),
         channel,
@@ -447,7 +457,7 @@ pub(super) fn exchange(
     packet: &[u8],
     req: &Request,
 ) -> Result<(Vec<u8>, Option<OwnedFd>)> {
-    let channel = match post(conn, packet, req) {
+    let channel = match post(conn, packet, req, true) {
         Ok(c) => c,
         Err(e) => {
             // A broker that refused us (uid check) replied and hung up before our request:
