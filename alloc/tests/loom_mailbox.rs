@@ -1,5 +1,6 @@
 //! A **loom model** of the connection mailbox's doorbell handshake
-//! (alloc/src/ipc/mailbox.rs, `next_inbound` in broker.rs, `hear_mailbox` in connection.rs),
+//! (alloc/src/ipc/mailbox.rs: `Mailbox::publish`, the broker's `next_inbound`; the consumer's
+//! `hear_mailbox` in connection.rs),
 //! abstracted to what decides whether a message can be stranded: the two sequence numbers,
 //! the two polling flags, and the socket as one channel each way that carries doorbells.
 //!

@@ -29,8 +29,10 @@ use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 use crate::backend::DeviceId;
 use crate::error::{Error, Result};
 use crate::ipc::handle::{ShareHandle, MAX_SOCKET_NAME};
-use crate::ipc::mailbox::{mailbox_enabled, Mailbox, MAILBOX_BYTES, MAILBOX_MAGIC};
-use crate::ipc::wire::{self, Batch, Op, Received, Reply, Request};
+use crate::ipc::mailbox::{
+    mailbox_enabled, next_inbound, Inbound, Mailbox, MAILBOX_BYTES, MAILBOX_MAGIC,
+};
+use crate::ipc::wire::{self, Batch, Op, Reply, Request};
 use crate::pool::Pool;
 
 /// The default [`BrokerConfig::spin`], and how long the importer polls for a reply before
@@ -357,97 +359,6 @@ fn refuse(conn: OwnedFd, why: String) {
         });
     if spawned.is_err() {
         REFUSING.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// While polling a mailbox, how many looks at its request number between two yields.
-const POLLS_PER_YIELD: u32 = 64;
-/// While polling a mailbox, how often the socket is looked at too (requests that need an
-/// fd, doorbells, a consumer that hung up).
-const SOCKET_LOOK_EVERY: Duration = Duration::from_micros(4);
-
-/// What the connection's thread heard next.
-enum Inbound {
-    /// A request packet on the socket.
-    Socket(Vec<u8>),
-    /// A new request number in the mailbox (its bytes are still there).
-    Mailbox(u64),
-    /// Nothing for a receive timeout (the idle check's tick).
-    Idle,
-    /// The consumer hung up, or the socket failed.
-    Closed,
-}
-
-/// Wait for the next request: poll the mailbox (and now and then the socket) for `spin`,
-/// then sleep on the socket, which a request or a doorbell wakes. `served` is the last
-/// mailbox request number answered; `socket_first`: the last request came over the socket,
-/// so the next one may be queued there already (closes sent without waiting come in
-/// bursts): look there at once.
-fn next_inbound(
-    conn: &OwnedFd,
-    mailbox: Option<&Mailbox>,
-    served: u64,
-    spin: Duration,
-    socket_first: bool,
-) -> Inbound {
-    let socket = |got: Result<Received>| match got {
-        Ok(Received::Packet(p, fds)) => {
-            drop(fds); // consumers send none; close any they did
-            Some(Inbound::Socket(p))
-        }
-        Ok(Received::TimedOut) => None,
-        Ok(Received::Closed) | Err(_) => Some(Inbound::Closed),
-    };
-    let Some(mb) = mailbox else {
-        return socket(wire::recv_spin(conn.as_fd(), spin)).unwrap_or(Inbound::Idle);
-    };
-    let start = Instant::now();
-    let mut socket_looked = start;
-    mb.start_polling();
-    if socket_first && mb.peer_seq() == served {
-        match socket(wire::try_recv(conn.as_fd())) {
-            Some(Inbound::Socket(p)) if wire::is_doorbell(&p) => {}
-            Some(got) => return got,
-            None => {}
-        }
-    }
-    loop {
-        for _ in 0..POLLS_PER_YIELD {
-            let seq = mb.peer_seq();
-            if seq != served {
-                return Inbound::Mailbox(seq);
-            }
-            std::hint::spin_loop();
-        }
-        if start.elapsed() >= spin {
-            break;
-        }
-        if socket_looked.elapsed() >= SOCKET_LOOK_EVERY {
-            socket_looked = Instant::now();
-            match socket(wire::try_recv(conn.as_fd())) {
-                Some(Inbound::Socket(p)) if wire::is_doorbell(&p) => {}
-                Some(got) => return got,
-                None => {}
-            }
-        }
-        std::thread::yield_now();
-    }
-    // Dekker with the consumer's `publish`: flag down, then one more look, then sleep.
-    mb.stop_polling();
-    loop {
-        let seq = mb.peer_seq();
-        if seq != served {
-            mb.start_polling();
-            return Inbound::Mailbox(seq);
-        }
-        match socket(wire::recv(conn.as_fd())) {
-            Some(Inbound::Socket(p)) if wire::is_doorbell(&p) => continue,
-            Some(got) => {
-                mb.start_polling();
-                return got;
-            }
-            None => return Inbound::Idle,
-        }
     }
 }
 

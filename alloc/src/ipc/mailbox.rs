@@ -35,12 +35,13 @@
 use std::os::fd::{AsFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 
 use crate::error::{Error, Result};
-use crate::ipc::wire::MAX_PACKET;
+use crate::ipc::wire::{self, Received, MAX_PACKET};
 
 /// The first word of a mailbox: "gpuamb" and the layout version (1).
 pub(crate) const MAILBOX_MAGIC: u64 = 0x0001_626d_6175_7067;
@@ -278,6 +279,99 @@ impl Mailbox {
         self.write_bytes(REQ_BUF, &bytes[..bytes.len().min(MAX_PACKET)]);
         self.word(REQ_LEN).store(req_len, Ordering::Relaxed);
         self.word(REQ_SEQ).store(req_seq, Ordering::Release);
+    }
+}
+
+// The broker's side of waiting (the consumer's is `connection::hear_mailbox`).
+
+/// While polling a mailbox, how many looks at its request number between two yields.
+const POLLS_PER_YIELD: u32 = 64;
+/// While polling a mailbox, how often the socket is looked at too (requests that need an
+/// fd, doorbells, a consumer that hung up).
+const SOCKET_LOOK_EVERY: Duration = Duration::from_micros(4);
+
+/// What the connection's thread heard next.
+pub(crate) enum Inbound {
+    /// A request packet on the socket.
+    Socket(Vec<u8>),
+    /// A new request number in the mailbox (its bytes are still there).
+    Mailbox(u64),
+    /// Nothing for a receive timeout (the idle check's tick).
+    Idle,
+    /// The consumer hung up, or the socket failed.
+    Closed,
+}
+
+/// Wait for the next request: poll the mailbox (and now and then the socket) for `spin`,
+/// then sleep on the socket, which a request or a doorbell wakes. `served` is the last
+/// mailbox request number answered; `socket_first`: the last request came over the socket,
+/// so the next one may be queued there already (closes sent without waiting come in
+/// bursts): look there at once.
+pub(crate) fn next_inbound(
+    conn: &OwnedFd,
+    mailbox: Option<&Mailbox>,
+    served: u64,
+    spin: Duration,
+    socket_first: bool,
+) -> Inbound {
+    let socket = |got: Result<Received>| match got {
+        Ok(Received::Packet(p, fds)) => {
+            drop(fds); // consumers send none; close any they did
+            Some(Inbound::Socket(p))
+        }
+        Ok(Received::TimedOut) => None,
+        Ok(Received::Closed) | Err(_) => Some(Inbound::Closed),
+    };
+    let Some(mb) = mailbox else {
+        return socket(wire::recv_spin(conn.as_fd(), spin)).unwrap_or(Inbound::Idle);
+    };
+    let start = Instant::now();
+    let mut socket_looked = start;
+    mb.start_polling();
+    if socket_first && mb.peer_seq() == served {
+        match socket(wire::try_recv(conn.as_fd())) {
+            Some(Inbound::Socket(p)) if wire::is_doorbell(&p) => {}
+            Some(got) => return got,
+            None => {}
+        }
+    }
+    loop {
+        for _ in 0..POLLS_PER_YIELD {
+            let seq = mb.peer_seq();
+            if seq != served {
+                return Inbound::Mailbox(seq);
+            }
+            std::hint::spin_loop();
+        }
+        if start.elapsed() >= spin {
+            break;
+        }
+        if socket_looked.elapsed() >= SOCKET_LOOK_EVERY {
+            socket_looked = Instant::now();
+            match socket(wire::try_recv(conn.as_fd())) {
+                Some(Inbound::Socket(p)) if wire::is_doorbell(&p) => {}
+                Some(got) => return got,
+                None => {}
+            }
+        }
+        std::thread::yield_now();
+    }
+    // Dekker with the consumer's `publish`: flag down, then one more look, then sleep.
+    mb.stop_polling();
+    loop {
+        let seq = mb.peer_seq();
+        if seq != served {
+            mb.start_polling();
+            return Inbound::Mailbox(seq);
+        }
+        match socket(wire::recv(conn.as_fd())) {
+            Some(Inbound::Socket(p)) if wire::is_doorbell(&p) => continue,
+            Some(got) => {
+                mb.start_polling();
+                return got;
+            }
+            None => return Inbound::Idle,
+        }
     }
 }
 
