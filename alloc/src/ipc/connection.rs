@@ -277,7 +277,14 @@ fn ask_for_mailbox(conn: &mut Connection) {
                         };
                         return;
                     }
-                    Err(e) => e.to_string(),
+                    Err(e) => {
+                        static LOGGED: std::sync::atomic::AtomicBool =
+                            std::sync::atomic::AtomicBool::new(false);
+                        if !LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                            tracing::warn!(error = %e, "no IPC mailbox: requests go over the socket");
+                        }
+                        e.to_string()
+                    }
                 },
                 (Ok(r), _) => r.message,
                 (Err(e), _) => e.to_string(),
