@@ -74,7 +74,7 @@ fn garbage_on_the_socket_gets_error_replies_and_other_peers_are_unaffected() {
         expect_error(&b, &[], &format!("request of {n} bytes"));
     }
     // Unknown ops.
-    for op in [0u8, 5, 0x7f, 0xff] {
+    for op in [0u8, 6, 0x7f, 0xff] {
         let mut b = valid.clone();
         b[0] = op;
         expect_error(&b, &[], &format!("unknown request op {op}"));
@@ -413,12 +413,20 @@ fn wire_requests_from_another_version_are_refused_and_leave_no_lease() {
     op3[0] = 3;
     let r = round_trip(&raw, &op3);
     assert!(!r.ok && r.message.contains("malformed batch"), "{r:?}");
+    // (op 5 asks for the mailbox, every other field 0: refused here as malformed)
     let mut op5 = open_req(&h, true);
     op5[0] = 5;
     let r = round_trip(&raw, &op5);
-    assert!(!r.ok && r.message.contains("unknown request op 5"), "{r:?}");
+    assert!(
+        !r.ok && r.fds.is_empty() && r.message.contains("malformed mailbox request"),
+        "{r:?}"
+    );
+    let mut op6 = open_req(&h, true);
+    op6[0] = 6;
+    let r = round_trip(&raw, &op6);
+    assert!(!r.ok && r.message.contains("unknown request op 6"), "{r:?}");
     assert_eq!(imports_live(&p.pool), 0);
-    assert_eq!(p.broker.stats().bad_requests, 4);
+    assert_eq!(p.broker.stats().bad_requests, 5);
 }
 
 #[test]

@@ -19,6 +19,13 @@
 //! 0.83-0.98 us and close_many 0.71-0.73 us per share. `perf`: the CPU time of an import or
 //! a close is a few hundred ns; the rest of the wall time was the sleeps and wake-ups of
 //! the two threads (`finish_task_switch`, `__skb_wait_for_more_packets`).
+//!
+//! With the connection mailbox (requests needing no fd in shared memory; compare with
+//! `GPU_ARENA_IPC_MAILBOX=0`, same binary, interleaved on the shared 2-core VM): import of a
+//! mapped arena 10.3-11.0 -> 3.0-3.3 us and close 5.6-7.1 -> 1.8-2.2 us while each thread
+//! had a core; with CPU-bound neighbours taking the cores, import 10.6-11.0 -> 7.9-8.2 us and
+//! close unchanged; batches and share/unshare unchanged
+//! (bench/results/sim-2026-11-30-mailbox.md).
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;

@@ -22,7 +22,9 @@ arena the consumer maps already. Per-call medians, in microseconds:
   the consumer, in a separate pair of processes (PyTorch's CUDA IPC needs its allocator).
 
 GPU_ARENA_IPC_SPIN_US (default 50) is how long each side polls for the other's message
-before sleeping; ``--spin-us`` sets it for the gpu-arena processes. Runs in well under 2
+before sleeping; ``--spin-us`` sets it for the gpu-arena processes. Requests that need no
+fd go through each connection's shared-memory mailbox unless GPU_ARENA_IPC_MAILBOX=0 is in
+the environment (run once with it, once without, to compare). Runs in well under 2
 minutes. Exit status 1 when a target fails.
 """
 
@@ -343,7 +345,8 @@ def report(args, rows: dict) -> tuple:
     lines = [f"# gpu-arena share latency ({'sim' if args.sim else 'GPU'}), "
              f"{time.strftime('%Y-%m-%d %H:%M:%S')}", "",
              f"{args.n} blocks of 2 MiB; medians per call (batch rows: batch time / N); "
-             f"GPU_ARENA_IPC_SPIN_US={os.environ.get('GPU_ARENA_IPC_SPIN_US', '50 (default)')}.",
+             f"GPU_ARENA_IPC_SPIN_US={os.environ.get('GPU_ARENA_IPC_SPIN_US', '50 (default)')}, "
+             f"GPU_ARENA_IPC_MAILBOX={os.environ.get('GPU_ARENA_IPC_MAILBOX', '1 (default)')}.",
              "", "| call | median us | target | vs PyTorch | result |", "|---|---:|---|---|---|"]
     failed = 0
     for name, (us, target, ref) in rows.items():

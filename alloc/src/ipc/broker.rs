@@ -10,6 +10,11 @@
 //! - A connection that holds no lease and says nothing for [`BrokerConfig::idle_timeout`]
 //!   is closed, so a peer that connects and never speaks does not keep a thread forever.
 //! - Malformed requests get an error reply; they never take the broker down.
+//! - A consumer may ask for a shared-memory mailbox ([`crate::ipc::mailbox`]): then requests
+//!   whose reply carries no fd come through it, decoded and checked exactly as socket
+//!   packets are, and the connection's thread polls the mailbox (and, every few
+//!   microseconds, the socket) for [`BrokerConfig::spin`] after each request before it
+//!   sleeps on the socket, where a doorbell packet wakes it.
 
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, OwnedFd};
@@ -24,7 +29,10 @@ use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 use crate::backend::DeviceId;
 use crate::error::{Error, Result};
 use crate::ipc::handle::{ShareHandle, MAX_SOCKET_NAME};
-use crate::ipc::wire::{self, Batch, Op, Received, Reply, Request};
+use crate::ipc::mailbox::{
+    mailbox_enabled, next_inbound, Inbound, Mailbox, MAILBOX_BYTES, MAILBOX_MAGIC,
+};
+use crate::ipc::wire::{self, Batch, Op, Reply, Request};
 use crate::pool::Pool;
 
 /// The default [`BrokerConfig::spin`], and how long the importer polls for a reply before
@@ -57,6 +65,9 @@ pub struct BrokerConfig {
     /// request before it sleeps (see [`wire::recv_spin`]): requests in a burst are served
     /// without a wake-up each. Costs up to this much CPU per burst; zero turns it off.
     pub spin: Duration,
+    /// Whether consumers get a shared-memory mailbox for their requests when they ask
+    /// (default: [`crate::ipc::mailbox_enabled`], on unless `GPU_ARENA_IPC_MAILBOX=0`).
+    pub mailbox: bool,
 }
 
 impl Default for BrokerConfig {
@@ -67,6 +78,7 @@ impl Default for BrokerConfig {
             idle_timeout: Duration::from_secs(30),
             max_connections: 1024,
             spin: default_spin(),
+            mailbox: mailbox_enabled(),
         }
     }
 }
@@ -78,6 +90,7 @@ struct BrokerCounters {
     refused_peers: AtomicU64,
     bad_requests: AtomicU64,
     leases_dropped_on_disconnect: AtomicU64,
+    mailbox_requests: AtomicU64,
 }
 
 /// A snapshot of the broker's counters.
@@ -91,6 +104,8 @@ pub struct BrokerStats {
     pub bad_requests: u64,
     /// Leases closed because their connection ended (crashed or killed consumers).
     pub leases_dropped_on_disconnect: u64,
+    /// Requests that came through a mailbox instead of the socket.
+    pub mailbox_requests: u64,
 }
 
 struct Shared {
@@ -224,6 +239,7 @@ impl Broker {
             refused_peers: c.refused_peers.load(Ordering::Relaxed),
             bad_requests: c.bad_requests.load(Ordering::Relaxed),
             leases_dropped_on_disconnect: c.leases_dropped_on_disconnect.load(Ordering::Relaxed),
+            mailbox_requests: c.mailbox_requests.load(Ordering::Relaxed),
         }
     }
 }
@@ -358,45 +374,70 @@ fn serve(shared: &Shared, conn: &OwnedFd) {
     if let Err(e) = wire::set_recv_timeout(conn, tick) {
         tracing::warn!(error = %e, "broker connection without receive timeout");
     }
+    let mut mailbox: Option<Mailbox> = None;
+    // The last mailbox request number answered (the consumer numbers from 1).
+    let mut served = 0u64;
     let mut last_heard = Instant::now();
+    let mut socket_first = false;
     while !shared.stop.load(Ordering::SeqCst) {
-        let packet = match wire::recv_spin(conn.as_fd(), shared.config.spin) {
-            Ok(Received::Packet(p, fds)) => {
-                drop(fds); // consumers send none; close any they did
-                p
+        let inbound = next_inbound(
+            conn,
+            mailbox.as_ref(),
+            served,
+            shared.config.spin,
+            socket_first,
+        );
+        socket_first = matches!(&inbound, Inbound::Socket(p) if !wire::is_doorbell(p));
+        let packet = match inbound {
+            Inbound::Socket(p) => p,
+            Inbound::Mailbox(seq) => {
+                last_heard = Instant::now();
+                served = seq;
+                if let Some(mb) = &mailbox {
+                    serve_mailbox(shared, conn, mb, seq, &mut leases);
+                }
+                continue;
             }
-            Ok(Received::TimedOut) => {
+            Inbound::Idle => {
                 if leases.is_empty() && last_heard.elapsed() >= shared.config.idle_timeout {
                     break;
                 }
                 continue;
             }
-            Ok(Received::Closed) | Err(_) => break,
+            Inbound::Closed => break,
         };
         last_heard = Instant::now();
-        let (bytes, fd) = if Batch::is_batch(&packet) {
-            let (ok, bytes) = match Batch::decode(&packet) {
-                Ok(batch) => handle_batch(shared, batch, &mut leases),
-                Err(e) => (false, Reply::error(e.to_string()).encode()),
-            };
+        if let Some(mb) = &mailbox {
+            // Requests are answered in the order the consumer sent them: one it published
+            // in the mailbox before sending this packet goes first.
+            let seq = mb.peer_seq();
+            if seq != served {
+                served = seq;
+                serve_mailbox(shared, conn, mb, seq, &mut leases);
+            }
+        }
+        let (bytes, fd) = if wire::is_doorbell(&packet) {
+            continue;
+        } else if packet.first() == Some(&(Op::Mailbox as u8)) && mailbox.is_none() {
+            match Request::decode(&packet) {
+                Ok(req) => open_mailbox(shared, &req, &mut mailbox),
+                Err(e) => {
+                    shared.counters.bad_requests.fetch_add(1, Ordering::Relaxed);
+                    (Reply::error(e.to_string()).encode(), None)
+                }
+            }
+        } else {
+            let (bytes, fd, ok) = answer(shared, &packet, &mut leases);
             if !ok {
                 shared.counters.bad_requests.fetch_add(1, Ordering::Relaxed);
             }
-            (bytes, None)
-        } else {
-            let (reply, fd) = match Request::decode(&packet) {
-                Ok(req) => handle(shared, &req, &mut leases),
-                Err(e) => (Reply::error(e.to_string()), None),
-            };
-            if !reply.ok {
-                shared.counters.bad_requests.fetch_add(1, Ordering::Relaxed);
-            }
-            (reply.encode(), fd)
+            (bytes, fd)
         };
         if wire::send(conn.as_fd(), &bytes, fd.as_ref().map(|f| f.as_fd())).is_err() {
             break;
         }
     }
+    drop(mailbox);
     let dropped = leases.len() as u64;
     for (device, lease) in leases {
         if let Err(e) = shared.pool.close_lease(device, lease) {
@@ -412,6 +453,112 @@ fn serve(shared: &Shared, conn: &OwnedFd) {
             leases = dropped,
             "consumer disconnected holding leases; dropped them"
         );
+    }
+}
+
+/// Answer request `seq` of the mailbox in the mailbox, ringing the consumer's doorbell if
+/// it may be asleep. The bytes are the consumer's: copied out, bounds-checked, decoded as a
+/// socket packet is; a request whose reply would carry an fd is refused (fds travel only
+/// over the socket).
+fn serve_mailbox(
+    shared: &Shared,
+    conn: &OwnedFd,
+    mb: &Mailbox,
+    seq: u64,
+    leases: &mut HashSet<(DeviceId, u32)>,
+) {
+    shared
+        .counters
+        .mailbox_requests
+        .fetch_add(1, Ordering::Relaxed);
+    let (bytes, ok) = match mb.peer_bytes() {
+        Ok(packet) => {
+            let wants_fd = !Batch::is_batch(&packet)
+                && Request::decode(&packet).is_ok_and(|r| r.want_fd || r.op == Op::Mailbox);
+            if wants_fd {
+                let why = "a request whose reply carries an fd must come over the socket";
+                (Reply::error(why).encode(), false)
+            } else {
+                let (bytes, fd, ok) = answer(shared, &packet, leases);
+                drop(fd); // none: refused above
+                (bytes, ok)
+            }
+        }
+        Err(e) => (Reply::error(e.to_string()).encode(), false),
+    };
+    if !ok {
+        shared.counters.bad_requests.fetch_add(1, Ordering::Relaxed);
+    }
+    if mb.publish(seq, &bytes) {
+        wire::ring(conn.as_fd());
+    }
+}
+
+/// Decode and serve one request or batch: the reply's bytes, its fd, and whether it
+/// succeeded.
+fn answer(
+    shared: &Shared,
+    packet: &[u8],
+    leases: &mut HashSet<(DeviceId, u32)>,
+) -> (Vec<u8>, Option<OwnedFd>, bool) {
+    if Batch::is_batch(packet) {
+        let (ok, bytes) = match Batch::decode(packet) {
+            Ok(batch) => handle_batch(shared, batch, leases),
+            Err(e) => (false, Reply::error(e.to_string()).encode()),
+        };
+        (bytes, None, ok)
+    } else {
+        let (reply, fd) = match Request::decode(packet) {
+            Ok(req) => handle(shared, &req, leases),
+            Err(e) => (Reply::error(e.to_string()), None),
+        };
+        (reply.encode(), fd, reply.ok)
+    }
+}
+
+/// Answer a consumer's request for a mailbox (op 5, on the socket): the reply carries its
+/// fd. A broker with mailboxes off, or one whose memfd fails, declines (the consumer keeps
+/// to the socket; not counted as a bad request).
+fn open_mailbox(
+    shared: &Shared,
+    req: &Request,
+    mailbox: &mut Option<Mailbox>,
+) -> (Vec<u8>, Option<OwnedFd>) {
+    let zero = !req.want_fd
+        && req.device == 0
+        && req.key == 0
+        && req.arena_id == 0
+        && req.token == [0; 16]
+        && req.generation == 0;
+    if !zero {
+        shared.counters.bad_requests.fetch_add(1, Ordering::Relaxed);
+        return (Reply::error("malformed mailbox request").encode(), None);
+    }
+    if !shared.config.mailbox {
+        return (
+            Reply::error("mailboxes are off at this producer").encode(),
+            None,
+        );
+    }
+    match Mailbox::create() {
+        Ok((mb, fd)) => {
+            *mailbox = Some(mb);
+            let reply = Reply {
+                ok: true,
+                pinning: false,
+                lease_key: (MAILBOX_MAGIC >> 48) as u32,
+                arena_bytes: MAILBOX_BYTES as u64,
+                message: String::new(),
+            };
+            (reply.encode(), Some(fd))
+        }
+        Err(e) => {
+            static LOGGED: AtomicBool = AtomicBool::new(false);
+            if !LOGGED.swap(true, Ordering::Relaxed) {
+                tracing::warn!(error = %e, "no IPC mailbox: requests go over the socket");
+            }
+            (Reply::error(e.to_string()).encode(), None)
+        }
     }
 }
 
@@ -443,6 +590,11 @@ fn handle(
             Err(e) => (Reply::error(e.to_string()), None),
         },
         Op::OpenMany | Op::CloseMany => (Reply::error("malformed request"), None),
+        // (Served by `open_mailbox` on the socket; a second one is refused here.)
+        Op::Mailbox => (
+            Reply::error("malformed mailbox request (this connection has one)"),
+            None,
+        ),
         Op::Close => {
             if !leases.contains(&(req.device, req.key)) {
                 return (

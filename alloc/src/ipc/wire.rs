@@ -17,6 +17,14 @@
 //! opened; the reply says which entry and why); the reply's message bytes are then the
 //! lease keys, `u32` each, in order. `op` 4 = close leases, entries `lease_key u32`: all must
 //! be held by this connection, or none is closed.
+//!
+//! Mailbox (see `ipc::mailbox`): `op` 5 (every other field 0) asks for the connection's
+//! shared-memory mailbox; the reply carries its memfd, `lease_key` = the layout version,
+//! `arena_bytes` = its size. A broker without mailboxes (an older one, or one with
+//! `GPU_ARENA_IPC_MAILBOX=0`) answers with an error, and the consumer keeps to the socket.
+//! Requests and replies in the mailbox are the bytes described above. A [`DOORBELL`] packet
+//! (8 bytes, never a request nor a reply) only wakes a peer asleep on the socket: the news
+//! is in the mailbox.
 
 use std::io::IoSliceMut;
 use std::mem::MaybeUninit;
@@ -47,6 +55,23 @@ pub(crate) enum Op {
     OpenMany = 3,
     /// A [`Batch::Close`] (likewise).
     CloseMany = 4,
+    /// Ask for the connection's mailbox (its fd comes with the reply).
+    Mailbox = 5,
+}
+
+/// The doorbell packet: "look at the mailbox". Shorter than any request or reply.
+pub(crate) const DOORBELL: [u8; 8] = *b"gpuaring";
+
+/// Whether `packet` is a [`DOORBELL`].
+pub(crate) fn is_doorbell(packet: &[u8]) -> bool {
+    packet == DOORBELL
+}
+
+/// Ring the peer's doorbell without blocking: a full socket queue already holds unread
+/// packets (doorbells or replies), so the peer wakes anyway. Errors are the caller's
+/// concern only as a dead peer, which the socket reports again at the next receive.
+pub(crate) fn ring(sock: BorrowedFd<'_>) {
+    let _ = rustix::net::send(sock, &DOORBELL, SendFlags::NOSIGNAL | SendFlags::DONTWAIT);
 }
 
 /// A consumer's request.
@@ -86,6 +111,7 @@ impl Request {
         let op = match b[0] {
             1 => Op::Open,
             2 => Op::Close,
+            5 => Op::Mailbox,
             x => return Err(Error::Ipc(format!("unknown request op {x}"))),
         };
         if b[1] > 1 || b[2..4] != [0, 0] || b[12..16] != [0; 4] {
