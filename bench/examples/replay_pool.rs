@@ -4,7 +4,8 @@
 //!
 //! ```text
 //! cargo run --release -p gpu-arena-bench --example replay_pool -- \
-//!     [--replays 3] [--arena-mib 1024] [--seed N] [--pairs 1000000]
+//!     [--replays 3] [--arena-mib 1024] [--seed N] [--pairs 1000000] [--long 1]
+//! (`--long 1`: the second trace, `TraceConfig::long_context`.)
 //! ```
 //!
 //! Prints the 2 MiB alloc+free pair time, then per replay ns/op, peak reserved and arenas.
@@ -19,7 +20,8 @@ use gpu_arena_bench::trace::{generate, Op, TraceConfig};
 
 fn main() {
     let (mut replays, mut arena_mib, mut pairs) = (3usize, 1024u64, 1_000_000u64);
-    let mut seed = TraceConfig::default().seed;
+    let mut seed = None;
+    let mut long = false;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().unwrap_or_default();
@@ -29,14 +31,20 @@ fn main() {
         match flag.as_str() {
             "--replays" => replays = n as usize,
             "--arena-mib" => arena_mib = n,
-            "--seed" => seed = n,
+            "--seed" => seed = Some(n),
+            "--long" => long = n != 0,
             "--pairs" => pairs = n,
             other => panic!("unknown flag {other}"),
         }
     }
+    let base = if long {
+        TraceConfig::long_context()
+    } else {
+        TraceConfig::default()
+    };
     let trace = generate(&TraceConfig {
-        seed,
-        ..TraceConfig::default()
+        seed: seed.unwrap_or(base.seed),
+        ..base
     });
     let backend = SimBackend::new(SimConfig {
         capacity: 256 << 30,
