@@ -4,7 +4,7 @@
 # package's tests (tests/python) against the installed wheel: the wheel is built
 # (scripts/build-wheel.sh --dev), installed with tests/python/requirements.txt (pinned) into
 # a fresh venv (target/test-venv) with NIXL (tests/python/requirements-nixl.txt), and pytest runs there with GPU_ARENA_LIB unset, python/
-# off the path and GPU_ARENA_EXPECT_INSTALLED=1 (test_install.py checks the package and its
+# off the path, GPU_ARENA_REQUIRE_NIXL=1 (test_nixl_sim.py fails, not skips, without NIXL) and GPU_ARENA_EXPECT_INSTALLED=1 (test_install.py checks the package and its
 # library come from the venv). GPU-only tests are #[ignore]d / skipped here;
 # scripts/gpu-check.sh runs them, and tests/gpu/, on a GPU.
 # Needs Rust and Python 3 with pip and venv; fetches from PyPI what the wheel build and the
@@ -19,5 +19,5 @@ rm -rf "$venv"
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check "$wheel" -r tests/python/requirements.txt
 "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r tests/python/requirements-nixl.txt
-env -u GPU_ARENA_LIB -u PYTHONPATH GPU_ARENA_EXPECT_INSTALLED=1 \
+env -u GPU_ARENA_LIB -u PYTHONPATH GPU_ARENA_EXPECT_INSTALLED=1 GPU_ARENA_REQUIRE_NIXL=1 \
   "$venv/bin/python" -m pytest -q -rs tests/python

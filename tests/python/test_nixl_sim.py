@@ -6,6 +6,7 @@ transport checked, KV-cache sizes) is tests/gpu/gpu_nixl_kv.py."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -14,12 +15,16 @@ import pytest
 
 from conftest import child_env, result_of, run_python
 
-try:  # installed by scripts/test.sh; a missing NIXL fails here (no skip) unless asked
+# scripts/test.sh installs NIXL and sets GPU_ARENA_REQUIRE_NIXL=1: there (and so in CI) a
+# missing NIXL fails; elsewhere (a GPU machine's torch run without NIXL) the module skips.
+try:
     from gpu_arena.nixl import import_nixl
 
     import_nixl()
-except ImportError as e:  # pragma: no cover
-    raise ImportError(f"{e} (scripts/test.sh installs it)") from e
+except ImportError as e:
+    if os.environ.get("GPU_ARENA_REQUIRE_NIXL") == "1":
+        raise ImportError(f"{e} (scripts/test.sh installs it)") from e
+    pytest.skip(f"NIXL is not installed: {e}", allow_module_level=True)
 
 ENV = {"GPU_ARENA_BACKEND": "sim", "UCX_PROTO_INFO": "y"}
 PRELUDE = """
