@@ -1,0 +1,97 @@
+//! Where an alloc+free pair's time goes (issue #14): the pool's warm pair against the floor
+//! of what any allocator with a pointer-keyed record must do (one hash insert and one hash
+//! remove of a 40-byte record, one free-list pop and one push), in one process.
+//!
+//! ```text
+//! cargo run --release -p gpu-arena-bench --example pair_cost -- [--pairs 2000000] [--which both|pool|floor]
+//! valgrind --tool=callgrind --collect-atstart=no --toggle-collect='*pool_pairs*' \
+//!     target/release/examples/pair_cost --pairs 200000 --which pool
+//! ```
+//!
+//! The pool's pairs are 2 MiB on one stream (the thread cache's hit path after the first
+//! pair), through `Pool::alloc` / `Pool::free` on the sim backend. `--which` runs one side
+//! alone (for callgrind). The figures and the callgrind breakdown are in
+//! `bench/results/sim-2026-11-30-pair-cost.md` and `bench/gpu/README.md`.
+#![allow(clippy::unwrap_used)]
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Instant;
+
+use gpu_arena::backend::sim::{SimBackend, SimConfig};
+use gpu_arena::{Pool, PoolConfig, StreamId};
+use rustc_hash::FxHashMap;
+
+const BLOCK: u64 = 2 << 20;
+
+/// A record the size of the pool's live record (`Live`, 40 bytes).
+#[derive(Clone, Copy)]
+struct Record {
+    _words: [u64; 5],
+}
+
+#[inline(never)]
+fn pool_pairs(pool: &Pool, n: u64) -> f64 {
+    let t0 = Instant::now();
+    for _ in 0..n {
+        let a = pool.alloc(0, BLOCK, StreamId(7)).unwrap();
+        pool.free(black_box(a.ptr)).unwrap();
+    }
+    t0.elapsed().as_nanos() as f64 / n as f64
+}
+
+#[inline(never)]
+fn floor_pairs(n: u64) -> f64 {
+    let mut live: FxHashMap<u64, Record> = FxHashMap::default();
+    live.reserve(1024);
+    let mut free: Vec<u64> = (0..64).map(|i| 0x7f00_0000_0000 + i * BLOCK).collect();
+    let t0 = Instant::now();
+    for i in 0..n {
+        let ptr = free.pop().unwrap();
+        live.insert(ptr, black_box(Record { _words: [i; 5] }));
+        let rec = live.remove(black_box(&ptr)).unwrap();
+        black_box(rec);
+        free.push(ptr);
+    }
+    t0.elapsed().as_nanos() as f64 / n as f64
+}
+
+fn main() {
+    let (mut n, mut which) = (2_000_000u64, "both".to_string());
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let v = args.next().unwrap_or_default();
+        match flag.as_str() {
+            "--pairs" => n = v.parse().expect("a number"),
+            "--which" => which = v,
+            _ => panic!("unknown flag {flag} (--pairs, --which)"),
+        }
+    }
+    let sim = SimBackend::new(SimConfig {
+        capacity: 64 << 30,
+        ..SimConfig::default()
+    })
+    .unwrap();
+    let pool = Pool::new(
+        Arc::new(sim),
+        PoolConfig {
+            validate: false,
+            ..PoolConfig::default()
+        },
+    )
+    .unwrap();
+    pool_pairs(&pool, 1000); // the arena, the thread cache
+    for round in 0..3 {
+        let p = (which != "floor").then(|| pool_pairs(&pool, n));
+        let f = (which != "pool").then(|| floor_pairs(n));
+        match (p, f) {
+            (Some(p), Some(f)) => println!(
+                "round {round}: pool pair {p:.1} ns, floor {f:.1} ns, pool/floor {:.2}",
+                p / f
+            ),
+            (Some(p), None) => println!("round {round}: pool pair {p:.1} ns"),
+            (None, Some(f)) => println!("round {round}: floor {f:.1} ns"),
+            (None, None) => {}
+        }
+    }
+}
