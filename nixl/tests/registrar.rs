@@ -44,30 +44,29 @@ fn one_registration_per_arena_and_descriptors() {
     let pool = Pool::new(sim.clone(), config).unwrap();
     let reg = Arc::new(ArenaRegistrar::new(Fake::default()));
     let id = pool.observe_arenas(reg.clone());
-    let blocks: Vec<_> = (0..20)
-        .map(|_| pool.alloc(0, 256 << 10, S).unwrap())
-        .collect();
+    // Large blocks (small ones, up to 1 MiB, have 2 MiB arenas of their own).
+    let blocks: Vec<_> = (0..4).map(|_| pool.alloc(0, 2 * MIB, S).unwrap()).collect();
     assert_eq!(
         reg.registered().len(),
         1,
-        "20 blocks, one arena, one registration"
+        "4 blocks, one arena, one registration"
     );
-    let d = reg.descriptor(0, blocks[3].ptr, blocks[3].bytes).unwrap();
+    let d = reg.descriptor(0, blocks[1].ptr, blocks[1].bytes).unwrap();
     assert_eq!(
         (d.arena_id, d.addr(), d.len),
-        (1, blocks[3].ptr, blocks[3].bytes)
+        (1, blocks[1].ptr, blocks[1].bytes)
     );
     assert!(
-        reg.descriptor(1, blocks[3].ptr, 1).is_none(),
+        reg.descriptor(1, blocks[1].ptr, 1).is_none(),
         "another device"
     );
     assert!(
-        reg.descriptor(0, blocks[3].ptr, 9 * MIB).is_none(),
+        reg.descriptor(0, blocks[1].ptr, 9 * MIB).is_none(),
         "past the arena"
     );
-    let share = pool.share(blocks[5].ptr + 512, 1024).unwrap();
+    let share = pool.share(blocks[2].ptr + 512, 1024).unwrap();
     let s = reg.share_descriptor(&share).unwrap();
-    assert_eq!((s.addr(), s.len), (blocks[5].ptr + 512, 1024));
+    assert_eq!((s.addr(), s.len), (blocks[2].ptr + 512, 1024));
     pool.unshare(0, share.share_key, &share.token).unwrap();
     let big = pool.alloc(0, 20 * MIB, S).unwrap();
     assert_eq!(reg.registered().len(), 2);
