@@ -72,10 +72,17 @@ fn large_requests_get_a_dedicated_arena_rounded_to_granularity() {
     assert_eq!(s.reserved_bytes, 102 * MIB, "rounded up to 2 MiB granules");
     assert_eq!(s.arenas, 1);
     pool.free(a.ptr).unwrap();
-    // The freed dedicated arena serves later requests until empty_cache.
-    let b = pool.alloc(0, 10 * MIB, S1).unwrap();
+    // The freed dedicated arena serves later huge requests (above HUGE_MIN) until
+    // empty_cache; a large one that is not huge gets an arena of its class instead.
+    let b = pool.alloc(0, 80 * MIB, S1).unwrap();
     assert_eq!(b.ptr, a.ptr);
     assert_eq!(pool.stats(0).unwrap().arenas, 1);
+    let c = pool.alloc(0, 10 * MIB, S1).unwrap();
+    assert!(
+        c.ptr < a.ptr || c.ptr >= a.ptr + 102 * MIB,
+        "not in the huge arena"
+    );
+    assert_eq!(pool.stats(0).unwrap().arenas, 2);
 }
 
 #[test]

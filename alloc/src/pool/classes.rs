@@ -1,5 +1,7 @@
-//! Size classes: small blocks (up to [`LARGE_MIN`], PyTorch's small/large boundary) and
-//! large blocks never share an arena, so a few small tensors cannot pin a large arena.
+//! Size classes: small blocks (up to [`LARGE_MIN`], PyTorch's small/large boundary), large
+//! blocks and huge blocks (above [`HUGE_MIN`]) never share an arena, so a few small tensors
+//! cannot pin a large arena, and large temporaries do not have to find room in the holes
+//! that KV blocks leave.
 //!
 //! Each (tag, class) has its own sub-allocator ([`Class::index`] into
 //! `DeviceState::ranges`) and its own arenas:
@@ -12,6 +14,13 @@
 //!   large survivor keeps its whole arena after `empty_cache`: an arena is one physical
 //!   allocation and one export when shared. The choice, and the bound it gives, are in
 //!   docs/ARCHITECTURE.md ("Survivors after empty_cache").
+//!
+//! - **huge** arenas (blocks above [`HUGE_MIN`]) are `arena_size` bytes too (or the block's
+//!   own size when larger), holding only huge blocks. Among 2 MiB KV blocks, a freed 256 MiB
+//!   temporary's range was soon split by KV blocks and the next one needed a fresh arena:
+//!   the second KV trace (`TraceConfig::long_context`) reserved 1.34x its live bytes on sim,
+//!   1.03x with this class (PyTorch: 1.08 on the H200). A huge-class miss takes back only
+//!   huge blocks from the thread caches (see `DeviceState::flush_cached_above`).
 //!
 //! A miss in one class flushes and settles only that class's cached blocks and free ranges:
 //! small misses are frequent (a 2 MiB arena fills quickly), and moving the large class's
@@ -41,7 +50,14 @@ pub(crate) struct Class {
     pub(crate) tag: u8,
     /// Blocks up to [`LARGE_MIN`] bytes.
     pub(crate) small: bool,
+    /// Blocks above [`HUGE_MIN`] bytes.
+    pub(crate) huge: bool,
 }
+
+/// Blocks above this many bytes are *huge*: arenas of their own class. 64 MiB on the
+/// measurements (bench/results/sim-2026-11-30-huge-class.md): from 8 to 32 MiB the repo's
+/// KV trace grew one more 1 GiB arena; 128 MiB let the second trace grow in its third replay.
+pub const HUGE_MIN: u64 = 64 * MIB;
 
 impl Class {
     /// The class serving a block of `len` bytes (a [`super::block_len`]) with tag `tag`.
@@ -50,13 +66,14 @@ impl Class {
         Class {
             tag,
             small: len <= LARGE_MIN,
+            huge: len > HUGE_MIN,
         }
     }
 
     /// Its index in `DeviceState::ranges`.
     #[inline]
     pub(crate) fn index(self) -> usize {
-        usize::from(self.tag) * 2 + usize::from(self.small)
+        usize::from(self.tag) * 3 + usize::from(self.small) + 2 * usize::from(self.huge)
     }
 }
 
@@ -66,6 +83,7 @@ impl Arena {
         Class {
             tag: self.tag,
             small: self.small,
+            huge: self.huge,
         }
     }
 }

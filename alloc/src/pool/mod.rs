@@ -9,9 +9,11 @@
 //! serves most temporaries); above 1 MiB ([`LARGE_MIN`]) to 2 MiB multiples, so the holes
 //! large blocks leave fit other large blocks. Small blocks (up to [`LARGE_MIN`]) come from
 //! 2 MiB small arenas ([`SMALL_ARENA`]), large ones up to `arena_size` from shared arenas of
-//! `arena_size` bytes, and a larger request gets an arena of its own, rounded up to the
-//! backend's granularity: small and large blocks never share an arena, so after
-//! `empty_cache` a small survivor keeps at most 2 MiB (`pool/classes.rs`). The default arena
+//! `arena_size` bytes, huge ones (above [`HUGE_MIN`]) from shared arenas of their own class,
+//! and a request larger than `arena_size` gets an arena of its own, rounded up to the
+//! backend's granularity: small, large and huge blocks never share an arena, so after
+//! `empty_cache` a small survivor keeps at most 2 MiB, and large temporaries do not need
+//! fresh arenas among the holes of KV blocks (`pool/classes.rs`). The default arena
 //! size is chosen by measurement (see [`PoolConfig::arena_size`]).
 //!
 //! **Streams.** Free ranges are tagged with the stream they were freed on. An allocation on
@@ -90,7 +92,7 @@ mod thread_cache;
 mod trace;
 mod wake;
 
-pub use classes::{SMALL_ARENA, SMALL_GROW_FREELY};
+pub use classes::{HUGE_MIN, SMALL_ARENA, SMALL_GROW_FREELY};
 pub use limits::{MaxReserved, MIN_ARENA_SIZE};
 pub use observers::{
     ArenaInfo, ArenaObserver, ObserverError, ObserverId, ARENA_EXPORTED, ARENA_PINNED,
@@ -221,6 +223,8 @@ pub(crate) struct Arena {
     pub(crate) tag: u8,
     /// Whether it holds small blocks (`pool/classes.rs`).
     pub(crate) small: bool,
+    /// Whether it holds huge blocks (`pool/classes.rs`).
+    pub(crate) huge: bool,
     /// While asleep (`pool/sleep.rs`): the contents kept on the host, if offloaded.
     pub(crate) sleep: Option<sleep::Asleep>,
 }
