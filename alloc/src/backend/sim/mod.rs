@@ -75,7 +75,7 @@
 //! mapping and event handles come from one counter, so they are unique across kinds and
 //! never reused.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -87,12 +87,17 @@ use super::{
 };
 use crate::error::{Error, Result};
 
+mod state;
 mod sys;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_faults;
 mod types;
 
-use sys::{file_info, map_shared, sys_err, unmap, Region};
+use state::{ArenaEntry, EventEntry, ImportEntry, Inner, Owner};
+
+use sys::{file_info, map_shared, sys_err, unmap};
 pub use types::{SimCall, SimConfig, SimLedger};
 
 /// The backend name in errors and [`Backend::name`].
@@ -106,223 +111,6 @@ fn injected(call: SimCall) -> Error {
         backend: NAME,
         call: call.name(),
         message: "injected fault".to_owned(),
-    }
-}
-
-/// The owner's side of a live arena: its memfd and its mapping at `base`.
-#[derive(Debug)]
-struct Owner {
-    /// `None` while the arena sleeps (`release_physical`): its region is then an
-    /// inaccessible reservation and its bytes are not held.
-    memfd: Option<OwnedFd>,
-    region: Region,
-}
-
-/// One arena in the ledger, from `create_arena` until its bytes are released.
-#[derive(Debug)]
-struct ArenaEntry {
-    device: DeviceId,
-    base: u64,
-    bytes: u64,
-    /// `(st_dev, st_ino)` of the memfd: how imports recognise this backend's own exports.
-    inode: (u64, u64),
-    /// `None` once the owner destroyed the arena.
-    owner: Option<Owner>,
-    open_exports: usize,
-    mappings: usize,
-    pinned: bool,
-}
-
-impl ArenaEntry {
-    /// Whether the owner put the arena to sleep (addresses reserved, no memory held).
-    fn asleep(&self) -> bool {
-        self.owner.as_ref().is_some_and(|o| o.memfd.is_none())
-    }
-
-    /// Whether nothing holds the bytes any more (the entry can leave the ledger).
-    fn released(&self) -> bool {
-        self.owner.is_none() && self.open_exports == 0 && self.mappings == 0 && !self.pinned
-    }
-
-    fn check(&self, arena: &ArenaMem, call: &str) -> Result<()> {
-        if self.device != arena.device || self.base != arena.base || self.bytes != arena.bytes {
-            return Err(Error::invalid(format!(
-                "sim {call}: arena {} is {} bytes at {:#x} on device {}, not {} bytes at \
-                 {:#x} on device {}",
-                arena.handle,
-                self.bytes,
-                self.base,
-                self.device,
-                arena.bytes,
-                arena.base,
-                arena.device
-            )));
-        }
-        Ok(())
-    }
-}
-
-/// A mapping made by `import`.
-#[derive(Debug)]
-struct ImportEntry {
-    device: DeviceId,
-    bytes: u64,
-    region: Region,
-    /// The arena of this backend it maps, or `None` for foreign memory.
-    arena: Option<u64>,
-}
-
-#[derive(Debug)]
-struct EventEntry {
-    device: DeviceId,
-    stream: StreamId,
-    done: bool,
-}
-
-/// Counts and scheduled faults of one [`SimCall`].
-#[derive(Debug, Default)]
-struct FaultPlan {
-    calls: u64,
-    /// Absolute call numbers (1-based) that fail.
-    fail_at: BTreeSet<u64>,
-    always: bool,
-}
-
-#[derive(Debug)]
-struct Inner {
-    arenas: BTreeMap<u64, ArenaEntry>,
-    by_inode: HashMap<(u64, u64), u64>,
-    imports: BTreeMap<u64, ImportEntry>,
-    events: HashMap<u64, EventEntry>,
-    blocked: HashSet<(DeviceId, StreamId)>,
-    /// Export fds kept by failed `close_export` calls (see the module docs).
-    stranded: Vec<OwnedFd>,
-    /// Next arena, mapping or event id: one counter, so ids are unique across kinds.
-    next_id: u64,
-    faults: [FaultPlan; SimCall::ALL.len()],
-    /// Host buffers from `alloc_host` not yet given back with `free_host`.
-    host_buffers: u64,
-}
-
-impl Inner {
-    /// Count a call and fail it if a fault is scheduled for it.
-    fn enter(&mut self, call: SimCall) -> Result<()> {
-        let plan = &mut self.faults[call.index()];
-        plan.calls += 1;
-        let n = plan.calls;
-        if plan.always || plan.fail_at.remove(&n) {
-            return Err(injected(call));
-        }
-        Ok(())
-    }
-
-    fn take_id(&mut self) -> u64 {
-        let id = self.next_id;
-        self.next_id += 1;
-        id
-    }
-
-    fn held_bytes(&self, device: DeviceId) -> u64 {
-        self.arenas
-            .values()
-            .filter(|a| a.device == device && !a.asleep())
-            .map(|a| a.bytes)
-            .sum()
-    }
-
-    fn arena_mut(&mut self, arena: &ArenaMem, call: &str) -> Result<&mut ArenaEntry> {
-        let entry = self.arenas.get_mut(&arena.handle).ok_or_else(|| {
-            Error::invalid(format!(
-                "sim {call}: unknown sim arena {} (never created, or already released)",
-                arena.handle
-            ))
-        })?;
-        entry.check(arena, call)?;
-        Ok(entry)
-    }
-
-    /// Drop the arena's entry if nothing holds its bytes any more.
-    fn retire_if_released(&mut self, id: u64) {
-        if !self.arenas.get(&id).is_some_and(ArenaEntry::released) {
-            return;
-        }
-        if let Some(entry) = self.arenas.remove(&id) {
-            if self.by_inode.get(&entry.inode) == Some(&id) {
-                self.by_inode.remove(&entry.inode);
-            }
-        }
-    }
-
-    /// Uncount one open export of the arena whose memfd inode is `key`; returns the arena's
-    /// id, or `None` when `key` is not a counted export of one of our arenas.
-    fn uncount_export(&mut self, key: (u64, u64)) -> Option<u64> {
-        let id = *self.by_inode.get(&key)?;
-        let entry = self.arenas.get_mut(&id)?;
-        if entry.open_exports == 0 {
-            return None;
-        }
-        entry.open_exports -= 1;
-        Some(id)
-    }
-
-    /// Whether `key` is the inode of one of our arenas with a counted open export.
-    fn is_counted_export(&self, key: (u64, u64)) -> bool {
-        self.by_inode
-            .get(&key)
-            .and_then(|id| self.arenas.get(id))
-            .is_some_and(|a| a.open_exports > 0)
-    }
-
-    /// `addr..addr + len` lies inside one live, awake arena of `device`.
-    fn check_awake_range(&self, device: DeviceId, addr: u64, len: u64) -> Result<()> {
-        let ok = self.arenas.values().any(|a| {
-            a.device == device
-                && a.owner.is_some()
-                && !a.asleep()
-                && addr >= a.base
-                && addr
-                    .checked_add(len)
-                    .is_some_and(|end| end <= a.base + a.bytes)
-        });
-        if ok {
-            Ok(())
-        } else {
-            Err(Error::UnknownPointer {
-                ptr: addr,
-                why: format!("{len} bytes from here are not inside a live, awake sim arena of device {device}"),
-            })
-        }
-    }
-
-    fn ledger(&self, device: DeviceId) -> SimLedger {
-        let mut l = SimLedger::default();
-        for a in self.arenas.values().filter(|a| a.device == device) {
-            if a.asleep() {
-                l.sleeping_bytes += a.bytes;
-                l.live_arenas += 1;
-                continue;
-            }
-            l.held_bytes += a.bytes;
-            if a.owner.is_some() {
-                l.live_arenas += 1;
-            } else {
-                l.destroyed_but_held += 1;
-            }
-            l.open_exports += a.open_exports;
-            l.own_mappings += a.mappings;
-            if a.pinned {
-                l.pinned_bytes += a.bytes;
-            }
-        }
-        for m in self
-            .imports
-            .values()
-            .filter(|m| m.arena.is_none() && m.device == device)
-        {
-            l.foreign_imports += 1;
-            l.foreign_import_bytes += m.bytes;
-        }
-        l
     }
 }
 
