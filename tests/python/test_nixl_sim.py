@@ -5,7 +5,6 @@ transport checked, KV-cache sizes) is tests/gpu/gpu_nixl_kv.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
