@@ -18,6 +18,16 @@ fn opt_str<'a>(call: &str, what: &str, s: *const c_char) -> Result<Option<&'a st
         .map_err(|_| fail(call, Error::invalid(format!("{what} is not UTF-8"))))
 }
 
+/// The tag indices of a comma-separated list (NULL or "": none), or an error naming `what`.
+fn tag_list(call: &str, what: &str, s: *const c_char) -> Result<Vec<u8>, c_int> {
+    tags::parse_list(opt_str(call, what, s)?).map_err(|e| fail(call, e))
+}
+
+/// `None` for -1 (every device), else the device.
+fn device_arg(device: c_int) -> Option<c_int> {
+    (device != -1).then_some(device)
+}
+
 /// Set this thread's allocation tag: every later allocation of this thread carries it. NULL
 /// or "" means "default". A tag is at most 63 bytes of `[A-Za-z0-9_.-]` (else
 /// `GPU_ARENA_ERR_INVALID_ARGUMENT`, and nothing changes); a process uses at most 64 tags.
@@ -46,10 +56,9 @@ pub extern "C" fn gpu_arena_set_tag(tag: *const c_char) -> c_int {
 pub extern "C" fn gpu_arena_sleep(device: c_int, offload_tags: *const c_char) -> c_int {
     let call = format!("gpu_arena_sleep(device={device})");
     with_pool("gpu_arena_sleep", |p| {
-        let list = opt_str(&call, "offload_tags", offload_tags)?;
-        let offload = tags::parse_list(list).map_err(|e| fail(&call, e))?;
-        let which = (device != -1).then_some(device);
-        p.sleep(which, &offload).map_err(|e| fail(&call, e))?;
+        let offload = tag_list(&call, "offload_tags", offload_tags)?;
+        p.sleep(device_arg(device), &offload)
+            .map_err(|e| fail(&call, e))?;
         Ok(GPU_ARENA_OK)
     })
 }
@@ -69,12 +78,10 @@ pub extern "C" fn gpu_arena_sleep_tags(
 ) -> c_int {
     let call = format!("gpu_arena_sleep_tags(device={device})");
     with_pool("gpu_arena_sleep_tags", |p| {
-        let named = tags::parse_list(opt_str(&call, "tags", tags)?).map_err(|e| fail(&call, e))?;
-        let list = opt_str(&call, "offload_tags", offload_tags)?;
-        let offload = tags::parse_list(list).map_err(|e| fail(&call, e))?;
-        let which = (device != -1).then_some(device);
+        let named = tag_list(&call, "tags", tags)?;
+        let offload = tag_list(&call, "offload_tags", offload_tags)?;
         let want = (!named.is_empty()).then_some(named.as_slice());
-        p.sleep_tags(which, want, &offload)
+        p.sleep_tags(device_arg(device), want, &offload)
             .map_err(|e| fail(&call, e))?;
         Ok(GPU_ARENA_OK)
     })
@@ -91,11 +98,10 @@ pub extern "C" fn gpu_arena_sleep_tags(
 pub extern "C" fn gpu_arena_wake(device: c_int, tags: *const c_char) -> c_int {
     let call = format!("gpu_arena_wake(device={device})");
     with_pool("gpu_arena_wake", |p| {
-        let list = opt_str(&call, "tags", tags)?;
-        let named = tags::parse_list(list).map_err(|e| fail(&call, e))?;
-        let which = (device != -1).then_some(device);
+        let named = tag_list(&call, "tags", tags)?;
         let want = (!named.is_empty()).then_some(named.as_slice());
-        p.wake(which, want).map_err(|e| fail(&call, e))?;
+        p.wake(device_arg(device), want)
+            .map_err(|e| fail(&call, e))?;
         Ok(GPU_ARENA_OK)
     })
 }
@@ -109,8 +115,8 @@ pub extern "C" fn gpu_arena_wake(device: c_int, tags: *const c_char) -> c_int {
 pub extern "C" fn gpu_arena_sleep_release_host(device: c_int) -> c_int {
     let call = format!("gpu_arena_sleep_release_host(device={device})");
     with_pool("gpu_arena_sleep_release_host", |p| {
-        let which = (device != -1).then_some(device);
-        p.release_host_buffers(which).map_err(|e| fail(&call, e))?;
+        p.release_host_buffers(device_arg(device))
+            .map_err(|e| fail(&call, e))?;
         Ok(GPU_ARENA_OK)
     })
 }
