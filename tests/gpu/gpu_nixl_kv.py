@@ -194,26 +194,22 @@ def consumer(a):
     local_reg = agent.register_memory([dst_layers, dst_blocks])
     # The copy ceiling, same run: device-to-device on the consumer's GPU, and from GPU 0's
     # memory when the consumer is on another GPU (a peer copy).
-    src = torch.empty(layer_bytes, dtype=torch.uint8, device="cuda:0")
-    ceiling = {}
-    for name, s in [("copy_gbps", src)] if dev == 0 else [("peer_copy_gbps", src)]:
-        d = dst_layers[:layer_bytes]
-        d.copy_(s)
+    def copy_gbps(dst, src):
+        dst.copy_(src)  # warm
         torch.cuda.synchronize()
         t0 = now()
         for _ in range(3):
-            d.copy_(s)
+            dst.copy_(src)
         torch.cuda.synchronize()
-        ceiling[name] = round(3 * layer_bytes / (now() - t0) / 1e9, 1)
+        return round(3 * src.numel() / (now() - t0) / 1e9, 1)
+
+    first, second = dst_layers[:layer_bytes], dst_layers[layer_bytes:]
+    ceiling = {"copy_gbps": copy_gbps(first, second)}
     if dev != 0:
-        d = dst_layers[:layer_bytes]
-        t0 = now()
-        for _ in range(3):
-            d.copy_(dst_layers[layer_bytes:])
-        torch.cuda.synchronize()
-        ceiling["copy_gbps"] = round(3 * layer_bytes / (now() - t0) / 1e9, 1)
-    del src
-    torch.cuda.empty_cache()
+        src = torch.empty(layer_bytes, dtype=torch.uint8, device="cuda:0")
+        ceiling["peer_copy_gbps"] = copy_gbps(first, src)
+        del src
+        torch.cuda.empty_cache()
     publish(f"{a.work}/consumer-up", dict(ceiling, pid=os.getpid()))
     for cycle in range(a.cycles):
         meta = wait_file(f"{a.work}/meta-{cycle}", a.timeout)

@@ -59,12 +59,9 @@ class _AccessDesc(ctypes.Structure):
 
 
 def _nixl_agent():
-    for name in ("nixl._api", "nixl_cu13", "nixl_cu12"):
-        try:
-            return __import__(name, fromlist=["nixl_agent"]).nixl_agent
-        except ImportError:
-            continue
-    raise SystemExit("NIXL is not installed (pip install nixl-cu13)")
+    from gpu_arena.nixl import import_nixl
+
+    return import_nixl().nixl_agent
 
 
 def _cuda():
