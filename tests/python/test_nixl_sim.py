@@ -149,6 +149,14 @@ def test_registration_follows_arenas_and_failures_are_counted():
             gpu_arena.empty_cache()                      # released: deregistered first
             third = reg.registrations
         after = reg.registrations
+        reg.detach()                                      # a second detach does nothing
+        again = gn.attach(agent)
+        try:
+            again.attach()
+            twice = "accepted"
+        except RuntimeError as e:
+            twice = str(e)
+        again.detach()
         try:
             gn.attach(object())                           # not an agent: register fails
             big = gpu_arena.malloc(20 * MiB)
@@ -156,10 +164,12 @@ def test_registration_follows_arenas_and_failures_are_counted():
         except Exception as e:
             errors = repr(e)
         print("RESULT=" + json.dumps(dict(first=first, second=second, third=third,
-                                          after=after, size=arena_of_big, errors=errors)))
+                                          after=after, size=arena_of_big, errors=errors,
+                                          twice=twice, left=again.registrations)))
     """), env=ENV))
     assert out["first"] == 1 and out["second"] == 2 and out["third"] == 1
     assert out["after"] == 0
     assert out["size"] == 20 << 20
+    assert "already attached" in out["twice"] and out["left"] == 0
     # Existing arena + the new one both failed to register with a non-agent.
     assert out["errors"] == 2, out
