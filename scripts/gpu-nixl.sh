@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (repo root, .gpu/ staged by scripts/gpu-build.sh and
 # scripts/nixl-wheel.sh): install the carried NIXL wheel and run tests/gpu/gpu_nixl_kv.py for
-# each scenario named (default: the first six). Logs and JSON under $OUT/nixl; each
+# each scenario named (default: naive nocache vmm legacy legacy_nocache kill). Logs and JSON under $OUT/nixl; each
 # scenario's one-line JSON summary is printed and appended to $OUT/nixl/summary.jsonl.
 #   vmm        gpu-arena's default VMM arenas                     (2 cycles)
 #   legacy     gpu-arena with legacy_ipc=1 (cuIpc-capable arenas) (10 cycles)
