@@ -14,6 +14,7 @@ use crate::history::Action;
 use crate::lifetime::{AllocHold, ArenaLifetime};
 use crate::pool::Arena;
 use crate::range::RangeAllocator;
+use crate::stats::{DeviceMetrics, PoolStats};
 
 /// The exact-size cache's key for a block of `len` bytes (a multiple of 512) of tag `tag`:
 /// the tag in the low bits, so a lookup stays one hash of two words.
@@ -26,7 +27,6 @@ pub(super) fn cache_len(len: u64, tag: u8) -> u64 {
 pub(super) fn cache_key_parts(key: u64) -> (u64, usize) {
     (key & !511, (key & 511) as usize)
 }
-use crate::stats::{DeviceMetrics, PoolStats};
 
 impl DeviceState {
     /// Find a range for `len` bytes usable on `stream`, without creating memory.
@@ -40,9 +40,10 @@ impl DeviceState {
     ) -> Option<u64> {
         let class = Class::of(tag, len);
         let t = class.index();
-        self.ranges_mut(class); // created on first use
-                                // The stream's own frees first (safe at once, and it keeps shared space for others),
-                                // then ranges any stream may use.
+        // Created on first use.
+        self.ranges_mut(class);
+        // The stream's own frees first (safe at once, and it keeps shared space for others),
+        // then ranges any stream may use.
         if let Some(p) = self.ranges[t].alloc(len, stream.0) {
             return Some(p);
         }
