@@ -17,8 +17,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 
 use gpu_arena::backend::sim::{SimBackend, SimConfig};
-use gpu_arena::{tags, Error, Pool, PoolConfig, StreamId};
+use gpu_arena::{tags, Error, Pool, StreamId};
 use parking_lot::Mutex;
+
+mod common;
+use common::sim_pool;
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -48,13 +51,7 @@ impl Rng {
 }
 
 fn pool(validate: bool) -> (Arc<SimBackend>, Pool) {
-    let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
-    let config = PoolConfig {
-        arena_size: 32 * MIB,
-        validate,
-        ..PoolConfig::default()
-    };
-    (sim.clone(), Pool::new(sim, config).unwrap())
+    sim_pool(SimConfig::default(), 32 * MIB, validate)
 }
 
 /// Live ranges handed out, `start -> end`: an allocation that overlaps one is a block
@@ -324,19 +321,14 @@ fn a_block_freed_on_another_thread_returns_to_its_cache() {
 /// by another thread's, or by the device's map (after `record_stream`).
 #[test]
 fn frees_find_their_device_among_several() {
-    let sim = Arc::new(
-        SimBackend::new(SimConfig {
+    let (_sim, pool) = sim_pool(
+        SimConfig {
             devices: 3,
             ..SimConfig::default()
-        })
-        .unwrap(),
+        },
+        32 * MIB,
+        true,
     );
-    let config = PoolConfig {
-        arena_size: 32 * MIB,
-        validate: true,
-        ..PoolConfig::default()
-    };
-    let pool = Pool::new(sim, config).unwrap();
     let s = StreamId(1);
     let ptrs: Vec<u64> = (0..3)
         .flat_map(|d| (0..2).map(move |_| d))
