@@ -116,6 +116,30 @@ pub fn read(ptr: u64, len: usize) -> Vec<u8> {
     unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }.to_vec()
 }
 
+/// xorshift64*: a deterministic random stream, no dependency (seed it non-zero).
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Operations per thread of a stress test: `GPU_ARENA_STRESS_OPS`, else `default`.
+pub fn stress_ops(default: u64) -> u64 {
+    std::env::var("GPU_ARENA_STRESS_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// A copy of this test binary, named `name`, in a new world-readable temporary directory
 /// (the checkout may sit where uid 65534 cannot enter, e.g. /root). Returns (dir, exe).
 pub fn exe_copy_for_nobody(name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
