@@ -10,39 +10,16 @@ use std::sync::Arc;
 
 use gpu_arena::backend::sim::{SimBackend, SimConfig};
 use gpu_arena::pool::ObserverError;
-use gpu_arena::{tags, ArenaInfo, ArenaObserver, Error, Pool, PoolConfig, StreamId};
+use gpu_arena::{tags, ArenaInfo, ArenaObserver, Error, Pool, StreamId};
+
+mod common;
+use common::{alloc_with, fill, read, sim_pool};
 
 const MIB: u64 = 1 << 20;
 const S: StreamId = StreamId(0x1000);
 
 fn pool() -> (Arc<SimBackend>, Pool) {
-    let backend = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
-    let config = PoolConfig {
-        arena_size: 8 * MIB,
-        validate: true,
-        ..PoolConfig::default()
-    };
-    (backend.clone(), Pool::new(backend, config).unwrap())
-}
-
-fn alloc_with(pool: &Pool, tag: &str, bytes: u64) -> u64 {
-    tags::set_current(Some(tag)).unwrap();
-    let a = pool.alloc(0, bytes, S).unwrap();
-    tags::set_current(None).unwrap();
-    a.ptr
-}
-
-fn fill(ptr: u64, len: usize, seed: u8) {
-    // SAFETY: sim device addresses are host mappings of at least `len` bytes from `ptr`.
-    let s = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
-    for (i, b) in s.iter_mut().enumerate() {
-        *b = (i as u8).wrapping_mul(31).wrapping_add(seed);
-    }
-}
-
-fn read(ptr: u64, len: usize) -> Vec<u8> {
-    // SAFETY: as in `fill`.
-    unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }.to_vec()
+    sim_pool(SimConfig::default(), 8 * MIB, true)
 }
 
 fn is_asleep_error(e: &Error) -> bool {
@@ -56,17 +33,17 @@ fn idx(name: &str) -> u8 {
 #[test]
 fn tags_never_share_an_arena() {
     let (_sim, pool) = pool();
-    let a = alloc_with(&pool, "tw_a", 2 * MIB);
-    let b = alloc_with(&pool, "tw_b", 2 * MIB);
-    let d = alloc_with(&pool, "default", 2 * MIB);
+    let a = alloc_with(&pool, "tw_a", 2 * MIB, S);
+    let b = alloc_with(&pool, "tw_b", 2 * MIB, S);
+    let d = alloc_with(&pool, "default", 2 * MIB, S);
     assert_eq!(pool.stats(0).unwrap().arenas, 3);
     let arena = |p: u64| p & !(8 * MIB - 1);
     assert_ne!(arena(a), arena(b));
     // A freed range of one tag is not reused by another.
     pool.free(a).unwrap();
-    let b2 = alloc_with(&pool, "tw_b", 2 * MIB);
+    let b2 = alloc_with(&pool, "tw_b", 2 * MIB, S);
     assert_ne!(b2, a);
-    let a2 = alloc_with(&pool, "tw_a", 2 * MIB);
+    let a2 = alloc_with(&pool, "tw_a", 2 * MIB, S);
     assert_eq!(a2, a, "the tag's own freed block comes back");
     for p in [b, d, b2, a2] {
         pool.free(p).unwrap();
@@ -78,10 +55,10 @@ fn tags_never_share_an_arena() {
 fn sleep_offloads_one_tag_discards_the_other_and_wakes_at_the_same_addresses() {
     let (sim, pool) = pool();
     let w: Vec<u64> = (0..3)
-        .map(|_| alloc_with(&pool, "sw_weights", 2 * MIB))
+        .map(|_| alloc_with(&pool, "sw_weights", 2 * MIB, S))
         .collect();
-    let kv = alloc_with(&pool, "sw_kv", 4 * MIB);
-    let kv2 = alloc_with(&pool, "sw_kv", 2 * MIB);
+    let kv = alloc_with(&pool, "sw_kv", 4 * MIB, S);
+    let kv2 = alloc_with(&pool, "sw_kv", 2 * MIB, S);
     for (i, &p) in w.iter().enumerate() {
         fill(p, (2 * MIB) as usize, i as u8);
     }
@@ -142,7 +119,7 @@ fn sleep_offloads_one_tag_discards_the_other_and_wakes_at_the_same_addresses() {
     pool.wake(Some(0), None).unwrap();
     assert_eq!(read(kv, 16), vec![0; 16]);
     fill(kv, (4 * MIB) as usize, 5);
-    let kv3 = alloc_with(&pool, "sw_kv", 2 * MIB);
+    let kv3 = alloc_with(&pool, "sw_kv", 2 * MIB, S);
     assert_eq!(kv3, kv2, "the freed range is reusable after wake");
     let st = pool.stats(0).unwrap();
     assert_eq!((st.reserved_bytes, st.sleeping_bytes), (16 * MIB, 0));
@@ -160,7 +137,7 @@ fn sleep_offloads_one_tag_discards_the_other_and_wakes_at_the_same_addresses() {
 #[test]
 fn empty_cache_and_drop_leave_sleeping_arenas_alone_and_clean() {
     let (sim, pool) = pool();
-    let p = alloc_with(&pool, "ec_kv", 2 * MIB);
+    let p = alloc_with(&pool, "ec_kv", 2 * MIB, S);
     pool.free(p).unwrap();
     pool.sleep(None, &[]).unwrap();
     assert_eq!(pool.empty_cache(None).unwrap(), 0, "asleep: not destroyed");
@@ -171,11 +148,11 @@ fn empty_cache_and_drop_leave_sleeping_arenas_alone_and_clean() {
 #[test]
 fn shared_arenas_keep_their_memory_and_sleeping_memory_is_not_shared() {
     let (sim, pool) = pool();
-    let shared = alloc_with(&pool, "sh_kv", 2 * MIB);
-    let other = alloc_with(&pool, "sh_kv", 2 * MIB);
+    let shared = alloc_with(&pool, "sh_kv", 2 * MIB, S);
+    let other = alloc_with(&pool, "sh_kv", 2 * MIB, S);
     fill(shared, MIB as usize, 7);
     let info = pool.share(shared, 2 * MIB).unwrap();
-    let mine = alloc_with(&pool, "sh_w", 2 * MIB);
+    let mine = alloc_with(&pool, "sh_w", 2 * MIB, S);
     let r = pool.sleep(Some(0), &[]).unwrap();
     assert_eq!(r.kept_shared_bytes, 8 * MIB);
     assert_eq!(r.arena_bytes, 8 * MIB, "the unshared arena slept");
@@ -227,8 +204,8 @@ fn observers_are_told_before_sleep_and_after_wake() {
     let (_sim, pool) = pool();
     let c = Arc::new(Counter::default());
     let id = pool.observe_arenas(c.clone());
-    let a = alloc_with(&pool, "ob_w", 2 * MIB);
-    let b = alloc_with(&pool, "ob_kv", 2 * MIB);
+    let a = alloc_with(&pool, "ob_w", 2 * MIB, S);
+    let b = alloc_with(&pool, "ob_kv", 2 * MIB, S);
     assert_eq!(c.ready.load(Ordering::SeqCst), 2);
     pool.sleep(Some(0), &[idx("ob_w")]).unwrap();
     assert_eq!(c.release.load(Ordering::SeqCst), 2);
@@ -274,19 +251,14 @@ fn every_device_skips_devices_with_nothing_to_do() {
     ] {
         tags::index(Some(t)).unwrap();
     }
-    let backend = Arc::new(
-        SimBackend::new(SimConfig {
+    let (backend, pool) = sim_pool(
+        SimConfig {
             devices: 2,
             ..SimConfig::default()
-        })
-        .unwrap(),
+        },
+        8 * MIB,
+        true,
     );
-    let config = PoolConfig {
-        arena_size: 8 * MIB,
-        validate: true,
-        ..PoolConfig::default()
-    };
-    let pool = Pool::new(backend.clone(), config).unwrap();
     let p = pool.alloc(1, MIB, S).unwrap().ptr;
     pool.sleep(Some(1), &[]).unwrap();
     // Device 0 is awake, device 1 asleep: every device wakes what sleeps (device 1 only),
@@ -310,11 +282,11 @@ fn every_device_skips_devices_with_nothing_to_do() {
 fn offload_host_buffers_are_kept_reused_released_and_freed_on_drop() {
     let (sim, pool) = pool();
     // Live, freed gap, live: one segment with the gap; contents intact after the wake.
-    let a = alloc_with(&pool, "hb_w", 2 * MIB);
-    let gap = alloc_with(&pool, "hb_w", 2 * MIB);
-    let b = alloc_with(&pool, "hb_w", 2 * MIB);
+    let a = alloc_with(&pool, "hb_w", 2 * MIB, S);
+    let gap = alloc_with(&pool, "hb_w", 2 * MIB, S);
+    let b = alloc_with(&pool, "hb_w", 2 * MIB, S);
     // Another tag: its arena is discarded, no host buffer.
-    let _other = alloc_with(&pool, "hb_x", 2 * MIB);
+    let _other = alloc_with(&pool, "hb_x", 2 * MIB, S);
     pool.free(gap).unwrap();
     fill(a, MIB as usize, 3);
     fill(b, MIB as usize, 9);
@@ -344,7 +316,7 @@ fn offload_host_buffers_are_kept_reused_released_and_freed_on_drop() {
     pool.wake(Some(0), None).unwrap();
     assert_eq!(read(a, MIB as usize), wa);
     // A larger one replaces it: still one buffer.
-    let _c = alloc_with(&pool, "hb_w", 6 * MIB);
+    let _c = alloc_with(&pool, "hb_w", 6 * MIB, S);
     pool.sleep(Some(0), &[idx("hb_w")]).unwrap();
     assert_eq!(sim.host_buffers(), 1, "the too-small buffer was replaced");
     assert_eq!(host(&pool), 8 * MIB, "a and c: 2 + 6 MiB");
@@ -366,7 +338,7 @@ fn offload_host_buffers_are_kept_reused_released_and_freed_on_drop() {
         "freed when the pool is dropped while asleep"
     );
     let (sim, pool) = self::pool();
-    let p = alloc_with(&pool, "hb_w", 2 * MIB);
+    let p = alloc_with(&pool, "hb_w", 2 * MIB, S);
     pool.sleep(Some(0), &[idx("hb_w")]).unwrap();
     pool.wake(Some(0), None).unwrap();
     assert_eq!(sim.host_buffers(), 1);
@@ -382,8 +354,8 @@ fn offload_host_buffers_are_kept_reused_released_and_freed_on_drop() {
 #[test]
 fn sleep_tags_sleeps_one_tag_while_the_others_allocate() {
     let (sim, pool) = pool();
-    let w = alloc_with(&pool, "st_w", 2 * MIB);
-    let kv = alloc_with(&pool, "st_kv", 2 * MIB);
+    let w = alloc_with(&pool, "st_w", 2 * MIB, S);
+    let kv = alloc_with(&pool, "st_kv", 2 * MIB, S);
     fill(w, 2 * MIB as usize, 5);
     let want = read(w, 2 * MIB as usize);
     // Refused, nothing changed: an offload tag not put to sleep, an empty list.
@@ -410,8 +382,8 @@ fn sleep_tags_sleeps_one_tag_while_the_others_allocate() {
     assert_eq!(sim.ledger(0).held_bytes, 8 * MIB, "the kv arena went back");
     // The awake tags allocate and keep their contents; the sleeping one is refused.
     assert_eq!(read(w, 2 * MIB as usize), want);
-    let w2 = alloc_with(&pool, "st_w", 2 * MIB);
-    let d = alloc_with(&pool, "default", 4096);
+    let w2 = alloc_with(&pool, "st_w", 2 * MIB, S);
+    let d = alloc_with(&pool, "default", 4096, S);
     tags::set_current(Some("st_kv")).unwrap();
     assert!(is_asleep_error(&pool.alloc(0, MIB, S).unwrap_err()));
     tags::set_current(None).unwrap();

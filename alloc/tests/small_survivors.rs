@@ -9,8 +9,11 @@ use std::sync::Arc;
 
 use gpu_arena::backend::sim::{SimBackend, SimConfig};
 use gpu_arena::pool::{LARGE_MIN, SMALL_ARENA};
-use gpu_arena::{Pool, PoolConfig, StreamId};
+use gpu_arena::{Pool, StreamId};
 use proptest::prelude::*;
+
+mod common;
+use common::sim_pool;
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -18,23 +21,14 @@ const GIB: u64 = 1 << 30;
 const S: StreamId = StreamId(0x1000);
 
 fn pool(arena_size: u64, validate: bool) -> (Arc<SimBackend>, Pool) {
-    let sim = Arc::new(
-        SimBackend::new(SimConfig {
+    sim_pool(
+        SimConfig {
             capacity: 64 * GIB,
             ..SimConfig::default()
-        })
-        .unwrap(),
-    );
-    let pool = Pool::new(
-        sim.clone(),
-        PoolConfig {
-            arena_size,
-            validate,
-            ..PoolConfig::default()
         },
+        arena_size,
+        validate,
     )
-    .unwrap();
-    (sim, pool)
 }
 
 /// Each arena of device 0 as (base, bytes, small, live allocations), from the snapshot.

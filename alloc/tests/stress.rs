@@ -15,26 +15,14 @@ use std::time::Instant;
 use gpu_arena::backend::sim::{SimBackend, SimConfig};
 use gpu_arena::{Pool, PoolConfig, ShareInfo, StreamId};
 
+mod common;
+use common::{stress_ops, Rng};
+
 const MIB: u64 = 1 << 20;
 const THREADS: usize = 8;
 const DEFAULT_OPS: u64 = 100_000;
 /// Most live allocations one thread keeps.
 const MAX_LIVE: usize = 48;
-
-/// xorshift64*: deterministic per thread, no dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 #[derive(Default, Debug, Clone, Copy)]
 struct Counts {
@@ -238,23 +226,16 @@ fn run(ops_per_thread: u64) {
     assert!(ledger.is_clean(), "{ledger:?}");
 }
 
-fn ops_from_env(default: u64) -> u64 {
-    std::env::var("GPU_ARENA_STRESS_OPS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 #[test]
 fn stress_8_threads_mixed_ops() {
-    run(ops_from_env(DEFAULT_OPS));
+    run(stress_ops(DEFAULT_OPS));
 }
 
 /// Issue 6's figure: 8 threads x 10^6 operations. Run in release.
 #[test]
 #[ignore = "long: cargo test --release -p gpu-arena --test stress -- --ignored"]
 fn stress_8_threads_million_ops() {
-    run(ops_from_env(1_000_000));
+    run(stress_ops(1_000_000));
 }
 
 /// The first shares of a device race: the export self-test runs inside the first one with

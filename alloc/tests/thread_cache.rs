@@ -17,8 +17,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 
 use gpu_arena::backend::sim::{SimBackend, SimConfig};
-use gpu_arena::{tags, Error, Pool, PoolConfig, StreamId};
+use gpu_arena::{tags, Error, Pool, StreamId};
 use parking_lot::Mutex;
+
+mod common;
+use common::{sim_pool, stress_ops, Rng};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -27,34 +30,10 @@ const THREADS: u64 = 4;
 /// `stress.rs`).
 const OPS: u64 = 20_000;
 
-fn ops() -> u64 {
-    std::env::var("GPU_ARENA_STRESS_OPS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(OPS)
-}
 const SHARED_STREAM: StreamId = StreamId(0x5000);
 
-/// xorshift64*: deterministic per thread.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) % n
-    }
-}
-
 fn pool(validate: bool) -> (Arc<SimBackend>, Pool) {
-    let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
-    let config = PoolConfig {
-        arena_size: 32 * MIB,
-        validate,
-        ..PoolConfig::default()
-    };
-    (sim.clone(), Pool::new(sim, config).unwrap())
+    sim_pool(SimConfig::default(), 32 * MIB, validate)
 }
 
 /// Live ranges handed out, `start -> end`: an allocation that overlaps one is a block
@@ -118,7 +97,7 @@ fn worker(pool: &Pool, sh: &Shared, t: u64) {
     let mut rng = Rng(0x9E37_79B9 ^ ((t + 1) * 0x1234_5678_9ABC));
     let own = StreamId(t + 1);
     let mut live: Vec<(u64, u64)> = Vec::new();
-    for _ in 0..ops() {
+    for _ in 0..stress_ops(OPS) {
         match rng.below(10) {
             0..=4 if live.len() < 32 => {
                 let stream = if rng.below(4) == 0 {
@@ -324,19 +303,14 @@ fn a_block_freed_on_another_thread_returns_to_its_cache() {
 /// by another thread's, or by the device's map (after `record_stream`).
 #[test]
 fn frees_find_their_device_among_several() {
-    let sim = Arc::new(
-        SimBackend::new(SimConfig {
+    let (_sim, pool) = sim_pool(
+        SimConfig {
             devices: 3,
             ..SimConfig::default()
-        })
-        .unwrap(),
+        },
+        32 * MIB,
+        true,
     );
-    let config = PoolConfig {
-        arena_size: 32 * MIB,
-        validate: true,
-        ..PoolConfig::default()
-    };
-    let pool = Pool::new(sim, config).unwrap();
     let s = StreamId(1);
     let ptrs: Vec<u64> = (0..3)
         .flat_map(|d| (0..2).map(move |_| d))

@@ -7,45 +7,23 @@ use std::sync::Arc;
 
 use gpu_arena::backend::sim::{SimBackend, SimCall, SimConfig};
 use gpu_arena::error::OomCause;
-use gpu_arena::{tags, Error, Pool, PoolConfig, StreamId};
+use gpu_arena::{tags, Error, Pool, StreamId};
+
+mod common;
+use common::{alloc_with, fill, read, sim_pool};
 
 const MIB: u64 = 1 << 20;
 const S: StreamId = StreamId(0x1000);
 
 fn pool(capacity: u64) -> (Arc<SimBackend>, Pool) {
-    let sim = Arc::new(
-        SimBackend::new(SimConfig {
+    sim_pool(
+        SimConfig {
             capacity,
             ..SimConfig::default()
-        })
-        .unwrap(),
-    );
-    let config = PoolConfig {
-        arena_size: 8 * MIB,
-        validate: true,
-        ..PoolConfig::default()
-    };
-    (sim.clone(), Pool::new(sim, config).unwrap())
-}
-
-fn alloc_with(pool: &Pool, tag: &str, bytes: u64) -> u64 {
-    tags::set_current(Some(tag)).unwrap();
-    let a = pool.alloc(0, bytes, S).unwrap();
-    tags::set_current(None).unwrap();
-    a.ptr
-}
-
-fn fill(ptr: u64, len: usize, seed: u8) {
-    // SAFETY: sim device addresses are host mappings of at least `len` bytes from `ptr`.
-    let s = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
-    for (i, b) in s.iter_mut().enumerate() {
-        *b = (i as u8).wrapping_mul(13).wrapping_add(seed);
-    }
-}
-
-fn read(ptr: u64, len: usize) -> Vec<u8> {
-    // SAFETY: as in `fill`.
-    unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }.to_vec()
+        },
+        8 * MIB,
+        true,
+    )
 }
 
 /// Two 8 MiB arenas of tag `wr_w` (filled, offloaded) asleep; returns their blocks and
@@ -53,7 +31,7 @@ fn read(ptr: u64, len: usize) -> Vec<u8> {
 fn two_asleep(pool: &Pool) -> Vec<(u64, Vec<u8>)> {
     let blocks: Vec<(u64, Vec<u8>)> = (0..2u8)
         .map(|i| {
-            let p = alloc_with(pool, "wr_w", 6 * MIB);
+            let p = alloc_with(pool, "wr_w", 6 * MIB, S);
             fill(p, (6 * MIB) as usize, i);
             (p, read(p, (6 * MIB) as usize))
         })
@@ -69,7 +47,9 @@ fn a_wake_out_of_memory_midway_is_undone_and_says_so() {
     let (sim, pool) = pool(32 * MIB);
     let blocks = two_asleep(&pool);
     // The trainer takes the memory meanwhile: three of the four 8 MiB free.
-    let trainer: Vec<u64> = (0..3).map(|_| alloc_with(&pool, "wr_t", 6 * MIB)).collect();
+    let trainer: Vec<u64> = (0..3)
+        .map(|_| alloc_with(&pool, "wr_t", 6 * MIB, S))
+        .collect();
     let before = pool.stats(0).unwrap();
     assert_eq!(
         (before.reserved_bytes, before.sleeping_bytes),
@@ -156,19 +136,14 @@ fn an_injected_driver_failure_midway_is_undone_with_its_error() {
 
 #[test]
 fn a_wake_of_every_device_is_undone_on_every_device() {
-    let sim = Arc::new(
-        SimBackend::new(SimConfig {
+    let (sim, pool) = sim_pool(
+        SimConfig {
             devices: 2,
             ..SimConfig::default()
-        })
-        .unwrap(),
+        },
+        8 * MIB,
+        true,
     );
-    let config = PoolConfig {
-        arena_size: 8 * MIB,
-        validate: true,
-        ..PoolConfig::default()
-    };
-    let pool = Pool::new(sim.clone(), config).unwrap();
     tags::set_current(Some("wr_d")).unwrap();
     let blocks: Vec<(u64, Vec<u8>)> = (0..2u8)
         .map(|d| {

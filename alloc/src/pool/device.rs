@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use super::classes::Class;
-use super::thread_cache::FrontLive;
+use super::thread_cache::{CachedBlocks, FrontLive};
 use super::{DeviceState, Live, PendingFree, ANY_STREAM, FLUSH_FIRST_ABOVE, LIMBO_BASE};
 use crate::backend::{ArenaMem, Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
@@ -14,6 +14,7 @@ use crate::history::Action;
 use crate::lifetime::{AllocHold, ArenaLifetime};
 use crate::pool::Arena;
 use crate::range::RangeAllocator;
+use crate::stats::{DeviceMetrics, PoolStats};
 
 /// The exact-size cache's key for a block of `len` bytes (a multiple of 512) of tag `tag`:
 /// the tag in the low bits, so a lookup stays one hash of two words.
@@ -26,7 +27,6 @@ pub(super) fn cache_len(len: u64, tag: u8) -> u64 {
 pub(super) fn cache_key_parts(key: u64) -> (u64, usize) {
     (key & !511, (key & 511) as usize)
 }
-use crate::stats::{DeviceMetrics, PoolStats};
 
 impl DeviceState {
     /// Find a range for `len` bytes usable on `stream`, without creating memory.
@@ -40,9 +40,10 @@ impl DeviceState {
     ) -> Option<u64> {
         let class = Class::of(tag, len);
         let t = class.index();
-        self.ranges_mut(class); // created on first use
-                                // The stream's own frees first (safe at once, and it keeps shared space for others),
-                                // then ranges any stream may use.
+        // Created on first use.
+        self.ranges_mut(class);
+        // The stream's own frees first (safe at once, and it keeps shared space for others),
+        // then ranges any stream may use.
         if let Some(p) = self.ranges[t].alloc(len, stream.0) {
             return Some(p);
         }
@@ -604,14 +605,19 @@ impl DeviceState {
             whole(ptr, len, "live in the front")?;
             (used, requested) = (used + len, requested + l.requested);
         }
-        let mut cached = 0;
-        for (&(_, key), blocks) in &self.cache {
-            let len = cache_key_parts(key).0;
-            for &(ptr, _) in blocks {
-                whole(ptr, len, "cached")?;
-                cached += len;
+        // The bytes of one cache map (the device's or a thread's), each block checked whole.
+        let mut cached_in = |map: &CachedBlocks, what: &'static str| -> Result<u64, String> {
+            let mut bytes = 0;
+            for (&(_, key), blocks) in map {
+                let len = cache_key_parts(key).0;
+                for &(ptr, _) in blocks {
+                    whole(ptr, len, what)?;
+                    bytes += len;
+                }
             }
-        }
+            Ok(bytes)
+        };
+        let mut cached = cached_in(&self.cache, "cached")?;
         if cached != self.cached_bytes {
             return Err(format!(
                 "cache holds {cached} bytes, counter says {}",
@@ -619,14 +625,7 @@ impl DeviceState {
             ));
         }
         for c in &thread_caches {
-            let mut in_thread = 0;
-            for (&(_, key), blocks) in &c.blocks {
-                let len = cache_key_parts(key).0;
-                for &(ptr, _) in blocks {
-                    whole(ptr, len, "cached by a thread")?;
-                    in_thread += len;
-                }
-            }
+            let in_thread = cached_in(&c.blocks, "cached by a thread")?;
             if in_thread != c.bytes {
                 return Err(format!(
                     "a thread cache holds {in_thread} bytes, its counter says {}",

@@ -125,10 +125,11 @@ impl Pool {
 }
 
 impl DeviceLimits {
-    /// Whether `reserved` plus a new arena of `needed` bytes passes the cap.
-    pub(super) fn over_cap(&self, reserved: u64, needed: u64) -> bool {
+    /// Whether the reserved bytes plus a new arena of `needed` bytes pass the cap;
+    /// `reserved` (which takes the device lock) is asked only when there is a cap.
+    pub(super) fn over_cap(&self, reserved: impl FnOnce() -> u64, needed: u64) -> bool {
         self.cap
-            .is_some_and(|cap| reserved.saturating_add(needed) > cap)
+            .is_some_and(|cap| reserved().saturating_add(needed) > cap)
     }
 
     /// The cause of an allocation that needs a new arena of `needed` bytes and found no

@@ -472,7 +472,7 @@ impl Pool {
                 drop(st);
                 std::thread::yield_now();
             }
-            let capped = limits.over_cap(dp.state.lock().stats.reserved_bytes, arena_bytes);
+            let capped = limits.over_cap(|| dp.state.lock().stats.reserved_bytes, arena_bytes);
             // An arena larger than the device fails at once, without a driver call.
             let created = if capped || arena_bytes > limits.total {
                 Err(Error::DriverOutOfMemory {

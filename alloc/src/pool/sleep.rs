@@ -321,7 +321,7 @@ impl Pool {
         first_err: Option<Error>,
         report: SleepReport,
     ) -> Result<SleepReport> {
-        st.front.set_cache_limit(st.stats.reserved_bytes / 4);
+        st.set_cache_limit();
         dp.metrics.publish(&st.stats_now());
         if self.config.validate {
             st.validate_or_log();

@@ -50,17 +50,94 @@ pub fn seqpacket_socket() -> std::os::fd::OwnedFd {
     .expect("socket(AF_UNIX, SOCK_SEQPACKET)")
 }
 
+/// A pool over `sim` with `arena_size` arenas, validating itself after every operation
+/// when `validate`.
+pub fn pool_on(
+    sim: &std::sync::Arc<gpu_arena::backend::sim::SimBackend>,
+    arena_size: u64,
+    validate: bool,
+) -> gpu_arena::Pool {
+    let config = gpu_arena::PoolConfig {
+        arena_size,
+        validate,
+        ..gpu_arena::PoolConfig::default()
+    };
+    gpu_arena::Pool::new(sim.clone(), config).expect("pool on the sim")
+}
+
 /// A pool over `sim` with `arena_size` arenas, validating itself after every operation.
 pub fn validating_pool(
     sim: &std::sync::Arc<gpu_arena::backend::sim::SimBackend>,
     arena_size: u64,
 ) -> std::sync::Arc<gpu_arena::Pool> {
-    let config = gpu_arena::PoolConfig {
-        arena_size,
-        validate: true,
-        ..gpu_arena::PoolConfig::default()
-    };
-    std::sync::Arc::new(gpu_arena::Pool::new(sim.clone(), config).expect("pool on the sim"))
+    std::sync::Arc::new(pool_on(sim, arena_size, true))
+}
+
+/// A new sim backend made from `config`, and a pool over it (see [`pool_on`]).
+pub fn sim_pool(
+    config: gpu_arena::backend::sim::SimConfig,
+    arena_size: u64,
+    validate: bool,
+) -> (
+    std::sync::Arc<gpu_arena::backend::sim::SimBackend>,
+    gpu_arena::Pool,
+) {
+    let sim =
+        std::sync::Arc::new(gpu_arena::backend::sim::SimBackend::new(config).expect("sim backend"));
+    let pool = pool_on(&sim, arena_size, validate);
+    (sim, pool)
+}
+
+/// The device address of `bytes` allocated on device 0, stream `stream`, under tag `tag`.
+pub fn alloc_with(
+    pool: &gpu_arena::Pool,
+    tag: &str,
+    bytes: u64,
+    stream: gpu_arena::StreamId,
+) -> u64 {
+    gpu_arena::tags::set_current(Some(tag)).expect("set tag");
+    let a = pool.alloc(0, bytes, stream).expect("alloc");
+    gpu_arena::tags::set_current(None).expect("clear tag");
+    a.ptr
+}
+
+/// Fill `len` bytes of sim device memory at `ptr` with a pattern that depends on `seed`.
+pub fn fill(ptr: u64, len: usize, seed: u8) {
+    // SAFETY: sim device addresses are host mappings of at least `len` bytes from `ptr`.
+    let s = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
+    for (i, b) in s.iter_mut().enumerate() {
+        *b = (i as u8).wrapping_mul(31).wrapping_add(seed);
+    }
+}
+
+/// A copy of `len` bytes of sim device memory at `ptr`.
+pub fn read(ptr: u64, len: usize) -> Vec<u8> {
+    // SAFETY: as in `fill`.
+    unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }.to_vec()
+}
+
+/// xorshift64*: a deterministic random stream, no dependency (seed it non-zero).
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Operations per thread of a stress test: `GPU_ARENA_STRESS_OPS`, else `default`.
+pub fn stress_ops(default: u64) -> u64 {
+    std::env::var("GPU_ARENA_STRESS_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// A copy of this test binary, named `name`, in a new world-readable temporary directory
