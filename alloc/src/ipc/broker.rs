@@ -30,7 +30,8 @@ use crate::backend::DeviceId;
 use crate::error::{Error, Result};
 use crate::ipc::handle::{ShareHandle, MAX_SOCKET_NAME};
 use crate::ipc::mailbox::{
-    mailbox_enabled, next_inbound, Inbound, Mailbox, MAILBOX_BYTES, MAILBOX_MAGIC,
+    mailbox_enabled, next_inbound, warn_no_mailbox_once, Inbound, Mailbox, MAILBOX_BYTES,
+    MAILBOX_MAGIC,
 };
 use crate::ipc::wire::{self, Batch, Op, Reply, Request};
 use crate::pool::Pool;
@@ -553,10 +554,7 @@ fn open_mailbox(
             (reply.encode(), Some(fd))
         }
         Err(e) => {
-            static LOGGED: AtomicBool = AtomicBool::new(false);
-            if !LOGGED.swap(true, Ordering::Relaxed) {
-                tracing::warn!(error = %e, "no IPC mailbox: requests go over the socket");
-            }
+            warn_no_mailbox_once(&e);
             (Reply::error(e.to_string()).encode(), None)
         }
     }

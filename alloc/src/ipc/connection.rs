@@ -23,7 +23,7 @@ use crate::backend::DeviceId;
 use crate::error::{Error, Result};
 use crate::ipc::broker::default_spin;
 use crate::ipc::handle::ShareHandle;
-use crate::ipc::mailbox::{mailbox_enabled, Mailbox};
+use crate::ipc::mailbox::{mailbox_enabled, warn_no_mailbox_once, Mailbox};
 use crate::ipc::wire::{self, Op, Received, Reply, Request};
 
 /// A connection to one broker: one request and its reply at a time, under its lock.
@@ -278,11 +278,7 @@ fn ask_for_mailbox(conn: &mut Connection) {
                         return;
                     }
                     Err(e) => {
-                        static LOGGED: std::sync::atomic::AtomicBool =
-                            std::sync::atomic::AtomicBool::new(false);
-                        if !LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                            tracing::warn!(error = %e, "no IPC mailbox: requests go over the socket");
-                        }
+                        warn_no_mailbox_once(&e);
                         e.to_string()
                     }
                 },

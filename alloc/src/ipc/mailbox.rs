@@ -76,6 +76,15 @@ pub fn mailbox_enabled() -> bool {
     })
 }
 
+/// Warn, once per process, that a mailbox could not be made or mapped (`e` says why): the
+/// socket carries that connection's requests.
+pub(crate) fn warn_no_mailbox_once(e: &Error) {
+    static LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !LOGGED.swap(true, Ordering::Relaxed) {
+        tracing::warn!(error = %e, "no IPC mailbox: requests go over the socket");
+    }
+}
+
 /// Which side of the mailbox this process is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Side {
