@@ -517,69 +517,6 @@ pub(super) fn exchange(
 mod tests {
     use super::*;
 
-    /// A broker that answers the first request only after the consumer gave up on it, and
-    /// every later one at once: the late answer must not be taken for the next request's,
-    /// and the lease it granted is ended.
-    #[test]
-    fn a_late_reply_is_discarded_and_its_lease_ended() {
-        let (ours, theirs) = rustix::net::socketpair(
-            AddressFamily::UNIX,
-            SocketType::SEQPACKET,
-            SocketFlags::CLOEXEC,
-            None,
-        )
-        .unwrap();
-        let broker = std::thread::spawn(move || {
-            let mut seen = Vec::new();
-            for i in 0..3 {
-                let Ok(Received::Packet(bytes, _)) = wire::recv(theirs.as_fd()) else {
-                    break;
-                };
-                let req = Request::decode(&bytes).unwrap();
-                seen.push((req.op, req.key));
-                let reply = if i == 0 {
-                    std::thread::sleep(Duration::from_millis(450));
-                    Reply {
-                        ok: true,
-                        pinning: false,
-                        lease_key: 77,
-                        arena_bytes: 1 << 20,
-                        message: String::new(),
-                    }
-                } else {
-                    Reply::error(format!("answer to request {i}"))
-                };
-                wire::send(theirs.as_fd(), &reply.encode(), None).unwrap();
-            }
-            seen
-        });
-        wire::set_recv_timeout(&ours, Duration::from_millis(300)).unwrap();
-        let mut conn = Connection::new(ours);
-        conn.mailbox = MailboxUse::Off;
-        let open = |key| Request {
-            op: Op::Open,
-            want_fd: false,
-            device: 0,
-            key,
-            arena_id: 1,
-            token: [0; 16],
-            generation: 0,
-        };
-        let first = round_trip(&mut conn, &open(5)).unwrap_err();
-        assert!(first.to_string().contains("did not answer"), "{first}");
-        assert_eq!(conn.unanswered.len(), 1);
-        let (second, _) = round_trip(&mut conn, &open(6)).unwrap();
-        assert_eq!(second.message, "answer to request 1", "took the late reply");
-        assert!(conn.unanswered.is_empty());
-        drop(conn);
-        let seen = broker.join().unwrap();
-        assert_eq!(
-            seen,
-            vec![(Op::Open, 5), (Op::Open, 6), (Op::Close, 77)],
-            "the lease granted late is ended"
-        );
-    }
-
     fn open(key: u32) -> Request {
         Request {
             op: Op::Open,
@@ -669,6 +606,46 @@ mod tests {
         // (Whatever the environment says: these tests are about the mailbox.)
         conn.mailbox = MailboxUse::NotAsked;
         (conn, theirs)
+    }
+
+    /// A broker that answers the first request only after the consumer gave up on it, and
+    /// every later one at once: the late answer must not be taken for the next request's,
+    /// and the lease it granted is ended.
+    #[test]
+    fn a_late_reply_is_discarded_and_its_lease_ended() {
+        let (mut conn, theirs) = pair(Duration::from_millis(300));
+        conn.mailbox = MailboxUse::Off;
+        let broker = std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            for i in 0..3 {
+                let Ok(Received::Packet(bytes, _)) = wire::recv(theirs.as_fd()) else {
+                    break;
+                };
+                let req = Request::decode(&bytes).unwrap();
+                seen.push((req.op, req.key));
+                let reply = if i == 0 {
+                    std::thread::sleep(Duration::from_millis(450));
+                    granted(77)
+                } else {
+                    Reply::error(format!("answer to request {i}"))
+                };
+                wire::send(theirs.as_fd(), &reply.encode(), None).unwrap();
+            }
+            seen
+        });
+        let first = round_trip(&mut conn, &open(5)).unwrap_err();
+        assert!(first.to_string().contains("did not answer"), "{first}");
+        assert_eq!(conn.unanswered.len(), 1);
+        let (second, _) = round_trip(&mut conn, &open(6)).unwrap();
+        assert_eq!(second.message, "answer to request 1", "took the late reply");
+        assert!(conn.unanswered.is_empty());
+        drop(conn);
+        let seen = broker.join().unwrap();
+        assert_eq!(
+            seen,
+            vec![(Op::Open, 5), (Op::Open, 6), (Op::Close, 77)],
+            "the lease granted late is ended"
+        );
     }
 
     /// The mailbox form of the test above: the late reply comes in the mailbox while the
