@@ -23,7 +23,7 @@ use crate::backend::DeviceId;
 use crate::error::{Error, Result};
 use crate::ipc::broker::default_spin;
 use crate::ipc::handle::ShareHandle;
-use crate::ipc::mailbox::{mailbox_enabled, warn_no_mailbox_once, Mailbox};
+use crate::ipc::mailbox::{mailbox_enabled, spin_poll, warn_no_mailbox_once, Mailbox};
 use crate::ipc::wire::{self, Op, Received, Reply, Request};
 
 /// A connection to one broker: one request and its reply at a time, under its lock.
@@ -147,8 +147,6 @@ pub(super) fn close_request(device: DeviceId, lease: u32) -> Request {
 /// packets per Unix socket (`net.unix.max_dgram_qlen`, 10 by default): past that the broker
 /// would block on its reply while this side blocks on its next request.
 const CLOSES_IN_FLIGHT: usize = 4;
-/// While polling the mailbox for a reply, how many looks between two yields.
-const POLLS_PER_YIELD: u32 = 64;
 /// While polling the mailbox, how often the socket is looked at too (a broker that died).
 const SOCKET_LOOK_EVERY: Duration = Duration::from_micros(20);
 
@@ -207,29 +205,25 @@ fn hear_mailbox(conn: &mut Connection, seq: u64, block: bool) -> Result<Heard> {
     if !block {
         return Ok(Heard::NotYet);
     }
-    let spin = default_spin();
-    let start = Instant::now();
-    let mut socket_looked = start;
-    loop {
-        for _ in 0..POLLS_PER_YIELD {
-            if let Some(h) = reply(mb)? {
-                return Ok(h);
+    let (sock, early) = (&conn.sock, &mut conn.early);
+    let polled = spin_poll(
+        Instant::now(),
+        default_spin(),
+        SOCKET_LOOK_EVERY,
+        || reply(mb).transpose(),
+        || match wire::try_recv(sock.as_fd()) {
+            Err(e) => Some(Err(e)),
+            Ok(Received::Packet(p, _)) if wire::is_doorbell(&p) => None,
+            Ok(Received::Packet(p, fds)) => {
+                early.push_back((p, fds.into_iter().next()));
+                None
             }
-            std::hint::spin_loop();
-        }
-        if start.elapsed() >= spin {
-            break;
-        }
-        if socket_looked.elapsed() >= SOCKET_LOOK_EVERY {
-            socket_looked = Instant::now();
-            match wire::try_recv(conn.sock.as_fd())? {
-                Received::Packet(p, _) if wire::is_doorbell(&p) => {}
-                Received::Packet(p, fds) => conn.early.push_back((p, fds.into_iter().next())),
-                Received::TimedOut => {}
-                Received::Closed => return Ok(Heard::Closed),
-            }
-        }
-        std::thread::yield_now();
+            Ok(Received::TimedOut) => None,
+            Ok(Received::Closed) => Some(Ok(Heard::Closed)),
+        },
+    );
+    if let Some(heard) = polled {
+        return heard;
     }
     // Dekker with the broker's `publish`: flag down, one more look, then sleep.
     mb.stop_polling();
