@@ -651,18 +651,7 @@ fn handle_batch(
                 }
             }
             leases.extend(opened.iter().map(|&l| (device, l)));
-            let mut bytes = Reply {
-                ok: true,
-                pinning: false,
-                lease_key: opened.len() as u32,
-                arena_bytes: 0,
-                message: String::new(),
-            }
-            .encode();
-            for l in opened {
-                bytes.extend_from_slice(&l.to_le_bytes());
-            }
-            (true, bytes)
+            (true, Batch::open_reply(&opened))
         }
         Batch::Close {
             device,

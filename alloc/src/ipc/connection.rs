@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::ipc::broker::default_spin;
 use crate::ipc::handle::ShareHandle;
 use crate::ipc::mailbox::{mailbox_enabled, spin_poll, warn_no_mailbox_once, Mailbox};
-use crate::ipc::wire::{self, Op, Received, Reply, Request};
+use crate::ipc::wire::{self, Batch, Op, Received, Reply, Request};
 
 /// A connection to one broker: one request and its reply at a time, under its lock.
 pub(super) type Conn = Arc<Mutex<Connection>>;
@@ -422,9 +422,9 @@ fn late_reply(conn: &mut Connection, bytes: &[u8], stale_leases: &mut Vec<(Devic
     match (late.op, &reply) {
         (Op::Open, Ok(r)) if r.ok => stale_leases.push((late.device, r.lease_key)),
         (Op::OpenMany, Ok(r)) if r.ok => stale_leases.extend(
-            bytes[16..]
-                .chunks_exact(4)
-                .map(|k| (late.device, u32::from_le_bytes([k[0], k[1], k[2], k[3]]))),
+            Batch::reply_leases(bytes)
+                .into_iter()
+                .map(|k| (late.device, k)),
         ),
         (Op::Close | Op::CloseMany, Ok(r)) if !r.ok => {
             tracing::warn!(message = %r.message, lease = late.key, "producer refused a lease close");
