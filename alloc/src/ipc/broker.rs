@@ -473,18 +473,23 @@ fn serve_mailbox(
         .mailbox_requests
         .fetch_add(1, Ordering::Relaxed);
     let (bytes, ok) = match mb.peer_bytes() {
-        Ok(packet) => {
-            let wants_fd = !Batch::is_batch(&packet)
-                && Request::decode(&packet).is_ok_and(|r| r.want_fd || r.op == Op::Mailbox);
-            if wants_fd {
+        Ok(packet) if Batch::is_batch(&packet) => {
+            let (bytes, _no_fd, ok) = answer(shared, &packet, leases);
+            (bytes, ok)
+        }
+        // Decoded once, here, as `answer` would.
+        Ok(packet) => match Request::decode(&packet) {
+            Ok(req) if req.want_fd || req.op == Op::Mailbox => {
                 let why = "a request whose reply carries an fd must come over the socket";
                 (Reply::error(why).encode(), false)
-            } else {
-                let (bytes, fd, ok) = answer(shared, &packet, leases);
-                drop(fd); // none: refused above
-                (bytes, ok)
             }
-        }
+            Ok(req) => {
+                let (reply, fd) = handle(shared, &req, leases);
+                drop(fd); // none: refused above
+                (reply.encode(), reply.ok)
+            }
+            Err(e) => (Reply::error(e.to_string()).encode(), false),
+        },
         Err(e) => (Reply::error(e.to_string()).encode(), false),
     };
     if !ok {
