@@ -30,7 +30,8 @@ use crate::backend::DeviceId;
 use crate::error::{Error, Result};
 use crate::ipc::handle::{ShareHandle, MAX_SOCKET_NAME};
 use crate::ipc::mailbox::{
-    mailbox_enabled, next_inbound, Inbound, Mailbox, MAILBOX_BYTES, MAILBOX_MAGIC,
+    mailbox_enabled, next_inbound, warn_no_mailbox_once, Inbound, Mailbox, MAILBOX_BYTES,
+    MAILBOX_MAGIC,
 };
 use crate::ipc::wire::{self, Batch, Op, Reply, Request};
 use crate::pool::Pool;
@@ -472,18 +473,23 @@ fn serve_mailbox(
         .mailbox_requests
         .fetch_add(1, Ordering::Relaxed);
     let (bytes, ok) = match mb.peer_bytes() {
-        Ok(packet) => {
-            let wants_fd = !Batch::is_batch(&packet)
-                && Request::decode(&packet).is_ok_and(|r| r.want_fd || r.op == Op::Mailbox);
-            if wants_fd {
+        Ok(packet) if Batch::is_batch(&packet) => {
+            let (bytes, _no_fd, ok) = answer(shared, &packet, leases);
+            (bytes, ok)
+        }
+        // Decoded once, here, as `answer` would.
+        Ok(packet) => match Request::decode(&packet) {
+            Ok(req) if req.want_fd || req.op == Op::Mailbox => {
                 let why = "a request whose reply carries an fd must come over the socket";
                 (Reply::error(why).encode(), false)
-            } else {
-                let (bytes, fd, ok) = answer(shared, &packet, leases);
-                drop(fd); // none: refused above
-                (bytes, ok)
             }
-        }
+            Ok(req) => {
+                let (reply, fd) = handle(shared, &req, leases);
+                drop(fd); // none: refused above
+                (reply.encode(), reply.ok)
+            }
+            Err(e) => (Reply::error(e.to_string()).encode(), false),
+        },
         Err(e) => (Reply::error(e.to_string()).encode(), false),
     };
     if !ok {
@@ -553,10 +559,7 @@ fn open_mailbox(
             (reply.encode(), Some(fd))
         }
         Err(e) => {
-            static LOGGED: AtomicBool = AtomicBool::new(false);
-            if !LOGGED.swap(true, Ordering::Relaxed) {
-                tracing::warn!(error = %e, "no IPC mailbox: requests go over the socket");
-            }
+            warn_no_mailbox_once(&e);
             (Reply::error(e.to_string()).encode(), None)
         }
     }
@@ -653,18 +656,7 @@ fn handle_batch(
                 }
             }
             leases.extend(opened.iter().map(|&l| (device, l)));
-            let mut bytes = Reply {
-                ok: true,
-                pinning: false,
-                lease_key: opened.len() as u32,
-                arena_bytes: 0,
-                message: String::new(),
-            }
-            .encode();
-            for l in opened {
-                bytes.extend_from_slice(&l.to_le_bytes());
-            }
-            (true, bytes)
+            (true, Batch::open_reply(&opened))
         }
         Batch::Close {
             device,

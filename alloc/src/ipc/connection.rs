@@ -23,8 +23,8 @@ use crate::backend::DeviceId;
 use crate::error::{Error, Result};
 use crate::ipc::broker::default_spin;
 use crate::ipc::handle::ShareHandle;
-use crate::ipc::mailbox::{mailbox_enabled, Mailbox};
-use crate::ipc::wire::{self, Op, Received, Reply, Request};
+use crate::ipc::mailbox::{mailbox_enabled, spin_poll, warn_no_mailbox_once, Mailbox};
+use crate::ipc::wire::{self, Batch, Op, Received, Reply, Request};
 
 /// A connection to one broker: one request and its reply at a time, under its lock.
 pub(super) type Conn = Arc<Mutex<Connection>>;
@@ -147,8 +147,6 @@ pub(super) fn close_request(device: DeviceId, lease: u32) -> Request {
 /// packets per Unix socket (`net.unix.max_dgram_qlen`, 10 by default): past that the broker
 /// would block on its reply while this side blocks on its next request.
 const CLOSES_IN_FLIGHT: usize = 4;
-/// While polling the mailbox for a reply, how many looks between two yields.
-const POLLS_PER_YIELD: u32 = 64;
 /// While polling the mailbox, how often the socket is looked at too (a broker that died).
 const SOCKET_LOOK_EVERY: Duration = Duration::from_micros(20);
 
@@ -207,29 +205,25 @@ fn hear_mailbox(conn: &mut Connection, seq: u64, block: bool) -> Result<Heard> {
     if !block {
         return Ok(Heard::NotYet);
     }
-    let spin = default_spin();
-    let start = Instant::now();
-    let mut socket_looked = start;
-    loop {
-        for _ in 0..POLLS_PER_YIELD {
-            if let Some(h) = reply(mb)? {
-                return Ok(h);
+    let (sock, early) = (&conn.sock, &mut conn.early);
+    let polled = spin_poll(
+        Instant::now(),
+        default_spin(),
+        SOCKET_LOOK_EVERY,
+        || reply(mb).transpose(),
+        || match wire::try_recv(sock.as_fd()) {
+            Err(e) => Some(Err(e)),
+            Ok(Received::Packet(p, _)) if wire::is_doorbell(&p) => None,
+            Ok(Received::Packet(p, fds)) => {
+                early.push_back((p, fds.into_iter().next()));
+                None
             }
-            std::hint::spin_loop();
-        }
-        if start.elapsed() >= spin {
-            break;
-        }
-        if socket_looked.elapsed() >= SOCKET_LOOK_EVERY {
-            socket_looked = Instant::now();
-            match wire::try_recv(conn.sock.as_fd())? {
-                Received::Packet(p, _) if wire::is_doorbell(&p) => {}
-                Received::Packet(p, fds) => conn.early.push_back((p, fds.into_iter().next())),
-                Received::TimedOut => {}
-                Received::Closed => return Ok(Heard::Closed),
-            }
-        }
-        std::thread::yield_now();
+            Ok(Received::TimedOut) => None,
+            Ok(Received::Closed) => Some(Ok(Heard::Closed)),
+        },
+    );
+    if let Some(heard) = polled {
+        return heard;
     }
     // Dekker with the broker's `publish`: flag down, one more look, then sleep.
     mb.stop_polling();
@@ -278,11 +272,7 @@ fn ask_for_mailbox(conn: &mut Connection) {
                         return;
                     }
                     Err(e) => {
-                        static LOGGED: std::sync::atomic::AtomicBool =
-                            std::sync::atomic::AtomicBool::new(false);
-                        if !LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                            tracing::warn!(error = %e, "no IPC mailbox: requests go over the socket");
-                        }
+                        warn_no_mailbox_once(&e);
                         e.to_string()
                     }
                 },
@@ -432,9 +422,9 @@ fn late_reply(conn: &mut Connection, bytes: &[u8], stale_leases: &mut Vec<(Devic
     match (late.op, &reply) {
         (Op::Open, Ok(r)) if r.ok => stale_leases.push((late.device, r.lease_key)),
         (Op::OpenMany, Ok(r)) if r.ok => stale_leases.extend(
-            bytes[16..]
-                .chunks_exact(4)
-                .map(|k| (late.device, u32::from_le_bytes([k[0], k[1], k[2], k[3]]))),
+            Batch::reply_leases(bytes)
+                .into_iter()
+                .map(|k| (late.device, k)),
         ),
         (Op::Close | Op::CloseMany, Ok(r)) if !r.ok => {
             tracing::warn!(message = %r.message, lease = late.key, "producer refused a lease close");
@@ -520,69 +510,6 @@ pub(super) fn exchange(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-
-    /// A broker that answers the first request only after the consumer gave up on it, and
-    /// every later one at once: the late answer must not be taken for the next request's,
-    /// and the lease it granted is ended.
-    #[test]
-    fn a_late_reply_is_discarded_and_its_lease_ended() {
-        let (ours, theirs) = rustix::net::socketpair(
-            AddressFamily::UNIX,
-            SocketType::SEQPACKET,
-            SocketFlags::CLOEXEC,
-            None,
-        )
-        .unwrap();
-        let broker = std::thread::spawn(move || {
-            let mut seen = Vec::new();
-            for i in 0..3 {
-                let Ok(Received::Packet(bytes, _)) = wire::recv(theirs.as_fd()) else {
-                    break;
-                };
-                let req = Request::decode(&bytes).unwrap();
-                seen.push((req.op, req.key));
-                let reply = if i == 0 {
-                    std::thread::sleep(Duration::from_millis(450));
-                    Reply {
-                        ok: true,
-                        pinning: false,
-                        lease_key: 77,
-                        arena_bytes: 1 << 20,
-                        message: String::new(),
-                    }
-                } else {
-                    Reply::error(format!("answer to request {i}"))
-                };
-                wire::send(theirs.as_fd(), &reply.encode(), None).unwrap();
-            }
-            seen
-        });
-        wire::set_recv_timeout(&ours, Duration::from_millis(300)).unwrap();
-        let mut conn = Connection::new(ours);
-        conn.mailbox = MailboxUse::Off;
-        let open = |key| Request {
-            op: Op::Open,
-            want_fd: false,
-            device: 0,
-            key,
-            arena_id: 1,
-            token: [0; 16],
-            generation: 0,
-        };
-        let first = round_trip(&mut conn, &open(5)).unwrap_err();
-        assert!(first.to_string().contains("did not answer"), "{first}");
-        assert_eq!(conn.unanswered.len(), 1);
-        let (second, _) = round_trip(&mut conn, &open(6)).unwrap();
-        assert_eq!(second.message, "answer to request 1", "took the late reply");
-        assert!(conn.unanswered.is_empty());
-        drop(conn);
-        let seen = broker.join().unwrap();
-        assert_eq!(
-            seen,
-            vec![(Op::Open, 5), (Op::Open, 6), (Op::Close, 77)],
-            "the lease granted late is ended"
-        );
-    }
 
     fn open(key: u32) -> Request {
         Request {
@@ -673,6 +600,46 @@ mod tests {
         // (Whatever the environment says: these tests are about the mailbox.)
         conn.mailbox = MailboxUse::NotAsked;
         (conn, theirs)
+    }
+
+    /// A broker that answers the first request only after the consumer gave up on it, and
+    /// every later one at once: the late answer must not be taken for the next request's,
+    /// and the lease it granted is ended.
+    #[test]
+    fn a_late_reply_is_discarded_and_its_lease_ended() {
+        let (mut conn, theirs) = pair(Duration::from_millis(300));
+        conn.mailbox = MailboxUse::Off;
+        let broker = std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            for i in 0..3 {
+                let Ok(Received::Packet(bytes, _)) = wire::recv(theirs.as_fd()) else {
+                    break;
+                };
+                let req = Request::decode(&bytes).unwrap();
+                seen.push((req.op, req.key));
+                let reply = if i == 0 {
+                    std::thread::sleep(Duration::from_millis(450));
+                    granted(77)
+                } else {
+                    Reply::error(format!("answer to request {i}"))
+                };
+                wire::send(theirs.as_fd(), &reply.encode(), None).unwrap();
+            }
+            seen
+        });
+        let first = round_trip(&mut conn, &open(5)).unwrap_err();
+        assert!(first.to_string().contains("did not answer"), "{first}");
+        assert_eq!(conn.unanswered.len(), 1);
+        let (second, _) = round_trip(&mut conn, &open(6)).unwrap();
+        assert_eq!(second.message, "answer to request 1", "took the late reply");
+        assert!(conn.unanswered.is_empty());
+        drop(conn);
+        let seen = broker.join().unwrap();
+        assert_eq!(
+            seen,
+            vec![(Op::Open, 5), (Op::Open, 6), (Op::Close, 77)],
+            "the lease granted late is ended"
+        );
     }
 
     /// The mailbox form of the test above: the late reply comes in the mailbox while the

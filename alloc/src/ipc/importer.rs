@@ -418,10 +418,7 @@ impl Importer {
                             producer.0, reply.message
                         )));
                     }
-                    let keys: Vec<u32> = bytes[16..]
-                        .chunks_exact(4)
-                        .map(|k| u32::from_le_bytes([k[0], k[1], k[2], k[3]]))
-                        .collect();
+                    let keys = Batch::reply_leases(&bytes);
                     if keys.len() != chunk.len() {
                         let close = Batch::Close {
                             device,

@@ -76,6 +76,15 @@ pub fn mailbox_enabled() -> bool {
     })
 }
 
+/// Warn, once per process, that a mailbox could not be made or mapped (`e` says why): the
+/// socket carries that connection's requests.
+pub(crate) fn warn_no_mailbox_once(e: &Error) {
+    static LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !LOGGED.swap(true, Ordering::Relaxed) {
+        tracing::warn!(error = %e, "no IPC mailbox: requests go over the socket");
+    }
+}
+
 /// Which side of the mailbox this process is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Side {
@@ -284,8 +293,39 @@ impl Mailbox {
 
 // The broker's side of waiting (the consumer's is `connection::hear_mailbox`).
 
-/// While polling a mailbox, how many looks at its request number between two yields.
+/// While polling a mailbox, how many looks at its sequence number between two yields.
 const POLLS_PER_YIELD: u32 = 64;
+
+/// Poll a mailbox until `spin` after `start`: `look` [`POLLS_PER_YIELD`] times between two
+/// yields, and `socket` too, at most every `socket_every`. The first `Some` either gives, or
+/// `None` once the spin time is up (the caller then stops polling and sleeps on the socket).
+pub(crate) fn spin_poll<T>(
+    start: Instant,
+    spin: Duration,
+    socket_every: Duration,
+    mut look: impl FnMut() -> Option<T>,
+    mut socket: impl FnMut() -> Option<T>,
+) -> Option<T> {
+    let mut socket_looked = start;
+    loop {
+        for _ in 0..POLLS_PER_YIELD {
+            if let Some(got) = look() {
+                return Some(got);
+            }
+            std::hint::spin_loop();
+        }
+        if start.elapsed() >= spin {
+            return None;
+        }
+        if socket_looked.elapsed() >= socket_every {
+            socket_looked = Instant::now();
+            if let Some(got) = socket() {
+                return Some(got);
+            }
+        }
+        std::thread::yield_now();
+    }
+}
 /// While polling a mailbox, how often the socket is looked at too (requests that need an
 /// fd, doorbells, a consumer that hung up).
 const SOCKET_LOOK_EVERY: Duration = Duration::from_micros(4);
@@ -326,35 +366,29 @@ pub(crate) fn next_inbound(
         return socket(wire::recv_spin(conn.as_fd(), spin)).unwrap_or(Inbound::Idle);
     };
     let start = Instant::now();
-    let mut socket_looked = start;
     mb.start_polling();
+    // A look at the socket without waiting; doorbells are skipped.
+    let look_at_socket = || match socket(wire::try_recv(conn.as_fd())) {
+        Some(Inbound::Socket(p)) if wire::is_doorbell(&p) => None,
+        got => got,
+    };
     if socket_first && mb.peer_seq() == served {
-        match socket(wire::try_recv(conn.as_fd())) {
-            Some(Inbound::Socket(p)) if wire::is_doorbell(&p) => {}
-            Some(got) => return got,
-            None => {}
+        if let Some(got) = look_at_socket() {
+            return got;
         }
     }
-    loop {
-        for _ in 0..POLLS_PER_YIELD {
-            let seq = mb.peer_seq();
-            if seq != served {
-                return Inbound::Mailbox(seq);
-            }
-            std::hint::spin_loop();
-        }
-        if start.elapsed() >= spin {
-            break;
-        }
-        if socket_looked.elapsed() >= SOCKET_LOOK_EVERY {
-            socket_looked = Instant::now();
-            match socket(wire::try_recv(conn.as_fd())) {
-                Some(Inbound::Socket(p)) if wire::is_doorbell(&p) => {}
-                Some(got) => return got,
-                None => {}
-            }
-        }
-        std::thread::yield_now();
+    if let Some(got) = spin_poll(
+        start,
+        spin,
+        SOCKET_LOOK_EVERY,
+        || {
+            Some(mb.peer_seq())
+                .filter(|&seq| seq != served)
+                .map(Inbound::Mailbox)
+        },
+        look_at_socket,
+    ) {
+        return got;
     }
     // Dekker with the consumer's `publish`: flag down, then one more look, then sleep.
     mb.stop_polling();

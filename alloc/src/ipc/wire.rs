@@ -186,6 +186,33 @@ impl Batch {
         b
     }
 
+    /// The reply to a granted open batch: a [`Reply`] whose `lease_key` is the count, then
+    /// the lease keys, `u32` each, in the entries' order.
+    pub(crate) fn open_reply(leases: &[u32]) -> Vec<u8> {
+        let mut bytes = Reply {
+            ok: true,
+            pinning: false,
+            lease_key: leases.len() as u32,
+            arena_bytes: 0,
+            message: String::new(),
+        }
+        .encode();
+        for l in leases {
+            bytes.extend_from_slice(&l.to_le_bytes());
+        }
+        bytes
+    }
+
+    /// The lease keys of a granted open batch's reply (see [`Batch::open_reply`]).
+    pub(crate) fn reply_leases(reply: &[u8]) -> Vec<u32> {
+        reply
+            .get(16..)
+            .unwrap_or_default()
+            .chunks_exact(4)
+            .map(|k| u32::from_le_bytes([k[0], k[1], k[2], k[3]]))
+            .collect()
+    }
+
     pub(crate) fn decode(b: &[u8]) -> Result<Batch> {
         let bad = || Error::Ipc("malformed batch request".into());
         if b.len() < REQUEST_BYTES
@@ -458,5 +485,8 @@ mod tests {
         };
         assert!(Batch::decode(&huge.encode()).is_err(), "too many entries");
         assert!(!Batch::is_batch(&[1, 0]));
+        let granted = Batch::open_reply(&[5, 6]);
+        assert_eq!(Reply::decode(&granted).unwrap().lease_key, 2);
+        assert_eq!(Batch::reply_leases(&granted), [5, 6]);
     }
 }

@@ -130,7 +130,8 @@ pub struct VmmBackend<D: Driver> {
     /// Serialises the first use of a device (opening it once).
     init_lock: Mutex<()>,
     /// Live arenas and import mappings by base address. Calls that use a range hold the read
-    /// lock for their driver call; destroy/unmap remove the range under the write lock first.
+    /// lock for their driver call; destroy, unmap, sleep and wake take the region out under
+    /// the write lock first and make their driver calls without it.
     regions: RwLock<Regions>,
     /// Live events (as integers) and their device; same locking as `regions`.
     events: RwLock<HashMap<u64, DeviceId>>,
@@ -551,20 +552,36 @@ impl<D: Driver> Backend for VmmBackend<D> {
             )));
         };
         let n = to_usize(arena.bytes)?;
-        let mut regions = self.regions.write();
-        if regions.get(&arena.base) != Some(&expect) {
-            return Err(Error::InvalidState(format!(
-                "{}: release_physical of {:#x}: not a live, awake arena of this backend",
-                D::NAME,
-                arena.base
-            )));
+        // The region leaves the registry for the driver calls (as in `teardown`): copies
+        // (which hold the read lock across theirs) are done with it once we had the write
+        // lock, and later ones, or a second release, find no live arena there.
+        {
+            let mut regions = self.regions.write();
+            if regions.get(&arena.base) != Some(&expect) {
+                return Err(Error::InvalidState(format!(
+                    "{}: release_physical of {:#x}: not a live, awake arena of this backend",
+                    D::NAME,
+                    arena.base
+                )));
+            }
+            regions.remove(&arena.base);
         }
-        let (_state, _current) = self.make_current(arena.device)?;
         let d = &self.driver;
-        // SAFETY: a whole mapping of ours, registered as awake; the caller synchronized the
-        // device and no export or import uses it; the write lock keeps copies away.
-        unsafe { d.unmap(arena.base, n) }.map_err(|e| e.into_error(arena.device, 0))?;
-        regions.insert(
+        let current = self.make_current(arena.device).and_then(|current| {
+            // SAFETY: a whole mapping of ours, registered as awake and now out of the
+            // registry (no copy can reach it); the caller synchronized the device and no
+            // export or import uses it.
+            unsafe { d.unmap(arena.base, n) }.map_err(|e| e.into_error(arena.device, 0))?;
+            Ok(current)
+        });
+        let (_state, _current) = match current {
+            Ok(current) => current,
+            Err(e) => {
+                self.regions.write().insert(arena.base, expect);
+                return Err(e);
+            }
+        };
+        self.regions.write().insert(
             arena.base,
             Region {
                 kind: RegionKind::Asleep,
@@ -587,29 +604,44 @@ impl<D: Driver> Backend for VmmBackend<D> {
             bytes: arena.bytes,
             kind: RegionKind::Asleep,
         };
-        let mut regions = self.regions.write();
-        if regions.get(&arena.base) != Some(&asleep) {
-            return Err(Error::InvalidState(format!(
-                "{}: restore_physical of {:#x}: not a sleeping arena of this backend",
-                D::NAME,
-                arena.base
-            )));
+        // Out of the registry for the driver calls (as in `release_physical`): a second
+        // restore, a release or a destroy of it meanwhile finds no arena there.
+        {
+            let mut regions = self.regions.write();
+            if regions.get(&arena.base) != Some(&asleep) {
+                return Err(Error::InvalidState(format!(
+                    "{}: restore_physical of {:#x}: not a sleeping arena of this backend",
+                    D::NAME,
+                    arena.base
+                )));
+            }
+            regions.remove(&arena.base);
         }
-        let (_, _current) = self.make_current(arena.device)?;
         let d = &self.driver;
         let device = arena.device;
-        let handle = self
-            .create_physical(&state, device, n)
-            .map_err(|e| e.into_error(device, arena.bytes))?;
-        // `base..base + n` is our reservation with nothing mapped (asleep); `handle` was just
-        // created. Access: the device and its peers, as when the arena was first created.
-        if let Err(e) = self.map_access(&state, device, arena.base, n, handle) {
-            // SAFETY: the handle just created, unmapped (map_access undid its mapping),
-            // released once.
-            warn_undo(device, unsafe { d.mem_release(handle) });
-            return Err(e.into_error(device, arena.bytes));
-        }
-        regions.insert(
+        let mapped = self.make_current(device).and_then(|(_, _current)| {
+            let handle = self
+                .create_physical(&state, device, n)
+                .map_err(|e| e.into_error(device, arena.bytes))?;
+            // `base..base + n` is our reservation with nothing mapped (asleep); `handle` was
+            // just created. Access: the device and its peers, as when the arena was first
+            // created.
+            if let Err(e) = self.map_access(&state, device, arena.base, n, handle) {
+                // SAFETY: the handle just created, unmapped (map_access undid its mapping),
+                // released once.
+                warn_undo(device, unsafe { d.mem_release(handle) });
+                return Err(e.into_error(device, arena.bytes));
+            }
+            Ok(handle)
+        });
+        let handle = match mapped {
+            Ok(handle) => handle,
+            Err(e) => {
+                self.regions.write().insert(arena.base, asleep);
+                return Err(e);
+            }
+        };
+        self.regions.write().insert(
             arena.base,
             Region {
                 kind: RegionKind::Arena { handle },
