@@ -45,6 +45,9 @@ use parking_lot::Mutex;
 mod ipc_api;
 #[allow(unused_imports)]
 pub use ipc_api::*;
+mod dlpack_api;
+#[allow(unused_imports)]
+pub use dlpack_api::*;
 mod torch_api;
 #[allow(unused_imports)]
 pub use torch_api::*;
