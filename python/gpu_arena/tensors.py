@@ -15,8 +15,8 @@ from typing import Any, Dict, Iterable, List, Union
 
 from . import _dlpack, _imports, _lib
 from ._lib import SHARE_BYTES, as_int
-from .handle import as_handle
-from .pointers import _ipc_fn, share_ptr, unshare
+from .handle import ShareHandle, as_handle
+from .pointers import _ipc_fn, unshare
 
 __all__ = ["Share", "share", "open", "close", "open_imports"]
 
@@ -35,10 +35,17 @@ def _torch():
     return torch
 
 
+_backend_name = ""  # once gpu-arena is initialized (its backend does not change)
+
+
 def _backend() -> str:
+    global _backend_name
+    if _backend_name:
+        return _backend_name
     from . import backend_name
 
-    return backend_name()
+    _backend_name = name = backend_name()
+    return name
 
 
 _SHARE_MAGIC = b"GASHARE1"
@@ -169,35 +176,63 @@ def share(tensor, *, synchronize: bool = True) -> Share:
     torch = _torch()
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"share() takes a torch.Tensor, not {type(tensor).__name__}")
-    dev = tensor.device
-    if dev.type == "cpu":
+    cuda = tensor.is_cuda
+    if not cuda:
+        dev = tensor.device
+        if dev.type != "cpu":
+            raise ValueError(f"share() needs a CUDA tensor, not one on {dev}")
         # Only the sim backend's memory (host memory) can back a CPU tensor gpu-arena shares.
         if _backend() != "sim":
             raise ValueError("share() needs a CUDA tensor allocated by gpu-arena, not a CPU tensor")
-    elif dev.type != "cuda":
-        raise ValueError(f"share() needs a CUDA tensor, not one on {dev}")
     storage = tensor.untyped_storage()
-    ptr, nbytes = int(storage.data_ptr()), int(storage.nbytes())
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
     if nbytes == 0:
         raise ValueError("share() of a tensor with an empty storage")
-    if synchronize and dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    h = share_ptr(ptr, nbytes)
+    if synchronize and cuda:
+        _synchronize(torch, tensor.get_device())
+    out = _ShareOut()
+    rc = (_share_fn or _share_fn_of())(ptr or None, nbytes, _byref(out))
+    if rc < 0:
+        raise _error(rc, "gpu_arena_share")
+    h = _new_handle(ShareHandle, bytes(out))
     # Share.__init__ validates what a caller passes; these values come from torch and the
     # library, so fill the slots directly (share() runs per tensor).
     s = object.__new__(Share)
     s.handle = h
-    s.dtype = _dtype_name(tensor.dtype)
+    s.dtype = _dtype_names.get(tensor.dtype) or _dtype_name(tensor.dtype)
     s.shape = tuple(tensor.shape)
-    s.stride = tuple(tensor.stride())
-    s.storage_offset = int(tensor.storage_offset())
-    s.device = h.device
+    s.stride = tensor.stride()
+    s.storage_offset = tensor.storage_offset()
+    s.device = _device_of(h, 12)[0]
     s.nbytes = nbytes
-    s.device_type = dev.type
+    s.device_type = "cuda" if cuda else "cpu"
     s._owner = True
     s._closed = False
     s._lock = threading.Lock()
     return s
+
+
+# Per-call state of share(), found once.
+_share_fn = None
+_ShareOut = _lib.GpuArenaShare
+_new_handle = bytes.__new__  # ShareHandle(b) without its checks: the library made the bytes
+_device_of = struct.Struct("<i").unpack_from  # ShareHandle.device
+
+
+def _share_fn_of():
+    global _share_fn
+    _share_fn = _ipc_fn("gpu_arena_share")
+    return _share_fn
+
+
+def _synchronize(torch, index: int) -> None:
+    """``torch.cuda.synchronize(index)``; without its device switch (a context manager)
+    when ``index`` is the current device."""
+    get, sync = getattr(torch._C, "_cuda_getDevice", None), getattr(torch._C, "_cuda_synchronize", None)
+    if get is not None and sync is not None and get() == index:
+        sync()
+    else:
+        torch.cuda.synchronize(index)
 
 
 _dtype_names: Dict[Any, str] = {}
