@@ -143,7 +143,7 @@ fn read_view(view: *const i64, len: usize) -> Result<View, Error> {
     // unaligned (a caller may pass the bytes of a packed buffer).
     let at = |i: usize| unsafe { view.add(i).read_unaligned() };
     let ndim = at(7);
-    if ndim < 0 || ndim > 64 || len as i64 != GPU_ARENA_DLPACK_VIEW_HEAD as i64 + 2 * ndim {
+    if !(0..=64).contains(&ndim) || len as i64 != GPU_ARENA_DLPACK_VIEW_HEAD as i64 + 2 * ndim {
         return Err(Error::invalid(format!(
             "view of {len} entries with ndim {ndim} (expected {GPU_ARENA_DLPACK_VIEW_HEAD} + 2 * ndim, ndim <= 64)"
         )));
@@ -387,7 +387,10 @@ pub extern "C" fn gpu_arena_import_dlpack(
 #[no_mangle]
 pub extern "C" fn gpu_arena_close_dlpack(id: u64) -> c_int {
     const CALL: &str = "gpu_arena_close_dlpack";
-    guard(CALL, || close_id(CALL, id, true))
+    guard(CALL, || {
+        existing_pool(CALL)?;
+        close_id(CALL, id, true)
+    })
 }
 
 /// Hand back a managed tensor of `gpu_arena_import_dlpack` that no consumer took: runs its
@@ -452,4 +455,61 @@ pub extern "C" fn gpu_arena_dlpack_imports(
 #[no_mangle]
 pub extern "C" fn gpu_arena_dlpack_exiting() {
     EXITING.store(true, Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(nbytes: i64, itemsize: i64, offset: i64, shape: &[i64], strides: &[i64]) -> Vec<i64> {
+        let bits = 8 * itemsize;
+        let mut v = vec![nbytes, 2 | bits << 8 | 1 << 16, itemsize, 1, 0, 0, offset];
+        v.push(shape.len() as i64);
+        v.extend_from_slice(shape);
+        v.extend_from_slice(strides);
+        v
+    }
+
+    fn read(v: &[i64]) -> Result<View, Error> {
+        read_view(v.as_ptr(), v.len())
+    }
+
+    #[test]
+    fn a_view_over_its_whole_storage_needs_no_strides_afterwards() {
+        let whole = read(&view(4096, 4, 0, &[32, 32], &[32, 1])).unwrap();
+        assert!(spans_whole(&whole));
+        let transposed = read(&view(4096, 4, 0, &[32, 32], &[1, 32])).unwrap();
+        assert!(spans_whole(&transposed));
+        let scalar = read(&view(4, 4, 0, &[], &[])).unwrap();
+        assert!(spans_whole(&scalar));
+        for (offset, shape, strides) in [
+            (1, &[1023][..], &[1][..]),          // a storage offset
+            (0, &[1023], &[1]),                  // stops short of the end
+            (0, &[32, 16], &[32, 1]),            // a slice of the columns
+            (0, &[0, 32], &[32, 1]),             // empty
+            (0, &[1024], &[-1]),                 // negative stride
+            (0, &[2, i64::MAX], &[1, i64::MAX]), // overflows
+        ] {
+            let v = read(&view(4096, 4, offset, shape, strides)).unwrap();
+            assert!(!spans_whole(&v), "{offset} {shape:?} {strides:?}");
+        }
+    }
+
+    #[test]
+    fn bad_views_are_refused() {
+        let good = view(4096, 4, 0, &[1024], &[1]);
+        assert!(read(&good).is_ok());
+        assert!(read_view(std::ptr::null(), 10).is_err());
+        assert!(read(&good[..GPU_ARENA_DLPACK_VIEW_HEAD - 1]).is_err());
+        assert!(
+            read(&good[..good.len() - 1]).is_err(),
+            "ndim disagrees with the length"
+        );
+        let mut wrong_bits = good.clone();
+        wrong_bits[2] = 2;
+        assert!(read(&wrong_bits).is_err(), "32-bit dtype with 2-byte items");
+        assert!(read(&view(4096, 4, 0, &[-1], &[1])).is_err());
+        assert!(read(&view(4096, 4, -1, &[1], &[1])).is_err());
+        assert!(read(&view(-1, 4, 0, &[1], &[1])).is_err());
+    }
 }
