@@ -260,7 +260,11 @@ fn deleter() -> unsafe extern "C" fn(*mut DlManagedTensor) {
             let entry = REGISTRY.lock().remove(&managed.id);
             if let Some(e) = entry {
                 if !e.closed && !EXITING.load(Ordering::Relaxed) {
-                    let _ = close_import("gpu-arena DLPack deleter", e.ptr, e.device, true);
+                    const CALL: &str = "gpu-arena DLPack deleter";
+                    if close_import(CALL, e.ptr, e.device, true).is_err() {
+                        // A deleter has no caller: the last error says why.
+                        tracing::warn!("{CALL}: closing import {:#x} failed", e.ptr);
+                    }
                 }
             }
             drop(managed);
@@ -458,6 +462,7 @@ pub extern "C" fn gpu_arena_dlpack_exiting() {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
