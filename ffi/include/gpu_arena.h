@@ -85,6 +85,11 @@
 #define GPU_ARENA_BATCH_MAX 1048576
 
 /**
+ * Entries of the view array `gpu_arena_import_dlpack` reads before the shape and strides.
+ */
+#define GPU_ARENA_DLPACK_VIEW_HEAD 8
+
+/**
  * `gpu_arena_arena_info_t.flags` bit: the arena has a driver export at the time of the call.
  */
 #define GPU_ARENA_ARENA_EXPORTED 1
@@ -213,6 +218,63 @@ typedef struct gpu_arena_share_t {
      */
     uint8_t bytes[GPU_ARENA_SHARE_BYTES];
 } gpu_arena_share_t;
+
+/**
+ * What `gpu_arena_import_dlpack` hands back.
+ */
+typedef struct gpu_arena_dlpack_t {
+    /**
+     * A `DLManagedTensor*` (DLPack's ABI, the `"dltensor"` capsule of PyTorch and
+     * NumPy). Hand it to exactly one consumer, which calls its deleter once; one that
+     * refuses it goes back through `gpu_arena_release_dlpack`.
+     */
+    void *managed;
+    /**
+     * The import's id (> 0, never reused in the process), for `gpu_arena_close_dlpack`.
+     */
+    uint64_t id;
+    /**
+     * 0: the tensor has the view's dtype, shape and strides and its storage is the whole
+     * share. 1: it is the whole share as a 1-D tensor of the view's dtype (`nbytes /
+     * itemsize` elements); the caller applies shape, strides and storage offset itself
+     * (PyTorch: `as_strided`).
+     */
+    int32_t flat;
+    /**
+     * Dimensions of the tensor built (1 when `flat`).
+     */
+    int32_t ndim;
+} gpu_arena_dlpack_t;
+
+/**
+ * One open import made by `gpu_arena_import_dlpack`, as `gpu_arena_dlpack_imports` lists it.
+ */
+typedef struct gpu_arena_dlpack_import_t {
+    /**
+     * The import's id.
+     */
+    uint64_t id;
+    /**
+     * Address of the shared range's first byte in this process.
+     */
+    void *ptr;
+    /**
+     * Length of the shared range in bytes.
+     */
+    uint64_t nbytes;
+    /**
+     * The producer's device.
+     */
+    int32_t device;
+    /**
+     * 1 once closed (by `gpu_arena_close_dlpack`) while its tensor is still alive.
+     */
+    int32_t closed;
+    /**
+     * The share it imports.
+     */
+    struct gpu_arena_share_t share;
+} gpu_arena_dlpack_import_t;
 
 /**
  * One arena, as an observer callback sees it. Valid for the duration of the callback.
@@ -416,6 +478,54 @@ int gpu_arena_close_many(void *const *imported_ptrs, size_t n);
  * Imports live in this process (as a consumer).
  */
 int gpu_arena_imports_live(void);
+
+/**
+ * Import `share` (as `gpu_arena_import`) and build a DLPack tensor over it: `out->managed`
+ * is a `DLManagedTensor*` whose deleter closes the import (synchronizing the device first)
+ * unless `gpu_arena_close_dlpack` closed it already.
+ *
+ * `view` holds `view_len` int64_t: `nbytes` (the shared storage's size: must equal the
+ * handle's length), `dtype` (DLPack code | bits << 8 | lanes << 16), `itemsize` (bytes per
+ * element), `device_type` and `device_id` (DLPack's: 1 CPU, 2 CUDA, 10 ROCm), `flat` (1:
+ * always the 1-D whole-storage tensor), `storage_offset` (elements), `ndim`, then `ndim`
+ * sizes and `ndim` strides (elements): `view_len == GPU_ARENA_DLPACK_VIEW_HEAD + 2 * ndim`.
+ * When the view starts at offset 0 and spans exactly `nbytes`, the tensor has its shape
+ * and strides (`out->flat == 0`); otherwise it is the whole storage, 1-D (`out->flat ==
+ * 1`, `nbytes` must be a multiple of `itemsize`). Everything is checked before the import:
+ * a rejected call imports nothing. Initializes lazily.
+ */
+int gpu_arena_import_dlpack(const struct gpu_arena_share_t *share,
+                            const int64_t *view,
+                            size_t view_len,
+                            struct gpu_arena_dlpack_t *out);
+
+/**
+ * Close the import `id` of `gpu_arena_import_dlpack` now, synchronizing its device first
+ * (the tensor over it must not be used afterwards; its deleter then only frees). Returns 1
+ * if this call closed it, 0 if it was closed already, `GPU_ARENA_ERR_UNKNOWN_POINTER` when
+ * no live import has this id (its tensor was freed).
+ */
+int gpu_arena_close_dlpack(uint64_t id);
+
+/**
+ * Hand back a managed tensor of `gpu_arena_import_dlpack` that no consumer took: runs its
+ * deleter (closing the import without synchronizing: nothing used it). NULL does nothing.
+ */
+int gpu_arena_release_dlpack(void *managed);
+
+/**
+ * The live imports of `gpu_arena_import_dlpack` (those whose tensor was not freed yet,
+ * closed or not), oldest first: the first `cap` go to `out` (NULL when `cap == 0`).
+ * Returns how many there are (capped at INT_MAX).
+ */
+int gpu_arena_dlpack_imports(struct gpu_arena_dlpack_import_t *out, size_t cap);
+
+/**
+ * The process is ending: from now on the deleters of `gpu_arena_import_dlpack`'s tensors
+ * free their memory and close nothing (the process's exit closes its imports; a language
+ * runtime tearing down may free tensors when talking to a producer no longer works).
+ */
+void gpu_arena_dlpack_exiting(void);
 
 /**
  * `gpu_arena_malloc` that throws a C++ `std::runtime_error` instead of returning NULL when

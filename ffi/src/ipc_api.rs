@@ -40,12 +40,12 @@ fn broker(call: &str) -> std::result::Result<&'static Broker, c_int> {
     b.as_ref().map_err(|e| fail(call, e.clone()))
 }
 
-fn importer(call: &str) -> std::result::Result<&'static Importer, c_int> {
+pub(crate) fn importer(call: &str) -> std::result::Result<&'static Importer, c_int> {
     let p = pool(call)?;
     Ok(IMPORTER.get_or_init(|| Importer::new(p.backend().clone())))
 }
 
-fn read_handle(
+pub(crate) fn read_handle(
     call: &str,
     share: *const gpu_arena_share_t,
 ) -> std::result::Result<ShareHandle, c_int> {

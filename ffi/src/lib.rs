@@ -17,13 +17,13 @@
 //! per process even when threads race (`OnceLock`): `gpu_arena_malloc`, `gpu_arena_stats`,
 //! `gpu_arena_empty_cache` / `gpu_arena_reset`, `gpu_arena_validate`,
 //! `gpu_arena_device_count`, `gpu_arena_snapshot_json`, `gpu_arena_share`,
-//! `gpu_arena_import`, `gpu_arena_observe_arenas`. So a C program, or a framework that never calls init, just allocates.
+//! `gpu_arena_import`, `gpu_arena_import_dlpack`, `gpu_arena_observe_arenas`. So a C program, or a framework that never calls init, just allocates.
 //! The calls that take back something gpu-arena handed out (`gpu_arena_free(_checked)`,
 //! `gpu_arena_record_stream(_checked)`, `gpu_arena_unshare`, `gpu_arena_close`,
-//! `gpu_arena_unobserve_arenas`) do not
+//! `gpu_arena_close_dlpack`, `gpu_arena_unobserve_arenas`) do not
 //! initialize: before init nothing can be gpu-arena's, and they fail with
 //! `GPU_ARENA_ERR_NOT_INITIALIZED`. Neither do the queries `gpu_arena_init_status`,
-//! `gpu_arena_backend_name` and `gpu_arena_imports_live`. A failed init (lazy or not) is
+//! `gpu_arena_backend_name`, `gpu_arena_imports_live` and `gpu_arena_dlpack_imports`. A failed init (lazy or not) is
 //! final: every call that needs the pool then fails with `GPU_ARENA_ERR_NOT_INITIALIZED` and
 //! the reason, `gpu_arena_init_status` with the failure's own code.
 //!
@@ -45,6 +45,9 @@ use parking_lot::Mutex;
 mod ipc_api;
 #[allow(unused_imports)]
 pub use ipc_api::*;
+mod dlpack_api;
+#[allow(unused_imports)]
+pub use dlpack_api::*;
 mod torch_api;
 #[allow(unused_imports)]
 pub use torch_api::*;

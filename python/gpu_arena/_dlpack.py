@@ -1,5 +1,7 @@
-"""DLPack from ctypes: a torch tensor over memory gpu-arena imported, whose deleter runs
-when torch frees the storage.
+"""DLPack capsules for :func:`gpu_arena.open`: the C library builds the ``DLManagedTensor``
+(``gpu_arena_import_dlpack``, ffi/src/dlpack_api.rs: it imports the share, and its deleter,
+which torch calls when it frees the storage, closes the import); this module wraps it in a
+``"dltensor"`` capsule for torch, and finds the DLPack dtype of a torch dtype.
 
 Why DLPack and not ``__cuda_array_interface__``: ``torch.as_tensor`` over an object with
 ``__cuda_array_interface__`` does keep that object alive (torch's
@@ -13,49 +15,16 @@ tensors too, which lets the sim backend (host memory) test sharing without a GPU
 from __future__ import annotations
 
 import ctypes
-import struct
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Dict, NamedTuple
 
-__all__ = ["Deleter", "persistent_deleter", "managed_tensor", "to_torch"]
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    pass
-
-
-Deleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
-_DLManagedTensor._fields_ = [
-    ("dl_tensor", _DLTensor),
-    ("manager_ctx", ctypes.c_void_p),
-    ("deleter", Deleter),
-]
+__all__ = ["DEVICE_TYPES", "DtypeSpec", "dtype_spec", "to_torch"]
 
 _kDLCPU, _kDLCUDA, _kDLROCM = 1, 2, 10
+# What open()'s tensors are on (tensors._import_kind) -> DLPack device type.
+DEVICE_TYPES = {"cpu": _kDLCPU, "hip": _kDLROCM, "cuda": _kDLCUDA}
 _kDLUInt = 1
 _DLTENSOR_NAME = ctypes.c_char_p(b"dltensor")
-# torch may free a tensor over imported memory after the modules' globals are torn down at
-# interpreter exit: the capsule name lives for the process's life.
-ctypes.pythonapi.Py_IncRef(ctypes.py_object(_DLTENSOR_NAME))
+_DTYPE_OFFSET = 20  # DLTensor: data (8), device (4 + 4), ndim (4), then dtype
 
 _PyCapsule_New = ctypes.pythonapi.PyCapsule_New
 _PyCapsule_New.restype = ctypes.py_object
@@ -63,104 +32,64 @@ _PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 _PyCapsule_IsValid = ctypes.pythonapi.PyCapsule_IsValid
 _PyCapsule_IsValid.restype = ctypes.c_int
 _PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_PyCapsule_GetPointer = ctypes.pythonapi.PyCapsule_GetPointer
+_PyCapsule_GetPointer.restype = ctypes.c_void_p
+_PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
-def persistent_deleter(fn: Callable[[Any], None]) -> "Deleter":
-    """A C deleter calling ``fn(managed)`` (a ``POINTER(DLManagedTensor)``; read
-    ``managed.contents.manager_ctx``), kept alive for the process's life: torch may call it
-    after the modules' globals are torn down at interpreter exit."""
-    thunk = Deleter(fn)
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(thunk))
-    return thunk
+class DtypeSpec(NamedTuple):
+    """How open() asks the library for a tensor of ``dtype``: the DLPack dtype (code | bits
+    << 8 | lanes << 16) and item size it builds the tensor with, and ``reinterpret``: torch
+    has no DLPack dtype for it (or does not read back its own), so the tensor comes as bytes
+    (uint8, always flat) and open() views it as ``dtype``."""
+
+    dtype: Any
+    dl_dtype: int
+    itemsize: int
+    reinterpret: bool
 
 
-# One open() = one ctypes object: the DLManagedTensor with its shape and strides arrays
-# after it, every field flat so that a single constructor call fills it (building the nested
-# structures and casting the arrays field by field cost more than the rest of the wrapping).
-# Same layout as _DLManagedTensor (checked below): the deleter reads it through that type.
-class _Flat(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device_type", ctypes.c_int32),
-        ("device_id", ctypes.c_int32),
-        ("ndim", ctypes.c_int32),
-        ("code", ctypes.c_uint8),
-        ("bits", ctypes.c_uint8),
-        ("lanes", ctypes.c_uint16),
-        ("shape", ctypes.c_void_p),
-        ("strides", ctypes.c_void_p),
-        ("byte_offset", ctypes.c_uint64),
-        ("manager_ctx", ctypes.c_void_p),
-        ("deleter", ctypes.c_void_p),
-        ("shape0", ctypes.c_int64),
-        ("strides0", ctypes.c_int64),
-    ]
+_specs: Dict[Any, DtypeSpec] = {}
 
 
-def _check_layout() -> None:
-    t = _DLTensor
-    pairs = [("data", t.data.offset), ("device_type", t.device.offset),
-             ("ndim", t.ndim.offset), ("code", t.dtype.offset), ("shape", t.shape.offset),
-             ("strides", t.strides.offset), ("byte_offset", t.byte_offset.offset),
-             ("manager_ctx", _DLManagedTensor.manager_ctx.offset),
-             ("deleter", _DLManagedTensor.deleter.offset)]
-    for name, off in pairs:
-        assert getattr(_Flat, name).offset == off, name
-    assert _Flat.shape0.offset >= ctypes.sizeof(_DLManagedTensor)
-    assert _FLAT_FORMAT.size == ctypes.sizeof(_Flat) == _Flat.strides0.offset + 8
-    assert ctypes.sizeof(ctypes.c_void_p) == 8
+def dtype_spec(torch, dtype) -> DtypeSpec:
+    """The :class:`DtypeSpec` of a torch dtype: torch's own DLPack dtype for it (read from
+    ``to_dlpack`` of an empty tensor, checked to come back as ``dtype``), found once."""
+    spec = _specs.get(dtype)
+    if spec is not None:
+        return spec
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    spec = DtypeSpec(dtype, _kDLUInt | 8 << 8 | 1 << 16, 1, True)
+    try:
+        capsule = torch._C._to_dlpack(torch.empty(1, dtype=dtype))
+        at = _PyCapsule_GetPointer(capsule, _DLTENSOR_NAME)
+        code, bits, lanes = ctypes.c_uint8.from_address(at + _DTYPE_OFFSET).value, \
+            ctypes.c_uint8.from_address(at + _DTYPE_OFFSET + 1).value, \
+            ctypes.c_uint16.from_address(at + _DTYPE_OFFSET + 2).value
+        back = torch._C._from_dlpack(capsule)
+        if back.dtype is dtype and bits * lanes == 8 * itemsize:
+            spec = DtypeSpec(dtype, code | bits << 8 | lanes << 16, itemsize, False)
+    except Exception:  # noqa: BLE001 - torch has no DLPack dtype for it: bytes, then a view
+        pass
+    _specs[dtype] = spec
+    return spec
 
 
-# _Flat's bytes, native order: data, device (type, id), ndim, dtype (code, bits, lanes),
-# shape, strides, byte_offset, manager_ctx, deleter, shape[0], strides[0].
-_FLAT_FORMAT = struct.Struct("=QiiiBBHQQQQQqq")
-_pack_into = _FLAT_FORMAT.pack_into
-
-
-_check_layout()
-_SHAPE0 = _Flat.shape0.offset
-_STRIDES0 = _Flat.strides0.offset
-_DEVICE_TYPES = {"cpu": _kDLCPU, "hip": _kDLROCM, "cuda": _kDLCUDA}
-
-
-def managed_tensor(ptr: int, nbytes: int, kind: str, device: int, ctx: int,
-                   deleter: "Deleter") -> Tuple[Any, ...]:
-    """A ``DLManagedTensor`` for a 1-D uint8 tensor over ``[ptr, +nbytes)`` on ``kind``
-    (``"cpu"``, ``"cuda"``, ``"hip"``) device ``device``, whose deleter gets
-    ``manager_ctx == ctx``, with the arrays it points to. Keep the tuple alive until the
-    deleter ran: torch points into it."""
-    dev_type = _DEVICE_TYPES.get(kind, _kDLCUDA)
-    mt = _Flat()
-    at = ctypes.addressof(mt)
-    # One pack_into fills every field (a ctypes constructor with 14 arguments costs several
-    # microseconds: each goes through a field descriptor).
-    _pack_into(mt, 0, ptr, dev_type, 0 if dev_type == _kDLCPU else device, 1, _kDLUInt, 8, 1,
-               at + _SHAPE0, at + _STRIDES0, 0, ctx, _deleter_address(deleter), nbytes, 1)
-    return (mt,)
-
-
-_deleter_addresses: dict = {}
-
-
-def _deleter_address(deleter: "Deleter") -> int:
-    addr = _deleter_addresses.get(id(deleter))
-    if addr is None:
-        addr = ctypes.cast(deleter, ctypes.c_void_p).value
-        _deleter_addresses[id(deleter)] = addr
-    return addr
-
-
-def to_torch(torch, managed: Tuple[Any, ...], refused: Callable[[], None]):
-    """The torch tensor over ``managed`` (from :func:`managed_tensor`). When torch raises
-    without taking the capsule (its deleter will never run), ``refused()`` is called before
+def to_torch(torch, managed: int, refused: Callable[[int], Any]):
+    """The torch tensor over the ``DLManagedTensor*`` ``managed``. When torch raises without
+    taking the capsule (its deleter will never run), ``refused(managed)`` is called before
     the exception propagates."""
-    capsule = _PyCapsule_New(ctypes.addressof(managed[0]), _DLTENSOR_NAME, None)
+    capsule = _PyCapsule_New(managed, _DLTENSOR_NAME, None)
     try:
         # torch._C._from_dlpack is what torch.utils.dlpack.from_dlpack calls for a capsule,
         # without its Python-level dispatch on the argument's type.
-        from_capsule = getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
-        return from_capsule(capsule)
+        return _from_capsule(torch)(capsule)
     except BaseException:
         if _PyCapsule_IsValid(capsule, _DLTENSOR_NAME):
-            refused()
+            refused(managed)
         raise
+
+
+def _from_capsule(torch) -> Callable[[Any], Any]:
+    fn = getattr(torch._C, "_from_dlpack", None)
+    return fn if fn is not None else torch.utils.dlpack.from_dlpack

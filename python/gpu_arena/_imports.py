@@ -1,142 +1,73 @@
-"""The imports :func:`gpu_arena.open` made in this process: one record per open (one
-``gpu_arena_close`` to make), found by key from torch's DLPack deleter, closed once, by
-``gpu_arena.close`` or when torch frees the last tensor over the memory."""
+"""The imports :func:`gpu_arena.open` made in this process. The library keeps them
+(ffi/src/dlpack_api.rs): ``gpu_arena_import_dlpack`` imports a share and builds the DLPack
+tensor whose deleter (run by torch when it frees the last tensor over the memory) closes
+the import, unless ``gpu_arena_close_dlpack`` (:func:`gpu_arena.close`) closed it first.
+Each import has an id, never reused in the process."""
 
 from __future__ import annotations
 
-import collections
-import itertools
-import sys
-import threading
-import warnings
-from typing import Any, Dict, List, Tuple
+import atexit
+from typing import List, NamedTuple
 
-from . import _dlpack
+from . import _lib
+from ._lib import GPU_ARENA_ERR_UNKNOWN_POINTER, GpuArenaDlpackImport
 from .handle import ShareHandle
-from .pointers import close_import
+from .pointers import _ipc_fn
+
+__all__ = ["Import", "close", "records", "close_imports_of", "release", "at_exit"]
 
 
-class Import:
-    """One open() of a share: one import (one gpu_arena_close to make), plus the DLPack
-    structures torch points to until its deleter runs."""
+class Import(NamedTuple):
+    """One live import (its tensor not freed yet)."""
 
-    __slots__ = ("key", "ptr", "nbytes", "device", "kind", "handle", "closed", "freed", "lock",
-                 "keep")
-
-    def __init__(self, key: int, ptr: int, nbytes: int, device: int, kind: str,
-                 handle: ShareHandle):
-        self.key, self.ptr, self.nbytes, self.device, self.kind = key, ptr, nbytes, device, kind
-        self.handle = handle
-        self.closed = False  # gpu_arena_close made (or being made)
-        self.freed = False   # torch's deleter ran: the DLPack structures may go
-        self.lock = threading.Lock()
-        self.keep: Tuple[Any, ...] = ()
+    id: int
+    ptr: int
+    nbytes: int
+    device: int
+    closed: bool
+    handle: ShareHandle
 
 
-# key -> import. Only open() and close() change the dict (under the lock); torch's deleter,
-# which may run from the garbage collector inside any of them, only reads it (dict.get is
-# atomic), so it can neither deadlock on the lock nor change the dict under an iteration.
-# The deleter queues the key of a freed record on `_freed` (deque.append is atomic too), so
-# prune() forgets exactly those: it used to scan the whole registry, on every open(), which
-# with thousands of imports held cost more than everything else open() does.
-_lock = threading.RLock()
-_registry: Dict[int, Import] = {}
-_freed: "collections.deque[int]" = collections.deque()
-_keys = itertools.count(1)
+def close(import_id: int) -> int:
+    """Close import ``import_id`` now (synchronizing its device first): 1 if this call
+    closed it, 0 if it was closed already or its tensor is gone."""
+    rc = _ipc_fn("gpu_arena_close_dlpack")(import_id)
+    if rc == GPU_ARENA_ERR_UNKNOWN_POINTER:
+        return 0  # its tensor was freed meanwhile: the deleter closed it
+    return _lib.check(rc, "gpu_arena_close_dlpack")
 
 
-def _mark_freed(rec: Import, _freed=_freed) -> None:
-    rec.freed = True
-    _freed.append(rec.key)
-
-
-def register(ptr: int, nbytes: int, device: int, kind: str, handle: ShareHandle) -> Import:
-    """A new record for an import just made, under a fresh key."""
-    rec = Import(next(_keys), ptr, nbytes, device, kind, handle)
-    with _lock:
-        _registry[rec.key] = rec
-    return rec
-
-
-def get(key: Any):
-    """The record of ``key``, or None (atomic: torch's deleter may call it anywhere)."""
-    return _registry.get(key)
-
-
-def prune() -> None:
-    """Forget imports whose tensors are gone (their deleter ran)."""
-    if not _freed:
-        return
-    with _lock:
-        while _freed:
-            try:
-                key = _freed.popleft()
-            except IndexError:  # pragma: no cover - emptied by another thread
-                break
-            _registry.pop(key, None)
-
-
-def _synchronize(rec: Import) -> None:
-    if rec.kind != "cuda":
-        return
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.synchronize(rec.device)
-
-
-def close_record(rec: Import, *, synchronize: bool = True) -> bool:
-    """Close `rec`'s import once (no lock held while it synchronizes and closes). Returns
-    whether this call closed it."""
-    with rec.lock:
-        if rec.closed:
-            return False
-        rec.closed = True
-    if synchronize:
-        _synchronize(rec)
-    close_import(rec.ptr)
-    return True
-
-
-def _dl_deleter_impl(managed, _registry=_registry, _sys=sys, _mark_freed=_mark_freed):
-    # Runs when torch frees the storage (any thread; ctypes takes the GIL). Never raises.
-    try:
-        rec = _registry.get(managed.contents.manager_ctx)
-        if rec is None:
-            return
-        try:
-            if not _sys.is_finalizing():  # at interpreter exit, the process's end closes it
-                close_record(rec)
-        finally:
-            _mark_freed(rec)
-    except BaseException as e:  # noqa: BLE001 - a deleter must not raise
-        try:
-            warnings.warn(f"gpu_arena: closing an import when its tensor was freed failed: {e}",
-                          RuntimeWarning, stacklevel=1)
-        except BaseException:  # noqa: BLE001
-            pass
-
-
-_DL_DELETER = _dlpack.persistent_deleter(_dl_deleter_impl)
-
-
-def wrap(torch, rec: Import):
-    """A 1-D uint8 tensor over [rec.ptr, +rec.nbytes) whose deleter closes `rec`."""
-
-    def refused() -> None:
-        _mark_freed(rec)  # torch did not take the capsule: its deleter will never run
-
-    rec.keep = _dlpack.managed_tensor(rec.ptr, rec.nbytes, rec.kind, rec.device, rec.key,
-                                      _DL_DELETER)
-    return _dlpack.to_torch(torch, rec.keep, refused)
+def release(managed: int) -> None:
+    """A managed tensor torch did not take: close its import and free it."""
+    _ipc_fn("gpu_arena_release_dlpack")(managed)
 
 
 def records() -> List[Import]:
-    """Every import open() registered (closed ones too, until pruned)."""
-    with _lock:
-        return list(_registry.values())
+    """Every live import, oldest first (closed ones too, until their tensor is freed)."""
+    fn = _ipc_fn("gpu_arena_dlpack_imports")
+    while True:
+        n = _lib.check(fn(None, 0), "gpu_arena_dlpack_imports")
+        if n == 0:
+            return []
+        buf = (GpuArenaDlpackImport * (n + 16))()
+        got = _lib.check(fn(buf, n + 16), "gpu_arena_dlpack_imports")
+        if got <= n + 16:
+            return [Import(r.id, r.ptr or 0, r.nbytes, r.device, bool(r.closed),
+                           ShareHandle(bytes(r.share.bytes))) for r in buf[:got]]
 
 
 def close_imports_of(handle: ShareHandle) -> int:
-    """Close every open import of `handle`; returns how many this call closed."""
-    recs = [r for r in records() if r.handle == handle and not r.closed]
-    return sum(1 for r in recs if close_record(r))
+    """Close every open import of ``handle``; returns how many this call closed."""
+    return sum(close(r.id) for r in records() if r.handle == handle and not r.closed)
+
+
+_registered = False
+
+
+def at_exit() -> None:
+    """Once: at interpreter exit, tell the library that the deleters of tensors torch frees
+    while Python tears down close nothing (the process's end closes its imports)."""
+    global _registered
+    if not _registered:
+        _registered = True
+        atexit.register(_ipc_fn("gpu_arena_dlpack_exiting"))

@@ -220,6 +220,29 @@ class GpuArenaShare(ctypes.Structure):
     _fields_ = [("bytes", ctypes.c_uint8 * SHARE_BYTES)]
 
 
+class GpuArenaDlpack(ctypes.Structure):
+    """``gpu_arena_dlpack_t``: what ``gpu_arena_import_dlpack`` hands back."""
+
+    _fields_ = [("managed", ctypes.c_void_p), ("id", ctypes.c_uint64), ("flat", ctypes.c_int32),
+                ("ndim", ctypes.c_int32)]
+
+
+class GpuArenaDlpackImport(ctypes.Structure):
+    """``gpu_arena_dlpack_import_t``: one live import of ``gpu_arena_import_dlpack``."""
+
+    _fields_ = [
+        ("id", ctypes.c_uint64),
+        ("ptr", ctypes.c_void_p),
+        ("nbytes", ctypes.c_uint64),
+        ("device", ctypes.c_int32),
+        ("closed", ctypes.c_int32),
+        ("share", GpuArenaShare),
+    ]
+
+
+GPU_ARENA_DLPACK_VIEW_HEAD = 8  # int64 entries of the view before its shape and strides
+
+
 # Arena observers (ffi/src/observers.rs; the Python API is gpu_arena.observers).
 GPU_ARENA_ARENA_EXPORTED = 1
 GPU_ARENA_ARENA_PINNED = 2
@@ -363,6 +386,13 @@ _IPC_SIGNATURES = {
     "gpu_arena_import_many": (c_int, [ctypes.POINTER(GpuArenaShare), ctypes.c_size_t, ctypes.POINTER(c_void_p)]),
     "gpu_arena_close_many": (c_int, [ctypes.POINTER(c_void_p), ctypes.c_size_t]),
     "gpu_arena_imports_live": (c_int, []),
+    # ffi/src/dlpack_api.rs. The share and the view go as bytes (c_char_p: no copy).
+    "gpu_arena_import_dlpack": (c_int, [c_char_p, c_char_p, ctypes.c_size_t,
+                                        ctypes.POINTER(GpuArenaDlpack)]),
+    "gpu_arena_close_dlpack": (c_int, [ctypes.c_uint64]),
+    "gpu_arena_release_dlpack": (c_int, [c_void_p]),
+    "gpu_arena_dlpack_imports": (c_int, [ctypes.POINTER(GpuArenaDlpackImport), ctypes.c_size_t]),
+    "gpu_arena_dlpack_exiting": (None, []),
 }
 
 _lock = threading.Lock()

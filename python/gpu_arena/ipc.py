@@ -51,8 +51,9 @@ the device with the same index in *its* numbering: run producer and consumer wit
 ``CUDA_VISIBLE_DEVICES``.
 
 Where it lives: ``gpu_arena.handle`` (:class:`ShareHandle`), ``gpu_arena.pointers`` (the
-pointer level), ``gpu_arena.tensors`` (the tensor level; ``_imports`` keeps the open imports,
-``_dlpack`` builds the tensors). This module is the namespace that gathers them; every name
+pointer level), ``gpu_arena.tensors`` (the tensor level; the library builds the DLPack
+tensors and keeps the open imports, ffi/src/dlpack_api.rs: ``_imports`` reaches them,
+``_dlpack`` hands the tensors to torch). This module is the namespace that gathers them; every name
 is also on ``gpu_arena`` itself.
 """
 

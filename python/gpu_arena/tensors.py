@@ -1,20 +1,22 @@
 """Sharing PyTorch tensors between processes: :class:`Share` (a handle plus the tensor's
 view), :func:`share` (producer), :func:`open` (consumer: a tensor over the producer's memory,
-no copy, built with DLPack, see ``_dlpack``) and :func:`close`. Overview in
+no copy, a DLPack tensor the library builds, see ``_dlpack``) and :func:`close`. Overview in
 :mod:`gpu_arena.ipc`."""
 
 from __future__ import annotations
 
 import base64
+import ctypes
 import json
+import struct
 import sys
 import threading
 from typing import Any, Dict, Iterable, List, Union
 
-from . import _imports
+from . import _dlpack, _imports, _lib
 from ._lib import SHARE_BYTES, as_int
-from .handle import as_handle
-from .pointers import import_handle, share_ptr, unshare
+from .handle import ShareHandle, as_handle
+from .pointers import _ipc_fn, unshare
 
 __all__ = ["Share", "share", "open", "close", "open_imports"]
 
@@ -33,10 +35,17 @@ def _torch():
     return torch
 
 
+_backend_name = ""  # once gpu-arena is initialized (its backend does not change)
+
+
 def _backend() -> str:
+    global _backend_name
+    if _backend_name:
+        return _backend_name
     from . import backend_name
 
-    return backend_name()
+    _backend_name = name = backend_name()
+    return name
 
 
 _SHARE_MAGIC = b"GASHARE1"
@@ -167,35 +176,63 @@ def share(tensor, *, synchronize: bool = True) -> Share:
     torch = _torch()
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"share() takes a torch.Tensor, not {type(tensor).__name__}")
-    dev = tensor.device
-    if dev.type == "cpu":
+    cuda = tensor.is_cuda
+    if not cuda:
+        dev = tensor.device
+        if dev.type != "cpu":
+            raise ValueError(f"share() needs a CUDA tensor, not one on {dev}")
         # Only the sim backend's memory (host memory) can back a CPU tensor gpu-arena shares.
         if _backend() != "sim":
             raise ValueError("share() needs a CUDA tensor allocated by gpu-arena, not a CPU tensor")
-    elif dev.type != "cuda":
-        raise ValueError(f"share() needs a CUDA tensor, not one on {dev}")
     storage = tensor.untyped_storage()
-    ptr, nbytes = int(storage.data_ptr()), int(storage.nbytes())
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
     if nbytes == 0:
         raise ValueError("share() of a tensor with an empty storage")
-    if synchronize and dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    h = share_ptr(ptr, nbytes)
+    if synchronize and cuda:
+        _synchronize(torch, tensor.get_device())
+    out = _ShareOut()
+    rc = (_share_fn or _share_fn_of())(ptr or None, nbytes, _byref(out))
+    if rc < 0:
+        raise _error(rc, "gpu_arena_share")
+    h = _new_handle(ShareHandle, bytes(out))
     # Share.__init__ validates what a caller passes; these values come from torch and the
     # library, so fill the slots directly (share() runs per tensor).
     s = object.__new__(Share)
     s.handle = h
-    s.dtype = _dtype_name(tensor.dtype)
+    s.dtype = _dtype_names.get(tensor.dtype) or _dtype_name(tensor.dtype)
     s.shape = tuple(tensor.shape)
-    s.stride = tuple(tensor.stride())
-    s.storage_offset = int(tensor.storage_offset())
-    s.device = h.device
+    s.stride = tensor.stride()
+    s.storage_offset = tensor.storage_offset()
+    s.device = _device_of(h, 12)[0]
     s.nbytes = nbytes
-    s.device_type = dev.type
+    s.device_type = "cuda" if cuda else "cpu"
     s._owner = True
     s._closed = False
     s._lock = threading.Lock()
     return s
+
+
+# Per-call state of share(), found once.
+_share_fn = None
+_ShareOut = _lib.GpuArenaShare
+_new_handle = bytes.__new__  # ShareHandle(b) without its checks: the library made the bytes
+_device_of = struct.Struct("<i").unpack_from  # ShareHandle.device
+
+
+def _share_fn_of():
+    global _share_fn
+    _share_fn = _ipc_fn("gpu_arena_share")
+    return _share_fn
+
+
+def _synchronize(torch, index: int) -> None:
+    """``torch.cuda.synchronize(index)``; without its device switch (a context manager)
+    when ``index`` is the current device."""
+    get, sync = getattr(torch._C, "_cuda_getDevice", None), getattr(torch._C, "_cuda_synchronize", None)
+    if get is not None and sync is not None and get() == index:
+        sync()
+    else:
+        torch.cuda.synchronize(index)
 
 
 _dtype_names: Dict[Any, str] = {}
@@ -236,41 +273,75 @@ def open(share: Share):  # noqa: A001 - the public name is gpu_arena.open
     Initializes gpu-arena (``gpu_arena.init()``, backend from the environment) if nothing
     did yet; ``gpu_arena.torch.install()`` before it is fine too. The import is closed when
     the last tensor over the memory is garbage-collected, or at once by
-    :func:`close` (after which the tensor must not be used)."""
-    torch = _torch()
-    if isinstance(share, (bytes, bytearray, memoryview)):
-        share = Share.from_bytes(share)
+    :func:`close` (after which the tensor must not be used).
+
+    One C call (``gpu_arena_import_dlpack``) imports the share and builds the DLPack tensor
+    (dtype, shape, strides; its deleter closes the import); torch takes it as a capsule.
+    Only a view that does not span its whole storage from offset 0 costs an ``as_strided``
+    more."""
+    torch = sys.modules.get("torch") or _torch()
     if not isinstance(share, Share):
-        raise TypeError(f"open() takes a gpu_arena.Share, not {type(share).__name__}")
-    dtype = getattr(torch, share.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"open(): unknown dtype {share.dtype!r}")
-    if share.nbytes != share.handle.length:
-        raise ValueError(
-            f"open(): the share says {share.nbytes} bytes, its handle {share.handle.length}")
+        if not isinstance(share, (bytes, bytearray, memoryview)):
+            raise TypeError(f"open() takes a gpu_arena.Share, not {type(share).__name__}")
+        share = Share.from_bytes(share)
+    spec = _specs.get(share.dtype) or _spec_of(torch, share.dtype)
     kind = _kind or _import_kind()
-    _imports.prune()
-    ptr = import_handle(share.handle)
-    rec = _imports.register(ptr, share.nbytes, share.device, kind, share.handle)
-    try:
-        raw = _imports.wrap(torch, rec)
-    except BaseException:
-        _imports.close_record(rec, synchronize=False)
-        raise
-    try:
-        if dtype is not torch.uint8:
-            raw = raw.view(dtype)
-        t = raw.as_strided(share.shape, share.stride, share.storage_offset)
-    except BaseException:
-        raw = None  # its deleter closes the import
-        _imports.close_record(rec, synchronize=False)
-        raise
-    raw = None
-    try:
-        t._gpu_arena_import = rec.key
-    except (AttributeError, TypeError):  # pragma: no cover - torch always allows it
-        pass
+    shape, stride = share.shape, share.stride
+    ndim = len(shape)
+    packer = _view_packers.get(ndim) or _view_packer(ndim)
+    view = packer(share.nbytes, spec.dl_dtype, spec.itemsize, _DEVICE_TYPES[kind],
+                  0 if kind == "cpu" else share.device, spec.reinterpret,
+                  share.storage_offset, ndim, *shape, *stride)
+    out = _DlpackOut()
+    rc = (_import_dlpack or _import_fn())(share.handle, view, _VIEW_HEAD + 2 * ndim, _byref(out))
+    if rc < 0:
+        raise _error(rc, "gpu_arena_import_dlpack")
+    t = _to_torch(torch, out.managed, _imports.release)
+    if out.flat:
+        try:
+            if spec.reinterpret:
+                t = t.view(spec.dtype)
+            t = t.as_strided(shape, stride, share.storage_offset)
+        except BaseException:
+            t = None  # its deleter frees the DLPack tensor
+            _imports.close(out.id)
+            raise
+    t._gpu_arena_import = out.id
     return t
+
+
+# Per-call state of open(), found once.
+_specs: Dict[str, Any] = {}
+_view_packers: Dict[int, Any] = {}
+_import_dlpack = None
+_DlpackOut = _lib.GpuArenaDlpack
+_VIEW_HEAD = _lib.GPU_ARENA_DLPACK_VIEW_HEAD
+_DEVICE_TYPES = _dlpack.DEVICE_TYPES
+_byref = ctypes.byref
+_error = _lib.error
+_to_torch = _dlpack.to_torch
+
+
+def _spec_of(torch, name: str):
+    """The DLPack spec of dtype ``name`` (``"float16"``), or ValueError."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"open(): unknown dtype {name!r}")
+    spec = _specs[name] = _dlpack.dtype_spec(torch, dtype)
+    return spec
+
+
+def _view_packer(ndim: int):
+    """``struct.pack`` of a ``gpu_arena_import_dlpack`` view of ``ndim`` dimensions."""
+    packer = _view_packers[ndim] = struct.Struct(f"={_VIEW_HEAD + 2 * ndim}q").pack
+    return packer
+
+
+def _import_fn():
+    global _import_dlpack
+    _import_dlpack = _ipc_fn("gpu_arena_import_dlpack")
+    _imports.at_exit()
+    return _import_dlpack
 
 
 def close(obj) -> int:
@@ -290,17 +361,17 @@ def close(obj) -> int:
             f"gpu_arena.close() takes a tensor from gpu_arena.open() or a Share, not "
             f"{type(obj).__name__}")
     key = getattr(obj, "_gpu_arena_import", None)
-    rec = _imports.get(key) if key is not None else None
-    if rec is None:  # a view of an opened tensor: find its import by the storage's address
-        ptr = int(obj.untyped_storage().data_ptr())
-        mine = [r for r in _imports.records() if r.ptr == ptr and not r.freed]
-        if not mine:
-            raise ValueError("gpu_arena.close(): this tensor does not come from gpu_arena.open()")
-        still_open = [r for r in mine if not r.closed]
-        if not still_open:
-            return 0  # closed already
-        rec = still_open[-1]
-    return 1 if _imports.close_record(rec) else 0
+    if key is not None:
+        return _imports.close(key)
+    # A view of an opened tensor: find its import by the storage's address.
+    ptr = int(obj.untyped_storage().data_ptr())
+    mine = [r for r in _imports.records() if r.ptr == ptr]
+    if not mine:
+        raise ValueError("gpu_arena.close(): this tensor does not come from gpu_arena.open()")
+    still_open = [r for r in mine if not r.closed]
+    if not still_open:
+        return 0  # closed already
+    return _imports.close(still_open[-1].id)
 
 
 def open_imports() -> List[Dict[str, Any]]:

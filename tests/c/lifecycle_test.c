@@ -65,6 +65,9 @@ static void mode_before_init(void) {
     CHECK_CODE(gpu_arena_close(&x), GPU_ARENA_ERR_NOT_INITIALIZED, "close before init");
     CHECK_ERROR_NAMES("gpu_arena_close", "not initialized yet");
     CHECK(gpu_arena_imports_live() == 0, "imports_live() before init is 0");
+    CHECK_CODE(gpu_arena_close_dlpack(1), GPU_ARENA_ERR_NOT_INITIALIZED, "close_dlpack before init");
+    CHECK_ERROR_NAMES("gpu_arena_close_dlpack", "not initialized yet");
+    CHECK(gpu_arena_dlpack_imports(NULL, 0) == 0, "dlpack_imports() before init is 0");
     memset(&s, 0xAB, sizeof s);
     CHECK_CODE(gpu_arena_stats(0, NULL), GPU_ARENA_ERR_INVALID_ARGUMENT,
                "stats(0, NULL) before init");

@@ -4,7 +4,7 @@ markdown table with the targets and PASS/FAIL.
 
     GPU_ARENA_LIB=.gpu/libgpu_arena.so PYTHONPATH=python \\
         python3 tests/gpu/gpu_share_latency.py --out bench/results/h200-share-latency.md
-    python3 tests/gpu/gpu_share_latency.py --sim     # the C-API part on the sim backend
+    python3 tests/gpu/gpu_share_latency.py --sim     # the sim backend (no GPU), see --sim
 
 N blocks (default 2048) of 2 MiB. Every arena is exported and mapped by the consumer
 before timing starts (an anchor share of each block is made and imported first), so the
@@ -115,7 +115,11 @@ def setup_gpu_arena(sim: bool, n: int):
     if sim:
         gpu_arena.configure(f"backend=sim,arena_size=1GiB,sim_capacity={max(4, (3 * n * BLOCK) >> 30)}GiB")
         gpu_arena.init()
-        return gpu_arena, None
+        try:  # the Python rows with CPU tensors over sim memory (host memory)
+            import torch
+        except ImportError:
+            torch = None
+        return gpu_arena, torch
     import torch
 
     import gpu_arena.torch as gat
@@ -247,8 +251,17 @@ def run_gpu_arena(args, rows: dict) -> None:
     rows["C close_many, per import"] = (batch["close_many"] / 1e3, None, None)
     rows["C unshare"] = (med_us(unshare_ns), None, None)
 
+    sim_blocks = []
+
+    def new_block():
+        if not args.sim:
+            return torch.empty(BLOCK, dtype=torch.uint8, device="cuda")
+        p = gpu_arena.malloc(BLOCK)
+        sim_blocks.append(p)
+        return torch.frombuffer((ctypes.c_uint8 * BLOCK).from_address(p), dtype=torch.uint8)
+
     if torch is not None:
-        ts = [torch.empty(BLOCK, dtype=torch.uint8, device="cuda") for _ in range(n)]
+        ts = [new_block() for _ in range(n)]
         anchors_py = [gpu_arena.share(t) for t in ts]
         consumer.call("py_anchors", shares=[s.to_bytes() for s in anchors_py])
         log("Python: tensors shared and opened once (arenas exported and mapped)")
@@ -266,7 +279,8 @@ def run_gpu_arena(args, rows: dict) -> None:
     consumer.exit()
     for p, h in zip(ptrs, anchors):
         gpu_arena.unshare(h)
-    for p in ptrs:
+    ts = None
+    for p in ptrs + sim_blocks:
         gpu_arena.free(p, BLOCK)
 
 
@@ -367,7 +381,9 @@ def report(args, rows: dict) -> tuple:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=2048, help="blocks of 2 MiB (default 2048)")
-    ap.add_argument("--sim", action="store_true", help="sim backend, C API only (no torch)")
+    ap.add_argument("--sim", action="store_true",
+                    help="sim backend: the C API, and the Python rows with CPU tensors when torch "
+                         "is installed (no PyTorch baseline: its IPC needs CUDA)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
     ap.add_argument("--spin-us", type=int, default=None, help="GPU_ARENA_IPC_SPIN_US for gpu-arena")
     ap.add_argument("--out", help="write the markdown table here too")

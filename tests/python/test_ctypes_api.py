@@ -89,6 +89,7 @@ def _same_type(a, b) -> bool:
     ("gpu_arena_stats_t", gpu_arena.GpuArenaStats),
     ("gpu_arena_share_t", _lib.GpuArenaShare),
     ("gpu_arena_arena_info_t", _lib.GpuArenaArenaInfo),
+    ("gpu_arena_dlpack_t", _lib.GpuArenaDlpack),
 ])
 @pytest.mark.skipif(not HEADER.exists(), reason="ffi/include/gpu_arena.h not in this checkout")
 def test_structs_match_the_header(c_name, py_struct):

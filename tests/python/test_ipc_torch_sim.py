@@ -245,3 +245,79 @@ print("RESULT=" + json.dumps(out))
     assert r["in_cycles"] == 10 and r["after_collect"] == 0
     assert r["churn"] == [[], 0, 0]
     assert r["reserved"] == 0
+
+
+def test_open_builds_the_view_in_the_library():
+    # gpu_arena_import_dlpack builds the DLPack tensor with the view's dtype, shape and
+    # strides when the view spans its whole storage from offset 0 (no as_strided), else the
+    # whole storage 1-D (then as_strided); torch dtypes without a DLPack dtype come as bytes.
+    r = run(r'''
+from gpu_arena import _dlpack, _imports
+out = {}
+base, p, nbytes = gpu_arena_tensor(1 << 12)
+base.copy_(torch.arange(1 << 12, dtype=torch.float32))
+for name, v in (("whole", base.view(64, 64)), ("transposed", base.view(64, 64).t()),
+                ("offset", base.view(64, 64)[1:]), ("short", base[:100])):
+    s = gpu_arena.share(v)
+    t = gpu_arena.open(gpu_arena.Share.from_bytes(s.to_bytes()))
+    out[name] = [torch.equal(t, v), list(t.stride()), t.storage_offset(),
+                 t.untyped_storage().nbytes(), t.untyped_storage().data_ptr() == _imports.records()[-1].ptr]
+    out[name + "_listed"] = [len(gpu_arena.ipc.open_imports()), gpu_arena.ipc.open_imports()[0]["nbytes"]]
+    out[name + "_close"] = [gpu_arena.close(t), gpu_arena.close(t), gpu_arena.imports_live()]
+    del t; gc.collect()
+    s.close()
+out["records_after"] = len(_imports.records())
+# A dtype torch has no DLPack dtype for: bytes, then a view.
+s = gpu_arena.share(base.view(64, 64)[2:])
+c = gpu_arena.Share.from_bytes(s.to_bytes())
+_dlpack._specs[torch.float32] = _dlpack.DtypeSpec(torch.float32, 1 | 8 << 8 | 1 << 16, 1, True)
+gpu_arena.tensors._specs.clear()
+t = gpu_arena.open(c)
+out["bytes_then_view"] = [t.dtype == torch.float32, torch.equal(t, base.view(64, 64)[2:])]
+del t; gc.collect()
+_dlpack._specs.clear(); gpu_arena.tensors._specs.clear()
+# torch refusing the capsule: the import is closed, nothing leaks.
+real = _dlpack._from_capsule
+def refuse(torch_):
+    def f(capsule):
+        raise RuntimeError("refused")
+    return f
+_dlpack._from_capsule = refuse
+try:
+    gpu_arena.open(c)
+except RuntimeError:
+    out["refused"] = [gpu_arena.imports_live(), len(_imports.records())]
+_dlpack._from_capsule = real
+# A share whose nbytes disagrees with its handle: a ValueError, nothing imported.
+bad = gpu_arena.Share(s.handle, "float32", (4,), (1,), 0, 0, s.nbytes + 4)
+try:
+    gpu_arena.open(bad)
+except ValueError as e:
+    out["bad_nbytes"] = ["the share says" in str(e), gpu_arena.imports_live()]
+# A storage that is no whole number of elements (1001 bytes as float32).
+b8, p8, n8 = gpu_arena_tensor(1001, torch.uint8)
+s8 = gpu_arena.share(b8)
+bad = gpu_arena.Share(s8.handle, "float32", (1,), (1,), 1, 0, n8)
+try:
+    gpu_arena.open(bad)
+except ValueError as e:
+    out["odd_storage"] = ["whole number" in str(e), gpu_arena.imports_live()]
+s8.close(); del b8; gpu_arena.free(p8, n8)
+s.close(); del base; gpu_arena.free(p, nbytes); gpu_arena.empty_cache()
+out["reserved"] = gpu_arena.stats()["reserved_bytes"]
+print("RESULT=" + json.dumps(out))
+''')
+    n = 4 << 12
+    assert r["whole"] == [True, [64, 1], 0, n, True]
+    assert r["transposed"] == [True, [1, 64], 0, n, True]
+    assert r["offset"] == [True, [64, 1], 64, n, True]
+    assert r["short"] == [True, [1], 0, n, True]
+    for name in ("whole", "transposed", "offset", "short"):
+        assert r[name + "_listed"] == [1, n], name
+        assert r[name + "_close"] == [1, 0, 0], name
+    assert r["records_after"] == 0
+    assert r["bytes_then_view"] == [True, True]
+    assert r["refused"] == [0, 0]
+    assert r["bad_nbytes"] == [True, 0]
+    assert r["odd_storage"] == [True, 0]
+    assert r["reserved"] == 0
