@@ -36,23 +36,8 @@ POSIX_FD = 1
 FDS_PER_MESSAGE = 250
 
 
-class _Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _AllocFlags(ctypes.Structure):
-    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
-
-
-class _AllocProp(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int),
-                ("location", _Location), ("win32HandleMetaData", ctypes.c_void_p),
-                ("allocFlags", _AllocFlags)]
-
-
-class _AccessDesc(ctypes.Structure):
-    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from naive_export import CUmemAccessDesc, CUmemAllocationProp, CUmemLocation  # noqa: E402  (one definition)
 
 
 class Cuda:
@@ -73,10 +58,10 @@ class Cuda:
             raise RuntimeError(f"{what}: {(name.value or b'?').decode()} ({rc})")
 
     def create(self, size: int) -> int:
-        prop = _AllocProp()
+        prop = CUmemAllocationProp()
         prop.type = 1  # CU_MEM_ALLOCATION_TYPE_PINNED
         prop.requestedHandleTypes = POSIX_FD
-        prop.location = _Location(1, self.device)  # CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location = CUmemLocation(1, self.device)  # CU_MEM_LOCATION_TYPE_DEVICE
         h = ctypes.c_ulonglong()
         self.ok(self.lib.cuMemCreate(ctypes.byref(h), ctypes.c_size_t(size), ctypes.byref(prop),
                                      ctypes.c_ulonglong(0)), "cuMemCreate")
@@ -93,7 +78,7 @@ class Cuda:
                                   ctypes.c_ulonglong(handle), ctypes.c_ulonglong(0)), "cuMemMap")
 
     def access(self, ptr: int, size: int) -> None:
-        desc = _AccessDesc(_Location(1, self.device), 3)  # READWRITE
+        desc = CUmemAccessDesc(CUmemLocation(1, self.device), 3)  # READWRITE
         self.ok(self.lib.cuMemSetAccess(ctypes.c_ulonglong(ptr), ctypes.c_size_t(size), ctypes.byref(desc),
                                         ctypes.c_size_t(1)), "cuMemSetAccess")
 

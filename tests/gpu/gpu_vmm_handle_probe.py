@@ -31,31 +31,8 @@ CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 CU_MEM_HANDLE_TYPE_FABRIC = 8
 
 
-class _Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _AllocFlags(ctypes.Structure):
-    _fields_ = [
-        ("compressionType", ctypes.c_ubyte),
-        ("gpuDirectRDMACapable", ctypes.c_ubyte),
-        ("usage", ctypes.c_ushort),
-        ("reserved", ctypes.c_ubyte * 4),
-    ]
-
-
-class _AllocProp(ctypes.Structure):
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("requestedHandleTypes", ctypes.c_int),
-        ("location", _Location),
-        ("win32HandleMetaData", ctypes.c_void_p),
-        ("allocFlags", _AllocFlags),
-    ]
-
-
-class _AccessDesc(ctypes.Structure):
-    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from naive_export import CUmemAccessDesc, CUmemAllocationProp, CUmemLocation  # noqa: E402  (one definition)
 
 
 def _nixl_agent():
@@ -78,10 +55,10 @@ def _name(cu, rc):
 
 def vmm_alloc(cu, size, handle_types, device=0):
     """cuMemCreate + reserve + map + access; returns (ptr, handle) or raises with the error."""
-    prop = _AllocProp()
+    prop = CUmemAllocationProp()
     prop.type = 1  # PINNED
     prop.requestedHandleTypes = handle_types
-    prop.location = _Location(1, device)
+    prop.location = CUmemLocation(1, device)
     prop.allocFlags.gpuDirectRDMACapable = 1
     handle = ctypes.c_ulonglong()
     rc = cu.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop), ctypes.c_ulonglong(0))
@@ -92,7 +69,7 @@ def vmm_alloc(cu, size, handle_types, device=0):
     assert rc == 0, _name(cu, rc)
     rc = cu.cuMemMap(ptr, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0))
     assert rc == 0, _name(cu, rc)
-    desc = _AccessDesc(_Location(1, device), 3)
+    desc = CUmemAccessDesc(CUmemLocation(1, device), 3)
     rc = cu.cuMemSetAccess(ptr, ctypes.c_size_t(size), ctypes.byref(desc), ctypes.c_size_t(1))
     assert rc == 0, _name(cu, rc)
     return ptr.value, handle
