@@ -491,8 +491,11 @@ int gpu_arena_imports_live(void);
  * sizes and `ndim` strides (elements): `view_len == GPU_ARENA_DLPACK_VIEW_HEAD + 2 * ndim`.
  * When the view starts at offset 0 and spans exactly `nbytes`, the tensor has its shape
  * and strides (`out->flat == 0`); otherwise it is the whole storage, 1-D (`out->flat ==
- * 1`, `nbytes` must be a multiple of `itemsize`). Everything is checked before the import:
- * a rejected call imports nothing. Initializes lazily.
+ * 1`, `nbytes` must be a multiple of `itemsize`). Refused (`GPU_ARENA_ERR_INVALID_ARGUMENT`):
+ * a view whose elements (from `storage_offset`, with its sizes and strides, negative ones
+ * included) reach outside the `nbytes`, a dtype code DLPack does not define (above 17), a
+ * dtype whose bits * lanes is not 8 * `itemsize`, `ndim` outside 0..=64. Everything is
+ * checked before the import: a rejected call imports nothing. Initializes lazily.
  */
 int gpu_arena_import_dlpack(const struct gpu_arena_share_t *share,
                             const int64_t *view,
@@ -508,8 +511,11 @@ int gpu_arena_import_dlpack(const struct gpu_arena_share_t *share,
 int gpu_arena_close_dlpack(uint64_t id);
 
 /**
- * Hand back a managed tensor of `gpu_arena_import_dlpack` that no consumer took: runs its
- * deleter (closing the import without synchronizing: nothing used it). NULL does nothing.
+ * Hand back a managed tensor of `gpu_arena_import_dlpack` that no consumer took: closes
+ * its import (without synchronizing: nothing used it) and frees it, as its deleter would.
+ * NULL does nothing. A pointer that is not a live managed tensor of this library (never
+ * one, or released or deleted already) is refused with `GPU_ARENA_ERR_UNKNOWN_POINTER`
+ * and not read.
  */
 int gpu_arena_release_dlpack(void *managed);
 

@@ -8,7 +8,9 @@
 //! Every such import has an id (never reused in the process) in a registry here, so that it
 //! can be closed early (`gpu_arena_close_dlpack`, after which its deleter only frees) and
 //! listed (`gpu_arena_dlpack_imports`). Deleters run on whatever thread frees the tensor;
-//! they catch panics and report nothing (a deleter has no caller to tell).
+//! they catch panics, log a failed close and leave the thread's last error alone (a
+//! deleter has no caller to tell). The registry's lock is never held across a driver call
+//! or a message to a producer.
 
 use std::collections::BTreeMap;
 use std::ffi::{c_int, c_void};
@@ -19,7 +21,10 @@ use gpu_arena::Error;
 use parking_lot::Mutex;
 
 use crate::ipc_api::{importer, read_handle};
-use crate::{existing_pool, fail, gpu_arena_share_t, guard, GPU_ARENA_OK};
+use crate::{
+    existing_pool, fail, gpu_arena_share_t, guard, restore_last_error, saved_last_error,
+    GPU_ARENA_OK,
+};
 
 /// Entries of the view array `gpu_arena_import_dlpack` reads before the shape and strides.
 pub const GPU_ARENA_DLPACK_VIEW_HEAD: usize = 8;
@@ -104,6 +109,9 @@ struct Managed {
 }
 
 struct Entry {
+    /// The `DLManagedTensor*` handed out, so `gpu_arena_release_dlpack` can check a pointer
+    /// is one of ours before it reads through it.
+    managed: usize,
     ptr: u64,
     nbytes: u64,
     device: i32,
@@ -153,6 +161,14 @@ fn read_view(view: *const i64, len: usize) -> Result<View, Error> {
         .map(|i| at(GPU_ARENA_DLPACK_VIEW_HEAD + i))
         .collect();
     let dtype = at(1);
+    // The highest DLPack type code (`kDLFloat4_e2m1fn`, DLPack 1.1). (A local item:
+    // cbindgen warns about a private one at module level.)
+    const DL_MAX_TYPE_CODE: i64 = 17;
+    if !(0..1 << 32).contains(&dtype) || (dtype & 0xff) > DL_MAX_TYPE_CODE {
+        return Err(Error::invalid(format!(
+            "dtype {dtype:#x} is no DLPack dtype (code <= {DL_MAX_TYPE_CODE} | bits << 8 | lanes << 16)"
+        )));
+    }
     let v = View {
         nbytes: u64::try_from(at(0)).map_err(|_| Error::invalid("negative nbytes"))?,
         dtype: DlDataType {
@@ -184,7 +200,39 @@ fn read_view(view: *const i64, len: usize) -> Result<View, Error> {
             v.shape, v.storage_offset
         )));
     }
+    if !fits(&v) {
+        return Err(Error::invalid(format!(
+            "a view (storage offset {}, shape {:?}, strides {:?}) of {}-byte elements reaches outside the {}-byte storage",
+            v.storage_offset, v.shape, v.strides, v.itemsize, v.nbytes
+        )));
+    }
     Ok(v)
+}
+
+/// Whether every element the view reaches (from its storage offset, with its sizes and
+/// strides, negative strides included) lies inside the `nbytes` of storage: the tensor a
+/// caller builds from it (flat: with `as_strided`) then reads nothing outside the mapping.
+/// An empty view reaches nothing. Any overflow is "no".
+fn fits(v: &View) -> bool {
+    if v.shape.contains(&0) {
+        return true;
+    }
+    let (mut lo, mut hi) = (v.storage_offset, v.storage_offset);
+    for (&d, &s) in v.shape.iter().zip(&v.strides) {
+        let Some(reach) = (d - 1).checked_mul(s) else {
+            return false;
+        };
+        let end = if reach < 0 { &mut lo } else { &mut hi };
+        match end.checked_add(reach) {
+            Some(x) => *end = x,
+            None => return false,
+        }
+    }
+    let bytes = u64::try_from(hi)
+        .ok()
+        .and_then(|h| h.checked_add(1))
+        .and_then(|n| n.checked_mul(v.itemsize));
+    lo >= 0 && bytes.is_some_and(|b| b <= v.nbytes)
 }
 
 /// Whether the view, at storage offset 0, spans exactly `nbytes`: then a tensor built from
@@ -201,8 +249,9 @@ fn spans_whole(v: &View) -> bool {
             _ => return false,
         }
     }
-    u64::try_from(last + 1)
+    u64::try_from(last)
         .ok()
+        .and_then(|n| n.checked_add(1))
         .and_then(|n| n.checked_mul(v.itemsize))
         == Some(v.nbytes)
 }
@@ -260,11 +309,14 @@ fn deleter() -> unsafe extern "C" fn(*mut DlManagedTensor) {
             let entry = REGISTRY.lock().remove(&managed.id);
             if let Some(e) = entry {
                 if !e.closed && !EXITING.load(Ordering::Relaxed) {
-                    const CALL: &str = "gpu-arena DLPack deleter";
-                    if close_import(CALL, e.ptr, e.device, true).is_err() {
-                        // A deleter has no caller: the last error says why.
-                        tracing::warn!("{CALL}: closing import {:#x} failed", e.ptr);
+                    // A deleter has no caller to tell: a failure is logged, and the thread's
+                    // last error (of whatever call it was in the middle of) stays as it was.
+                    let saved = saved_last_error();
+                    let call = "gpu-arena DLPack deleter";
+                    if close_import(call, e.ptr, e.device, true).is_err() {
+                        tracing::warn!("{}", saved_last_error().0.to_string_lossy());
                     }
+                    restore_last_error(saved);
                 }
             }
             drop(managed);
@@ -284,8 +336,11 @@ fn deleter() -> unsafe extern "C" fn(*mut DlManagedTensor) {
 /// sizes and `ndim` strides (elements): `view_len == GPU_ARENA_DLPACK_VIEW_HEAD + 2 * ndim`.
 /// When the view starts at offset 0 and spans exactly `nbytes`, the tensor has its shape
 /// and strides (`out->flat == 0`); otherwise it is the whole storage, 1-D (`out->flat ==
-/// 1`, `nbytes` must be a multiple of `itemsize`). Everything is checked before the import:
-/// a rejected call imports nothing. Initializes lazily.
+/// 1`, `nbytes` must be a multiple of `itemsize`). Refused (`GPU_ARENA_ERR_INVALID_ARGUMENT`):
+/// a view whose elements (from `storage_offset`, with its sizes and strides, negative ones
+/// included) reach outside the `nbytes`, a dtype code DLPack does not define (above 17), a
+/// dtype whose bits * lanes is not 8 * `itemsize`, `ndim` outside 0..=64. Everything is
+/// checked before the import: a rejected call imports nothing. Initializes lazily.
 #[no_mangle]
 pub extern "C" fn gpu_arena_import_dlpack(
     share: *const gpu_arena_share_t,
@@ -319,24 +374,19 @@ pub extern "C" fn gpu_arena_import_dlpack(
                 )),
             ));
         }
-        let ptr = importer(CALL)?.import(&h).map_err(|e| {
-            let call = format!(
-                "{CALL}(producer pid {}, share {})",
-                h.producer_pid, h.info.share_key
-            );
-            fail(&call, e)
-        })?;
         let dims: Box<[i64]> = if flat {
             Box::new([(v.nbytes / v.itemsize) as i64, 1])
         } else {
             v.shape.iter().chain(&v.strides).copied().collect()
         };
         let ndim = dims.len() / 2;
-        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        let importer = importer(CALL)?;
+        // Everything that can fail before the import: after it nothing can (short of an
+        // allocation failure, which aborts), so no error path has to close it again.
         let mut m = Box::new(Managed {
             dl: DlManagedTensor {
                 dl_tensor: DlTensor {
-                    data: ptr as *mut c_void,
+                    data: std::ptr::null_mut(),
                     device: DlDevice {
                         device_type: v.device_type,
                         device_id: v.device_id,
@@ -350,7 +400,7 @@ pub extern "C" fn gpu_arena_import_dlpack(
                 manager_ctx: std::ptr::null_mut(),
                 deleter: Some(deleter()),
             },
-            id,
+            id: 0,
             dims,
         });
         let base = m.dims.as_mut_ptr();
@@ -358,12 +408,23 @@ pub extern "C" fn gpu_arena_import_dlpack(
         // SAFETY: `dims` holds 2 * ndim entries: the strides start at ndim (one past the
         // end when ndim == 0, a valid pointer that is never read).
         m.dl.dl_tensor.strides = unsafe { base.add(ndim) };
+        let ptr = importer.import(&h).map_err(|e| {
+            let call = format!(
+                "{CALL}(producer pid {}, share {})",
+                h.producer_pid, h.info.share_key
+            );
+            fail(&call, e)
+        })?;
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        m.id = id;
+        m.dl.dl_tensor.data = ptr as *mut c_void;
         let raw = Box::into_raw(m);
         // SAFETY: `raw` is the live allocation just leaked; the context points to itself.
         unsafe { (*raw).dl.manager_ctx = raw.cast() };
         REGISTRY.lock().insert(
             id,
             Entry {
+                managed: raw as usize,
                 ptr,
                 nbytes: v.nbytes,
                 device: h.info.device,
@@ -397,28 +458,43 @@ pub extern "C" fn gpu_arena_close_dlpack(id: u64) -> c_int {
     })
 }
 
-/// Hand back a managed tensor of `gpu_arena_import_dlpack` that no consumer took: runs its
-/// deleter (closing the import without synchronizing: nothing used it). NULL does nothing.
+/// Hand back a managed tensor of `gpu_arena_import_dlpack` that no consumer took: closes
+/// its import (without synchronizing: nothing used it) and frees it, as its deleter would.
+/// NULL does nothing. A pointer that is not a live managed tensor of this library (never
+/// one, or released or deleted already) is refused with `GPU_ARENA_ERR_UNKNOWN_POINTER`
+/// and not read.
 #[no_mangle]
 pub extern "C" fn gpu_arena_release_dlpack(managed: *mut c_void) -> c_int {
-    guard("gpu_arena_release_dlpack", || {
+    const CALL: &str = "gpu_arena_release_dlpack";
+    guard(CALL, || {
         if managed.is_null() {
             return Ok(GPU_ARENA_OK);
         }
-        let m = managed.cast::<DlManagedTensor>();
-        // SAFETY: per the header `managed` came from gpu_arena_import_dlpack and no consumer
-        // took it: it is a live Managed, read once here, and its deleter is ours.
-        unsafe {
-            let id = (*m.cast::<Managed>()).id;
-            if let Some(e) = REGISTRY.lock().get_mut(&id) {
-                if !e.closed && !EXITING.load(Ordering::Relaxed) {
-                    e.closed = true;
-                    let _ = close_import("gpu_arena_release_dlpack", e.ptr, e.device, false);
-                }
-            }
-            deleter()(m);
-        }
-        Ok(GPU_ARENA_OK)
+        // Found by address, without reading through `managed`; the import is closed with
+        // the lock released (a driver call, and a message to the producer).
+        let to_close = {
+            let mut reg = REGISTRY.lock();
+            let Some(e) = reg.values_mut().find(|e| e.managed == managed as usize) else {
+                return Err(fail(
+                    CALL,
+                    Error::UnknownPointer {
+                        ptr: managed as u64,
+                        why: "not a live DLManagedTensor of gpu_arena_import_dlpack".into(),
+                    },
+                ));
+            };
+            let close = !e.closed && !EXITING.load(Ordering::Relaxed);
+            e.closed = true;
+            close.then_some((e.ptr, e.device))
+        };
+        let closed = match to_close {
+            Some((ptr, device)) => close_import(CALL, ptr, device, false),
+            None => Ok(()),
+        };
+        // SAFETY: the registry holds `managed`, so it is a live Managed whose deleter is
+        // ours and that no consumer took (per the header); the deleter takes it back once.
+        unsafe { deleter()(managed.cast()) };
+        closed.map(|()| GPU_ARENA_OK)
     })
 }
 
@@ -488,15 +564,24 @@ mod tests {
         let scalar = read(&view(4, 4, 0, &[], &[])).unwrap();
         assert!(spans_whole(&scalar));
         for (offset, shape, strides) in [
-            (1, &[1023][..], &[1][..]),          // a storage offset
-            (0, &[1023], &[1]),                  // stops short of the end
-            (0, &[32, 16], &[32, 1]),            // a slice of the columns
-            (0, &[0, 32], &[32, 1]),             // empty
-            (0, &[1024], &[-1]),                 // negative stride
-            (0, &[2, i64::MAX], &[1, i64::MAX]), // overflows
+            (1, &[1023][..], &[1][..]), // a storage offset
+            (0, &[1023], &[1]),         // stops short of the end
+            (0, &[32, 16], &[32, 1]),   // a slice of the columns
+            (0, &[0, 32], &[32, 1]),    // empty
+            (1023, &[1024], &[-1]),     // negative stride
         ] {
             let v = read(&view(4096, 4, offset, shape, strides)).unwrap();
             assert!(!spans_whole(&v), "{offset} {shape:?} {strides:?}");
+        }
+        // Views read_view refuses: spans_whole says no without overflowing either.
+        for (shape, strides) in [
+            (vec![1024], vec![-1]),
+            (vec![2, i64::MAX], vec![1, i64::MAX]),
+            (vec![2], vec![i64::MAX]),
+        ] {
+            let mut v = read(&view(4096, 4, 0, &[1], &[1])).unwrap();
+            (v.shape, v.strides) = (shape, strides);
+            assert!(!spans_whole(&v), "{:?} {:?}", v.shape, v.strides);
         }
     }
 
@@ -516,5 +601,41 @@ mod tests {
         assert!(read(&view(4096, 4, 0, &[-1], &[1])).is_err());
         assert!(read(&view(4096, 4, -1, &[1], &[1])).is_err());
         assert!(read(&view(-1, 4, 0, &[1], &[1])).is_err());
+        let mut ndim_65 = view(4096, 4, 0, &[1; 65], &[1; 65]);
+        assert!(read(&ndim_65).is_err(), "ndim 65");
+        ndim_65[7] = -1;
+        assert!(read(&ndim_65).is_err(), "negative ndim");
+        for dtype in [18 | 32 << 8 | 1 << 16, -1, 1 << 32 | 2 | 32 << 8 | 1 << 16] {
+            let mut unknown = good.clone();
+            unknown[1] = dtype;
+            assert!(read(&unknown).is_err(), "dtype {dtype:#x}");
+        }
+    }
+
+    #[test]
+    fn a_view_reaching_outside_its_storage_is_refused() {
+        for (offset, shape, strides) in [
+            (0, &[1024][..], &[1][..]), // exactly the storage
+            (1023, &[1024], &[-1]),     // backwards, exactly the storage
+            (4095, &[0, 8], &[1, 1]),   // empty: reaches nothing
+            (1000, &[2, 12], &[12, 1]), // the last 24 elements
+            (0, &[4, 4], &[0, 0]),      // broadcast
+        ] {
+            let v = view(4096, 4, offset, shape, strides);
+            assert!(read(&v).is_ok(), "{offset} {shape:?} {strides:?}");
+        }
+        for (offset, shape, strides) in [
+            (0, &[1025][..], &[1][..]),          // one element past the end
+            (1, &[1024], &[1]),                  // the offset pushes it out
+            (0, &[1024], &[-1]),                 // backwards from 0: before the start
+            (0, &[32, 33], &[32, 1]),            // the last row runs over
+            (0, &[2], &[i64::MAX]),              // overflows
+            (0, &[3, 2], &[i64::MAX / 2, 1]),    // overflows when summed
+            (i64::MAX, &[1], &[1]),              // (offset + 1) * itemsize overflows
+            (0, &[2, 2], &[i64::MIN, i64::MIN]), // negative overflow
+        ] {
+            let v = view(4096, 4, offset, shape, strides);
+            assert!(read(&v).is_err(), "{offset} {shape:?} {strides:?}");
+        }
     }
 }

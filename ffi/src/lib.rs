@@ -115,6 +115,21 @@ pub(crate) fn set_error_code(msg: String, code: c_int) {
     let _ = LAST_CODE.try_with(|c| c.set(code));
 }
 
+/// The calling thread's last error (message, code), for code that must not change it (a
+/// DLPack deleter runs in the middle of whatever its thread was doing); put it back with
+/// [`restore_last_error`].
+pub(crate) fn saved_last_error() -> (CString, c_int) {
+    let msg = LAST_ERROR
+        .try_with(|e| e.borrow().clone())
+        .unwrap_or_default();
+    (msg, gpu_arena_last_error_code())
+}
+
+pub(crate) fn restore_last_error((msg, code): (CString, c_int)) {
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = msg);
+    let _ = LAST_CODE.try_with(|c| c.set(code));
+}
+
 pub(crate) fn set_error(msg: String) {
     set_error_code(msg, GPU_ARENA_ERR_INTERNAL);
 }

@@ -79,13 +79,16 @@ def to_torch(torch, managed: int, refused: Callable[[int], Any]):
     """The torch tensor over the ``DLManagedTensor*`` ``managed``. When torch raises without
     taking the capsule (its deleter will never run), ``refused(managed)`` is called before
     the exception propagates."""
-    capsule = _PyCapsule_New(managed, _DLTENSOR_NAME, None)
+    capsule = None
     try:
+        capsule = _PyCapsule_New(managed, _DLTENSOR_NAME, None)
         # torch._C._from_dlpack is what torch.utils.dlpack.from_dlpack calls for a capsule,
         # without its Python-level dispatch on the argument's type.
         return _from_capsule(torch)(capsule)
     except BaseException:
-        if _PyCapsule_IsValid(capsule, _DLTENSOR_NAME):
+        # No capsule (PyCapsule_New failed), or one torch did not consume (not renamed
+        # "used_dltensor"): nobody else will ever call the deleter.
+        if capsule is None or _PyCapsule_IsValid(capsule, _DLTENSOR_NAME):
             refused(managed)
         raise
 

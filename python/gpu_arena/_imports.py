@@ -38,7 +38,8 @@ def close(import_id: int) -> int:
 
 
 def release(managed: int) -> None:
-    """A managed tensor torch did not take: close its import and free it."""
+    """A managed tensor torch did not take: close its import and free it (errors are
+    ignored: this runs while another exception propagates)."""
     _ipc_fn("gpu_arena_release_dlpack")(managed)
 
 

@@ -57,7 +57,9 @@ def _header_text() -> str:
 
 # The C types of the header, as ctypes.
 _CTYPES = {"uint64_t": ctypes.c_uint64, "uint8_t": ctypes.c_uint8, "int32_t": ctypes.c_int32,
-           "uint32_t": ctypes.c_uint32, "size_t": ctypes.c_size_t, "void*": ctypes.c_void_p}
+           "uint32_t": ctypes.c_uint32, "size_t": ctypes.c_size_t, "void*": ctypes.c_void_p,
+           # A struct of the header inside another (checked on its own below).
+           "gpu_arena_share_t": _lib.GpuArenaShare}
 
 
 def _header_struct(name: str):
@@ -79,6 +81,8 @@ def _header_constants() -> dict:
 
 
 def _same_type(a, b) -> bool:
+    if a is b:
+        return True
     if issubclass(a, ctypes.Array) or issubclass(b, ctypes.Array):
         return (issubclass(a, ctypes.Array) and issubclass(b, ctypes.Array)
                 and a._length_ == b._length_ and a._type_ is b._type_)
@@ -90,6 +94,7 @@ def _same_type(a, b) -> bool:
     ("gpu_arena_share_t", _lib.GpuArenaShare),
     ("gpu_arena_arena_info_t", _lib.GpuArenaArenaInfo),
     ("gpu_arena_dlpack_t", _lib.GpuArenaDlpack),
+    ("gpu_arena_dlpack_import_t", _lib.GpuArenaDlpackImport),
 ])
 @pytest.mark.skipif(not HEADER.exists(), reason="ffi/include/gpu_arena.h not in this checkout")
 def test_structs_match_the_header(c_name, py_struct):

@@ -149,8 +149,8 @@ except ValueError:
 bad = gpu_arena.Share(s.handle, "float32", (2048,), (1,), 0, 0, s.nbytes)   # past the storage
 try:
     gpu_arena.open(bad)
-except RuntimeError:
-    out["bad_view"] = gpu_arena.imports_live()
+except gpu_arena.InvalidArgumentError as e:      # refused by the library, before the import
+    out["bad_view"] = ["reaches outside" in str(e), gpu_arena.imports_live()]
 s.close(); del base; gpu_arena.free(p, nbytes); gpu_arena.empty_cache()
 out["reserved"] = gpu_arena.stats()["reserved_bytes"]
 print("RESULT=" + json.dumps(out))
@@ -159,7 +159,7 @@ print("RESULT=" + json.dumps(out))
         assert r[name] == [True, True], name
     assert r["foreign"] == -3
     assert r["not_tensor"] and r["close_foreign"] and r["close_type"] and r["bad_dtype"]
-    assert r["bad_view"] == 0, "a failed open closes its import"
+    assert r["bad_view"] == [True, 0], "a view past the storage imports nothing"
     assert r["reserved"] == 0
 
 
@@ -320,4 +320,70 @@ print("RESULT=" + json.dumps(out))
     assert r["refused"] == [0, 0]
     assert r["bad_nbytes"] == [True, 0]
     assert r["odd_storage"] == [True, 0]
+    assert r["reserved"] == 0
+
+
+def test_import_dlpack_refuses_bad_input_and_release_checks_its_pointer():
+    # The C calls under open(), driven directly: a bad view (reaching outside the share, an
+    # unknown dtype code) is refused before the import (nothing imported, nothing listed);
+    # gpu_arena_release_dlpack refuses a pointer that is not a live managed tensor of the
+    # library (a bogus one, or one released already) without reading it.
+    r = run(r'''
+import struct, threading
+from gpu_arena import _imports, _lib
+from gpu_arena.pointers import _ipc_fn
+out = {}
+base, p, nbytes = gpu_arena_tensor(1024)
+s = gpu_arena.share(base)
+imp, release = _ipc_fn("gpu_arena_import_dlpack"), _ipc_fn("gpu_arena_release_dlpack")
+F32 = 2 | 32 << 8 | 1 << 16
+def call(dtype, offset, shape, stride, flat=0, itemsize=4):
+    view = struct.pack(f"={8 + 2 * len(shape)}q", nbytes, dtype, itemsize, 1, 0, flat,
+                       offset, len(shape), *shape, *stride)
+    o = _lib.GpuArenaDlpack()
+    rc = imp(s.handle, view, 8 + 2 * len(shape), ctypes.byref(o))
+    return rc, o
+state = lambda: [gpu_arena.imports_live(), len(_imports.records())]
+for name, args in (("past_end", (F32, 0, [1025], [1])), ("offset_out", (F32, 1, [1024], [1])),
+                   ("flat_past_end", (F32, 0, [2048], [1], 1)),
+                   ("negative_reach", (F32, 0, [1024], [-1])),
+                   ("overflow", (F32, 0, [2], [2**63 - 1])),
+                   ("unknown_code", (99 | 32 << 8 | 1 << 16, 0, [1024], [1]))):
+    rc, o = call(*args)
+    out[name] = [rc, "dlpack" in gpu_arena.last_error()] + state()
+# A managed tensor no consumer took: released once; a second release, or a bogus pointer,
+# is refused (UNKNOWN_POINTER) and changes nothing.
+rc, o = call(F32, 0, [1024], [1])
+out["imported"] = [rc, o.flat, o.ndim] + state()
+rc2, o2 = call(F32, 0, [32, 32], [32, 1])
+out["bogus"] = [release(12345), release(o.managed + 8)] + state()
+out["release"] = [release(o.managed)] + state()
+out["again"] = [release(o.managed)] + state()
+# Released after an explicit close: closes nothing twice.
+out["close_then_release"] = [_ipc_fn("gpu_arena_close_dlpack")(o2.id), release(o2.managed)] + state()
+# close() racing the deleter on another thread: each import closed exactly once.
+ts = [gpu_arena.open(gpu_arena.Share.from_bytes(s.to_bytes())) for _ in range(200)]
+ids = [t._gpu_arena_import for t in ts]
+def drop():
+    while ts:
+        ts.pop()
+th = threading.Thread(target=drop)
+th.start()
+closed = sum(_imports.close(i) for i in ids)
+th.join(); gc.collect()
+out["race"] = [closed <= 200] + state()
+s.close(); del base; gpu_arena.free(p, nbytes); gpu_arena.empty_cache()
+out["reserved"] = gpu_arena.stats()["reserved_bytes"]
+print("RESULT=" + json.dumps(out))
+''')
+    invalid, unknown = -1, -3
+    for name in ("past_end", "offset_out", "flat_past_end", "negative_reach", "overflow",
+                 "unknown_code"):
+        assert r[name] == [invalid, True, 0, 0], name
+    assert r["imported"] == [0, 0, 1, 1, 1]
+    assert r["bogus"] == [unknown, unknown, 2, 2]
+    assert r["release"] == [0, 1, 1]
+    assert r["again"] == [unknown, 1, 1]
+    assert r["close_then_release"] == [1, 0, 0, 0]
+    assert r["race"] == [True, 0, 0]
     assert r["reserved"] == 0
