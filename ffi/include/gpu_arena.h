@@ -320,8 +320,8 @@ extern "C" {
  * `device_count` is the caller's device count, checked against the backend's. Safe to call
  * more than once, and optional: `gpu_arena_malloc`, `gpu_arena_stats`,
  * `gpu_arena_empty_cache`, `gpu_arena_validate`, `gpu_arena_device_count`,
- * `gpu_arena_snapshot_json`, `gpu_arena_share` and `gpu_arena_import` initialize the same
- * way on first use (once, even when threads race). Check `gpu_arena_init_status()` for
+ * `gpu_arena_snapshot_json`, `gpu_arena_share`, `gpu_arena_import` and
+ * `gpu_arena_import_dlpack` initialize the same way on first use (once, even when threads race). Check `gpu_arena_init_status()` for
  * the outcome.
  */
 void gpu_arena_init(int device_count);
@@ -491,7 +491,8 @@ int gpu_arena_imports_live(void);
  * sizes and `ndim` strides (elements): `view_len == GPU_ARENA_DLPACK_VIEW_HEAD + 2 * ndim`.
  * When the view starts at offset 0 and spans exactly `nbytes`, the tensor has its shape
  * and strides (`out->flat == 0`); otherwise it is the whole storage, 1-D (`out->flat ==
- * 1`, `nbytes` must be a multiple of `itemsize`). Refused (`GPU_ARENA_ERR_INVALID_ARGUMENT`):
+ * 1`, `nbytes` must be a multiple of `itemsize`). A device tensor (`device_type` not 1) must
+ * be on the share's device (`device_id`). Refused (`GPU_ARENA_ERR_INVALID_ARGUMENT`):
  * a view whose elements (from `storage_offset`, with its sizes and strides, negative ones
  * included) reach outside the `nbytes`, a dtype code DLPack does not define (above 17), a
  * dtype whose bits * lanes is not 8 * `itemsize`, `ndim` outside 0..=64. Everything is

@@ -336,7 +336,8 @@ fn deleter() -> unsafe extern "C" fn(*mut DlManagedTensor) {
 /// sizes and `ndim` strides (elements): `view_len == GPU_ARENA_DLPACK_VIEW_HEAD + 2 * ndim`.
 /// When the view starts at offset 0 and spans exactly `nbytes`, the tensor has its shape
 /// and strides (`out->flat == 0`); otherwise it is the whole storage, 1-D (`out->flat ==
-/// 1`, `nbytes` must be a multiple of `itemsize`). Refused (`GPU_ARENA_ERR_INVALID_ARGUMENT`):
+/// 1`, `nbytes` must be a multiple of `itemsize`). A device tensor (`device_type` not 1) must
+/// be on the share's device (`device_id`). Refused (`GPU_ARENA_ERR_INVALID_ARGUMENT`):
 /// a view whose elements (from `storage_offset`, with its sizes and strides, negative ones
 /// included) reach outside the `nbytes`, a dtype code DLPack does not define (above 17), a
 /// dtype whose bits * lanes is not 8 * `itemsize`, `ndim` outside 0..=64. Everything is
@@ -361,6 +362,20 @@ pub extern "C" fn gpu_arena_import_dlpack(
                 Error::invalid(format!(
                     "the share says {} bytes, its handle {}",
                     v.nbytes, h.info.len
+                )),
+            ));
+        }
+        // The import maps the share on the handle's device: a device tensor claiming
+        // another would be used there (a fault, or another device's memory). (DLPack's
+        // kDLCPU: the sim backend's memory is host memory. A local item: cbindgen warns
+        // about a private one at module level.)
+        const DL_CPU: i32 = 1;
+        if v.device_type != DL_CPU && v.device_id != h.info.device {
+            return Err(fail(
+                CALL,
+                Error::invalid(format!(
+                    "device_id {} (device_type {}) is not the share's device {}",
+                    v.device_id, v.device_type, h.info.device
                 )),
             ));
         }

@@ -260,8 +260,8 @@ fn init_pool(call: &str) -> &'static std::result::Result<Arc<Pool>, Error> {
 /// `device_count` is the caller's device count, checked against the backend's. Safe to call
 /// more than once, and optional: `gpu_arena_malloc`, `gpu_arena_stats`,
 /// `gpu_arena_empty_cache`, `gpu_arena_validate`, `gpu_arena_device_count`,
-/// `gpu_arena_snapshot_json`, `gpu_arena_share` and `gpu_arena_import` initialize the same
-/// way on first use (once, even when threads race). Check `gpu_arena_init_status()` for
+/// `gpu_arena_snapshot_json`, `gpu_arena_share`, `gpu_arena_import` and
+/// `gpu_arena_import_dlpack` initialize the same way on first use (once, even when threads race). Check `gpu_arena_init_status()` for
 /// the outcome.
 #[no_mangle]
 pub extern "C" fn gpu_arena_init(device_count: c_int) {

@@ -337,18 +337,20 @@ base, p, nbytes = gpu_arena_tensor(1024)
 s = gpu_arena.share(base)
 imp, release = _ipc_fn("gpu_arena_import_dlpack"), _ipc_fn("gpu_arena_release_dlpack")
 F32 = 2 | 32 << 8 | 1 << 16
-def call(dtype, offset, shape, stride, flat=0, itemsize=4):
-    view = struct.pack(f"={8 + 2 * len(shape)}q", nbytes, dtype, itemsize, 1, 0, flat,
+HEAD = _lib.GPU_ARENA_DLPACK_VIEW_HEAD
+def call(dtype, offset, shape, stride, flat=0, itemsize=4, device=(1, 0)):
+    view = struct.pack(f"={HEAD + 2 * len(shape)}q", nbytes, dtype, itemsize, *device, flat,
                        offset, len(shape), *shape, *stride)
     o = _lib.GpuArenaDlpack()
-    rc = imp(s.handle, view, 8 + 2 * len(shape), ctypes.byref(o))
+    rc = imp(s.handle, view, HEAD + 2 * len(shape), ctypes.byref(o))
     return rc, o
 state = lambda: [gpu_arena.imports_live(), len(_imports.records())]
 for name, args in (("past_end", (F32, 0, [1025], [1])), ("offset_out", (F32, 1, [1024], [1])),
                    ("flat_past_end", (F32, 0, [2048], [1], 1)),
                    ("negative_reach", (F32, 0, [1024], [-1])),
                    ("overflow", (F32, 0, [2], [2**63 - 1])),
-                   ("unknown_code", (99 | 32 << 8 | 1 << 16, 0, [1024], [1]))):
+                   ("unknown_code", (99 | 32 << 8 | 1 << 16, 0, [1024], [1])),
+                   ("other_device", (F32, 0, [1024], [1], 0, 4, (2, 3)))):
     rc, o = call(*args)
     out[name] = [rc, "dlpack" in gpu_arena.last_error()] + state()
 # A managed tensor no consumer took: released once; a second release, or a bogus pointer,
@@ -378,7 +380,7 @@ print("RESULT=" + json.dumps(out))
 ''')
     invalid, unknown = -1, -3
     for name in ("past_end", "offset_out", "flat_past_end", "negative_reach", "overflow",
-                 "unknown_code"):
+                 "unknown_code", "other_device"):
         assert r[name] == [invalid, True, 0, 0], name
     assert r["imported"] == [0, 0, 1, 1, 1]
     assert r["bogus"] == [unknown, unknown, 2, 2]
