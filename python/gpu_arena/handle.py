@@ -12,6 +12,9 @@ from ._lib import SHARE_BYTES, GpuArenaShare
 __all__ = ["ShareHandle", "as_handle"]
 
 _MAGIC = b"GPUARENA"
+# The producer's device, an int32 at byte 12: `_device_of(handle, 0)[0]` (tensors.share()
+# reads it per call without the property).
+_device_of = struct.Struct("<12xi").unpack_from
 
 
 class ShareHandle(bytes):
@@ -64,7 +67,7 @@ class ShareHandle(bytes):
     @property
     def device(self) -> int:
         """The producer's device index."""
-        return self._u("i", 12)
+        return _device_of(self, 0)[0]
 
     @property
     def producer_pid(self) -> int:

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, List, Union
 
 from . import _dlpack, _imports, _lib
 from ._lib import SHARE_BYTES, as_int
-from .handle import ShareHandle, as_handle
+from .handle import ShareHandle, _device_of, as_handle
 from .pointers import _ipc_fn, unshare
 
 __all__ = ["Share", "share", "open", "close", "open_imports"]
@@ -203,7 +203,7 @@ def share(tensor, *, synchronize: bool = True) -> Share:
     s.shape = tuple(tensor.shape)
     s.stride = tensor.stride()
     s.storage_offset = tensor.storage_offset()
-    s.device = _device_of(h, 12)[0]
+    s.device = _device_of(h, 0)[0]
     s.nbytes = nbytes
     s.device_type = "cuda" if cuda else "cpu"
     s._owner = True
@@ -216,7 +216,6 @@ def share(tensor, *, synchronize: bool = True) -> Share:
 _share_fn = None
 _ShareOut = _lib.GpuArenaShare
 _new_handle = bytes.__new__  # ShareHandle(b) without its checks: the library made the bytes
-_device_of = struct.Struct("<i").unpack_from  # ShareHandle.device
 
 
 def _share_fn_of():
