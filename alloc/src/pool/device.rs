@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use super::classes::Class;
-use super::thread_cache::{CachedBlocks, FrontLive};
+use super::thread_cache::FrontLive;
 use super::{DeviceState, Live, PendingFree, ANY_STREAM, FLUSH_FIRST_ABOVE, LIMBO_BASE};
 use crate::backend::{ArenaMem, Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
@@ -600,24 +600,27 @@ impl DeviceState {
             whole(ptr, l.bytes(), "live")?;
             (used, requested) = (used + l.bytes(), requested + l.requested);
         }
-        for (&ptr, l) in thread_caches.iter().flat_map(|c| c.live.iter()) {
+        for (ptr, l) in thread_caches.iter().flat_map(|c| c.records.live()) {
             let len = super::block_len(l.requested).unwrap_or(0);
             whole(ptr, len, "live in the front")?;
             (used, requested) = (used + len, requested + l.requested);
         }
-        // The bytes of one cache map (the device's or a thread's), each block checked whole.
-        let mut cached_in = |map: &CachedBlocks, what: &'static str| -> Result<u64, String> {
+        // The bytes of the cached blocks (the device's or a thread's), each checked whole.
+        let mut cached_in = |blocks: &mut dyn Iterator<Item = (u64, u64)>,
+                             what: &'static str|
+         -> Result<u64, String> {
             let mut bytes = 0;
-            for (&(_, key), blocks) in map {
-                let len = cache_key_parts(key).0;
-                for &(ptr, _) in blocks {
-                    whole(ptr, len, what)?;
-                    bytes += len;
-                }
+            for (ptr, len) in blocks {
+                whole(ptr, len, what)?;
+                bytes += len;
             }
             Ok(bytes)
         };
-        let mut cached = cached_in(&self.cache, "cached")?;
+        let mut device_blocks = self.cache.iter().flat_map(|(&(_, key), blocks)| {
+            let len = cache_key_parts(key).0;
+            blocks.iter().map(move |&(ptr, _)| (ptr, len))
+        });
+        let mut cached = cached_in(&mut device_blocks, "cached")?;
         if cached != self.cached_bytes {
             return Err(format!(
                 "cache holds {cached} bytes, counter says {}",
@@ -625,11 +628,11 @@ impl DeviceState {
             ));
         }
         for c in &thread_caches {
-            let in_thread = cached_in(&c.blocks, "cached by a thread")?;
-            if in_thread != c.bytes {
+            let in_thread = cached_in(&mut c.records.free_blocks(), "cached by a thread")?;
+            if in_thread != c.records.free_bytes() {
                 return Err(format!(
                     "a thread cache holds {in_thread} bytes, its counter says {}",
-                    c.bytes
+                    c.records.free_bytes()
                 ));
             }
             cached += in_thread;

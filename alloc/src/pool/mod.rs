@@ -89,6 +89,7 @@ mod sleep;
 mod snapshot;
 mod spin;
 mod thread_cache;
+mod thread_records;
 mod trace;
 mod wake;
 
@@ -381,7 +382,7 @@ impl Pool {
         usize::try_from(device)
             .ok()
             .and_then(|d| self.devices.get(d))
-            .ok_or(Error::InvalidDevice {
+            .ok_or_else(|| Error::InvalidDevice {
                 device,
                 count: self.devices.len(),
             })
