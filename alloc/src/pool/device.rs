@@ -330,6 +330,9 @@ impl DeviceState {
 
     /// Return the blocks of thread caches whose thread exited and fold in their counts.
     pub(super) fn reclaim_gone_caches(&mut self) {
+        if !self.front.any_gone() {
+            return;
+        }
         let gone = self.front.take_gone();
         let counts = gone.counts;
         self.free_blocks(gone.blocks);
@@ -359,17 +362,23 @@ impl DeviceState {
     }
 
     pub(super) fn insert_promoted(&mut self, ptr: u64, rec: FrontLive) {
+        let live = self.promoted(rec);
+        self.allocs.insert(ptr, live);
+    }
+
+    /// The device's record of a record taken out of the front, counted in its arena (as a
+    /// record in the device's map is).
+    pub(super) fn promoted(&mut self, rec: FrontLive) -> Live {
         if let Some(a) = self.arenas.get_mut(rec.arena) {
             a.live_allocs += 1;
         }
-        let live = Live {
+        Live {
             arena: rec.arena,
             requested: rec.requested,
             stream: StreamId(rec.stream),
             extra_streams: None,
             hold: AllocHold::default(),
-        };
-        self.allocs.insert(ptr, live);
+        }
     }
 
     /// The device's counters with the front's added: allocated and requested bytes and

@@ -377,8 +377,12 @@ impl Front {
         (false, seen)
     }
 
-    /// Take the record of `ptr` out of the caches (to promote it).
-    pub(crate) fn take_live(&self, ptr: u64) -> Option<FrontLive> {
+    /// Take the record of `ptr` out of the caches (to promote it): the calling thread's
+    /// first, else the others'.
+    pub(crate) fn take_live(self: &Arc<Self>, ptr: u64) -> Option<FrontLive> {
+        if let Some(rec) = self.with_cache(|cache| cache.records.take_live(ptr)) {
+            return Some(rec);
+        }
         self.caches
             .lock()
             .iter()
@@ -400,6 +404,13 @@ impl Front {
         LockedCaches {
             slots: self.caches.lock(),
         }
+    }
+
+    /// Whether a thread whose cache is still in the registry exited (a hint: one read, for
+    /// the device lock's path to skip [`Self::take_gone`]).
+    #[inline]
+    pub(crate) fn any_gone(&self) -> bool {
+        self.gone.load(Relaxed) != 0
     }
 
     /// Remove the caches whose thread exited from the registry: their blocks (by stream and
