@@ -3,6 +3,7 @@
 //! ranges (limbo tags), the exact-size cache, pending `record_stream` frees, arena
 //! bookkeeping, and `validate()`. `pool/mod.rs` holds the public API around it.
 
+use rustc_hash::FxHashMap;
 use std::collections::HashMap;
 
 use super::classes::Class;
@@ -287,7 +288,7 @@ impl DeviceState {
         // large misses, and the KV trace with 256 MiB arenas then reached its final
         // 17,430 MiB one replay later (growing in the fourth replay; bench/tests/kv_memory.rs).
         // Each block still goes to its own class's sub-allocator.
-        let mut by_stream: HashMap<(u64, usize), Vec<u64>> = HashMap::new();
+        let mut by_stream: FxHashMap<(u64, usize), Vec<u64>> = FxHashMap::default();
         // A huge class's miss takes back only huge blocks: no other class can make room for
         // it, and its misses are frequent enough that draining the KV blocks cached by the
         // threads each time slowed the second trace's warm replay by a third.

@@ -67,6 +67,14 @@ impl Pool {
             self.after_fast_free(dp, seen);
             return Ok(());
         }
+        self.free_locked(dp, ptr, requested)
+    }
+
+    /// A free the thread front declined, under the device lock. Out of line, so the fast
+    /// path's frame stays small.
+    #[cold]
+    #[inline(never)]
+    fn free_locked(&self, dp: &DevicePool, ptr: u64, requested: Option<u64>) -> Result<()> {
         let mut st = dp.state.lock();
         st.reclaim_gone_caches();
         // A record of the front (plain by definition; the fast path declined it: a full

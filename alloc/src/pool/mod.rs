@@ -418,8 +418,23 @@ impl Pool {
                 device,
             });
         }
-        // Else an exact-size block from the device's cache, else a best-fit range; under
-        // the lock, no driver call.
+        self.alloc_locked(dp, len, bytes, stream, tag)
+    }
+
+    /// A thread cache miss: an exact-size block from the device's cache, else a best-fit
+    /// range (under the lock, no driver call), else [`Self::alloc_slow`]. Out of line, so
+    /// the fast path's frame stays small.
+    #[cold]
+    #[inline(never)]
+    fn alloc_locked(
+        &self,
+        dp: &DevicePool,
+        len: u64,
+        bytes: u64,
+        stream: StreamId,
+        tag: u8,
+    ) -> Result<Allocation> {
+        let device = dp.device;
         {
             let mut st = dp.state.lock();
             if st.asleep_tags & (1 << tag) != 0 {
