@@ -379,13 +379,17 @@ impl Pool {
     }
 
     pub(crate) fn dev(&self, device: DeviceId) -> Result<&DevicePool> {
-        usize::try_from(device)
+        // A match, not `ok_or`: that builds (and drops) the error on every call.
+        match usize::try_from(device)
             .ok()
             .and_then(|d| self.devices.get(d))
-            .ok_or_else(|| Error::InvalidDevice {
+        {
+            Some(dp) => Ok(dp),
+            None => Err(Error::InvalidDevice {
                 device,
                 count: self.devices.len(),
-            })
+            }),
+        }
     }
 
     /// Allocate `bytes` on `device` for use on `stream`.
