@@ -8,8 +8,8 @@
 //!   cache holds freed blocks whole, in free lists keyed like the device's exact-size cache
 //!   by (stream, length, tag): a block freed on stream S is reused from a cache only by an
 //!   allocation on S (whichever thread frees it, the block keeps its stream). A freed block
-//!   keeps its record's slot, marked free (`pool/thread_records.rs`): a warm pair is one
-//!   hash lookup on alloc (the free list) and one on free (the record). Each cache has its own spin
+//!   keeps its record, marked free (`pool/thread_records.rs`): a warm pair touches one
+//!   record, with no insert or remove. Each cache has its own spin
 //!   lock (`pool/spin.rs`), which only its thread takes in the common case; flushers (a miss
 //!   that would grow the pool, `empty_cache`, the OOM retry, `sleep`) and readers
 //!   (`validate`, `stats`) take it too, under the device lock.
@@ -57,7 +57,7 @@ use parking_lot::Mutex;
 
 use super::classes::Class;
 use super::spin::{SpinGuard, SpinLock};
-use super::thread_records::ThreadRecords;
+use super::thread_records::{FreeOutcome, ThreadRecords};
 use super::{block_len, CACHE_MAX_BLOCK};
 
 /// A thread cache folds its allocated-bytes change into the device's base once it passes
@@ -285,19 +285,21 @@ impl Front {
 
     /// Free `ptr` into `cache` if `cache` holds its record.
     fn free_into(&self, cache: &mut ThreadCache, ptr: u64, requested: Option<u64>) -> FreeStep {
-        // One lookup: the record's slot, where the freed block stays (marked free).
-        let Some((slot, rec)) = cache.records.live_slot(ptr) else {
-            return FreeStep::Absent;
+        // One lookup: the record, which stays where it is (marked free) with the block.
+        let limit = self.gates.cache_limit.load(Relaxed);
+        let step = cache.records.free_live(ptr, |rec, cached| {
+            let len = block_len(rec.requested).unwrap_or(u64::MAX);
+            let ours = requested.is_none_or(|r| r == rec.requested)
+                && !self.gated(rec.tag)
+                && len <= CACHE_MAX_BLOCK
+                && cached + len <= limit;
+            ours.then_some(len)
+        });
+        let (rec, len) = match step {
+            FreeOutcome::Freed(rec, len) => (rec, len),
+            FreeOutcome::Declined => return FreeStep::Declined,
+            FreeOutcome::Absent => return FreeStep::Absent,
         };
-        let len = block_len(rec.requested).unwrap_or(u64::MAX);
-        if requested.is_some_and(|r| r != rec.requested)
-            || self.gated(rec.tag)
-            || len > CACHE_MAX_BLOCK
-            || cache.records.free_bytes() + len > self.gates.cache_limit.load(Relaxed)
-        {
-            return FreeStep::Declined;
-        }
-        cache.records.free_slot(slot, len);
         cache.counts.free_count += 1;
         cache.counts.allocations = cache.counts.allocations.wrapping_sub(1);
         cache.allocated = cache.allocated.wrapping_sub(len);
