@@ -585,14 +585,19 @@ mod tests {
     #[test]
     fn concurrent_warm_pairs_take_no_device_lock() {
         let pool = pool();
+        // No thread exits before all finished their pairs: an exited thread's cache counts
+        // are folded into the device's by the next operation under the device lock (another
+        // thread's first allocation, on a loaded machine), which read as device-lock pairs.
+        let done = std::sync::Barrier::new(4);
         std::thread::scope(|s| {
             for t in 0..4u64 {
-                let pool = &pool;
+                let (pool, done) = (&pool, &done);
                 s.spawn(move || {
                     for _ in 0..2000 {
                         let a = pool.alloc(0, 2 * MIB, StreamId(t + 1)).unwrap();
                         pool.free(a.ptr).unwrap();
                     }
+                    done.wait();
                 });
             }
         });
