@@ -9,6 +9,8 @@
 //! ```
 //!
 //! Prints the 2 MiB alloc+free pair time, then per replay ns/op, peak reserved and arenas.
+//! Instructions per op: callgrind with `--toggle-collect='*replay_ops*'` (divide by the
+//! replays times the trace's ops).
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
@@ -69,14 +71,7 @@ fn main() {
     let mut ptrs = vec![0u64; trace.allocs as usize];
     for r in 0..replays {
         let t = Instant::now();
-        for op in &trace.ops {
-            match *op {
-                Op::Alloc { id, bytes, stream } => {
-                    ptrs[id as usize] = pool.alloc(0, bytes, StreamId(stream)).unwrap().ptr;
-                }
-                Op::Free { id } => pool.free(ptrs[id as usize]).unwrap(),
-            }
-        }
+        replay_ops(&pool, &trace.ops, &mut ptrs);
         let ns = t.elapsed().as_nanos() as f64 / trace.ops.len() as f64;
         let s = pool.stats(0).unwrap();
         println!(
@@ -84,5 +79,19 @@ fn main() {
             s.peak_reserved_bytes >> 20,
             s.arenas
         );
+    }
+}
+
+/// One replay of `ops` (its own function, for callgrind:
+/// `valgrind --tool=callgrind --collect-atstart=no --toggle-collect='*replay_ops*' ...`).
+#[inline(never)]
+fn replay_ops(pool: &Pool, ops: &[Op], ptrs: &mut [u64]) {
+    for op in ops {
+        match *op {
+            Op::Alloc { id, bytes, stream } => {
+                ptrs[id as usize] = pool.alloc(0, bytes, StreamId(stream)).unwrap().ptr;
+            }
+            Op::Free { id } => pool.free(ptrs[id as usize]).unwrap(),
+        }
     }
 }

@@ -3,10 +3,11 @@
 //! ranges (limbo tags), the exact-size cache, pending `record_stream` frees, arena
 //! bookkeeping, and `validate()`. `pool/mod.rs` holds the public API around it.
 
+use rustc_hash::FxHashMap;
 use std::collections::HashMap;
 
 use super::classes::Class;
-use super::thread_cache::{CachedBlocks, FrontLive};
+use super::thread_cache::FrontLive;
 use super::{DeviceState, Live, PendingFree, ANY_STREAM, FLUSH_FIRST_ABOVE, LIMBO_BASE};
 use crate::backend::{ArenaMem, Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
@@ -287,7 +288,7 @@ impl DeviceState {
         // large misses, and the KV trace with 256 MiB arenas then reached its final
         // 17,430 MiB one replay later (growing in the fourth replay; bench/tests/kv_memory.rs).
         // Each block still goes to its own class's sub-allocator.
-        let mut by_stream: HashMap<(u64, usize), Vec<u64>> = HashMap::new();
+        let mut by_stream: FxHashMap<(u64, usize), Vec<u64>> = FxHashMap::default();
         // A huge class's miss takes back only huge blocks: no other class can make room for
         // it, and its misses are frequent enough that draining the KV blocks cached by the
         // threads each time slowed the second trace's warm replay by a third.
@@ -330,6 +331,9 @@ impl DeviceState {
 
     /// Return the blocks of thread caches whose thread exited and fold in their counts.
     pub(super) fn reclaim_gone_caches(&mut self) {
+        if !self.front.any_gone() {
+            return;
+        }
         let gone = self.front.take_gone();
         let counts = gone.counts;
         self.free_blocks(gone.blocks);
@@ -359,17 +363,23 @@ impl DeviceState {
     }
 
     pub(super) fn insert_promoted(&mut self, ptr: u64, rec: FrontLive) {
+        let live = self.promoted(rec);
+        self.allocs.insert(ptr, live);
+    }
+
+    /// The device's record of a record taken out of the front, counted in its arena (as a
+    /// record in the device's map is).
+    pub(super) fn promoted(&mut self, rec: FrontLive) -> Live {
         if let Some(a) = self.arenas.get_mut(rec.arena) {
             a.live_allocs += 1;
         }
-        let live = Live {
+        Live {
             arena: rec.arena,
             requested: rec.requested,
             stream: StreamId(rec.stream),
             extra_streams: None,
             hold: AllocHold::default(),
-        };
-        self.allocs.insert(ptr, live);
+        }
     }
 
     /// The device's counters with the front's added: allocated and requested bytes and
@@ -600,24 +610,27 @@ impl DeviceState {
             whole(ptr, l.bytes(), "live")?;
             (used, requested) = (used + l.bytes(), requested + l.requested);
         }
-        for (&ptr, l) in thread_caches.iter().flat_map(|c| c.live.iter()) {
+        for (ptr, l) in thread_caches.iter().flat_map(|c| c.records.live()) {
             let len = super::block_len(l.requested).unwrap_or(0);
             whole(ptr, len, "live in the front")?;
             (used, requested) = (used + len, requested + l.requested);
         }
-        // The bytes of one cache map (the device's or a thread's), each block checked whole.
-        let mut cached_in = |map: &CachedBlocks, what: &'static str| -> Result<u64, String> {
+        // The bytes of the cached blocks (the device's or a thread's), each checked whole.
+        let mut cached_in = |blocks: &mut dyn Iterator<Item = (u64, u64)>,
+                             what: &'static str|
+         -> Result<u64, String> {
             let mut bytes = 0;
-            for (&(_, key), blocks) in map {
-                let len = cache_key_parts(key).0;
-                for &(ptr, _) in blocks {
-                    whole(ptr, len, what)?;
-                    bytes += len;
-                }
+            for (ptr, len) in blocks {
+                whole(ptr, len, what)?;
+                bytes += len;
             }
             Ok(bytes)
         };
-        let mut cached = cached_in(&self.cache, "cached")?;
+        let mut device_blocks = self.cache.iter().flat_map(|(&(_, key), blocks)| {
+            let len = cache_key_parts(key).0;
+            blocks.iter().map(move |&(ptr, _)| (ptr, len))
+        });
+        let mut cached = cached_in(&mut device_blocks, "cached")?;
         if cached != self.cached_bytes {
             return Err(format!(
                 "cache holds {cached} bytes, counter says {}",
@@ -625,11 +638,11 @@ impl DeviceState {
             ));
         }
         for c in &thread_caches {
-            let in_thread = cached_in(&c.blocks, "cached by a thread")?;
-            if in_thread != c.bytes {
+            let in_thread = cached_in(&mut c.records.free_blocks(), "cached by a thread")?;
+            if in_thread != c.records.free_bytes() {
                 return Err(format!(
                     "a thread cache holds {in_thread} bytes, its counter says {}",
-                    c.bytes
+                    c.records.free_bytes()
                 ));
             }
             cached += in_thread;

@@ -67,16 +67,35 @@ impl Pool {
             self.after_fast_free(dp, seen);
             return Ok(());
         }
+        self.free_locked(dp, ptr, requested)
+    }
+
+    /// A free the thread front declined, under the device lock. Out of line, so the fast
+    /// path's frame stays small.
+    #[cold]
+    #[inline(never)]
+    fn free_locked(&self, dp: &DevicePool, ptr: u64, requested: Option<u64>) -> Result<()> {
         let mut st = dp.state.lock();
         st.reclaim_gone_caches();
-        st.promote(ptr);
-        // Not shared, no other streams, size as recorded: one hash removal.
-        let plain = st.allocs.get(&ptr).is_some_and(|l| {
-            l.hold.is_plain()
-                && l.extra_streams.is_none()
-                && requested.is_none_or(|r| r == l.requested)
-        });
-        if let Some(live) = plain.then(|| st.allocs.remove(&ptr)).flatten() {
+        // A record of the front (plain by definition; the fast path declined it: a full
+        // cache, a gate, a large block) is freed at once, not through the device's map.
+        let plain = match st.front.take_live(ptr) {
+            Some(rec) if requested.is_none_or(|r| r == rec.requested) => Some(st.promoted(rec)),
+            Some(rec) => {
+                st.insert_promoted(ptr, rec);
+                None
+            }
+            None => {
+                // Not shared, no other streams, size as recorded: one hash removal.
+                let plain = st.allocs.get(&ptr).is_some_and(|l| {
+                    l.hold.is_plain()
+                        && l.extra_streams.is_none()
+                        && requested.is_none_or(|r| r == l.requested)
+                });
+                plain.then(|| st.allocs.remove(&ptr)).flatten()
+            }
+        };
+        if let Some(live) = plain {
             st.stats.free_count += 1;
             let bytes = live.bytes();
             if st.history.recording {

@@ -89,6 +89,7 @@ mod sleep;
 mod snapshot;
 mod spin;
 mod thread_cache;
+mod thread_records;
 mod trace;
 mod wake;
 
@@ -378,13 +379,17 @@ impl Pool {
     }
 
     pub(crate) fn dev(&self, device: DeviceId) -> Result<&DevicePool> {
-        usize::try_from(device)
+        // A match, not `ok_or`: that builds (and drops) the error on every call.
+        match usize::try_from(device)
             .ok()
             .and_then(|d| self.devices.get(d))
-            .ok_or(Error::InvalidDevice {
+        {
+            Some(dp) => Ok(dp),
+            None => Err(Error::InvalidDevice {
                 device,
                 count: self.devices.len(),
-            })
+            }),
+        }
     }
 
     /// Allocate `bytes` on `device` for use on `stream`.
@@ -417,8 +422,23 @@ impl Pool {
                 device,
             });
         }
-        // Else an exact-size block from the device's cache, else a best-fit range; under
-        // the lock, no driver call.
+        self.alloc_locked(dp, len, bytes, stream, tag)
+    }
+
+    /// A thread cache miss: an exact-size block from the device's cache, else a best-fit
+    /// range (under the lock, no driver call), else [`Self::alloc_slow`]. Out of line, so
+    /// the fast path's frame stays small.
+    #[cold]
+    #[inline(never)]
+    fn alloc_locked(
+        &self,
+        dp: &DevicePool,
+        len: u64,
+        bytes: u64,
+        stream: StreamId,
+        tag: u8,
+    ) -> Result<Allocation> {
+        let device = dp.device;
         {
             let mut st = dp.state.lock();
             if st.asleep_tags & (1 << tag) != 0 {

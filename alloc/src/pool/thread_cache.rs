@@ -5,9 +5,11 @@
 //!
 //! - **Thread caches** ([`ThreadCache`]): one per thread and device, owned by the pool's
 //!   [`Front`] (its registry) and reached by the thread through a thread-local handle. A
-//!   cache holds freed blocks whole, keyed like the device's exact-size cache by (stream,
-//!   length, tag): a block freed on stream S is reused from a cache only by an allocation on
-//!   S (whichever thread frees it, the block keeps its stream). Each cache has its own spin
+//!   cache holds freed blocks whole, in free lists keyed like the device's exact-size cache
+//!   by (stream, length, tag): a block freed on stream S is reused from a cache only by an
+//!   allocation on S (whichever thread frees it, the block keeps its stream). A freed block
+//!   keeps its record, marked free (`pool/thread_records.rs`): a warm pair touches one
+//!   record, with no insert or remove. Each cache has its own spin
 //!   lock (`pool/spin.rs`), which only its thread takes in the common case; flushers (a miss
 //!   that would grow the pool, `empty_cache`, the OOM retry, `sleep`) and readers
 //!   (`validate`, `stats`) take it too, under the device lock.
@@ -52,11 +54,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
-use rustc_hash::FxHashMap;
 
 use super::classes::Class;
-use super::device::cache_len;
 use super::spin::{SpinGuard, SpinLock};
+use super::thread_records::{FreeOutcome, ThreadRecords};
 use super::{block_len, CACHE_MAX_BLOCK};
 
 /// A thread cache folds its allocated-bytes change into the device's base once it passes
@@ -105,19 +106,13 @@ impl Counts {
     }
 }
 
-/// Blocks of one thread cache, by (stream, [`cache_len`]): `(ptr, arena key)`.
-pub(crate) type CachedBlocks = FxHashMap<(u64, u64), Vec<(u64, usize)>>;
-
 /// One thread's cache for one device.
 #[derive(Debug, Default)]
 pub(crate) struct ThreadCache {
-    pub(crate) blocks: CachedBlocks,
-    /// Bytes in `blocks`.
-    pub(crate) bytes: u64,
-    pub(crate) counts: Counts,
     /// The plain allocations this cache handed out (or its thread made under the device
-    /// lock), by address.
-    pub(crate) live: FxHashMap<u64, FrontLive>,
+    /// lock) and the blocks freed into it, in one table (`pool/thread_records.rs`).
+    pub(crate) records: ThreadRecords,
+    pub(crate) counts: Counts,
     /// Change in allocated and requested bytes not yet folded into the base (wrapping).
     allocated: u64,
     requested: u64,
@@ -248,18 +243,7 @@ impl Front {
             if self.gated(tag) {
                 return None;
             }
-            let (ptr, arena) = cache
-                .blocks
-                .get_mut(&(stream, cache_len(len, tag)))?
-                .pop()?;
-            cache.bytes -= len;
-            let rec = FrontLive {
-                arena,
-                requested,
-                stream,
-                tag,
-            };
-            cache.live.insert(ptr, rec);
+            let (ptr, _) = cache.records.alloc_free(stream, len, tag, requested)?;
             cache.counts.alloc_count += 1;
             cache.counts.allocations = cache.counts.allocations.wrapping_add(1);
             cache.allocated = cache.allocated.wrapping_add(len);
@@ -301,22 +285,21 @@ impl Front {
 
     /// Free `ptr` into `cache` if `cache` holds its record.
     fn free_into(&self, cache: &mut ThreadCache, ptr: u64, requested: Option<u64>) -> FreeStep {
-        // One lookup in the common case: put back when it is not ours to take.
-        let Some(rec) = cache.live.remove(&ptr) else {
-            return FreeStep::Absent;
+        // One lookup: the record, which stays where it is (marked free) with the block.
+        let limit = self.gates.cache_limit.load(Relaxed);
+        let step = cache.records.free_live(ptr, |rec, cached| {
+            let len = block_len(rec.requested).unwrap_or(u64::MAX);
+            let ours = requested.is_none_or(|r| r == rec.requested)
+                && !self.gated(rec.tag)
+                && len <= CACHE_MAX_BLOCK
+                && cached + len <= limit;
+            ours.then_some(len)
+        });
+        let (rec, len) = match step {
+            FreeOutcome::Freed(rec, len) => (rec, len),
+            FreeOutcome::Declined => return FreeStep::Declined,
+            FreeOutcome::Absent => return FreeStep::Absent,
         };
-        let len = block_len(rec.requested).unwrap_or(u64::MAX);
-        if requested.is_some_and(|r| r != rec.requested)
-            || self.gated(rec.tag)
-            || len > CACHE_MAX_BLOCK
-            || cache.bytes + len > self.gates.cache_limit.load(Relaxed)
-        {
-            cache.live.insert(ptr, rec);
-            return FreeStep::Declined;
-        }
-        let key = (rec.stream, cache_len(len, rec.tag));
-        cache.blocks.entry(key).or_default().push((ptr, rec.arena));
-        cache.bytes += len;
         cache.counts.free_count += 1;
         cache.counts.allocations = cache.counts.allocations.wrapping_sub(1);
         cache.allocated = cache.allocated.wrapping_sub(len);
@@ -377,7 +360,7 @@ impl Front {
         len: u64,
     ) -> (bool, [u64; 2]) {
         let recorded = self.with_cache(|cache| {
-            cache.live.insert(ptr, rec);
+            cache.records.insert_live(ptr, rec);
             cache.allocated = cache.allocated.wrapping_add(len);
             cache.requested = cache.requested.wrapping_add(rec.requested);
             Some(self.settle_bytes(cache, true))
@@ -396,19 +379,23 @@ impl Front {
         (false, seen)
     }
 
-    /// Take the record of `ptr` out of the caches (to promote it).
-    pub(crate) fn take_live(&self, ptr: u64) -> Option<FrontLive> {
+    /// Take the record of `ptr` out of the caches (to promote it): the calling thread's
+    /// first, else the others'.
+    pub(crate) fn take_live(self: &Arc<Self>, ptr: u64) -> Option<FrontLive> {
+        if let Some(rec) = self.with_cache(|cache| cache.records.take_live(ptr)) {
+            return Some(rec);
+        }
         self.caches
             .lock()
             .iter()
-            .find_map(|slot| slot.lock().live.remove(&ptr))
+            .find_map(|slot| slot.lock().records.take_live(ptr))
     }
 
     /// Take every record out of the caches.
     pub(crate) fn take_all_live(&self) -> Vec<(u64, FrontLive)> {
         let mut out = Vec::new();
         for slot in self.caches.lock().iter() {
-            out.extend(slot.lock().live.drain());
+            slot.lock().records.take_all_live(&mut out);
         }
         out
     }
@@ -419,6 +406,13 @@ impl Front {
         LockedCaches {
             slots: self.caches.lock(),
         }
+    }
+
+    /// Whether a thread whose cache is still in the registry exited (a hint: one read, for
+    /// the device lock's path to skip [`Self::take_gone`]).
+    #[inline]
+    pub(crate) fn any_gone(&self) -> bool {
+        self.gone.load(Relaxed) != 0
     }
 
     /// Remove the caches whose thread exited from the registry: their blocks (by stream and
@@ -438,8 +432,8 @@ impl Front {
             gone.counts.add(c.counts);
             c.counts = Counts::default();
             self.fold(&mut c);
-            drain_blocks(&mut c, 0, None, &mut gone.blocks);
-            gone.live.extend(c.live.drain());
+            c.records.drain_free(0, None, &mut gone.blocks);
+            c.records.take_all_live(&mut gone.live);
             false
         });
         gone
@@ -455,7 +449,7 @@ impl Front {
     ) -> Vec<((u64, usize), Vec<u64>)> {
         let mut blocks = Vec::new();
         for slot in self.caches.lock().iter() {
-            drain_blocks(&mut slot.lock(), min_len, class, &mut blocks);
+            slot.lock().records.drain_free(min_len, class, &mut blocks);
         }
         blocks
     }
@@ -531,36 +525,6 @@ pub(crate) struct Gone {
     pub(crate) counts: Counts,
 }
 
-/// Move the blocks of `c` longer than `min_len` (of `class` only, if given) into `out`, by
-/// (stream, class index).
-fn drain_blocks(
-    c: &mut ThreadCache,
-    min_len: u64,
-    class: Option<Class>,
-    out: &mut Vec<((u64, usize), Vec<u64>)>,
-) {
-    if c.bytes == 0 {
-        return;
-    }
-    let bytes = &mut c.bytes;
-    c.blocks.retain(|&(stream, key), blocks| {
-        let (len, tag) = super::device::cache_key_parts(key);
-        let of = Class::of(tag as u8, len);
-        if blocks.is_empty() {
-            return false;
-        }
-        if len <= min_len || class.is_some_and(|c| c != of) {
-            return true;
-        }
-        *bytes -= len * blocks.len() as u64;
-        out.push((
-            (stream, of.index()),
-            blocks.drain(..).map(|(p, _)| p).collect(),
-        ));
-        false
-    });
-}
-
 /// The registry's caches, for [`LockedCaches::lock`].
 pub(crate) struct LockedCaches<'a> {
     slots: parking_lot::MutexGuard<'a, Vec<Arc<CacheSlot>>>,
@@ -621,14 +585,19 @@ mod tests {
     #[test]
     fn concurrent_warm_pairs_take_no_device_lock() {
         let pool = pool();
+        // No thread exits before all finished their pairs: an exited thread's cache counts
+        // are folded into the device's by the next operation under the device lock (another
+        // thread's first allocation, on a loaded machine), which read as device-lock pairs.
+        let done = std::sync::Barrier::new(4);
         std::thread::scope(|s| {
             for t in 0..4u64 {
-                let pool = &pool;
+                let (pool, done) = (&pool, &done);
                 s.spawn(move || {
                     for _ in 0..2000 {
                         let a = pool.alloc(0, 2 * MIB, StreamId(t + 1)).unwrap();
                         pool.free(a.ptr).unwrap();
                     }
+                    done.wait();
                 });
             }
         });

@@ -1,0 +1,313 @@
+//! The records of one thread cache (`pool/thread_cache.rs`): every plain allocation it
+//! recorded and every block freed into it, in one map, so that a warm alloc/free pair
+//! touches one record, with no insert or remove.
+//!
+//! - **Records**: block address to its record ([`FrontLive`]), live or free. A freed block
+//!   keeps its record (marked free): its next allocation only marks it live again. A free is
+//!   one hash lookup; the record sits in the map's entry, so the lookup is also the one
+//!   cold memory access (a table of slots beside the map cost a second one, and the KV
+//!   trace, whose frees come in no particular order, ran no faster for it).
+//! - **Free lists**: by (stream, [`cache_len`]), each a stack of free blocks' addresses;
+//!   a record remembers its list once its block has been freed into one, so a free pushes
+//!   without hashing the key. An allocation finds its list (a small, hot map), pops an
+//!   address and marks that record live.
+//!
+//! A record leaves the map when its block leaves the cache: drained to the sub-allocator
+//! ([`ThreadRecords::drain_free`]), or taken by the device ([`ThreadRecords::take_live`],
+//! promotion). Lists are not removed while a record may name them, except by
+//! [`ThreadRecords::drain_free`]'s compaction, which renumbers them.
+
+use rustc_hash::FxHashMap;
+
+use super::classes::Class;
+use super::device::{cache_key_parts, cache_len};
+use super::thread_cache::FrontLive;
+
+/// A record's list before its block was first freed into the cache.
+const NO_LIST: u32 = u32::MAX;
+
+/// More lists than this after a drain: the empty ones are removed (a process that keeps
+/// making streams would otherwise keep one empty list per stream and size).
+const MAX_LISTS: usize = 256;
+
+#[derive(Debug, Clone, Copy)]
+struct Record {
+    rec: FrontLive,
+    /// Index of its free list in [`ThreadRecords::lists`], or [`NO_LIST`].
+    list: u32,
+    /// Its block is on that free list (else it is live).
+    free: bool,
+}
+
+/// Free blocks of one (stream, [`cache_len`]), by address.
+#[derive(Debug)]
+struct FreeList {
+    stream: u64,
+    key: u64,
+    ptrs: Vec<u64>,
+}
+
+/// What [`ThreadRecords::free_live`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FreeOutcome {
+    /// No live record of the block here.
+    Absent,
+    /// Recorded here, but the caller's check declined it: nothing changed.
+    Declined,
+    /// Freed into its list: the record, and the block's length.
+    Freed(FrontLive, u64),
+}
+
+/// One thread cache's records and free blocks (see the module docs).
+#[derive(Debug, Default)]
+pub(crate) struct ThreadRecords {
+    at: FxHashMap<u64, Record>,
+    lists: Vec<FreeList>,
+    list_at: FxHashMap<(u64, u64), u32>,
+    /// Bytes of the free blocks.
+    free_bytes: u64,
+}
+
+impl ThreadRecords {
+    /// Bytes of the blocks freed into the cache.
+    #[inline]
+    pub(crate) fn free_bytes(&self) -> u64 {
+        self.free_bytes
+    }
+
+    /// A free block of `len` bytes and tag `tag` freed on `stream`, marked live as an
+    /// allocation of `requested` bytes: its address and arena key.
+    #[inline]
+    pub(crate) fn alloc_free(
+        &mut self,
+        stream: u64,
+        len: u64,
+        tag: u8,
+        requested: u64,
+    ) -> Option<(u64, usize)> {
+        let &list = self.list_at.get(&(stream, cache_len(len, tag)))?;
+        let ptr = self.lists[list as usize].ptrs.pop()?;
+        self.free_bytes -= len;
+        let Some(r) = self.at.get_mut(&ptr) else {
+            // Every listed block has its record: a block without one is dropped from the
+            // cache (still allocated in the ranges: found by `validate`).
+            tracing::error!(ptr, "a thread cache listed a block without its record");
+            return None;
+        };
+        r.free = false;
+        r.rec.requested = requested;
+        Some((ptr, r.rec.arena))
+    }
+
+    /// Record a live allocation (made under the device lock) at `ptr`.
+    pub(crate) fn insert_live(&mut self, ptr: u64, rec: FrontLive) {
+        let record = Record {
+            rec,
+            list: NO_LIST,
+            free: false,
+        };
+        if self.at.insert(ptr, record).is_some() {
+            // A block is recorded once: the sub-allocator does not hand out a block it
+            // still holds allocated for a cache.
+            tracing::error!(ptr, "a thread cache recorded a block twice");
+        }
+    }
+
+    /// Free the live record of `ptr` into its free list if `accept` (given the record and
+    /// the cache's free bytes) returns the block's length. One hash lookup.
+    #[inline]
+    pub(crate) fn free_live(
+        &mut self,
+        ptr: u64,
+        accept: impl FnOnce(&FrontLive, u64) -> Option<u64>,
+    ) -> FreeOutcome {
+        let Some(r) = self.at.get_mut(&ptr) else {
+            return FreeOutcome::Absent;
+        };
+        if r.free {
+            return FreeOutcome::Absent;
+        }
+        let Some(len) = accept(&r.rec, self.free_bytes) else {
+            return FreeOutcome::Declined;
+        };
+        r.free = true;
+        if r.list == NO_LIST {
+            let (stream, key) = (r.rec.stream, cache_len(len, r.rec.tag));
+            let next = self.lists.len() as u32;
+            r.list = *self.list_at.entry((stream, key)).or_insert(next);
+            if r.list == next {
+                self.lists.push(FreeList {
+                    stream,
+                    key,
+                    ptrs: Vec::new(),
+                });
+            }
+        }
+        self.lists[r.list as usize].ptrs.push(ptr);
+        self.free_bytes += len;
+        FreeOutcome::Freed(r.rec, len)
+    }
+
+    /// Take the live record of `ptr` out of the map (to promote it).
+    pub(crate) fn take_live(&mut self, ptr: u64) -> Option<FrontLive> {
+        match self.at.get(&ptr) {
+            Some(r) if !r.free => self.at.remove(&ptr).map(|r| r.rec),
+            _ => None,
+        }
+    }
+
+    /// Take every live record out of the map.
+    pub(crate) fn take_all_live(&mut self, out: &mut Vec<(u64, FrontLive)>) {
+        self.at.retain(|&ptr, r| {
+            if !r.free {
+                out.push((ptr, r.rec));
+            }
+            r.free
+        });
+    }
+
+    /// The live records, by address.
+    pub(crate) fn live(&self) -> impl Iterator<Item = (u64, &FrontLive)> {
+        self.at
+            .iter()
+            .filter(|(_, r)| !r.free)
+            .map(|(&ptr, r)| (ptr, &r.rec))
+    }
+
+    /// The free blocks: address and length.
+    pub(crate) fn free_blocks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.lists.iter().flat_map(|l| {
+            let len = cache_key_parts(l.key).0;
+            l.ptrs.iter().map(move |&ptr| (ptr, len))
+        })
+    }
+
+    /// Move the free blocks longer than `min_len` (of `class` only, if given) out of the
+    /// cache into `out`, by (stream, class index).
+    pub(crate) fn drain_free(
+        &mut self,
+        min_len: u64,
+        class: Option<Class>,
+        out: &mut Vec<((u64, usize), Vec<u64>)>,
+    ) {
+        if self.free_bytes == 0 {
+            return;
+        }
+        for list in &mut self.lists {
+            let (len, tag) = cache_key_parts(list.key);
+            let of = Class::of(tag as u8, len);
+            if list.ptrs.is_empty() || len <= min_len || class.is_some_and(|c| c != of) {
+                continue;
+            }
+            let ptrs = std::mem::take(&mut list.ptrs);
+            self.free_bytes -= len * ptrs.len() as u64;
+            for ptr in &ptrs {
+                self.at.remove(ptr);
+            }
+            out.push(((list.stream, of.index()), ptrs));
+        }
+        if self.lists.len() > MAX_LISTS {
+            self.remove_empty_lists();
+        }
+    }
+
+    /// Remove the empty free lists, renumbering the rest in the records that name them (a
+    /// live record whose list went finds it again at its next free).
+    fn remove_empty_lists(&mut self) {
+        let mut renumber = vec![NO_LIST; self.lists.len()];
+        let mut kept = 0u32;
+        for (old, l) in self.lists.iter().enumerate() {
+            if !l.ptrs.is_empty() {
+                renumber[old] = kept;
+                kept += 1;
+            }
+        }
+        self.lists.retain(|l| !l.ptrs.is_empty());
+        self.list_at.clear();
+        for (i, l) in self.lists.iter().enumerate() {
+            self.list_at.insert((l.stream, l.key), i as u32);
+        }
+        for r in self.at.values_mut() {
+            if r.list != NO_LIST {
+                r.list = renumber[r.list as usize];
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn rec(stream: u64, requested: u64) -> FrontLive {
+        FrontLive {
+            arena: 1,
+            requested,
+            stream,
+            tag: 0,
+        }
+    }
+
+    /// Free `ptr` (a 4 KiB block) accepting it.
+    fn free(t: &mut ThreadRecords, ptr: u64) -> FreeOutcome {
+        t.free_live(ptr, |_, _| Some(4096))
+    }
+
+    /// A freed block keeps its record: the next allocation of its size on its stream takes
+    /// it; another stream's does not; a freed block has no live record (a second free of
+    /// it is not this table's to accept); a declined free changes nothing.
+    #[test]
+    fn a_freed_block_is_reused_on_its_stream_only() {
+        let mut t = ThreadRecords::default();
+        t.insert_live(0x1000, rec(7, 4096));
+        assert_eq!(t.free_live(0x1000, |_, _| None), FreeOutcome::Declined);
+        assert_eq!(t.live().count(), 1);
+        assert_eq!(free(&mut t, 0x1000), FreeOutcome::Freed(rec(7, 4096), 4096));
+        assert_eq!(t.free_bytes(), 4096);
+        assert_eq!(free(&mut t, 0x1000), FreeOutcome::Absent);
+        assert_eq!(free(&mut t, 0x2000), FreeOutcome::Absent);
+        assert!(t.take_live(0x1000).is_none());
+        assert!(t.alloc_free(8, 4096, 0, 4096).is_none());
+        assert_eq!(t.alloc_free(7, 4096, 0, 4000), Some((0x1000, 1)));
+        assert_eq!(t.free_bytes(), 0);
+        assert_eq!(t.take_live(0x1000), Some(rec(7, 4000)));
+        assert_eq!(free(&mut t, 0x1000), FreeOutcome::Absent);
+    }
+
+    /// Draining takes the free blocks out (the live records stay), and with many lists the
+    /// empty ones go while live records still find their lists.
+    #[test]
+    fn draining_keeps_live_records_and_lists_consistent() {
+        let mut t = ThreadRecords::default();
+        let n = (MAX_LISTS + 10) as u64;
+        for s in 0..n {
+            let ptr = 0x10000 * (s + 1);
+            t.insert_live(ptr, rec(s, 4096));
+            assert!(matches!(free(&mut t, ptr), FreeOutcome::Freed(..)));
+            // Reallocated: live again, its record naming its list.
+            assert_eq!(t.alloc_free(s, 4096, 0, 4096), Some((ptr, 1)));
+        }
+        // Stream 0's block freed: the one free block.
+        assert!(matches!(free(&mut t, 0x10000), FreeOutcome::Freed(..)));
+        let mut out = Vec::new();
+        t.drain_free(0, None, &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].1, vec![0x10000]);
+        assert_eq!(t.free_bytes(), 0);
+        assert!(t.lists.is_empty());
+        assert_eq!(t.live().count(), n as usize - 1);
+        // Each live block frees into (and reallocates from) its own stream's list again.
+        for s in 1..n {
+            let ptr = 0x10000 * (s + 1);
+            assert!(matches!(free(&mut t, ptr), FreeOutcome::Freed(..)));
+            assert!(t.alloc_free(s + 1000, 4096, 0, 4096).is_none());
+            assert_eq!(t.alloc_free(s, 4096, 0, 4096), Some((ptr, 1)));
+        }
+        let mut all = Vec::new();
+        t.take_all_live(&mut all);
+        assert_eq!(all.len(), n as usize - 1);
+        assert_eq!(t.live().count(), 0);
+        assert!(t.at.is_empty());
+    }
+}
