@@ -384,3 +384,96 @@ fn frees_past_a_full_thread_cache_stay_consistent() {
     let st = pool.stats(0).unwrap();
     assert_eq!((st.allocations, st.reserved_bytes), (0, 0));
 }
+
+/// The peaks never count bytes another thread has freed: blocks allocated on this thread
+/// and freed on another leave that thread's change negative; an allocation here must not
+/// see the freed bytes as still allocated (it raised the peak to 22 MiB against a true
+/// 20 MiB before negative changes were folded at once).
+#[test]
+fn peaks_do_not_count_bytes_freed_on_another_thread() {
+    let (_sim, pool) = pool(false);
+    let s1 = StreamId(1);
+    let blocks: Vec<u64> = (0..10)
+        .map(|_| pool.alloc(0, 2 * MIB, s1).unwrap().ptr)
+        .collect();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for &p in &blocks {
+                pool.free(p).unwrap();
+            }
+        });
+    });
+    let q = pool.alloc(0, 4 * MIB, StreamId(2)).unwrap().ptr;
+    let st = pool.stats(0).unwrap();
+    assert_eq!(st.allocated_bytes, 4 * MIB);
+    assert_eq!(st.peak_allocated_bytes, 20 * MIB, "peak counts freed bytes");
+    assert_eq!(st.peak_requested_bytes, 20 * MIB);
+    pool.free(q).unwrap();
+}
+
+/// With several threads allocating and freeing each other's blocks (one operation at a
+/// time, so the true requested bytes are known after each), the peak never exceeds the
+/// true peak: a peak raised with bytes another thread already freed would.
+#[test]
+fn peaks_never_exceed_the_true_peak_across_threads() {
+    let (_sim, pool) = pool(false);
+    const SIZES: [u64; 8] = [
+        512,
+        4 * KIB,
+        300_000,
+        MIB,
+        2 * MIB,
+        3 * MIB + 7,
+        16 * MIB,
+        64 * MIB,
+    ];
+    #[derive(Default)]
+    struct Truth {
+        live: Vec<(u64, u64, u64)>,
+        requested: u64,
+        peak_requested: u64,
+        allocated: u64,
+        peak_allocated: u64,
+    }
+    let truth = Mutex::new(Truth::default());
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let (pool, truth) = (&pool, &truth);
+            s.spawn(move || {
+                let mut rng = Rng(0x9e37 + t);
+                for i in 0..4000u64 {
+                    let mut g = truth.lock();
+                    if g.live.len() < 24 && (g.live.is_empty() || rng.next() % 2 == 0) {
+                        let n = SIZES[((rng.next() + i) % SIZES.len() as u64) as usize];
+                        let a = pool.alloc(0, n, StreamId(1 + t)).unwrap();
+                        g.live.push((a.ptr, n, a.bytes));
+                        g.requested += n;
+                        g.peak_requested = g.peak_requested.max(g.requested);
+                        g.allocated += a.bytes;
+                        g.peak_allocated = g.peak_allocated.max(g.allocated);
+                    } else {
+                        let k = (rng.next() % g.live.len() as u64) as usize;
+                        let (p, n, bytes) = g.live.swap_remove(k);
+                        pool.free(p).unwrap();
+                        g.requested -= n;
+                        g.allocated -= bytes;
+                    }
+                }
+            });
+        }
+    });
+    let g = truth.lock();
+    let st = pool.stats(0).unwrap();
+    assert_eq!(
+        (st.requested_bytes, st.allocated_bytes),
+        (g.requested, g.allocated)
+    );
+    assert!(
+        st.peak_requested_bytes <= g.peak_requested && st.peak_allocated_bytes <= g.peak_allocated,
+        "peaks requested {} / allocated {} above the true {} / {}",
+        st.peak_requested_bytes,
+        st.peak_allocated_bytes,
+        g.peak_requested,
+        g.peak_allocated
+    );
+}
