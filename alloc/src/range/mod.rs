@@ -5,9 +5,11 @@
 //! address) and hands out ranges inside them. Like VulkanMemoryAllocator's "virtual block",
 //! it can be used alone, with no memory behind it.
 //!
-//! - **Best fit**: the smallest free range that fits; ties go to the lowest offset. One
-//!   `BTreeSet` lookup in the free index, so alloc and free are O(log n) in the number of
-//!   free ranges.
+//! - **Best fit**: the smallest free range that fits; ties go to the lowest offset. The free
+//!   index (`free_index.rs`) holds each tag's free ranges by size class (segregated fit, with
+//!   a bitmap of the non-empty classes) and by (length, offset) inside a class: a search
+//!   looks in the request's class, then takes the first range of the next non-empty one,
+//!   O(log n) in the ranges of one class.
 //! - **Split**: the allocation takes the front of the chosen range, the rest stays free.
 //! - **Coalesce**: a freed range merges with free neighbours *of the same tag* in the same
 //!   region. Ranges never merge across regions, even when two regions touch.
@@ -29,9 +31,13 @@
 //! pool calls it after every operation in debug builds and the tests after every step.
 #![forbid(unsafe_code)]
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
+
+mod free_index;
+
+use free_index::FreeIndex;
 
 /// Offsets and lengths are multiples of this many bytes.
 pub const GRANULE: u64 = 512;
@@ -130,10 +136,8 @@ pub struct RangeAllocator {
     regions: BTreeMap<u64, u64>,
     /// Every range, allocated or free, by start; together they tile the regions exactly.
     blocks: FxHashMap<u64, Block>,
-    /// Free ranges by (tag, length, offset): the best-fit index.
-    free_index: BTreeSet<(u64, u64, u64)>,
-    /// Free bytes per tag (tags with none are absent).
-    tag_bytes: FxHashMap<u64, u64>,
+    /// Free ranges by tag and size: the best-fit index, with the free bytes per tag.
+    free_index: FreeIndex,
     used_bytes: u64,
     used_ranges: u64,
 }
@@ -171,7 +175,7 @@ impl RangeAllocator {
                 last: true,
             },
         );
-        self.index_insert(tag, len, offset);
+        self.free_index.insert(tag, len, offset);
         Ok(())
     }
 
@@ -188,7 +192,7 @@ impl RangeAllocator {
                 ..
             }) if l == len => {
                 self.blocks.remove(&offset);
-                self.index_remove(tag, len, offset);
+                self.free_index.remove(tag, len, offset);
                 self.regions.remove(&offset);
                 Ok(len)
             }
@@ -210,11 +214,7 @@ impl RangeAllocator {
         if len == 0 || len % GRANULE != 0 {
             return None;
         }
-        let &(_, flen, offset) = self
-            .free_index
-            .range((tag, len, 0)..=(tag, u64::MAX, u64::MAX))
-            .next()?;
-        self.index_remove(tag, flen, offset);
+        let (flen, offset) = self.free_index.take_best_fit(tag, len)?;
         let b = self.blocks.get_mut(&offset)?;
         b.len = len;
         b.state = State::Used;
@@ -235,7 +235,7 @@ impl RangeAllocator {
             if !last {
                 self.set_prev(offset + flen, rest);
             }
-            self.index_insert(tag, flen - len, rest);
+            self.free_index.insert(tag, flen - len, rest);
         }
         self.used_bytes += len;
         self.used_ranges += 1;
@@ -244,10 +244,7 @@ impl RangeAllocator {
 
     /// The largest free range under `tag`, in bytes (0 when none).
     pub fn largest_free(&self, tag: u64) -> u64 {
-        self.free_index
-            .range((tag, 0, 0)..=(tag, u64::MAX, u64::MAX))
-            .next_back()
-            .map_or(0, |&(_, len, _)| len)
+        self.free_index.largest(tag)
     }
 
     /// Length of the allocated range starting at `offset`, if there is one.
@@ -369,18 +366,14 @@ impl RangeAllocator {
         if from == to {
             return 0;
         }
-        let moving: Vec<(u64, u64)> = self
-            .free_index
-            .range((from, 0, 0)..=(from, u64::MAX, u64::MAX))
-            .map(|&(_, len, off)| (off, len))
-            .collect();
+        let moving = self.free_index.ranges_of(from);
         let mut bytes = 0;
         for (off, len) in moving {
             let Some(&b) = self.blocks.get(&off) else {
                 continue;
             };
             if b.state == State::Free(from) && b.len == len {
-                self.index_remove(from, len, off);
+                self.free_index.remove(from, len, off);
                 self.insert_free(off, len, b.prev, b.last, to, false);
                 bytes += len;
             }
@@ -390,15 +383,15 @@ impl RangeAllocator {
 
     /// Tags that currently have free ranges, with their free bytes, by tag.
     pub fn free_tags(&self) -> Vec<(u64, u64)> {
-        let mut out: Vec<(u64, u64)> = self.tag_bytes.iter().map(|(&t, &b)| (t, b)).collect();
+        let mut out: Vec<(u64, u64)> = self.free_index.tag_bytes().collect();
         out.sort_unstable();
         out
     }
 
     /// Free bytes under the tags in `tags`, without listing them.
     pub fn free_bytes_in(&self, tags: std::ops::RangeInclusive<u64>) -> u64 {
-        self.tag_bytes
-            .iter()
+        self.free_index
+            .tag_bytes()
             .filter(|(t, _)| tags.contains(t))
             .map(|(_, b)| b)
             .sum()
@@ -411,7 +404,7 @@ impl RangeAllocator {
             region_bytes: self.regions.values().sum(),
             used_bytes: self.used_bytes,
             used_ranges: self.used_ranges,
-            free_ranges: self.free_index.len() as u64,
+            free_ranges: self.free_index.len(),
         }
     }
 
@@ -450,22 +443,6 @@ impl RangeAllocator {
         }
     }
 
-    fn index_insert(&mut self, tag: u64, len: u64, offset: u64) {
-        self.free_index.insert((tag, len, offset));
-        *self.tag_bytes.entry(tag).or_insert(0) += len;
-    }
-
-    fn index_remove(&mut self, tag: u64, len: u64, offset: u64) {
-        if self.free_index.remove(&(tag, len, offset)) {
-            if let Some(b) = self.tag_bytes.get_mut(&tag) {
-                *b -= len;
-                if *b == 0 {
-                    self.tag_bytes.remove(&tag);
-                }
-            }
-        }
-    }
-
     /// Make `[offset, offset + len)` one free range under `tag`, merged with free same-tag
     /// neighbours in its region. `prev` and `last` are the links of the span (those of its
     /// first and last range). The span's own entries must be gone except the one at
@@ -484,7 +461,7 @@ impl RangeAllocator {
         if prev != NO_PREV {
             if let Some(&p) = self.blocks.get(&prev) {
                 if p.state == State::Free(tag) {
-                    self.index_remove(tag, p.len, prev);
+                    self.free_index.remove(tag, p.len, prev);
                     self.blocks.remove(&offset);
                     start = prev;
                     total += p.len;
@@ -497,7 +474,7 @@ impl RangeAllocator {
             let next = offset + len;
             if let Some(&n) = self.blocks.get(&next) {
                 if n.state == State::Free(tag) {
-                    self.index_remove(tag, n.len, next);
+                    self.free_index.remove(tag, n.len, next);
                     self.blocks.remove(&next);
                     total += n.len;
                     last = n.last;
@@ -517,7 +494,7 @@ impl RangeAllocator {
         if next_moved && !last {
             self.set_prev(start + total, start);
         }
-        self.index_insert(tag, total, start);
+        self.free_index.insert(tag, total, start);
     }
 
     /// Check every invariant: regions disjoint and granule-aligned; ranges tile each region
@@ -568,7 +545,7 @@ impl RangeAllocator {
                                 "free range {at:#x} not merged with its same-tag neighbour"
                             ));
                         }
-                        if !self.free_index.contains(&(tag, b.len, at)) {
+                        if !self.free_index.contains(tag, b.len, at) {
                             return Err(format!("free range {at:#x} missing from the index"));
                         }
                         *tag_bytes.entry(tag).or_insert(0) += b.len;
@@ -590,13 +567,14 @@ impl RangeAllocator {
                 self.blocks.len()
             ));
         }
-        if free_n != self.free_index.len() as u64 {
+        self.free_index.validate()?;
+        if free_n != self.free_index.len() {
             return Err(format!(
                 "free index has {} entries, {free_n} free ranges exist",
                 self.free_index.len()
             ));
         }
-        if tag_bytes != self.tag_bytes {
+        if tag_bytes != self.free_index.tag_bytes().collect::<FxHashMap<u64, u64>>() {
             return Err("free bytes per tag disagree with the free ranges".into());
         }
         if used != self.used_bytes || used_n != self.used_ranges {
