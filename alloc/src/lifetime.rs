@@ -2,7 +2,7 @@
 //! and consumer leases), pinning, deferred frees. Every decision about when an arena is
 //! exported, when its export is closed, when a freed allocation goes back and whether the
 //! arena may be destroyed is taken here; the pool holds one [`ArenaLifetime`] per arena and
-//! performs the driver calls it asks for. Like `range.rs`, this module knows no driver,
+//! performs the driver calls it asks for. Like `range/`, this module knows no driver,
 //! device or pointer: the export payload is a type parameter `E` (the pool's `Export`, an
 //! integer in the tests), and transitions return what the caller must do.
 //!
