@@ -26,11 +26,16 @@
 //!   the device's counters (its allocations' bytes into the calling thread's cache as
 //!   well; its frees' into [`Front`]'s base atomics). `Pool::stats` adds them up with every
 //!   cache locked: exact. A cache folds its byte changes into the base when they pass
-//!   [`FOLD_BYTES`], so no shared line is written per allocation or fast free.
-//!   The peaks are raised with the base plus the calling thread's changes: exact with one
-//!   thread; with several threads allocating at once, short of the true peak by at most
-//!   what the other threads' caches have not folded ([`FOLD_BYTES`] each). Every exact
-//!   read (`stats`, `validate`) raises them to the exact current value first.
+//!   [`FOLD_BYTES`], and at once when they turn negative, so no shared line is written per
+//!   allocation or fast free while a thread's live bytes stay at or above what it last
+//!   folded. The peaks are raised with the base plus the calling thread's changes: exact
+//!   with one thread; with several threads allocating at once, short of the true peak by
+//!   at most what the other threads' caches have not folded ([`FOLD_BYTES`] each), and
+//!   never above it: an unfolded change is never negative, so the base never counts bytes
+//!   another thread has freed (a thread that folded 64 MiB and then freed 32 MiB without
+//!   folding made other threads' peaks 32 MiB too high: `peaks_never_exceed_the_true_peak_
+//!   across_threads` in alloc/tests/thread_cache.rs). Every exact read (`stats`,
+//!   `validate`) raises them to the exact current value first.
 //!
 //! **Lock order**: device state, then the registry, then a thread cache (one at a time,
 //! except for the readers under the device lock, which lock them all in registry order).
@@ -60,8 +65,21 @@ use super::spin::{SpinGuard, SpinLock};
 use super::thread_records::{FreeOutcome, ThreadRecords};
 use super::{block_len, CACHE_MAX_BLOCK};
 
-/// A thread cache folds its allocated-bytes change into the device's base once it passes
-/// this many bytes either way (bounding what a peak seen by another thread may miss).
+/// A byte count as one thread sees it (the base plus its cache's changes), which is below
+/// the truth while other threads hold unfolded allocations, and "negative" (wrapped) when
+/// the base already counts their frees: then 0, never a wrapped huge value.
+#[inline]
+fn seen_value(base_plus_change: u64) -> u64 {
+    if (base_plus_change as i64) < 0 {
+        0
+    } else {
+        base_plus_change
+    }
+}
+
+/// A thread cache folds its allocated-bytes change into the device's base once it grows
+/// past this many bytes (bounding what a peak seen by another thread may miss), and as soon
+/// as it is negative (so that no peak counts bytes already freed).
 pub(crate) const FOLD_BYTES: u64 = 64 << 20;
 
 /// `T` on cache lines of its own (128 bytes: the adjacent-line prefetcher pairs lines), so
@@ -314,12 +332,12 @@ impl Front {
     fn settle_bytes(&self, cache: &mut ThreadCache, allocated: bool) -> [u64; 2] {
         let b = &self.bytes;
         let change = cache.allocated as i64;
-        if change.unsigned_abs() > FOLD_BYTES {
+        if change > FOLD_BYTES as i64 || change < 0 || (cache.requested as i64) < 0 {
             self.fold(cache);
         }
         let seen = [
-            b.allocated.load(Relaxed).wrapping_add(cache.allocated),
-            b.requested.load(Relaxed).wrapping_add(cache.requested),
+            seen_value(b.allocated.load(Relaxed).wrapping_add(cache.allocated)),
+            seen_value(b.requested.load(Relaxed).wrapping_add(cache.requested)),
         ];
         if allocated {
             self.raise_peaks(seen);
@@ -370,10 +388,12 @@ impl Front {
         }
         let b = &self.bytes;
         let seen = [
-            b.allocated.fetch_add(len, Relaxed).wrapping_add(len),
-            b.requested
-                .fetch_add(rec.requested, Relaxed)
-                .wrapping_add(rec.requested),
+            seen_value(b.allocated.fetch_add(len, Relaxed).wrapping_add(len)),
+            seen_value(
+                b.requested
+                    .fetch_add(rec.requested, Relaxed)
+                    .wrapping_add(rec.requested),
+            ),
         ];
         self.raise_peaks(seen);
         (false, seen)
@@ -461,8 +481,8 @@ impl Front {
         let (allocated, requested) = own.unwrap_or((0, 0));
         let b = &self.bytes;
         [
-            b.allocated.load(Relaxed).wrapping_add(allocated),
-            b.requested.load(Relaxed).wrapping_add(requested),
+            seen_value(b.allocated.load(Relaxed).wrapping_add(allocated)),
+            seen_value(b.requested.load(Relaxed).wrapping_add(requested)),
         ]
     }
 
