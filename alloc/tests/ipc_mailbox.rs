@@ -21,17 +21,12 @@ use gpu_arena::backend::Backend;
 use gpu_arena::ipc::{BrokerConfig, Importer};
 use rustix::mm::{MapFlags, ProtFlags};
 
-/// The layout (see the mailbox module docs): word offsets and buffers.
-const MAGIC: usize = 0;
-const REQ_SEQ: usize = 64;
-const REP_SEQ: usize = 128;
-const BROKER_POLLING: usize = 192;
-const CONSUMER_POLLING: usize = 256;
-const REQ_LEN: usize = 320;
-const REP_LEN: usize = 384;
-const REQ_BUF: usize = 512;
-const REP_BUF: usize = 512 + 4096;
-const BYTES: usize = 16 << 10;
+// The layout: the library's own definition (the raw peer maps the memfd as a peer process
+// would, from the documented offsets).
+use gpu_arena::ipc::mailbox_layout::{
+    BROKER_POLLING, CONSUMER_POLLING, MAGIC, MAILBOX_BYTES as BYTES, MAILBOX_MAGIC, REP_BUF,
+    REP_LEN, REP_SEQ, REQ_BUF, REQ_LEN, REQ_SEQ,
+};
 
 /// A consumer's raw view of its mailbox.
 struct RawMailbox {
@@ -122,10 +117,7 @@ fn raw_mailbox(sock: &OwnedFd) -> RawMailbox {
     );
     assert!(r.ok && r.fds.len() == 1, "mailbox refused: {}", r.message);
     let mb = RawMailbox::map(&r.fds.pop().unwrap());
-    assert_eq!(
-        mb.word(MAGIC).load(Ordering::Acquire),
-        0x0001_626d_6175_7067
-    );
+    assert_eq!(mb.word(MAGIC).load(Ordering::Acquire), MAILBOX_MAGIC);
     mb.word(CONSUMER_POLLING).store(1, Ordering::Release);
     mb
 }

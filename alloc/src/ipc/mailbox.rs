@@ -43,20 +43,40 @@ use rustix::mm::{MapFlags, ProtFlags};
 use crate::error::{Error, Result};
 use crate::ipc::wire::{self, Received, MAX_PACKET};
 
-/// The first word of a mailbox: "gpuamb" and the layout version (1).
-pub(crate) const MAILBOX_MAGIC: u64 = 0x0001_626d_6175_7067;
-/// Bytes of a mailbox (a multiple of the page size on every Linux target).
-pub(crate) const MAILBOX_BYTES: usize = 16 << 10;
+use layout::{
+    BROKER_POLLING, CONSUMER_POLLING, MAGIC, REP_BUF, REP_LEN, REP_SEQ, REQ_BUF, REQ_LEN, REQ_SEQ,
+};
+pub use layout::{MAILBOX_BYTES, MAILBOX_MAGIC};
 
-const MAGIC: usize = 0;
-const REQ_SEQ: usize = 64;
-const REP_SEQ: usize = 128;
-const BROKER_POLLING: usize = 192;
-const CONSUMER_POLLING: usize = 256;
-const REQ_LEN: usize = 320;
-const REP_LEN: usize = 384;
-const REQ_BUF: usize = 512;
-const REP_BUF: usize = REQ_BUF + MAX_PACKET;
+/// The mailbox's layout, as a peer process maps it (the table above): the byte offset of
+/// every word and buffer. Public so that a test can play a raw peer from the same
+/// definition.
+pub mod layout {
+    use crate::ipc::wire::MAX_PACKET;
+
+    /// The first word of a mailbox: "gpuamb" and the layout version (1).
+    pub const MAILBOX_MAGIC: u64 = 0x0001_626d_6175_7067;
+    /// Bytes of a mailbox (a multiple of the page size on every Linux target).
+    pub const MAILBOX_BYTES: usize = 16 << 10;
+    /// The magic word.
+    pub const MAGIC: usize = 0;
+    /// The consumer's request sequence number.
+    pub const REQ_SEQ: usize = 64;
+    /// The broker's reply sequence number.
+    pub const REP_SEQ: usize = 128;
+    /// Nonzero while the broker polls.
+    pub const BROKER_POLLING: usize = 192;
+    /// Nonzero while the consumer polls.
+    pub const CONSUMER_POLLING: usize = 256;
+    /// The request's length.
+    pub const REQ_LEN: usize = 320;
+    /// The reply's length.
+    pub const REP_LEN: usize = 384;
+    /// The request buffer.
+    pub const REQ_BUF: usize = 512;
+    /// The reply buffer.
+    pub const REP_BUF: usize = REQ_BUF + MAX_PACKET;
+}
 const _: () = assert!(REP_BUF + MAX_PACKET <= MAILBOX_BYTES && MAX_PACKET % 8 == 0);
 
 /// Whether mailboxes are used: `GPU_ARENA_IPC_MAILBOX` (read once) set to `0`, `off` or

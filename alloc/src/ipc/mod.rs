@@ -30,4 +30,5 @@ pub(crate) mod wire;
 pub use broker::{Broker, BrokerConfig, BrokerStats};
 pub use handle::{ShareHandle, HANDLE_BYTES};
 pub use importer::{Importer, ImporterStats};
+pub use mailbox::layout as mailbox_layout;
 pub use mailbox::mailbox_enabled;
