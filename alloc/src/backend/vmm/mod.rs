@@ -246,6 +246,22 @@ impl<D: Driver> VmmBackend<D> {
         registry::take_region(&mut self.regions.write(), D::NAME, base, expect, what)
     }
 
+    /// Remove the region at `base` if it is exactly `expect` (sleep and wake, which find
+    /// an arena in the state they need or refuse: `InvalidState` with `why()`).
+    fn take_exact_region(
+        &self,
+        base: u64,
+        expect: Region,
+        why: impl FnOnce() -> String,
+    ) -> Result<()> {
+        let mut regions = self.regions.write();
+        if regions.get(&base) != Some(&expect) {
+            return Err(Error::InvalidState(why()));
+        }
+        regions.remove(&base);
+        Ok(())
+    }
+
     /// Tear down one region (the caller removed it from the registry and synchronized). On an
     /// error before the memory was touched the region goes back into the registry.
     fn teardown(&self, base: u64, region: Region) -> Result<()> {
@@ -555,17 +571,13 @@ impl<D: Driver> Backend for VmmBackend<D> {
         // The region leaves the registry for the driver calls (as in `teardown`): copies
         // (which hold the read lock across theirs) are done with it once we had the write
         // lock, and later ones, or a second release, find no live arena there.
-        {
-            let mut regions = self.regions.write();
-            if regions.get(&arena.base) != Some(&expect) {
-                return Err(Error::InvalidState(format!(
-                    "{}: release_physical of {:#x}: not a live, awake arena of this backend",
-                    D::NAME,
-                    arena.base
-                )));
-            }
-            regions.remove(&arena.base);
-        }
+        self.take_exact_region(arena.base, expect, || {
+            format!(
+                "{}: release_physical of {:#x}: not a live, awake arena of this backend",
+                D::NAME,
+                arena.base
+            )
+        })?;
         let d = &self.driver;
         let current = self.make_current(arena.device).and_then(|current| {
             // SAFETY: a whole mapping of ours, registered as awake and now out of the
@@ -606,17 +618,13 @@ impl<D: Driver> Backend for VmmBackend<D> {
         };
         // Out of the registry for the driver calls (as in `release_physical`): a second
         // restore, a release or a destroy of it meanwhile finds no arena there.
-        {
-            let mut regions = self.regions.write();
-            if regions.get(&arena.base) != Some(&asleep) {
-                return Err(Error::InvalidState(format!(
-                    "{}: restore_physical of {:#x}: not a sleeping arena of this backend",
-                    D::NAME,
-                    arena.base
-                )));
-            }
-            regions.remove(&arena.base);
-        }
+        self.take_exact_region(arena.base, asleep, || {
+            format!(
+                "{}: restore_physical of {:#x}: not a sleeping arena of this backend",
+                D::NAME,
+                arena.base
+            )
+        })?;
         let d = &self.driver;
         let device = arena.device;
         let mapped = self.make_current(device).and_then(|(_, _current)| {
