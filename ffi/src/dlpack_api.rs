@@ -134,8 +134,19 @@ struct View {
     device_id: i32,
     flat: bool,
     storage_offset: i64,
-    shape: Vec<i64>,
-    strides: Vec<i64>,
+    /// The `ndim` sizes, then the `ndim` strides: the layout of `Managed::dims` (a view
+    /// kept as it is becomes the tensor's dims without another copy).
+    dims: Vec<i64>,
+}
+
+impl View {
+    fn shape(&self) -> &[i64] {
+        &self.dims[..self.dims.len() / 2]
+    }
+
+    fn strides(&self) -> &[i64] {
+        &self.dims[self.dims.len() / 2..]
+    }
 }
 
 fn read_view(view: *const i64, len: usize) -> Result<View, Error> {
@@ -182,8 +193,7 @@ fn read_view(view: *const i64, len: usize) -> Result<View, Error> {
         device_id: i32::try_from(at(4)).map_err(|_| Error::invalid("device_id out of range"))?,
         flat: at(5) != 0,
         storage_offset: at(6),
-        shape: dims[..n].to_vec(),
-        strides: dims[n..].to_vec(),
+        dims,
     };
     if v.itemsize == 0
         || v.dtype.lanes == 0
@@ -194,16 +204,21 @@ fn read_view(view: *const i64, len: usize) -> Result<View, Error> {
             v.dtype.code, v.dtype.bits, v.dtype.lanes, v.itemsize
         )));
     }
-    if v.shape.iter().any(|&d| d < 0) || v.storage_offset < 0 {
+    if v.shape().iter().any(|&d| d < 0) || v.storage_offset < 0 {
         return Err(Error::invalid(format!(
             "negative size in shape {:?} or storage offset {}",
-            v.shape, v.storage_offset
+            v.shape(),
+            v.storage_offset
         )));
     }
     if !fits(&v) {
         return Err(Error::invalid(format!(
             "a view (storage offset {}, shape {:?}, strides {:?}) of {}-byte elements reaches outside the {}-byte storage",
-            v.storage_offset, v.shape, v.strides, v.itemsize, v.nbytes
+            v.storage_offset,
+            v.shape(),
+            v.strides(),
+            v.itemsize,
+            v.nbytes
         )));
     }
     Ok(v)
@@ -214,11 +229,11 @@ fn read_view(view: *const i64, len: usize) -> Result<View, Error> {
 /// caller builds from it (flat: with `as_strided`) then reads nothing outside the mapping.
 /// An empty view reaches nothing. Any overflow is "no".
 fn fits(v: &View) -> bool {
-    if v.shape.contains(&0) {
+    if v.shape().contains(&0) {
         return true;
     }
     let (mut lo, mut hi) = (v.storage_offset, v.storage_offset);
-    for (&d, &s) in v.shape.iter().zip(&v.strides) {
+    for (&d, &s) in v.shape().iter().zip(v.strides()) {
         let Some(reach) = (d - 1).checked_mul(s) else {
             return false;
         };
@@ -239,11 +254,11 @@ fn fits(v: &View) -> bool {
 /// its shape and strides has the whole share as its storage (what PyTorch's `from_dlpack`
 /// gives a storage: the bytes its sizes and strides reach).
 fn spans_whole(v: &View) -> bool {
-    if v.storage_offset != 0 || v.shape.contains(&0) {
+    if v.storage_offset != 0 || v.shape().contains(&0) {
         return false;
     }
     let mut last: i64 = 0;
-    for (&d, &s) in v.shape.iter().zip(&v.strides) {
+    for (&d, &s) in v.shape().iter().zip(v.strides()) {
         match (d - 1).checked_mul(s).and_then(|x| last.checked_add(x)) {
             Some(x) if s >= 0 => last = x,
             _ => return false,
@@ -392,7 +407,7 @@ pub extern "C" fn gpu_arena_import_dlpack(
         let dims: Box<[i64]> = if flat {
             Box::new([(v.nbytes / v.itemsize) as i64, 1])
         } else {
-            v.shape.iter().chain(&v.strides).copied().collect()
+            v.dims.into_boxed_slice()
         };
         let ndim = dims.len() / 2;
         let importer = importer(CALL)?;
@@ -595,8 +610,8 @@ mod tests {
             (vec![2], vec![i64::MAX]),
         ] {
             let mut v = read(&view(4096, 4, 0, &[1], &[1])).unwrap();
-            (v.shape, v.strides) = (shape, strides);
-            assert!(!spans_whole(&v), "{:?} {:?}", v.shape, v.strides);
+            v.dims = [shape, strides].concat();
+            assert!(!spans_whole(&v), "{:?} {:?}", v.shape(), v.strides());
         }
     }
 
