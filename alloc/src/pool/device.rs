@@ -300,12 +300,13 @@ impl DeviceState {
         if *cached_bytes != 0 {
             self.cache.retain(|&(stream, key), blocks| {
                 let (len, tag) = cache_key_parts(key);
-                if len <= min_len || class.is_some_and(|c| c != Class::of(tag as u8, len)) {
+                let of = Class::of(tag as u8, len);
+                if len <= min_len || class.is_some_and(|c| c != of) {
                     return true;
                 }
                 *cached_bytes -= len * blocks.len() as u64;
                 by_stream
-                    .entry((stream, Class::of(tag as u8, len).index()))
+                    .entry((stream, of.index()))
                     .or_default()
                     .extend(blocks.drain(..).map(|(ptr, _)| ptr));
                 false

@@ -3,6 +3,8 @@
 //! stream rules applied (the exact-size cache, pending frees that wait for events on
 //! `record_stream` streams, deferred frees of shared ranges).
 
+use std::collections::hash_map::Entry;
+
 use super::{live_tag, DevicePool, PendingFree, Pool, CACHE_MAX_BLOCK};
 use crate::backend::{DeviceId, StreamId};
 use crate::error::{Error, Result};
@@ -86,13 +88,18 @@ impl Pool {
                 None
             }
             None => {
-                // Not shared, no other streams, size as recorded: one hash removal.
-                let plain = st.allocs.get(&ptr).is_some_and(|l| {
-                    l.hold.is_plain()
-                        && l.extra_streams.is_none()
-                        && requested.is_none_or(|r| r == l.requested)
-                });
-                plain.then(|| st.allocs.remove(&ptr)).flatten()
+                // Not shared, no other streams, size as recorded: one hash lookup, which
+                // removes the record.
+                match st.allocs.entry(ptr) {
+                    Entry::Occupied(e)
+                        if e.get().hold.is_plain()
+                            && e.get().extra_streams.is_none()
+                            && requested.is_none_or(|r| r == e.get().requested) =>
+                    {
+                        Some(e.remove())
+                    }
+                    _ => None,
+                }
             }
         };
         if let Some(live) = plain {

@@ -17,6 +17,8 @@
 //! promotion). Lists are not removed while a record may name them, except by
 //! [`ThreadRecords::drain_free`]'s compaction, which renumbers them.
 
+use std::collections::hash_map::Entry;
+
 use rustc_hash::FxHashMap;
 
 use super::classes::Class;
@@ -148,10 +150,10 @@ impl ThreadRecords {
         FreeOutcome::Freed(r.rec, len)
     }
 
-    /// Take the live record of `ptr` out of the map (to promote it).
+    /// Take the live record of `ptr` out of the map (to promote it). One hash lookup.
     pub(crate) fn take_live(&mut self, ptr: u64) -> Option<FrontLive> {
-        match self.at.get(&ptr) {
-            Some(r) if !r.free => self.at.remove(&ptr).map(|r| r.rec),
+        match self.at.entry(ptr) {
+            Entry::Occupied(e) if !e.get().free => Some(e.remove().rec),
             _ => None,
         }
     }
