@@ -192,6 +192,26 @@ pub trait Backend: Send + Sync + fmt::Debug {
         )))
     }
 
+    /// Trim: give each window of `windows` (`(offset, len)` pairs relative to `arena.base`:
+    /// granularity multiples, sorted, disjoint, inside the arena, at least one) physical
+    /// memory of its own holding the window's current contents, and give the rest of the
+    /// arena's physical memory back to the driver. Addresses do not change. Returns one
+    /// arena per window, in order (`base = arena.base + offset`, `bytes = len`, new
+    /// handles); afterwards `arena` no longer exists and only the windows may be named
+    /// (each one destroyed, slept, restored or exported on its own; the address reservation
+    /// is freed with the last of them). The caller synchronized the device, the arena has
+    /// no export and no import, and nothing touches its memory until this returns. On error
+    /// nothing changed: `arena` is as it was, contents included.
+    fn split_arena(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {
+        let _ = windows;
+        Err(Error::Unavailable(format!(
+            "the {} backend cannot split an arena (arena of {} bytes at {:#x})",
+            self.name(),
+            arena.bytes,
+            arena.base
+        )))
+    }
+
     /// Host memory of `bytes` bytes for copies with `device`: pinned (page-locked) where the
     /// backend has it, so copies run at link speed; heap memory otherwise (the default).
     /// Give it back with [`Backend::free_host`].
