@@ -519,6 +519,12 @@ impl Driver for HipDriver {
         check("hipMemcpyDtoH", r)
     }
 
+    unsafe fn memcpy_dtod(&self, dst: u64, src: u64, bytes: usize) -> DriverResult<()> {
+        // SAFETY: the caller guarantees both ranges (mapped, disjoint, not written meanwhile).
+        let r = unsafe { sys::hipMemcpyDtoD(dptr(dst), dptr(src), bytes) };
+        check("hipMemcpyDtoD", r)
+    }
+
     unsafe fn memset_d8(&self, dst: u64, value: u8, bytes: usize) -> DriverResult<()> {
         // SAFETY: the caller guarantees the destination range.
         let r = unsafe { sys::hipMemsetD8(dptr(dst), value, bytes) };

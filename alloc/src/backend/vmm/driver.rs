@@ -351,6 +351,13 @@ pub trait Driver: Send + Sync + fmt::Debug + Sized + 'static {
     /// # Safety
     /// `src..src + dst.len()` is device memory mapped by this process.
     unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> DriverResult<()>;
+    /// Copy `bytes` bytes from device address `src` to device address `dst` (default
+    /// stream; follow with [`Driver::synchronize`] before relying on the result).
+    ///
+    /// # Safety
+    /// Both ranges are device memory mapped by this process, they do not overlap, and nothing
+    /// else writes them concurrently.
+    unsafe fn memcpy_dtod(&self, dst: u64, src: u64, bytes: usize) -> DriverResult<()>;
     /// Set `bytes` bytes at device address `dst` to `value` (default stream).
     ///
     /// # Safety

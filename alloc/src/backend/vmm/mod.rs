@@ -84,6 +84,7 @@ mod copies;
 mod device;
 pub mod driver;
 mod registry;
+mod split;
 #[cfg(test)]
 mod tests;
 
@@ -137,6 +138,8 @@ pub struct VmmBackend<D: Driver> {
     events: RwLock<HashMap<u64, DeviceId>>,
     /// Live pinned host buffers (address, device they were allocated with).
     host: Mutex<HashMap<u64, DeviceId>>,
+    /// Reservations split into windows (`split_arena`), freed with their last window.
+    reservations: Mutex<split::Reservations>,
 }
 
 /// A `u64` byte count as the driver's `size_t`.
@@ -187,6 +190,7 @@ impl<D: Driver> VmmBackend<D> {
             regions: RwLock::new(BTreeMap::new()),
             events: RwLock::new(HashMap::new()),
             host: Mutex::new(HashMap::new()),
+            reservations: Mutex::default(),
         })
     }
 
@@ -286,8 +290,7 @@ impl<D: Driver> VmmBackend<D> {
                     self.regions.write().insert(base, region);
                     return Err(e.into_error(device, 0));
                 }
-                // SAFETY: our own reservation, now unmapped, freed once.
-                let freed = unsafe { d.address_free(base, n) };
+                let freed = self.free_reservation(base, n, region.kind);
                 let released = match region.kind {
                     // SAFETY: the arena's own handle, released once (its record is gone).
                     RegionKind::Arena { handle } => unsafe { d.mem_release(handle) },
@@ -298,12 +301,28 @@ impl<D: Driver> VmmBackend<D> {
             // SAFETY: our own legacy allocation, just removed from the registry, freed once;
             // the caller synchronized.
             RegionKind::LegacyArena => unsafe { d.legacy_free(base) },
-            // SAFETY: our own reservation, with nothing mapped (asleep), freed once.
-            RegionKind::Asleep => unsafe { d.address_free(base, n) },
+            RegionKind::Asleep => self.free_reservation(base, n, region.kind),
             // SAFETY: our own opened IPC handle, just removed from the registry, closed once.
             RegionKind::LegacyImport => unsafe { d.ipc_close_handle(base) },
         };
         result.map_err(|e| e.into_error(device, 0))
+    }
+
+    /// Free the reservation of a region just unmapped (an import's, an arena's own, or a
+    /// split arena's once its last window goes: `split.rs`).
+    fn free_reservation(&self, base: u64, n: usize, kind: RegionKind) -> DriverResult<()> {
+        let free = if kind == RegionKind::Import {
+            Some((base, n))
+        } else {
+            let split = self.reservations.lock().release(base, n as u64);
+            split.map(|(b, bytes)| (b, to_usize(bytes).unwrap_or(n)))
+        };
+        match free {
+            // SAFETY: our own reservation with nothing mapped in it any more (this region was
+            // unmapped, and a split reservation's other windows are gone), freed once.
+            Some((b, n)) => unsafe { self.driver.address_free(b, n) },
+            None => Ok(()),
+        }
     }
 
     /// Record a new live region: an arena just created or an import just mapped.
@@ -606,6 +625,10 @@ impl<D: Driver> Backend for VmmBackend<D> {
             tracing::warn!(backend = D::NAME, error = %e.message, "mem_release of a sleeping arena failed");
         }
         Ok(())
+    }
+
+    fn split_arena(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {
+        self.split(arena, windows)
     }
 
     fn restore_physical(&self, arena: &ArenaMem) -> Result<ArenaMem> {
