@@ -128,6 +128,26 @@ pub struct MemInfo {
     pub total: u64,
 }
 
+/// Check the windows of a split of an arena of `bytes` bytes (see the trait's contract).
+pub(crate) fn check_split_windows(bytes: u64, granularity: u64, windows: &[(u64, u64)]) -> Result<()> {
+    if windows.is_empty() {
+        return Err(Error::invalid("split_arena: no windows"));
+    }
+    let mut end = 0;
+    for (i, &(offset, len)) in windows.iter().enumerate() {
+        let aligned = offset % granularity == 0 && len % granularity == 0 && len > 0;
+        let inside = offset.checked_add(len).is_some_and(|e| e <= bytes);
+        if !aligned || !inside || (i > 0 && offset < end) {
+            return Err(Error::invalid(format!(
+                "split_arena: window {i} (+{offset:#x}, {len} bytes) is not a non-empty run of \
+                 {granularity}-byte pages inside the {bytes}-byte arena after the previous window"
+            )));
+        }
+        end = offset + len;
+    }
+    Ok(())
+}
+
 /// Physical device memory and its mapping, exports, imports, events, device info.
 ///
 /// Implementations are thread-safe; the pool never holds its own locks across these calls
@@ -247,4 +267,22 @@ pub trait Backend: Send + Sync + fmt::Debug {
             self.name()
         )))
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_are_checked() {
+        let g = 2 << 20;
+        assert!(check_split_windows(8 * g, g, &[]).is_err());
+        assert!(check_split_windows(8 * g, g, &[(0, g), (g, 2 * g), (6 * g, 2 * g)]).is_ok());
+        assert!(check_split_windows(8 * g, g, &[(g, g), (0, g)]).is_err(), "unsorted");
+        assert!(check_split_windows(8 * g, g, &[(0, 2 * g), (g, g)]).is_err(), "overlapping");
+        assert!(check_split_windows(8 * g, g, &[(7 * g, 2 * g)]).is_err(), "outside");
+        assert!(check_split_windows(8 * g, g, &[(1, g)]).is_err(), "unaligned");
+        assert!(check_split_windows(8 * g, g, &[(0, 0)]).is_err(), "empty");
+    }
+
 }

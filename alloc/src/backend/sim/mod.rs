@@ -87,6 +87,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 
+mod split;
 mod state;
 mod sys;
 #[cfg(test)]
@@ -599,6 +600,10 @@ impl Backend for SimBackend {
         // Closing the memfd frees its pages: the contents are gone.
         owner.memfd = None;
         Ok(())
+    }
+
+    fn split_arena(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {
+        self.split(arena, windows)
     }
 
     fn restore_physical(&self, arena: &ArenaMem) -> Result<ArenaMem> {

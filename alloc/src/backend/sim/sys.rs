@@ -24,6 +24,16 @@ impl Region {
     pub(super) fn base(&self) -> u64 {
         self.addr as u64
     }
+
+    /// The part `offset..offset + len` of this region, as a region of its own (a window of a
+    /// split arena). The caller never unmaps both the whole and a part: after a split only
+    /// the parts are kept (see `unmap_part`).
+    pub(super) fn part(&self, offset: u64, len: u64) -> Region {
+        Region {
+            addr: self.addr + offset as usize,
+            len: len as usize,
+        }
+    }
 }
 
 /// A failed system call as [`Error::Backend`].
@@ -126,8 +136,17 @@ pub(super) fn reserve_over(region: &Region) -> Result<()> {
 /// Map `fd` read-write and shared over `region`'s addresses (`MAP_FIXED`, replacing the
 /// reservation [`reserve_over`] left).
 pub(super) fn map_over(region: &Region, fd: BorrowedFd<'_>) -> Result<()> {
-    // SAFETY: `region` is one of this module's regions, reserved by `reserve_over`: MAP_FIXED
-    // replaces exactly that reservation, which nothing reads while it is inaccessible.
+    map_over_at(region, fd, 0)
+}
+
+/// Map `fd` from byte `offset` read-write and shared over `region`'s addresses (`MAP_FIXED`):
+/// replaces a reservation left by [`reserve_over`], or, in a split, the pages of the arena
+/// being split with a window's new memfd holding the same bytes (and back on failure).
+pub(super) fn map_over_at(region: &Region, fd: BorrowedFd<'_>, offset: u64) -> Result<()> {
+    // SAFETY: `region` is one of this module's regions (or a part of one): MAP_FIXED replaces
+    // exactly its pages, which either nothing reads (an inaccessible reservation) or hold the
+    // same bytes before and after (a split, during which the Backend contract keeps every
+    // user away from the arena).
     unsafe {
         rustix::mm::mmap(
             region.addr as *mut c_void,
@@ -135,11 +154,20 @@ pub(super) fn map_over(region: &Region, fd: BorrowedFd<'_>) -> Result<()> {
             ProtFlags::READ | ProtFlags::WRITE,
             MapFlags::SHARED | MapFlags::FIXED,
             fd,
-            0,
+            offset,
         )
     }
     .map(|_| ())
     .map_err(|e| sys_err("mmap", e))
+}
+
+/// Copy `len` bytes from the sim mapping at `src` to the one at `dst` (a split's copy).
+/// The caller checked both ranges: each lies inside one live mapping of this module, and
+/// they do not overlap (different mappings).
+pub(super) fn copy_between(dst: u64, src: u64, len: u64) {
+    // SAFETY: the caller's check above; nothing else reaches either mapping during the call
+    // (a split holds the backend's lock, and the Backend contract keeps users away).
+    unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len as usize) }
 }
 
 /// Copy `dst.len()` bytes from address `src`. The caller checked that `src..src + len` lies

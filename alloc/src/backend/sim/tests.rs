@@ -459,3 +459,47 @@ fn import_in_another_process() {
     s.destroy_arena(a).unwrap();
     assert!(s.is_clean(0));
 }
+
+#[test]
+fn a_split_keeps_the_windows_bytes_at_their_addresses_and_releases_the_rest() {
+    let b = sim();
+    let tag = b.memfd_tag();
+    let a = b.create_arena(0, 16 * MIB).unwrap();
+    for page in 0..8u8 {
+        write(a.base, u64::from(page) * 2 * MIB + 7, &[page + 1; 64]);
+    }
+    // A failure before anything is replaced changes nothing.
+    assert!(b.split_arena(&a, &[(2 * MIB, 2 * MIB), (0, 2 * MIB)]).is_err());
+    b.fail_nth(SimCall::CreateArena, 2);
+    assert!(b.split_arena(&a, &[(0, 2 * MIB), (8 * MIB, 4 * MIB)]).is_err());
+    assert_eq!(b.ledger(0).held_bytes, 16 * MIB);
+    assert_eq!(read(a.base, 8 * MIB + 7, 64), [5; 64]);
+
+    let ws = b
+        .split_arena(&a, &[(0, 2 * MIB), (8 * MIB, 4 * MIB)])
+        .unwrap();
+    assert_eq!(b.ledger(0).held_bytes, 6 * MIB);
+    assert_eq!(b.ledger(0).live_arenas, 2);
+    assert_eq!((ws[0].base, ws[1].base), (a.base, a.base + 8 * MIB));
+    assert_eq!(read(a.base, 7, 64), [1; 64]);
+    assert_eq!(read(a.base, 8 * MIB + 7, 64), [5; 64]);
+    assert_eq!(read(a.base, 10 * MIB + 7, 64), [6; 64]);
+    assert!(b.destroy_arena(a.clone()).is_err(), "the split arena is gone");
+    // A window is an arena: export and import it, sleep and wake it, split it again.
+    let export = b.export(&ws[1]).unwrap();
+    let m = b
+        .import(0, ImportSource::Fd(export.fd().unwrap()), ws[1].bytes)
+        .unwrap();
+    assert_eq!(read(m.base, 2 * MIB + 7, 64), [6; 64]);
+    b.unmap_import(m).unwrap();
+    b.close_export(&ws[1], export).unwrap();
+    let parts = b.split_arena(&ws[1], &[(2 * MIB, 2 * MIB)]).unwrap();
+    assert_eq!(read(parts[0].base, 7, 64), [6; 64]);
+    b.release_physical(&ws[0]).unwrap();
+    let w0 = b.restore_physical(&ws[0]).unwrap();
+    assert_eq!(b.ledger(0).held_bytes, 4 * MIB);
+    b.destroy_arena(w0).unwrap();
+    b.destroy_arena(parts[0].clone()).unwrap();
+    assert_eq!(b.ledger(0).held_bytes, 0);
+    assert_eq!((tagged_fds(&tag), tagged_maps(&tag)), (0, 0));
+}

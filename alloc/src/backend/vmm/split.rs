@@ -27,7 +27,7 @@ use std::collections::HashMap;
 
 use super::registry::{Region, RegionKind};
 use super::{to_usize, warn_undo, Driver, VmmBackend};
-use crate::backend::ArenaMem;
+use crate::backend::{check_split_windows, ArenaMem};
 use crate::error::{Error, Result};
 use crate::ids::DeviceId;
 
@@ -69,31 +69,11 @@ impl Reservations {
     }
 }
 
-/// Check the windows of a split of an arena of `bytes` bytes (see the trait's contract).
-fn check_windows(bytes: u64, granularity: u64, windows: &[(u64, u64)]) -> Result<()> {
-    if windows.is_empty() {
-        return Err(Error::invalid("split_arena: no windows"));
-    }
-    let mut end = 0;
-    for (i, &(offset, len)) in windows.iter().enumerate() {
-        let aligned = offset % granularity == 0 && len % granularity == 0 && len > 0;
-        let inside = offset.checked_add(len).is_some_and(|e| e <= bytes);
-        if !aligned || !inside || (i > 0 && offset < end) {
-            return Err(Error::invalid(format!(
-                "split_arena: window {i} (+{offset:#x}, {len} bytes) is not a non-empty run of \
-                 {granularity}-byte pages inside the {bytes}-byte arena after the previous window"
-            )));
-        }
-        end = offset + len;
-    }
-    Ok(())
-}
-
 impl<D: Driver> VmmBackend<D> {
     /// [`Backend::split_arena`](crate::backend::Backend::split_arena) (see the module docs).
     pub(super) fn split(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {
         let state = self.state(arena.device)?;
-        check_windows(arena.bytes, state.granularity, windows)?;
+        check_split_windows(arena.bytes, state.granularity, windows)?;
         let expect = Self::arena_region(arena);
         let RegionKind::Arena { handle: old } = expect.kind else {
             return Err(Error::Unavailable(format!(
@@ -285,18 +265,6 @@ impl<D: Driver> VmmBackend<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn windows_are_checked() {
-        let g = 2 << 20;
-        assert!(check_windows(8 * g, g, &[]).is_err());
-        assert!(check_windows(8 * g, g, &[(0, g), (g, 2 * g), (6 * g, 2 * g)]).is_ok());
-        assert!(check_windows(8 * g, g, &[(g, g), (0, g)]).is_err(), "unsorted");
-        assert!(check_windows(8 * g, g, &[(0, 2 * g), (g, g)]).is_err(), "overlapping");
-        assert!(check_windows(8 * g, g, &[(7 * g, 2 * g)]).is_err(), "outside");
-        assert!(check_windows(8 * g, g, &[(1, g)]).is_err(), "unaligned");
-        assert!(check_windows(8 * g, g, &[(0, 0)]).is_err(), "empty");
-    }
 
     #[test]
     fn a_split_reservation_is_freed_with_its_last_window() {

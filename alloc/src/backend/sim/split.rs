@@ -1,0 +1,120 @@
+//! The sim's [`Backend::split_arena`](crate::backend::Backend::split_arena): each window gets
+//! a memfd of its own holding its bytes, mapped over the window's pages (`MAP_FIXED`: the
+//! addresses never change), the pages between windows are unmapped and the arena's memfd is
+//! closed, so the ledger holds only the windows. Every step that can fail runs before the
+//! first page is replaced; a failed replacement maps the old memfd back.
+
+use std::os::fd::{AsFd, OwnedFd};
+
+use super::state::{ArenaEntry, Owner};
+use super::sys::{self, file_info, map_shared, sys_err, unmap};
+use super::{SimBackend, SimCall, NAME};
+use crate::backend::{check_split_windows, ArenaMem};
+use crate::error::{Error, Result};
+
+impl SimBackend {
+    /// See the module docs and the trait's contract.
+    pub(super) fn split(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {
+        let mut inner = self.inner.lock();
+        check_split_windows(arena.bytes, self.config.granularity, windows)?;
+        {
+            let entry = inner.arena_mut(arena, "split_arena")?;
+            if entry.open_exports > 0 || entry.mappings > 0 || entry.pinned {
+                return Err(Error::InvalidState(format!(
+                    "sim split_arena: arena {} is exported or mapped elsewhere",
+                    arena.handle
+                )));
+            }
+            if !entry.owner.as_ref().is_some_and(|o| o.memfd.is_some()) {
+                return Err(Error::InvalidState(format!(
+                    "sim split_arena: arena {} is destroyed or asleep",
+                    arena.handle
+                )));
+            }
+        }
+        for _ in windows {
+            inner.enter(SimCall::CreateArena)?;
+        }
+        let kept: u64 = windows.iter().map(|w| w.1).sum();
+        if inner.held_bytes(arena.device).saturating_add(kept) > self.config.capacity {
+            return Err(Error::DriverOutOfMemory {
+                backend: NAME,
+                call: "split_arena",
+                device: arena.device,
+                bytes: kept,
+            });
+        }
+        // The new memfds with the windows' bytes (nothing replaced yet: errors drop them).
+        let mut made: Vec<(OwnedFd, (u64, u64))> = Vec::with_capacity(windows.len());
+        for (i, &(offset, len)) in windows.iter().enumerate() {
+            let name = format!("{}a{}w{i}", self.memfd_tag(), arena.handle);
+            let memfd = sys::create_memfd(&name, len)?;
+            let temp = map_shared(memfd.as_fd(), len as usize)?;
+            sys::copy_between(temp.base(), arena.base + offset, len);
+            unmap(&temp)?;
+            let info = file_info(memfd.as_fd()).map_err(|e| sys_err("fstat", e))?;
+            made.push((memfd, info.key));
+        }
+        let entry = inner.arena_mut(arena, "split_arena")?;
+        let Some(owner) = entry.owner.take() else {
+            return Err(Error::Internal("sim split_arena: owner vanished".into()));
+        };
+        let (old_fd, whole) = (owner.memfd, owner.region);
+        let old_fd = old_fd.ok_or_else(|| Error::Internal("sim split_arena: asleep".into()))?;
+        for (i, (&(offset, len), (memfd, _))) in windows.iter().zip(&made).enumerate() {
+            if let Err(e) = sys::map_over_at(&whole.part(offset, len), memfd.as_fd(), 0) {
+                for &(off, l) in &windows[..i] {
+                    if let Err(back) = sys::map_over_at(&whole.part(off, l), old_fd.as_fd(), off) {
+                        tracing::error!(error = %back, "sim split_arena: mapping the old pages back failed");
+                    }
+                }
+                entry.owner = Some(Owner {
+                    memfd: Some(old_fd),
+                    region: whole,
+                });
+                return Err(e);
+            }
+        }
+        // The pages between (and around) the windows go; the old memfd closes with `old_fd`.
+        let mut at = 0;
+        for &(offset, len) in windows.iter().chain([&(arena.bytes, 0)]) {
+            if offset > at {
+                if let Err(e) = unmap(&whole.part(at, offset - at)) {
+                    tracing::warn!(error = %e, "sim split_arena: unmapping a gap failed");
+                }
+            }
+            at = offset + len;
+        }
+        drop(old_fd);
+        let device = entry.device;
+        inner.retire_if_released(arena.handle);
+        let mut out = Vec::with_capacity(windows.len());
+        for (&(offset, len), (memfd, key)) in windows.iter().zip(made) {
+            let id = inner.take_id();
+            inner.by_inode.insert(key, id);
+            inner.arenas.insert(
+                id,
+                ArenaEntry {
+                    device,
+                    base: arena.base + offset,
+                    bytes: len,
+                    inode: key,
+                    owner: Some(Owner {
+                        memfd: Some(memfd),
+                        region: whole.part(offset, len),
+                    }),
+                    open_exports: 0,
+                    mappings: 0,
+                    pinned: false,
+                },
+            );
+            out.push(ArenaMem {
+                device,
+                base: arena.base + offset,
+                bytes: len,
+                handle: id,
+            });
+        }
+        Ok(out)
+    }
+}
