@@ -36,6 +36,7 @@ use std::collections::BTreeMap;
 use rustc_hash::FxHashMap;
 
 mod free_index;
+mod split;
 
 use free_index::FreeIndex;
 

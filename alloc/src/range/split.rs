@@ -1,0 +1,131 @@
+//! [`RangeAllocator::split_region`]: a region becomes several smaller ones (trim: an arena
+//! whose free pages go back to the driver keeps only the windows around its allocations).
+
+use super::{check_granule, Block, RangeAllocator, RangeError, State, NO_PREV};
+
+impl RangeAllocator {
+    /// Split the region starting at `offset` into the regions `windows` (`(offset, len)`
+    /// pairs, absolute, sorted, disjoint, inside the region): every allocated range stays as
+    /// it is, free ranges are cut at the windows' edges (keeping their tags) and the free
+    /// space outside the windows is dropped. Refused, changing nothing, unless every
+    /// allocated range of the region lies inside one window.
+    pub fn split_region(&mut self, offset: u64, windows: &[(u64, u64)]) -> Result<(), RangeError> {
+        let len = *self
+            .regions
+            .get(&offset)
+            .ok_or(RangeError::NoSuchRegion(offset))?;
+        let mut end = offset;
+        for &(w, wlen) in windows {
+            check_granule(w, wlen)?;
+            if w < end || w + wlen > offset + len {
+                return Err(RangeError::Overlap { offset: w, len: wlen });
+            }
+            end = w + wlen;
+        }
+        let ranges: Vec<(u64, Block)> = self.chain(offset).collect();
+        let inside = |s: u64, l: u64| windows.iter().any(|&(w, wl)| s >= w && s + l <= w + wl);
+        if ranges
+            .iter()
+            .any(|&(s, b)| b.state == State::Used && !inside(s, b.len))
+        {
+            return Err(RangeError::RegionInUse(offset));
+        }
+        // Take the region out, then put each window in with its pieces.
+        for &(s, b) in &ranges {
+            self.blocks.remove(&s);
+            if let State::Free(tag) = b.state {
+                self.free_index.remove(tag, b.len, s);
+            }
+        }
+        self.regions.remove(&offset);
+        let mut next = 0; // index into `ranges` of the first range that may reach a window
+        for &(w, wlen) in windows {
+            let wend = w + wlen;
+            self.regions.insert(w, wlen);
+            let mut pieces: Vec<(u64, u64, State)> = Vec::new();
+            while next < ranges.len() && ranges[next].0 + ranges[next].1.len <= w {
+                next += 1;
+            }
+            let mut i = next;
+            while i < ranges.len() && ranges[i].0 < wend {
+                let (s, b) = ranges[i];
+                let (ps, pe) = (s.max(w), (s + b.len).min(wend));
+                pieces.push((ps, pe - ps, b.state));
+                i += 1;
+            }
+            let count = pieces.len();
+            let mut prev = NO_PREV;
+            for (k, (s, l, state)) in pieces.into_iter().enumerate() {
+                self.blocks.insert(
+                    s,
+                    Block {
+                        len: l,
+                        state,
+                        prev,
+                        last: k + 1 == count,
+                    },
+                );
+                if let State::Free(tag) = state {
+                    self.free_index.insert(tag, l, s);
+                }
+                prev = s;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{RangeAllocator, RangeError};
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn a_split_keeps_allocations_and_the_free_space_inside_the_windows() {
+        let mut r = RangeAllocator::new();
+        r.add_region(0, 16 * MIB, 0).unwrap();
+        let a = r.alloc(MIB, 0).unwrap(); // [0, 1M)
+        let b = r.alloc(8 * MIB, 0).unwrap(); // [1M, 9M)
+        let c = r.alloc(MIB, 0).unwrap(); // [9M, 10M)
+        r.free(b, 5).unwrap();
+        r.validate().unwrap();
+        // c is outside every window: refused, nothing changed.
+        let before = r.clone();
+        assert_eq!(
+            r.split_region(0, &[(0, 2 * MIB)]),
+            Err(RangeError::RegionInUse(0))
+        );
+        assert_eq!(r, before);
+        r.split_region(0, &[(0, 2 * MIB), (8 * MIB, 2 * MIB)])
+            .unwrap();
+        r.validate().unwrap();
+        assert_eq!(r.stats().regions, 2);
+        assert_eq!(r.stats().region_bytes, 4 * MIB);
+        assert_eq!(r.allocated_len(a), Some(MIB));
+        assert_eq!(r.allocated_len(c), Some(MIB));
+        // The free pieces kept their tag: [1M, 2M) and [8M, 9M) under tag 5.
+        assert_eq!(r.alloc(MIB, 0), None);
+        assert_eq!(r.alloc(MIB, 5), Some(MIB));
+        assert_eq!(r.alloc(MIB, 5), Some(8 * MIB));
+        assert_eq!(r.alloc(MIB, 5), None);
+        for p in [a, c, MIB, 8 * MIB] {
+            r.free(p, 0).unwrap();
+        }
+        r.validate().unwrap();
+        assert_eq!(r.remove_region(0), Ok(2 * MIB));
+        assert_eq!(r.remove_region(8 * MIB), Ok(2 * MIB));
+        assert_eq!(r.stats().regions, 0);
+    }
+
+    #[test]
+    fn bad_windows_are_refused() {
+        let mut r = RangeAllocator::new();
+        r.add_region(0, 8 * MIB, 0).unwrap();
+        let before = r.clone();
+        assert!(r.split_region(0, &[(2 * MIB, MIB), (0, MIB)]).is_err());
+        assert!(r.split_region(0, &[(6 * MIB, 4 * MIB)]).is_err());
+        assert!(r.split_region(MIB, &[(MIB, MIB)]).is_err());
+        assert_eq!(r, before);
+    }
+}
