@@ -20,5 +20,6 @@ pub use error::{Error, Result};
 pub use ids::{DeviceId, StreamId};
 pub use pool::{
     Allocation, ArenaInfo, ArenaObserver, LeaseGrant, ObserverId, Pool, PoolConfig, ShareInfo,
+    TrimReport,
 };
 pub use stats::PoolStats;

@@ -129,7 +129,11 @@ pub struct MemInfo {
 }
 
 /// Check the windows of a split of an arena of `bytes` bytes (see the trait's contract).
-pub(crate) fn check_split_windows(bytes: u64, granularity: u64, windows: &[(u64, u64)]) -> Result<()> {
+pub(crate) fn check_split_windows(
+    bytes: u64,
+    granularity: u64,
+    windows: &[(u64, u64)],
+) -> Result<()> {
     if windows.is_empty() {
         return Err(Error::invalid("split_arena: no windows"));
     }
@@ -278,11 +282,22 @@ mod tests {
         let g = 2 << 20;
         assert!(check_split_windows(8 * g, g, &[]).is_err());
         assert!(check_split_windows(8 * g, g, &[(0, g), (g, 2 * g), (6 * g, 2 * g)]).is_ok());
-        assert!(check_split_windows(8 * g, g, &[(g, g), (0, g)]).is_err(), "unsorted");
-        assert!(check_split_windows(8 * g, g, &[(0, 2 * g), (g, g)]).is_err(), "overlapping");
-        assert!(check_split_windows(8 * g, g, &[(7 * g, 2 * g)]).is_err(), "outside");
-        assert!(check_split_windows(8 * g, g, &[(1, g)]).is_err(), "unaligned");
+        assert!(
+            check_split_windows(8 * g, g, &[(g, g), (0, g)]).is_err(),
+            "unsorted"
+        );
+        assert!(
+            check_split_windows(8 * g, g, &[(0, 2 * g), (g, g)]).is_err(),
+            "overlapping"
+        );
+        assert!(
+            check_split_windows(8 * g, g, &[(7 * g, 2 * g)]).is_err(),
+            "outside"
+        );
+        assert!(
+            check_split_windows(8 * g, g, &[(1, g)]).is_err(),
+            "unaligned"
+        );
         assert!(check_split_windows(8 * g, g, &[(0, 0)]).is_err(), "empty");
     }
-
 }

@@ -91,6 +91,7 @@ mod spin;
 mod thread_cache;
 mod thread_records;
 mod trace;
+mod trim;
 mod wake;
 
 pub use classes::{HUGE_MIN, SMALL_ARENA, SMALL_GROW_FREELY};
@@ -102,6 +103,7 @@ pub use observers::{
 pub use records::{LeaseGrant, ShareInfo};
 pub use sleep::SleepReport;
 pub use trace::DEFAULT_HISTORY_ENTRIES;
+pub use trim::TrimReport;
 
 /// Tag of free ranges that any stream may reuse.
 pub const ANY_STREAM: u64 = u64::MAX;

@@ -490,7 +490,7 @@ impl Observers {
 
 impl DeviceState {
     /// A fresh arena id (the arena is added under it once its observers know it).
-    fn reserve_arena_id(&mut self) -> u64 {
+    pub(super) fn reserve_arena_id(&mut self) -> u64 {
         let id = self.next_arena_id;
         self.next_arena_id += 1;
         id

@@ -18,7 +18,10 @@ impl RangeAllocator {
         for &(w, wlen) in windows {
             check_granule(w, wlen)?;
             if w < end || w + wlen > offset + len {
-                return Err(RangeError::Overlap { offset: w, len: wlen });
+                return Err(RangeError::Overlap {
+                    offset: w,
+                    len: wlen,
+                });
             }
             end = w + wlen;
         }

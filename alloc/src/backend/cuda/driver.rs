@@ -718,7 +718,9 @@ impl Driver for CudaDriver {
 
     unsafe fn memcpy_dtod(&self, dst: u64, src: u64, bytes: usize) -> DriverResult<()> {
         // SAFETY: the caller guarantees both ranges (mapped, disjoint, not written meanwhile).
-        check("cuMemcpyDtoD", unsafe { sys::cuMemcpyDtoD_v2(dst, src, bytes) })
+        check("cuMemcpyDtoD", unsafe {
+            sys::cuMemcpyDtoD_v2(dst, src, bytes)
+        })
     }
 
     unsafe fn memset_d8(&self, dst: u64, value: u8, bytes: usize) -> DriverResult<()> {

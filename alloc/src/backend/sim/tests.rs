@@ -469,9 +469,13 @@ fn a_split_keeps_the_windows_bytes_at_their_addresses_and_releases_the_rest() {
         write(a.base, u64::from(page) * 2 * MIB + 7, &[page + 1; 64]);
     }
     // A failure before anything is replaced changes nothing.
-    assert!(b.split_arena(&a, &[(2 * MIB, 2 * MIB), (0, 2 * MIB)]).is_err());
+    assert!(b
+        .split_arena(&a, &[(2 * MIB, 2 * MIB), (0, 2 * MIB)])
+        .is_err());
     b.fail_nth(SimCall::CreateArena, 2);
-    assert!(b.split_arena(&a, &[(0, 2 * MIB), (8 * MIB, 4 * MIB)]).is_err());
+    assert!(b
+        .split_arena(&a, &[(0, 2 * MIB), (8 * MIB, 4 * MIB)])
+        .is_err());
     assert_eq!(b.ledger(0).held_bytes, 16 * MIB);
     assert_eq!(read(a.base, 8 * MIB + 7, 64), [5; 64]);
 
@@ -484,7 +488,10 @@ fn a_split_keeps_the_windows_bytes_at_their_addresses_and_releases_the_rest() {
     assert_eq!(read(a.base, 7, 64), [1; 64]);
     assert_eq!(read(a.base, 8 * MIB + 7, 64), [5; 64]);
     assert_eq!(read(a.base, 10 * MIB + 7, 64), [6; 64]);
-    assert!(b.destroy_arena(a.clone()).is_err(), "the split arena is gone");
+    assert!(
+        b.destroy_arena(a.clone()).is_err(),
+        "the split arena is gone"
+    );
     // A window is an arena: export and import it, sleep and wake it, split it again.
     let export = b.export(&ws[1]).unwrap();
     let m = b

@@ -269,7 +269,11 @@ mod tests {
     #[test]
     fn a_split_reservation_is_freed_with_its_last_window() {
         let mut r = Reservations::default();
-        assert_eq!(r.release(10, 5), Some((10, 5)), "an unsplit arena frees its own");
+        assert_eq!(
+            r.release(10, 5),
+            Some((10, 5)),
+            "an unsplit arena frees its own"
+        );
         r.record_split(100, 50, &[100, 120, 140]);
         // A window split again: its reservation is still the first one.
         r.record_split(120, 10, &[120, 125]);

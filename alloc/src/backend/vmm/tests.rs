@@ -625,7 +625,10 @@ fn a_split_arena_keeps_its_reservation_until_the_last_window_goes() {
         [(a.base, 2 * MIB), (a.base + 8 * MIB, 4 * MIB)]
     );
     let calls = take_calls(&b);
-    let copies: Vec<&Call> = calls.iter().filter(|c| matches!(c, Call::CopyDtoD(..))).collect();
+    let copies: Vec<&Call> = calls
+        .iter()
+        .filter(|c| matches!(c, Call::CopyDtoD(..)))
+        .collect();
     let temp = match copies[..] {
         [Call::CopyDtoD(t, src0), Call::CopyDtoD(t1, src1)] => {
             assert_eq!((*src0, *src1, *t1), (a.base, a.base + 8 * MIB, t + 2 * MIB));
@@ -636,7 +639,10 @@ fn a_split_arena_keeps_its_reservation_until_the_last_window_goes() {
     assert!(calls.contains(&Call::Release(a.handle)), "{calls:?}");
     assert!(calls.contains(&Call::AddressFree(temp)), "{calls:?}");
     assert!(!calls.contains(&Call::AddressFree(a.base)), "{calls:?}");
-    assert!(calls.contains(&Call::Map(ws[1].base, ws[1].handle)), "{calls:?}");
+    assert!(
+        calls.contains(&Call::Map(ws[1].base, ws[1].handle)),
+        "{calls:?}"
+    );
     // The old arena is gone; each window is an arena (sleep, wake, split again).
     assert!(b.destroy_arena(a.clone()).is_err());
     b.release_physical(&ws[1]).unwrap();
@@ -644,7 +650,10 @@ fn a_split_arena_keeps_its_reservation_until_the_last_window_goes() {
     let parts = b.split_arena(&w1, &[(2 * MIB, 2 * MIB)]).unwrap();
     take_calls(&b);
     b.destroy_arena(ws[0].clone()).unwrap();
-    assert_eq!(take_calls(&b), [Call::Unmap(a.base), Call::Release(ws[0].handle)]);
+    assert_eq!(
+        take_calls(&b),
+        [Call::Unmap(a.base), Call::Release(ws[0].handle)]
+    );
     b.destroy_arena(parts[0].clone()).unwrap();
     assert_eq!(
         take_calls(&b),
@@ -660,19 +669,36 @@ fn a_split_arena_keeps_its_reservation_until_the_last_window_goes() {
 fn a_failed_split_leaves_the_arena_as_it_was() {
     let b = backend(Setup::default());
     let a = b.create_arena(0, 8 * MIB).unwrap();
-    assert!(b.split_arena(&a, &[(2 * MIB, 2 * MIB), (MIB, MIB)]).is_err());
+    assert!(b
+        .split_arena(&a, &[(2 * MIB, 2 * MIB), (MIB, MIB)])
+        .is_err());
     take_calls(&b);
     b.driver.fail_set_access.store(true, Ordering::Relaxed);
     assert!(b.split_arena(&a, &[(0, 2 * MIB)]).is_err());
     let calls = take_calls(&b);
-    assert!(!calls.iter().any(|c| *c == Call::Unmap(a.base) || *c == Call::Release(a.handle)), "{calls:?}");
-    let created = calls.iter().filter(|c| matches!(c, Call::Create { .. })).count();
-    let released = calls.iter().filter(|c| matches!(c, Call::Release(_))).count();
+    assert!(
+        !calls
+            .iter()
+            .any(|c| *c == Call::Unmap(a.base) || *c == Call::Release(a.handle)),
+        "{calls:?}"
+    );
+    let created = calls
+        .iter()
+        .filter(|c| matches!(c, Call::Create { .. }))
+        .count();
+    let released = calls
+        .iter()
+        .filter(|c| matches!(c, Call::Release(_)))
+        .count();
     assert_eq!((created, released), (1, 1), "{calls:?}");
     b.driver.fail_set_access.store(false, Ordering::Relaxed);
     b.destroy_arena(a.clone()).unwrap();
     assert_eq!(
         take_calls(&b),
-        [Call::Unmap(a.base), Call::AddressFree(a.base), Call::Release(a.handle)]
+        [
+            Call::Unmap(a.base),
+            Call::AddressFree(a.base),
+            Call::Release(a.handle)
+        ]
     );
 }

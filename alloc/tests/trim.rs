@@ -1,0 +1,258 @@
+//! Trim (`alloc/src/pool/trim.rs`): after `empty_cache`, arenas with survivors are split
+//! down to the granularity pages the survivors use; addresses and contents are unchanged,
+//! shared and asleep arenas are left whole, a failed split changes nothing.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use gpu_arena::backend::sim::{SimBackend, SimCall, SimConfig};
+use gpu_arena::{Allocation, Pool, StreamId};
+use proptest::prelude::*;
+
+mod common;
+use common::sim_pool;
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+const PAGE: u64 = 2 * MIB;
+const S: StreamId = StreamId(0x1000);
+
+fn pool(arena_size: u64) -> (Arc<SimBackend>, Pool) {
+    sim_pool(
+        SimConfig {
+            capacity: 64 * GIB,
+            ..SimConfig::default()
+        },
+        arena_size,
+        true,
+    )
+}
+
+/// Fill the first and last 64 bytes of `a` with a byte derived from `seed`.
+fn stamp(a: &Allocation, seed: u64) {
+    let v = [(seed % 251) as u8 + 1; 64];
+    for at in [a.ptr, a.ptr + a.bytes - 64] {
+        // SAFETY: sim addresses are host memory; `a` is live and at least 512 bytes long.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), at as *mut u8, 64) }
+    }
+}
+
+fn stamped(a: &Allocation, seed: u64) -> bool {
+    let want = (seed % 251) as u8 + 1;
+    [a.ptr, a.ptr + a.bytes - 64].iter().all(|&at| {
+        let mut got = [0u8; 64];
+        // SAFETY: as in `stamp`.
+        unsafe { std::ptr::copy_nonoverlapping(at as *const u8, got.as_mut_ptr(), 64) }
+        got.iter().all(|&b| b == want)
+    })
+}
+
+/// The arenas' bases of device 0, from the snapshot.
+fn arena_bases(pool: &Pool) -> Vec<u64> {
+    let v: serde_json::Value = serde_json::from_str(&pool.snapshot_json()).unwrap();
+    v["devices"][0]["arenas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["base"].as_u64().unwrap())
+        .collect()
+}
+
+/// The 2 MiB pages of their arenas (whose bases are `bases`: sim arenas are host mappings,
+/// page-aligned only) the survivors' blocks touch.
+fn pages(bases: &[u64], survivors: &[Allocation]) -> u64 {
+    let mut set = BTreeSet::new();
+    for a in survivors {
+        let base = *bases.iter().filter(|&&b| b <= a.ptr).max().unwrap();
+        for p in (a.ptr - base) / PAGE..(a.ptr - base + a.bytes).div_ceil(PAGE) {
+            set.insert((base, p));
+        }
+    }
+    set.len() as u64 * PAGE
+}
+
+/// The pattern, with large survivors too: 1,500 blocks of 4 MiB and 600 of 4 KiB;
+/// every small one and every 100th large one survive. empty_cache keeps the 1 GiB arenas of
+/// the large survivors; trim brings reserved to the survivors' pages, within 2x live.
+#[test]
+fn trim_brings_scattered_large_survivors_down_to_their_pages() {
+    let (sim, pool) = pool(GIB);
+    let mut all = Vec::new();
+    for i in 0..2100u64 {
+        let small = i % 7 < 2;
+        let a = pool
+            .alloc(0, if small { 4 * KIB } else { 4 * MIB }, S)
+            .unwrap();
+        all.push((i, small, a));
+    }
+    let mut survivors = Vec::new();
+    let mut large_seen = 0;
+    for &(i, small, a) in &all {
+        let keep = small || {
+            large_seen += 1;
+            large_seen % 100 == 1
+        };
+        if keep {
+            stamp(&a, i);
+            survivors.push((i, a));
+        } else {
+            pool.free(a.ptr).unwrap();
+        }
+    }
+    pool.empty_cache(None).unwrap();
+    let live = pool.stats(0).unwrap().allocated_bytes;
+    let before = pool.stats(0).unwrap().reserved_bytes;
+    assert!(
+        before >= GIB,
+        "a large survivor keeps its arena after empty_cache"
+    );
+    let bases = arena_bases(&pool);
+    let r = pool.trim(None).unwrap();
+    let s = pool.stats(0).unwrap();
+    let kept: Vec<Allocation> = survivors.iter().map(|s| s.1).collect();
+    assert_eq!(s.reserved_bytes, pages(&bases, &kept), "{r:?}");
+    assert!(
+        s.reserved_bytes <= 2 * live + 8 * MIB,
+        "{} live {live}",
+        s.reserved_bytes
+    );
+    assert_eq!(r.released_bytes, before - s.reserved_bytes);
+    assert_eq!(sim.ledger(0).held_bytes, s.reserved_bytes);
+    assert!(
+        survivors.iter().all(|(i, a)| stamped(a, *i)),
+        "contents kept"
+    );
+    pool.validate(0).unwrap();
+    // The pool goes on: new blocks, frees, and nothing held once everything is freed.
+    let more: Vec<_> = (0..50)
+        .map(|_| pool.alloc(0, 4 * MIB, S).unwrap())
+        .collect();
+    for (i, a) in more.iter().enumerate() {
+        stamp(a, i as u64);
+    }
+    for (i, a) in &survivors {
+        assert!(stamped(a, *i));
+        pool.free(a.ptr).unwrap();
+    }
+    for a in more {
+        pool.free(a.ptr).unwrap();
+    }
+    pool.empty_cache(None).unwrap();
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 0);
+    assert!(sim.is_clean(0));
+}
+
+/// A shared arena is left whole; a survivor in a window can be shared (one export for its
+/// window) after the trim.
+#[test]
+fn shared_arenas_stay_whole_and_windows_can_be_shared() {
+    let (sim, pool) = pool(64 * MIB);
+    // Two full 64 MiB arenas of 8 MiB blocks: the first one's survivor is shared.
+    let blocks: Vec<_> = (0..16)
+        .map(|_| pool.alloc(0, 8 * MIB, S).unwrap())
+        .collect();
+    let (a, d) = (blocks[0], blocks[8]);
+    let info = pool.share(a.ptr, 4 * MIB).unwrap();
+    for b in &blocks {
+        if b.ptr != a.ptr && b.ptr != d.ptr {
+            pool.free(b.ptr).unwrap();
+        }
+    }
+    let r = pool.trim(None).unwrap();
+    assert_eq!(r.kept_shared_bytes, 64 * MIB, "{r:?}");
+    assert_eq!((r.split_arenas, r.windows), (1, 1), "{r:?}");
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 64 * MIB + 8 * MIB);
+    stamp(&d, 9);
+    let exports = pool.stats(0).unwrap().exports_total;
+    let shared = pool.share(d.ptr, d.bytes).unwrap();
+    assert_eq!(shared.arena_bytes, 8 * MIB, "the window is its own arena");
+    assert_eq!(pool.stats(0).unwrap().exports_total, exports + 1);
+    assert!(stamped(&d, 9));
+    pool.unshare(0, shared.share_key, &shared.token).unwrap();
+    pool.unshare(0, info.share_key, &info.token).unwrap();
+    pool.free(a.ptr).unwrap();
+    pool.free(d.ptr).unwrap();
+    pool.empty_cache(None).unwrap();
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 0);
+    assert!(sim.is_clean(0));
+}
+
+/// Asleep arenas are left alone; a failed split leaves the arena whole with its contents.
+#[test]
+fn asleep_arenas_and_failed_splits_change_nothing() {
+    let (sim, pool) = pool(256 * MIB);
+    let a = pool.alloc(0, 8 * MIB, S).unwrap();
+    let b = pool.alloc(0, 40 * MIB, S).unwrap(); // the same (large-class) arena
+    pool.free(b.ptr).unwrap();
+    stamp(&a, 3);
+    pool.sleep(None, &[]).unwrap();
+    let r = pool.trim(None).unwrap();
+    assert_eq!(
+        (r.split_arenas, r.kept_other_bytes),
+        (0, 256 * MIB),
+        "{r:?}"
+    );
+    pool.wake(None, None).unwrap();
+    stamp(&a, 4);
+    sim.fail_nth(SimCall::CreateArena, 1);
+    let r = pool.trim(None).unwrap();
+    assert_eq!(
+        (r.split_arenas, r.kept_other_bytes),
+        (0, 256 * MIB),
+        "{r:?}"
+    );
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 256 * MIB);
+    assert!(stamped(&a, 4));
+    pool.validate(0).unwrap();
+    let r = pool.trim(None).unwrap();
+    assert_eq!((r.split_arenas, r.released_bytes), (1, 248 * MIB), "{r:?}");
+    assert!(stamped(&a, 4));
+    pool.free(a.ptr).unwrap();
+    pool.empty_cache(None).unwrap();
+    assert!(sim.is_clean(0));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// Any allocation sequence (512 B to 40 MiB, 64 MiB arenas) and any survivors: after a
+    /// trim, reserved is exactly the 2 MiB pages the survivors' blocks touch, every survivor
+    /// keeps its bytes, and freeing them all leaves nothing held.
+    #[test]
+    fn after_a_trim_reserved_is_the_survivors_pages(
+        ops in proptest::collection::vec((0u64..5, 1u64..=100, any::<bool>()), 1..100),
+    ) {
+        let (sim, pool) = pool(64 * MIB);
+        let mut survivors = Vec::new();
+        for (n, (kind, x, keep)) in ops.into_iter().enumerate() {
+            let bytes = match kind {
+                0 => 512 * x,
+                1 => 10 * KIB * x,
+                2 => MIB + 100 * KIB * x,
+                3 => 400 * KIB * x,
+                _ => MIB * (x % 40 + 1),
+            };
+            let a = pool.alloc(0, bytes, S).unwrap();
+            if keep {
+                stamp(&a, n as u64);
+                survivors.push((n as u64, a));
+            } else {
+                pool.free(a.ptr).unwrap();
+            }
+        }
+        pool.empty_cache(None).unwrap();
+        let bases = arena_bases(&pool);
+        pool.trim(None).unwrap();
+        let kept: Vec<Allocation> = survivors.iter().map(|s| s.1).collect();
+        prop_assert_eq!(pool.stats(0).unwrap().reserved_bytes, pages(&bases, &kept));
+        prop_assert_eq!(sim.ledger(0).held_bytes, pages(&bases, &kept));
+        prop_assert!(survivors.iter().all(|(i, a)| stamped(a, *i)));
+        for (_, a) in &survivors {
+            pool.free(a.ptr).unwrap();
+        }
+        pool.empty_cache(None).unwrap();
+        prop_assert!(sim.is_clean(0));
+    }
+}
