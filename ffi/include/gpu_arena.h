@@ -650,6 +650,23 @@ int gpu_arena_wake(int device, const char *tags);
 int gpu_arena_sleep_release_host(int device);
 
 /**
+ * Trim `device` (-1: every device): `gpu_arena_empty_cache`, then every arena that still
+ * holds live blocks is cut down to the granularity pages (2 MiB) those blocks use: the
+ * pages keep their contents and addresses, the rest of the arena's memory goes back to the
+ * driver. Afterwards reserved memory is the pages the survivors touch (plus arenas left
+ * whole: shared with or imported by another process, pinned, asleep). `*released_bytes`
+ * (when not NULL) receives the bytes given back, `empty_cache`'s included.
+ *
+ * Call it at an idle point, as `gpu_arena_sleep`: it waits for the device's pending work,
+ * and nothing may use the device's gpu-arena memory (no kernel, copy or launch from another
+ * thread) until it returns, because each cut arena's addresses are briefly unmapped. Other
+ * threads' allocations on the device wait for it. CUDA graphs captured before stay valid
+ * (same addresses). A cut that the driver refuses (out of memory: the pages kept are
+ * allocated before the old memory is freed) leaves that arena whole and is logged.
+ */
+int gpu_arena_trim(int device, uint64_t *released_bytes);
+
+/**
  * Set the level of gpu-arena's stderr log: `"off"`, `"error"`, `"warn"`, `"info"`,
  * `"debug"` or `"trace"` (`GPU_ARENA_LOG` sets the first one). Fails with
  * `GPU_ARENA_ERR_INVALID_STATE` when the process installed its own `tracing` subscriber

@@ -120,3 +120,29 @@ pub extern "C" fn gpu_arena_sleep_release_host(device: c_int) -> c_int {
         Ok(GPU_ARENA_OK)
     })
 }
+
+/// Trim `device` (-1: every device): `gpu_arena_empty_cache`, then every arena that still
+/// holds live blocks is cut down to the granularity pages (2 MiB) those blocks use: the
+/// pages keep their contents and addresses, the rest of the arena's memory goes back to the
+/// driver. Afterwards reserved memory is the pages the survivors touch (plus arenas left
+/// whole: shared with or imported by another process, pinned, asleep). `*released_bytes`
+/// (when not NULL) receives the bytes given back, `empty_cache`'s included.
+///
+/// Call it at an idle point, as `gpu_arena_sleep`: it waits for the device's pending work,
+/// and nothing may use the device's gpu-arena memory (no kernel, copy or launch from another
+/// thread) until it returns, because each cut arena's addresses are briefly unmapped. Other
+/// threads' allocations on the device wait for it. CUDA graphs captured before stay valid
+/// (same addresses). A cut that the driver refuses (out of memory: the pages kept are
+/// allocated before the old memory is freed) leaves that arena whole and is logged.
+#[no_mangle]
+pub extern "C" fn gpu_arena_trim(device: c_int, released_bytes: *mut u64) -> c_int {
+    let call = format!("gpu_arena_trim(device={device})");
+    with_pool("gpu_arena_trim", |p| {
+        let r = p.trim(device_arg(device)).map_err(|e| fail(&call, e))?;
+        if !released_bytes.is_null() {
+            // SAFETY: non-null, and per the header a writable uint64_t.
+            unsafe { released_bytes.write(r.emptied_bytes + r.released_bytes) };
+        }
+        Ok(GPU_ARENA_OK)
+    })
+}

@@ -100,6 +100,7 @@ __all__ = [
     "set_log_level",
     "stats",
     "empty_cache",
+    "trim",
     "set_tag",
     "current_tag",
     "sleep",
@@ -205,6 +206,17 @@ def empty_cache(device: int = -1) -> None:
     """Synchronize and release every arena of ``device`` (-1: all) that holds no live
     allocation and no share."""
     _lib.check(_lib.lib().gpu_arena_empty_cache(_int(device, "device")), "gpu_arena_empty_cache")
+
+
+def trim(device: int = -1) -> int:
+    """``empty_cache``, then cut every arena of ``device`` (-1: all) that still holds live
+    allocations down to the 2 MiB pages they use (same addresses and contents; the rest goes
+    back to the driver). Returns the bytes given back. Call it at an idle point, as
+    ``sleep``: nothing may use gpu-arena memory on the device until it returns (it
+    synchronizes first; the cut arenas' addresses are briefly unmapped)."""
+    out = ctypes.c_uint64(0)
+    _lib.check(_lib.lib().gpu_arena_trim(_int(device, "device"), ctypes.byref(out)), "gpu_arena_trim")
+    return out.value
 
 
 _tag_state = threading.local()

@@ -370,6 +370,7 @@ _SIGNATURES = {
     "gpu_arena_sleep_tags": (c_int, [c_int, c_char_p, c_char_p]),
     "gpu_arena_wake": (c_int, [c_int, c_char_p]),
     "gpu_arena_sleep_release_host": (c_int, [c_int]),
+    "gpu_arena_trim": (c_int, [c_int, ctypes.POINTER(ctypes.c_uint64)]),
 }
 
 # The IPC part (ffi/src/ipc_api.rs), declared when the library has it (has_ipc() says

@@ -345,6 +345,16 @@ def empty_cache() -> None:
         api.empty_cache(-1)
 
 
+def trim() -> int:
+    """``empty_cache()`` then ``gpu_arena.trim()``: arenas that still hold live tensors are
+    cut down to the 2 MiB pages those tensors use. Call it at an idle point (as ``sleep``):
+    it synchronizes, and no other thread may run work on gpu-arena memory until it returns.
+    Returns the bytes gpu-arena gave back to the driver."""
+    empty_cache()
+    api = _api()
+    return api.trim(-1) if api.is_initialized() else 0
+
+
 @contextlib.contextmanager
 def use_tag(tag: Optional[str]):
     """Allocations of this thread inside the block carry ``tag`` (``gpu_arena.set_tag``);

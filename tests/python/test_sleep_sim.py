@@ -155,3 +155,32 @@ def test_sleep_one_tag_while_the_other_stays_awake():
     assert out["twice"], out
     assert out["same"], "the awake tag kept its contents"
     assert out["after"] == 0
+
+
+def test_trim_cuts_arenas_down_to_their_survivors_pages():
+    out = scenario("""
+        blocks = [gpu_arena.malloc(2 * MiB) for _ in range(12)]  # three 8 MiB arenas
+        keep = [blocks[1], blocks[9]]
+        for i, p in enumerate(keep):
+            ctypes.memmove(p, bytes([i + 7]) * (2 * MiB), 2 * MiB)
+        for p in blocks:
+            if p not in keep:
+                gpu_arena.free(p, 2 * MiB)
+        before = gpu_arena.stats()["reserved_bytes"]
+        released = gpu_arena.trim()
+        after = gpu_arena.stats()["reserved_bytes"]
+        same = [ctypes.string_at(p, 2 * MiB) == bytes([i + 7]) * (2 * MiB) for i, p in enumerate(keep)]
+        bad = raises(InvalidDeviceError, gpu_arena.trim, 7)
+        gpu_arena.validate()
+        for p in keep:
+            gpu_arena.free(p, 2 * MiB)
+        gpu_arena.empty_cache()
+        print("RESULT=" + json.dumps(dict(before=before, after=after, released=released, same=same,
+              bad=bad, end=gpu_arena.stats()["reserved_bytes"])))
+    """)
+    MiB = 1 << 20
+    assert out["after"] == 4 * MiB, out
+    assert out["released"] == out["before"] - out["after"], out
+    assert out["same"] == [True, True], out
+    assert out["bad"], out
+    assert out["end"] == 0, out
