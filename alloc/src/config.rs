@@ -11,6 +11,7 @@
 //! | `sim_capacity` | simulated memory per device | `16GiB` |
 //! | `sim_granularity` | simulated granularity | `2MiB` |
 //! | `legacy_pin` | `0`/`1`: sim exports pin for the process's life (ROCm 7.2) | `0` |
+//! | `trim_on_empty_cache` | `0`/`1`: every `empty_cache` is a trim (`pool/trim.rs`: arenas with survivors cut down to their pages); only where `empty_cache` runs at idle points | `0` |
 //! | `unsafe_ignore_streams` | `0`/`1`: demonstration only, disables the stream rules | `0` |
 //! | `allowed_uids` | `:`-separated uids allowed to import, besides our own | (none) |
 //! | `legacy_ipc` | `0`/`1` (cuda, hip): arenas from `cuMemAlloc`/`hipMalloc`, shared with `cuIpc`/`hipIpc` handles: what UCX's cuda_ipc opens on hosts without fabric handles; sleep/wake unavailable | `0` |
@@ -163,6 +164,7 @@ impl Config {
                 }
                 "max_reserved" => next.pool.max_reserved = max_reserved_of(value)?,
                 "validate" => next.pool.validate = parse_bool(key, value)?,
+                "trim_on_empty_cache" => next.pool.trim_on_empty_cache = parse_bool(key, value)?,
                 "unsafe_ignore_streams" => {
                     next.pool.unsafe_ignore_streams = parse_bool(key, value)?;
                     if next.pool.unsafe_ignore_streams {
@@ -194,7 +196,7 @@ impl Config {
                 }
                 _ => {
                     return Err(Error::invalid(format!(
-                        "unknown key `{key}` (known: backend, arena_size, max_reserved, validate, sim_devices, sim_capacity, sim_granularity, legacy_pin, legacy_ipc, fabric_handles, allowed_uids, unsafe_ignore_streams)"
+                        "unknown key `{key}` (known: backend, arena_size, max_reserved, validate, sim_devices, sim_capacity, sim_granularity, legacy_pin, legacy_ipc, fabric_handles, allowed_uids, unsafe_ignore_streams, trim_on_empty_cache)"
                     )))
                 }
             }

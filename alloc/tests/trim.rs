@@ -256,3 +256,23 @@ proptest! {
         prop_assert!(sim.is_clean(0));
     }
 }
+
+/// `trim_on_empty_cache=1`: every `empty_cache` trims.
+#[test]
+fn trim_on_empty_cache_makes_empty_cache_trim() {
+    let cfg =
+        gpu_arena::Config::parse("backend=sim,arena_size=64MiB,trim_on_empty_cache=1,validate=1")
+            .unwrap();
+    assert!(cfg.pool.trim_on_empty_cache);
+    let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+    let pool = Pool::new(sim.clone(), cfg.pool).unwrap();
+    let blocks: Vec<_> = (0..8).map(|_| pool.alloc(0, 8 * MIB, S).unwrap()).collect();
+    for b in &blocks[1..] {
+        pool.free(b.ptr).unwrap();
+    }
+    assert_eq!(pool.empty_cache(None).unwrap(), 56 * MIB);
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 8 * MIB);
+    pool.free(blocks[0].ptr).unwrap();
+    pool.empty_cache(None).unwrap();
+    assert!(sim.is_clean(0));
+}

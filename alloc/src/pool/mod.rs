@@ -181,6 +181,11 @@ pub struct PoolConfig {
     /// every stream at once, `record_stream` is ignored). Shows what the stream rules
     /// prevent; never enable it for real work.
     pub unsafe_ignore_streams: bool,
+    /// Make every `empty_cache` a [`Pool::trim`] (`pool/trim.rs`): arenas with survivors are
+    /// cut down to the pages the survivors use. Only for programs whose `empty_cache` runs
+    /// at idle points (no other thread using gpu-arena memory on the device meanwhile: the
+    /// cut arenas' addresses are briefly unmapped). Default off.
+    pub trim_on_empty_cache: bool,
 }
 
 impl Default for PoolConfig {
@@ -190,6 +195,7 @@ impl Default for PoolConfig {
             max_reserved: None,
             validate: cfg!(debug_assertions),
             unsafe_ignore_streams: false,
+            trim_on_empty_cache: false,
         }
     }
 }
@@ -608,6 +614,11 @@ impl Pool {
     /// Synchronize `device` (or every device for `None`) and destroy every arena with no live
     /// allocation and no share. Pinned arenas stay (recycled). Returns bytes released.
     pub fn empty_cache(&self, device: Option<DeviceId>) -> Result<u64> {
+        if self.config.trim_on_empty_cache {
+            return self
+                .trim(device)
+                .map(|r| r.emptied_bytes + r.released_bytes);
+        }
         let mut released = 0;
         match device {
             Some(d) => released += self.release_cached(self.dev(d)?)?,

@@ -57,7 +57,7 @@ impl Pool {
         let _serial = self.sleep_lock.lock();
         let mut report = TrimReport::default();
         for dp in self.sleep_devices(device)? {
-            report.emptied_bytes += self.empty_cache(Some(dp.device))?;
+            report.emptied_bytes += self.release_cached(dp)?;
             let r = self.trim_device(dp)?;
             report.released_bytes += r.released_bytes;
             report.split_arenas += r.split_arenas;
