@@ -18,6 +18,9 @@ use gpu_arena::backend::vmm::FabricHandles;
 use gpu_arena::backend::{Backend, ExportKind, ExportPayload, ImportSource};
 use gpu_arena::Error;
 
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
 #[test]
 fn new_errors_instead_of_panicking_without_a_gpu() {
     match CudaBackend::new() {
@@ -101,6 +104,118 @@ fn fabric_handles_1_creates_or_says_why_not() {
             b.destroy_arena(arena).expect("destroy");
         }
     }
+}
+
+/// Free bytes on device 0.
+fn free(b: &CudaBackend) -> u64 {
+    b.mem_info(0).expect("mem_info").free
+}
+
+/// `got` is within `slack` bytes of `expect`.
+fn assert_near(got: u64, expect: u64, slack: u64, what: &str) {
+    assert!(
+        got + slack >= expect && got <= expect + slack,
+        "{what}: {got} bytes, expected {expect} within {slack}"
+    );
+}
+
+/// Trim on a real driver: a 1 GiB arena split into three 2 MiB windows far apart keeps their
+/// bytes at the same addresses and gives the rest back (cuMemcpyDtoD through a temporary
+/// mapping, then the windows remapped); a window exports, imports, sleeps and wakes like an
+/// arena; destroying the windows gives everything back (the reservation with the last).
+#[test]
+#[ignore = "needs a CUDA GPU (run on the H200 with --ignored)"]
+fn split_arena_keeps_three_windows_and_gives_the_rest_back() {
+    let _serial = contract::serial();
+    let b = CudaBackend::new().expect("needs a CUDA GPU");
+    let g = b.granularity(0).expect("granularity");
+    let page = (2 * MIB).max(g);
+    let slack = 2 * g;
+    let baseline = free(&b);
+    let arena = b.create_arena(0, GIB).expect("create 1 GiB");
+    let offsets = [3 * page, GIB / 2, GIB - page];
+    let pattern = |i: usize| -> Vec<u8> {
+        (0..page as usize)
+            .map(|j| (j as u8).wrapping_mul(31).wrapping_add(0x40 + i as u8))
+            .collect()
+    };
+    for (i, &offset) in offsets.iter().enumerate() {
+        b.copy_from_host(0, arena.base + offset, &pattern(i))
+            .expect("write a page");
+    }
+    b.synchronize(0).expect("synchronize");
+    let before = free(&b);
+
+    let windows: Vec<(u64, u64)> = offsets.iter().map(|&o| (o, page)).collect();
+    let split = b.split_arena(&arena, &windows).expect("split_arena");
+    let after = free(&b);
+    eprintln!(
+        "split: free {before} -> {after} (+{} MiB)",
+        after.saturating_sub(before) / MIB
+    );
+    assert_near(
+        after.saturating_sub(before),
+        GIB - 3 * page,
+        slack,
+        "freed by the split",
+    );
+    assert_eq!(split.len(), 3);
+    for (i, (w, &offset)) in split.iter().zip(&offsets).enumerate() {
+        assert_eq!((w.device, w.base, w.bytes), (0, arena.base + offset, page));
+        let mut back = vec![0u8; page as usize];
+        b.copy_to_host(0, w.base, &mut back).expect("read a window");
+        assert!(back == pattern(i), "window {i} lost its contents");
+    }
+    // Between the windows nothing is mapped any more.
+    let mut gap = [0u8; 64];
+    assert!(matches!(
+        b.copy_to_host(0, arena.base, &mut gap),
+        Err(Error::UnknownPointer { .. })
+    ));
+
+    // Export a window and import it: the import sees its bytes.
+    let export = b.export(&split[1]).expect("export a window");
+    let fd = export.fd().expect("an fd export");
+    let mapping = b
+        .import(0, ImportSource::Fd(fd), page)
+        .expect("import the window");
+    let mut back = vec![0u8; page as usize];
+    b.copy_to_host(0, mapping.base, &mut back)
+        .expect("read the import");
+    assert!(back == pattern(1), "the import does not see the window");
+    b.synchronize(0).expect("synchronize");
+    b.unmap_import(mapping).expect("unmap the import");
+    b.close_export(&split[1], export).expect("close the export");
+
+    // Sleep and wake a window at the same addresses.
+    let held = free(&b);
+    b.release_physical(&split[2]).expect("sleep a window");
+    assert_near(
+        free(&b).saturating_sub(held),
+        page,
+        slack,
+        "freed by the sleep",
+    );
+    let woken = b.restore_physical(&split[2]).expect("wake a window");
+    assert_eq!((woken.base, woken.bytes), (split[2].base, page));
+    b.copy_from_host(0, woken.base, &pattern(7))
+        .expect("write the woken window");
+    b.copy_to_host(0, woken.base, &mut back)
+        .expect("read the woken window");
+    assert!(back == pattern(7));
+
+    let mut split = split;
+    split[2] = woken;
+    b.synchronize(0).expect("synchronize");
+    for w in split {
+        b.destroy_arena(w).expect("destroy a window");
+    }
+    assert_near(
+        free(&b),
+        baseline,
+        slack,
+        "free after the windows were destroyed",
+    );
 }
 
 contract::backend_contract_tests!(

@@ -225,7 +225,10 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// (each one destroyed, slept, restored or exported on its own; the address reservation
     /// is freed with the last of them). The caller synchronized the device, the arena has
     /// no export and no import, and nothing touches its memory until this returns. On error
-    /// nothing changed: `arena` is as it was, contents included.
+    /// nothing changed: `arena` is as it was, contents included, except in one double
+    /// failure of the VMM core (mapping a window failed, then mapping the old memory back
+    /// failed too): the arena is then asleep, as after [`Backend::release_physical`], its
+    /// contents lost, and the error says so.
     fn split_arena(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {
         let _ = windows;
         Err(Error::Unavailable(format!(

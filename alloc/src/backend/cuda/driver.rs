@@ -73,6 +73,7 @@ const SYMBOLS: &[&str] = &[
     "cuEventDestroy_v2",
     "cuMemcpyHtoD_v2",
     "cuMemcpyDtoH_v2",
+    "cuMemcpyDtoD_v2",
     "cuMemsetD8_v2",
     "cuMemHostAlloc",
     "cuMemFreeHost",
@@ -716,8 +717,9 @@ impl Driver for CudaDriver {
         })
     }
 
+    /// `cuMemcpyDtoD` (device to device: no host synchronisation, the caller synchronizes).
     unsafe fn memcpy_dtod(&self, dst: u64, src: u64, bytes: usize) -> DriverResult<()> {
-        // SAFETY: the caller guarantees both ranges (mapped, disjoint, not written meanwhile).
+        // SAFETY: the caller guarantees both device ranges (mapped, accessible, disjoint).
         check("cuMemcpyDtoD", unsafe {
             sys::cuMemcpyDtoD_v2(dst, src, bytes)
         })

@@ -519,8 +519,10 @@ impl Driver for HipDriver {
         check("hipMemcpyDtoH", r)
     }
 
+    /// `hipMemcpyDtoD` (device to device: it may return before the copy is done, the caller
+    /// synchronizes).
     unsafe fn memcpy_dtod(&self, dst: u64, src: u64, bytes: usize) -> DriverResult<()> {
-        // SAFETY: the caller guarantees both ranges (mapped, disjoint, not written meanwhile).
+        // SAFETY: the caller guarantees both device ranges (mapped, accessible, disjoint).
         let r = unsafe { sys::hipMemcpyDtoD(dptr(dst), dptr(src), bytes) };
         check("hipMemcpyDtoD", r)
     }

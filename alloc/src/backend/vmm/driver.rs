@@ -2,7 +2,7 @@
 //!
 //! One method per driver operation (create physical memory, reserve address space, map, set
 //! access, unmap, release, export to an fd, import from an fd, the legacy IPC calls, events,
-//! synchronize, memory info, granularity, copies), each returning [`DriverResult`]. A method
+//! synchronize, memory info, granularity, copies host-device and device-device), each returning [`DriverResult`]. A method
 //! whose arguments the driver cannot check on its own (contexts, events, streams, allocation
 //! handles, address ranges) is an `unsafe fn` with a `# Safety` section here, once for every
 //! vendor; the core (`super`) proves those preconditions with its registries of live arenas,
@@ -351,12 +351,15 @@ pub trait Driver: Send + Sync + fmt::Debug + Sized + 'static {
     /// # Safety
     /// `src..src + dst.len()` is device memory mapped by this process.
     unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> DriverResult<()>;
-    /// Copy `bytes` bytes from device address `src` to device address `dst` (default
-    /// stream; follow with [`Driver::synchronize`] before relying on the result).
+    /// Copy `bytes` bytes from device address `src` to device address `dst` on the default
+    /// stream of the current device (the core's `split_arena` moves a window's contents to
+    /// its new memory). It may return before the copy is done: the caller synchronizes
+    /// ([`Driver::synchronize`]) before relying on it.
     ///
     /// # Safety
-    /// Both ranges are device memory mapped by this process, they do not overlap, and nothing
-    /// else writes them concurrently.
+    /// `src..src + bytes` and `dst..dst + bytes` are device memory mapped by this process,
+    /// readable and writable from the current device, not overlapping, and nothing else uses
+    /// `dst..dst + bytes` concurrently.
     unsafe fn memcpy_dtod(&self, dst: u64, src: u64, bytes: usize) -> DriverResult<()>;
     /// Set `bytes` bytes at device address `dst` to `value` (default stream).
     ///

@@ -3,8 +3,10 @@
 //!
 //! # Layering
 //! ```text
-//! VmmBackend<D>     this module: registries, teardown, Drop; vmm::copies; vmm::device: per-device
-//!                   state; vmm::access: peers, FABRIC handles, map + set access
+//! VmmBackend<D>     this module: the Backend methods; vmm::registry: what is live;
+//!                   vmm::teardown: teardown, Drop; vmm::copies; vmm::device: per-device
+//!                   state; vmm::access: peers, FABRIC handles, map + set access;
+//!                   vmm::split: split_arena (trim)
 //!   D: Driver       vmm::driver: the primitives, one per driver operation
 //!     cuda::driver  CudaDriver: every raw libcuda call (cudarc driver::sys), legacy cuIpc too
 //!     hip::driver   HipDriver: every raw libamdhip64 call (hip-sys), the legacy IPC path too
@@ -48,6 +50,16 @@
 //!   address are one, so `release_physical` is [`Error::Unavailable`] and the pool keeps the
 //!   arena awake (and reports the error).
 //!
+//! # Trim
+//! [`Backend::split_arena`] (`vmm/split.rs`, where the order is documented) gives each
+//! window of a live, awake VMM arena an allocation of its own holding its bytes (copied
+//! device to device through one temporary mapping, [`Driver::memcpy_dtod`]) and the rest of
+//! the arena's memory back to the driver, at the same addresses; on error the arena is as it
+//! was. Each window is then an arena of its own (destroy, export, sleep, wake, split again).
+//! The arena's address reservation is freed whole with its last window (CUDA frees a
+//! reservation only with the base and size it was reserved with): the registry counts the
+//! live windows of every split reservation. Legacy arenas cannot be split.
+//!
 //! # Peer access
 //! VMM memory is reachable only from the devices set access names. On a device's first use
 //! the backend asks the driver which other devices can access its memory
@@ -76,7 +88,7 @@
 //! [`Backend`] methods are safe functions taking plain integers, so each call checks its
 //! argument against these records before the driver sees it: destroying an arena twice,
 //! querying a destroyed event or copying outside a live arena is an error, not undefined
-//! behaviour. Streams are the exception: a [`StreamId`] is the caller's stream handle and must
+//! behaviour. Split reservations are recorded with their live windows (see Trim). Streams are the exception: a [`StreamId`] is the caller's stream handle and must
 //! be 0, one of the vendor's special handles, or a live stream of the device.
 
 mod access;
@@ -85,6 +97,7 @@ mod device;
 pub mod driver;
 mod registry;
 mod split;
+mod teardown;
 #[cfg(test)]
 mod tests;
 
@@ -107,7 +120,7 @@ pub use driver::{
     driver_string, DeviceSupport, Driver, DriverError, DriverResult, Failure, LegacyIpc,
     StartFailures,
 };
-use registry::{Region, RegionKind, Regions};
+use registry::{Region, RegionKind, Regions, SplitReservations};
 
 /// A [`Backend`] on one vendor's VMM driver (see the module documentation).
 #[derive(Debug)]
@@ -134,12 +147,13 @@ pub struct VmmBackend<D: Driver> {
     /// lock for their driver call; destroy, unmap, sleep and wake take the region out under
     /// the write lock first and make their driver calls without it.
     regions: RwLock<Regions>,
+    /// Reservations of split arenas, freed with their last window (`split_arena`). Locked
+    /// alone, never while waiting for `regions`.
+    splits: Mutex<SplitReservations>,
     /// Live events (as integers) and their device; same locking as `regions`.
     events: RwLock<HashMap<u64, DeviceId>>,
     /// Live pinned host buffers (address, device they were allocated with).
     host: Mutex<HashMap<u64, DeviceId>>,
-    /// Reservations split into windows (`split_arena`), freed with their last window.
-    reservations: Mutex<split::Reservations>,
 }
 
 /// A `u64` byte count as the driver's `size_t`.
@@ -188,9 +202,9 @@ impl<D: Driver> VmmBackend<D> {
             devices: (0..device_count).map(|_| OnceLock::new()).collect(),
             init_lock: Mutex::new(()),
             regions: RwLock::new(BTreeMap::new()),
+            splits: Mutex::new(BTreeMap::new()),
             events: RwLock::new(HashMap::new()),
             host: Mutex::new(HashMap::new()),
-            reservations: Mutex::default(),
         })
     }
 
@@ -264,65 +278,6 @@ impl<D: Driver> VmmBackend<D> {
         }
         regions.remove(&base);
         Ok(())
-    }
-
-    /// Tear down one region (the caller removed it from the registry and synchronized). On an
-    /// error before the memory was touched the region goes back into the registry.
-    fn teardown(&self, base: u64, region: Region) -> Result<()> {
-        let device = region.device;
-        let current = to_usize(region.bytes).and_then(|n| {
-            self.make_current(device)
-                .map(|(_state, current)| (n, current))
-        });
-        let (n, _current) = match current {
-            Ok(current) => current,
-            Err(e) => {
-                self.regions.write().insert(base, region);
-                return Err(e);
-            }
-        };
-        let d = &self.driver;
-        let result = match region.kind {
-            RegionKind::Arena { .. } | RegionKind::Import => {
-                // SAFETY: a whole mapping of ours, just removed from the registry (nobody else
-                // can reach it through the backend); the caller synchronized the device.
-                if let Err(e) = unsafe { d.unmap(base, n) } {
-                    self.regions.write().insert(base, region);
-                    return Err(e.into_error(device, 0));
-                }
-                let freed = self.free_reservation(base, n, region.kind);
-                let released = match region.kind {
-                    // SAFETY: the arena's own handle, released once (its record is gone).
-                    RegionKind::Arena { handle } => unsafe { d.mem_release(handle) },
-                    _ => Ok(()),
-                };
-                freed.and(released)
-            }
-            // SAFETY: our own legacy allocation, just removed from the registry, freed once;
-            // the caller synchronized.
-            RegionKind::LegacyArena => unsafe { d.legacy_free(base) },
-            RegionKind::Asleep => self.free_reservation(base, n, region.kind),
-            // SAFETY: our own opened IPC handle, just removed from the registry, closed once.
-            RegionKind::LegacyImport => unsafe { d.ipc_close_handle(base) },
-        };
-        result.map_err(|e| e.into_error(device, 0))
-    }
-
-    /// Free the reservation of a region just unmapped (an import's, an arena's own, or a
-    /// split arena's once its last window goes: `split.rs`).
-    fn free_reservation(&self, base: u64, n: usize, kind: RegionKind) -> DriverResult<()> {
-        let free = if kind == RegionKind::Import {
-            Some((base, n))
-        } else {
-            let split = self.reservations.lock().release(base, n as u64);
-            split.map(|(b, bytes)| (b, to_usize(bytes).unwrap_or(n)))
-        };
-        match free {
-            // SAFETY: our own reservation with nothing mapped in it any more (this region was
-            // unmapped, and a split reservation's other windows are gone), freed once.
-            Some((b, n)) => unsafe { self.driver.address_free(b, n) },
-            None => Ok(()),
-        }
     }
 
     /// Record a new live region: an arena just created or an import just mapped.
@@ -627,10 +582,6 @@ impl<D: Driver> Backend for VmmBackend<D> {
         Ok(())
     }
 
-    fn split_arena(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {
-        self.split(arena, windows)
-    }
-
     fn restore_physical(&self, arena: &ArenaMem) -> Result<ArenaMem> {
         let state = self.state(arena.device)?;
         let n = to_usize(arena.bytes)?;
@@ -685,6 +636,10 @@ impl<D: Driver> Backend for VmmBackend<D> {
         })
     }
 
+    fn split_arena(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {
+        self.split(arena, windows)
+    }
+
     fn alloc_host(&self, device: DeviceId, bytes: u64) -> Result<HostBuffer> {
         let n = to_usize(bytes)?;
         if n == 0 {
@@ -729,61 +684,5 @@ impl<D: Driver> Backend for VmmBackend<D> {
         self.driver
             .synchronize()
             .map_err(|e| e.into_error(device, 0))
-    }
-}
-
-impl<D: Driver> Drop for VmmBackend<D> {
-    /// Destroys what the owner left behind (with a warning: the pool should have done it),
-    /// then closes every device the backend opened (CUDA: gives back the primary contexts).
-    fn drop(&mut self) {
-        let events: Vec<(u64, DeviceId)> = self.events.get_mut().drain().collect();
-        let regions: Vec<(u64, Region)> =
-            std::mem::take(self.regions.get_mut()).into_iter().collect();
-        if !events.is_empty() || !regions.is_empty() {
-            tracing::warn!(
-                backend = D::NAME,
-                events = events.len(),
-                regions = regions.len(),
-                "backend dropped with live events/arenas/imports: destroying them"
-            );
-        }
-        for (raw, device) in events {
-            if let Ok((_state, _current)) = self.make_current(device) {
-                // SAFETY: a live event of ours, taken out of the registry, destroyed once.
-                warn_undo(device, unsafe { self.driver.event_destroy(raw) });
-            }
-        }
-        let mut synced = Vec::new();
-        for (base, region) in regions {
-            if !synced.contains(&region.device) {
-                if let Err(e) = self.synchronize(region.device) {
-                    tracing::warn!(backend = D::NAME, device = region.device, error = %e, "synchronize before teardown failed");
-                }
-                synced.push(region.device);
-            }
-            if let Err(e) = self.teardown(base, region) {
-                tracing::warn!(backend = D::NAME, device = region.device, base, error = %e, "teardown in drop failed");
-            }
-        }
-        let host: Vec<(u64, DeviceId)> = self.host.get_mut().drain().collect();
-        if !host.is_empty() {
-            tracing::warn!(
-                backend = D::NAME,
-                buffers = host.len(),
-                "backend dropped with live pinned host buffers: freeing them"
-            );
-        }
-        for (p, device) in host {
-            self.free_pinned(p, device);
-        }
-        for slot in &mut self.devices {
-            if let Some(state) = slot.take() {
-                // SAFETY: closes the device this backend opened; the state was taken out of
-                // its slot, so nothing uses it afterwards.
-                if let Err(e) = unsafe { self.driver.close_device(state.device) } {
-                    tracing::warn!(backend = D::NAME, error = %e.message, "closing a device failed");
-                }
-            }
-        }
     }
 }

@@ -1,4 +1,5 @@
-//! What the VMM core records about the address ranges it handed out.
+//! What the VMM core records about the address ranges it handed out, and the reservations
+//! of split arenas (`split_arena`), freed with their last window.
 
 use std::collections::BTreeMap;
 
@@ -96,4 +97,59 @@ pub(super) fn take_region(
             why: format!("not a live {what} of the {backend} backend (already destroyed?)"),
         }),
     }
+}
+
+/// The address reservation of an arena that was split (`split_arena`): it stays reserved
+/// while any of its windows lives, and is freed whole with the last one (CUDA's
+/// `cuMemAddressFree` takes only the base and size `cuMemAddressReserve` returned).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct SplitReservation {
+    /// The reservation's size in bytes (its base is the key).
+    pub(super) bytes: u64,
+    /// How many live regions (windows, awake or asleep) lie in it.
+    pub(super) windows: usize,
+}
+
+/// Reservations of split arenas by base address. A region whose base lies inside one of
+/// them is a window of it; any other arena region is its own reservation.
+pub(super) type SplitReservations = BTreeMap<u64, SplitReservation>;
+
+/// The base of the split reservation holding `addr`, if any.
+pub(super) fn split_reservation_of(splits: &SplitReservations, addr: u64) -> Option<u64> {
+    match splits.range(..=addr).next_back() {
+        Some((&base, r)) if addr - base < r.bytes => Some(base),
+        _ => None,
+    }
+}
+
+/// Record that the arena at `base..base + bytes` became `windows` (> 0) windows: a new
+/// split reservation, or more windows in the one it already lies in (a window split again).
+pub(super) fn record_split(splits: &mut SplitReservations, base: u64, bytes: u64, windows: usize) {
+    match split_reservation_of(splits, base).and_then(|r| splits.get_mut(&r)) {
+        Some(r) => r.windows += windows.saturating_sub(1),
+        None => {
+            splits.insert(base, SplitReservation { bytes, windows });
+        }
+    }
+}
+
+/// The region at `base..base + bytes` is gone (nothing mapped there any more): the address
+/// range to free now. An ordinary arena or import frees its own range; a window frees its
+/// split reservation only if it was the last window in it (`None` otherwise).
+pub(super) fn range_to_free(
+    splits: &mut SplitReservations,
+    base: u64,
+    bytes: u64,
+) -> Option<(u64, u64)> {
+    let Some(reservation) = split_reservation_of(splits, base) else {
+        return Some((base, bytes));
+    };
+    let r = splits.get_mut(&reservation)?;
+    r.windows = r.windows.saturating_sub(1);
+    if r.windows > 0 {
+        return None;
+    }
+    let bytes = r.bytes;
+    splits.remove(&reservation);
+    Some((reservation, bytes))
 }

@@ -1,88 +1,96 @@
-//! Trim in the VMM core: [`Backend::split_arena`](crate::backend::Backend::split_arena).
+//! Trim: [`Backend::split_arena`] on the VMM core. An arena with a few survivors keeps only
+//! the *windows* around them: each window gets physical memory of its own holding its
+//! contents, the rest of the arena's memory goes back to the driver, addresses never change.
 //!
-//! An arena is one physical allocation mapped over its own address reservation, and the
-//! driver frees a physical allocation only whole. To give back the parts of an arena that no
-//! live block uses, each *window* (a run of granularity pages the pool keeps) gets a new
-//! physical allocation with the window's contents, mapped at the same addresses, and the old
-//! allocation is released:
+//! # Order (on error nothing changed)
+//! 1. Check the windows and the arena (a live, awake VMM arena of this backend); take its
+//!    region out of the registry for the driver calls (as sleep and wake do).
+//! 2. Create one physical allocation per window (like an arena's: FABRIC where the device
+//!    uses it, RDMA-capable where the device is).
+//! 3. Reserve one temporary range for the sum of the windows, map the new handles there
+//!    (access: the device and its peers, as every VMM mapping), copy each window device to
+//!    device into it, synchronize, unmap the temporary mappings and free the range. Until
+//!    here the arena was not touched: a failure releases the new handles and puts the
+//!    arena's region back.
+//! 4. Unmap the arena's old memory (the whole mapping) and map each new handle at its
+//!    window's address (same access). A failure unmaps the windows mapped so far, maps the
+//!    old handle back over the whole arena (its contents intact: it was never released) and
+//!    releases the new handles. Should that map back fail too, the arena is recorded asleep
+//!    (its reservation kept, nothing mapped, the old handle released: `restore_physical` or
+//!    `destroy_arena` may follow) and the error says so ("the arena is asleep").
+//! 5. Release the old handle; record the windows as arenas of their own.
 //!
-//! 1. create one allocation per window and map them, side by side, in one temporary
-//!    reservation (read-write for the device and its peers);
-//! 2. copy each window there (device to device) and synchronize;
-//! 3. unmap the old allocation, unmap the new ones from the temporary range and map each at
-//!    its window;
-//! 4. release the old allocation and the temporary range.
+//! # Reservations
+//! The arena's address reservation stays reserved until its last window is torn down
+//! (`registry::SplitReservations`: base, size, live windows), then it is freed whole with
+//! the base and size it was reserved with. A window is an arena like any other (destroy,
+//! export, sleep, wake, copies, split again: its windows count in the same reservation).
 //!
-//! Until step 3 unmaps the old allocation a failure only undoes what this call made; after
-//! it, a failure maps the old allocation back over the whole arena (its contents are intact:
-//! it is released only in step 4). Nothing may touch the arena's memory during the call (the
-//! caller's contract): between the unmap and the new mappings the addresses are unmapped.
-//!
-//! The arena's reservation must be freed with the original base and size (CUDA's
-//! `cuMemAddressFree`), so [`Reservations`] counts the live windows of each split
-//! reservation and `teardown` frees it with the last one. A window is an arena like any
-//! other (destroy, export, sleep and wake, split again).
+//! [`Backend::split_arena`]: crate::backend::Backend::split_arena
 
-use std::collections::HashMap;
-
-use super::registry::{Region, RegionKind};
-use super::{to_usize, warn_undo, Driver, VmmBackend};
+use super::device::DeviceState;
+use super::registry::{self, Region, RegionKind};
+use super::{to_usize, warn_undo, Driver, DriverError, DriverResult, VmmBackend};
 use crate::backend::{check_split_windows, ArenaMem};
 use crate::error::{Error, Result};
 use crate::ids::DeviceId;
 
-/// The reservations that were split into windows.
-#[derive(Debug, Default)]
-pub(super) struct Reservations {
-    /// Base of a live window -> base of its reservation.
-    reservation_of: HashMap<u64, u64>,
-    /// Base of a split reservation -> (its bytes, its live windows).
-    live: HashMap<u64, (u64, usize)>,
+/// A window of the arena being split: where it lies and its size for the driver.
+#[derive(Debug, Clone, Copy)]
+struct Window {
+    /// Offset from the arena's base.
+    offset: u64,
+    /// Size in bytes.
+    bytes: u64,
+    /// `bytes` as the driver's `size_t`.
+    n: usize,
 }
 
-impl Reservations {
-    /// Record that the region at `base` (`bytes` long, itself a window or a whole
-    /// reservation) was split into `windows` (their bases).
-    fn record_split(&mut self, base: u64, bytes: u64, windows: &[u64]) {
-        let reservation = self.reservation_of.remove(&base).unwrap_or(base);
-        let entry = self.live.entry(reservation).or_insert((bytes, 1));
-        // The split region itself stops counting; each window counts.
-        entry.1 = entry.1 - 1 + windows.len();
-        for &w in windows {
-            self.reservation_of.insert(w, reservation);
-        }
-    }
+/// How a split failed: the error, and whether the arena kept its memory (it always does,
+/// unless mapping its old memory back failed too).
+struct SplitFailed {
+    error: Error,
+    arena_intact: bool,
+}
 
-    /// The region at `base` (`bytes` long) is gone: the reservation to free now, if any
-    /// (its own, or its split reservation when it was the last live window of it).
-    pub(super) fn release(&mut self, base: u64, bytes: u64) -> Option<(u64, u64)> {
-        let Some(reservation) = self.reservation_of.remove(&base) else {
-            return Some((base, bytes));
-        };
-        let entry = self.live.get_mut(&reservation)?;
-        entry.1 -= 1;
-        if entry.1 > 0 {
-            return None;
+impl SplitFailed {
+    fn intact(error: Error) -> SplitFailed {
+        SplitFailed {
+            error,
+            arena_intact: true,
         }
-        let (rbytes, _) = self.live.remove(&reservation)?;
-        Some((reservation, rbytes))
     }
+}
+
+/// Check `windows` against an arena of `bytes` on a device of `granularity`
+/// ([`check_split_windows`]) and size them for the driver.
+fn check_windows(granularity: u64, bytes: u64, windows: &[(u64, u64)]) -> Result<Vec<Window>> {
+    check_split_windows(bytes, granularity, windows)?;
+    windows
+        .iter()
+        .map(|&(offset, len)| {
+            Ok(Window {
+                offset,
+                bytes: len,
+                n: to_usize(len)?,
+            })
+        })
+        .collect()
 }
 
 impl<D: Driver> VmmBackend<D> {
-    /// [`Backend::split_arena`](crate::backend::Backend::split_arena) (see the module docs).
+    /// [`crate::backend::Backend::split_arena`] (see the module documentation).
     pub(super) fn split(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {
         let state = self.state(arena.device)?;
-        check_split_windows(arena.bytes, state.granularity, windows)?;
         let expect = Self::arena_region(arena);
         let RegionKind::Arena { handle: old } = expect.kind else {
             return Err(Error::Unavailable(format!(
-                "{}: a legacy IPC arena cannot be split (its memory and addresses are one)",
+                "{}: a legacy IPC arena cannot be split: its memory and addresses are one",
                 D::NAME
             )));
         };
-        // Out of the registry for the driver calls (as in sleep): copies, exports and a
-        // second split find no live arena there meanwhile.
+        let checked = check_windows(state.granularity, arena.bytes, windows)?;
+        let n = to_usize(arena.bytes)?;
         self.take_exact_region(arena.base, expect, || {
             format!(
                 "{}: split_arena of {:#x}: not a live, awake arena of this backend",
@@ -90,197 +98,195 @@ impl<D: Driver> VmmBackend<D> {
                 arena.base
             )
         })?;
-        let made = self
+        let moved = self
             .make_current(arena.device)
-            .and_then(|(_, _current)| self.rebuild_windows(&state, arena, old, windows));
-        let handles = match made {
+            .map_err(SplitFailed::intact)
+            .and_then(|(_, _current)| {
+                let handles = self.move_windows(&state, arena, old, n, &checked)?;
+                // SAFETY: the old handle, unmapped everywhere (its arena's mapping is gone),
+                // released once: the arena's region is out of the registry for good.
+                if let Err(e) = unsafe { self.driver.mem_release(old) } {
+                    tracing::warn!(backend = D::NAME, error = %e.message, "mem_release of a split arena's old memory failed");
+                }
+                Ok(handles)
+            });
+        let handles = match moved {
             Ok(handles) => handles,
-            Err(e) => {
-                self.regions.write().insert(arena.base, expect);
-                return Err(e);
+            Err(failed) => {
+                let kind = if failed.arena_intact {
+                    expect.kind
+                } else {
+                    RegionKind::Asleep
+                };
+                self.regions
+                    .write()
+                    .insert(arena.base, Region { kind, ..expect });
+                return Err(failed.error);
             }
         };
-        let out: Vec<ArenaMem> = windows
+        registry::record_split(
+            &mut self.splits.lock(),
+            arena.base,
+            arena.bytes,
+            checked.len(),
+        );
+        let split: Vec<ArenaMem> = checked
             .iter()
             .zip(handles)
-            .map(|(&(offset, len), handle)| ArenaMem {
+            .map(|(w, handle)| ArenaMem {
                 device: arena.device,
-                base: arena.base + offset,
-                bytes: len,
+                base: arena.base + w.offset,
+                bytes: w.bytes,
                 handle,
             })
             .collect();
-        let bases: Vec<u64> = out.iter().map(|w| w.base).collect();
-        self.reservations
-            .lock()
-            .record_split(arena.base, arena.bytes, &bases);
-        let mut regions = self.regions.write();
-        for w in &out {
-            regions.insert(
-                w.base,
-                Region {
-                    device: w.device,
-                    bytes: w.bytes,
-                    kind: RegionKind::Arena { handle: w.handle },
+        for window in &split {
+            self.insert_region(
+                window.base,
+                window.device,
+                window.bytes,
+                RegionKind::Arena {
+                    handle: window.handle,
                 },
             );
         }
-        drop(regions);
         tracing::debug!(
             backend = D::NAME,
             device = arena.device,
             base = arena.base,
             bytes = arena.bytes,
-            windows = out.len(),
-            kept = out.iter().map(|w| w.bytes).sum::<u64>(),
+            windows = split.len(),
             "arena split"
         );
-        Ok(out)
+        Ok(split)
     }
 
-    /// Steps 1-4 of the module docs, with the device current; returns the windows' handles.
-    fn rebuild_windows(
+    /// Steps 2 to 4 of the module documentation, with the device made current and the
+    /// arena's region out of the registry: the new handles, in window order.
+    fn move_windows(
         &self,
-        state: &super::DeviceState<D::Device>,
+        state: &DeviceState<D::Device>,
         arena: &ArenaMem,
         old: u64,
-        windows: &[(u64, u64)],
-    ) -> Result<Vec<u64>> {
+        n: usize,
+        windows: &[Window],
+    ) -> std::result::Result<Vec<u64>, SplitFailed> {
         let device = arena.device;
         let d = &self.driver;
-        let total: u64 = windows.iter().map(|w| w.1).sum();
-        let whole = to_usize(arena.bytes)?;
-        let temp_n = to_usize(total)?;
-        // 1. New allocations, mapped side by side in a temporary range.
+        let failed = |e: DriverError, bytes: u64| SplitFailed::intact(e.into_error(device, bytes));
         let mut handles = Vec::with_capacity(windows.len());
-        for &(_, len) in windows {
-            let created = to_usize(len).and_then(|n| {
-                self.create_physical(state, device, n)
-                    .map_err(|e| e.into_error(device, len))
-            });
-            match created {
-                Ok(h) => handles.push(h),
+        for w in windows {
+            match self.create_physical(state, device, w.n) {
+                Ok(handle) => handles.push(handle),
                 Err(e) => {
-                    self.release_handles(device, &handles);
-                    return Err(e);
+                    self.release_all(device, &handles);
+                    return Err(failed(e, w.bytes));
                 }
             }
         }
-        let temp = match d.address_reserve(temp_n, to_usize(state.granularity).unwrap_or(0)) {
-            Ok(t) => t,
-            Err(e) => {
-                self.release_handles(device, &handles);
-                return Err(e.into_error(device, total));
+        let copied = self.copy_windows(state, arena, windows, &handles);
+        let unmapped = copied.and_then(|()| {
+            // SAFETY: the arena's whole mapping, out of the registry; the caller synchronized
+            // and nothing touches the arena (the trait's contract), and the copies out of it
+            // were synchronized by copy_windows.
+            unsafe { d.unmap(arena.base, n) }
+        });
+        if let Err(e) = unmapped {
+            self.release_all(device, &handles);
+            return Err(failed(e, 0));
+        }
+        for (i, (w, &handle)) in windows.iter().zip(&handles).enumerate() {
+            let at = arena.base + w.offset;
+            // The arena's reservation, nothing mapped at the window (the old mapping is gone,
+            // windows are disjoint); `handle` was created above.
+            let Err(e) = self.map_access(state, device, at, w.n, handle) else {
+                continue;
+            };
+            for done in &windows[..i] {
+                // SAFETY: a window mapped just above, never used by device work.
+                warn_undo(device, unsafe { d.unmap(arena.base + done.offset, done.n) });
             }
-        };
-        let mut at = temp;
-        let mut mapped = Vec::with_capacity(windows.len());
-        for (&(offset, len), &h) in windows.iter().zip(&handles) {
-            let n = to_usize(len)?;
-            let step = self.map_access(state, device, at, n, h).and_then(|()| {
-                mapped.push((at, n));
-                // SAFETY: `at..at + n` was just mapped (ours alone); the source is the
-                // arena's live mapping, out of the registry, which nothing touches during the
-                // call (the caller's contract); the two do not overlap (distinct reservations).
-                unsafe { d.memcpy_dtod(at, arena.base + offset, n) }
+            self.release_all(device, &handles);
+            // The arena's reservation is empty again; `old` was never released.
+            let Err(lost) = self.map_access(state, device, arena.base, n, old) else {
+                return Err(failed(e, 0));
+            };
+            tracing::error!(backend = D::NAME, device, base = arena.base, call = lost.call, error = %lost.message, "split_arena: mapping the arena's memory back failed: it is asleep now, its contents lost");
+            // SAFETY: the old handle, mapped nowhere now, released once (the region is
+            // recorded as asleep, owning no handle).
+            warn_undo(device, unsafe { d.mem_release(old) });
+            let mut e = e;
+            e.message = format!(
+                "{}; mapping the arena's memory back failed too ({}: {}): the arena is asleep, its contents lost",
+                e.message, lost.call, lost.message
+            );
+            return Err(SplitFailed {
+                error: e.into_error(device, 0),
+                arena_intact: false,
             });
-            if let Err(e) = step {
-                self.undo_temp(device, &mapped, temp, temp_n, &handles);
-                return Err(e.into_error(device, len));
-            }
-            at += len;
         }
-        // 2. The copies are done before the old memory goes.
-        if let Err(e) = d.synchronize() {
-            self.undo_temp(device, &mapped, temp, temp_n, &handles);
-            return Err(e.into_error(device, 0));
-        }
-        // 3. Old memory out, new memory in at the windows.
-        // SAFETY: the arena's whole mapping, out of the registry; the caller synchronized
-        // and nothing uses it during the call.
-        if let Err(e) = unsafe { d.unmap(arena.base, whole) } {
-            self.undo_temp(device, &mapped, temp, temp_n, &handles);
-            return Err(e.into_error(device, 0));
-        }
-        for &(at, n) in &mapped {
-            // SAFETY: a temporary mapping made above, unmapped once (the copies are done).
-            warn_undo(device, unsafe { d.unmap(at, n) });
-        }
-        let mut placed: Vec<(u64, usize)> = Vec::with_capacity(windows.len());
-        for (&(offset, len), &h) in windows.iter().zip(&handles) {
-            let (base, n) = (arena.base + offset, to_usize(len)?);
-            if let Err(e) = self.map_access(state, device, base, n, h) {
-                // Put the old memory back: its contents were never touched.
-                for &(b, n) in &placed {
-                    // SAFETY: a window mapped just above, unmapped once.
-                    warn_undo(device, unsafe { d.unmap(b, n) });
-                }
-                if let Err(back) = self.map_access(state, device, arena.base, whole, old) {
-                    tracing::error!(backend = D::NAME, device, base = arena.base, error = %back.message,
-                        "split_arena could not map the arena's memory back: its addresses are unmapped");
-                }
-                self.release_handles(device, &handles);
-                // SAFETY: the temporary reservation, nothing mapped in it any more, freed once.
-                warn_undo(device, unsafe { d.address_free(temp, temp_n) });
-                return Err(e.into_error(device, len));
-            }
-            placed.push((base, n));
-        }
-        // 4. The old allocation and the temporary range go.
-        // SAFETY: the arena's old handle, unmapped above, released once (no region records it).
-        warn_undo(device, unsafe { d.mem_release(old) });
-        // SAFETY: the temporary reservation, nothing mapped in it any more, freed once.
-        warn_undo(device, unsafe { d.address_free(temp, temp_n) });
         Ok(handles)
     }
 
-    /// Undo step 1: unmap the temporary mappings, free the range, release the new handles.
-    fn undo_temp(
+    /// Step 3: copy every window of the arena into its new handle through one temporary
+    /// range, synchronize, and leave nothing mapped or reserved (also on error).
+    fn copy_windows(
         &self,
-        device: DeviceId,
-        mapped: &[(u64, usize)],
-        temp: u64,
-        temp_n: usize,
+        state: &DeviceState<D::Device>,
+        arena: &ArenaMem,
+        windows: &[Window],
         handles: &[u64],
-    ) {
+    ) -> DriverResult<()> {
+        let device = arena.device;
         let d = &self.driver;
-        for &(at, n) in mapped {
-            // SAFETY: a temporary mapping of this call, unmapped once.
-            warn_undo(device, unsafe { d.unmap(at, n) });
+        let total: usize = windows.iter().map(|w| w.n).sum();
+        let granularity = to_usize(state.granularity).unwrap_or(0);
+        let temporary = d.address_reserve(total, granularity)?;
+        let mut mapped: Vec<(u64, usize)> = Vec::with_capacity(windows.len());
+        let mut copy = || -> DriverResult<()> {
+            let mut at = temporary;
+            for (w, &handle) in windows.iter().zip(handles) {
+                // Our temporary reservation, nothing mapped at `at` yet; a live new handle.
+                self.map_access(state, device, at, w.n, handle)?;
+                mapped.push((at, w.n));
+                // SAFETY: the arena's window (mapped, accessible from the device, nothing
+                // else touches it) into the new mapping just made, disjoint ranges.
+                unsafe { d.memcpy_dtod(at, arena.base + w.offset, w.n) }?;
+                at += w.bytes;
+            }
+            d.synchronize()
+        };
+        let copied = copy();
+        let mut unmapped = Ok(());
+        for &(at, len) in &mapped {
+            // SAFETY: a temporary mapping made above; the copies into it were synchronized
+            // (or failed).
+            let result = unsafe { d.unmap(at, len) };
+            if unmapped.is_ok() {
+                unmapped = result;
+            } else {
+                warn_undo(device, result);
+            }
         }
-        // SAFETY: the temporary reservation of this call, nothing mapped in it, freed once.
-        warn_undo(device, unsafe { d.address_free(temp, temp_n) });
-        self.release_handles(device, handles);
+        if let Err(e) = unmapped {
+            tracing::warn!(
+                backend = D::NAME,
+                device,
+                base = temporary,
+                "a temporary mapping of split_arena stayed: its range is leaked"
+            );
+            return copied.and(Err(e));
+        }
+        // SAFETY: the temporary reservation, nothing mapped in it any more, freed once.
+        let freed = unsafe { d.address_free(temporary, total) };
+        copied.and(freed)
     }
 
-    /// Release handles this call created (none of them mapped).
-    fn release_handles(&self, device: DeviceId, handles: &[u64]) {
-        for &h in handles {
-            // SAFETY: a handle created by this call, not mapped anywhere, released once.
-            warn_undo(device, unsafe { self.driver.mem_release(h) });
+    /// Release new handles of a failed split (none mapped any more).
+    fn release_all(&self, device: DeviceId, handles: &[u64]) {
+        for &handle in handles {
+            // SAFETY: a handle created by this split, unmapped, released once.
+            warn_undo(device, unsafe { self.driver.mem_release(handle) });
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_split_reservation_is_freed_with_its_last_window() {
-        let mut r = Reservations::default();
-        assert_eq!(
-            r.release(10, 5),
-            Some((10, 5)),
-            "an unsplit arena frees its own"
-        );
-        r.record_split(100, 50, &[100, 120, 140]);
-        // A window split again: its reservation is still the first one.
-        r.record_split(120, 10, &[120, 125]);
-        assert_eq!(r.release(100, 5), None);
-        assert_eq!(r.release(140, 5), None);
-        assert_eq!(r.release(125, 5), None);
-        assert_eq!(r.release(120, 5), Some((100, 50)));
-        assert!(r.live.is_empty() && r.reservation_of.is_empty());
     }
 }

@@ -2,14 +2,20 @@
 //! devices every mapping is made accessible from (peers), FABRIC handles and their fallback,
 //! the undo order when a step fails, and the legacy IPC path (exports, imports, sleep).
 //!
-//! The mock hands out fake addresses and handles and records every call; nothing is mapped.
-//! Its set-up (device count, peers, what fails) is per test thread, read by the static
-//! start-up calls and copied into the driver by [`Driver::started`].
+//! The mock hands out fake addresses and handles and records every call. It keeps a small
+//! model of device memory ([`Memory`]: live handles with their bytes, reservations, mappings)
+//! and refuses what the real drivers refuse (freeing part of a reservation, mapping over a
+//! mapping, unmapping part of one, releasing a handle twice), so copies move real bytes and
+//! leaks show. Its set-up (device count, peers, what fails) is per test thread, read by the
+//! static start-up calls and copied into the driver by [`Driver::started`]; one call can be
+//! made to fail on its k-th use, once ([`Mock::fail_on`]; several such failures count alone). Split tests: `tests/split.rs`.
 #![allow(clippy::unwrap_used)]
 
 use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 
@@ -51,6 +57,9 @@ impl Default for Setup {
 
 thread_local! {
     static SETUP: RefCell<Setup> = RefCell::new(Setup::default());
+    /// The memory model of the last mock started on this thread (tests read it after the
+    /// backend dropped).
+    static MEMORY: RefCell<Arc<Mutex<Memory>>> = RefCell::default();
 }
 
 /// One recorded driver call.
@@ -68,7 +77,50 @@ enum Call {
     LegacyFree(u64),
     IpcOpen(u64),
     IpcClose(u64),
-    CopyDtoD(u64, u64),
+    CopyDtoD { dst: u64, src: u64 },
+    Synchronize,
+}
+
+/// The mock's model of device memory.
+#[derive(Debug, Default)]
+struct Memory {
+    /// The bytes of every handle created (kept after release: a mapping may still use them).
+    bytes: HashMap<u64, Vec<u8>>,
+    /// Handles not released yet.
+    live: BTreeSet<u64>,
+    /// Reservations: base -> size.
+    reserved: BTreeMap<u64, usize>,
+    /// Mappings: base -> (size, handle).
+    mapped: BTreeMap<u64, (usize, u64)>,
+}
+
+impl Memory {
+    /// The handle and offset in it of the mapped range `addr..addr + len`.
+    fn at(&self, addr: u64, len: usize) -> DriverResult<(u64, usize)> {
+        match self.mapped.range(..=addr).next_back() {
+            Some((&base, &(size, handle))) if addr + len as u64 <= base + size as u64 => {
+                Ok((handle, (addr - base) as usize))
+            }
+            _ => Err(Mock::fail("copy", Failure::Other)),
+        }
+    }
+    fn read(&self, addr: u64, len: usize) -> DriverResult<Vec<u8>> {
+        let (handle, offset) = self.at(addr, len)?;
+        let bytes = self
+            .bytes
+            .get(&handle)
+            .ok_or(Mock::fail("copy", Failure::Other))?;
+        Ok(bytes[offset..offset + len].to_vec())
+    }
+    fn write(&mut self, addr: u64, src: &[u8]) -> DriverResult<()> {
+        let (handle, offset) = self.at(addr, src.len())?;
+        let bytes = self
+            .bytes
+            .get_mut(&handle)
+            .ok_or(Mock::fail("copy", Failure::Other))?;
+        bytes[offset..offset + src.len()].copy_from_slice(src);
+        Ok(())
+    }
 }
 
 #[derive(Debug)]
@@ -78,6 +130,10 @@ struct Mock {
     fail_set_access: AtomicBool,
     calls: Mutex<Vec<Call>>,
     next: AtomicU64,
+    memory: Arc<Mutex<Memory>>,
+    /// `(call, k)`: the call of that name fails on its k-th use from now (0: the next one),
+    /// once; each entry counts on its own.
+    fail_on: Mutex<Vec<(&'static str, usize)>>,
 }
 
 impl Mock {
@@ -86,6 +142,39 @@ impl Mock {
     }
     fn record(&self, call: Call) {
         self.calls.lock().push(call);
+    }
+    /// Make the `k`-th use from now (0: the next one) of driver call `call` fail, once.
+    fn fail_on(&self, call: &'static str, k: usize) {
+        self.fail_on.lock().push((call, k));
+    }
+    /// Fail here if [`Mock::fail_on`] says so.
+    fn injected(&self, call: &'static str) -> DriverResult<()> {
+        let mut fail_on = self.fail_on.lock();
+        let mut fail = false;
+        fail_on.retain_mut(|(name, k)| {
+            if *name != call {
+                return true;
+            }
+            if *k == 0 {
+                fail = true;
+                return false;
+            }
+            *k -= 1;
+            true
+        });
+        if fail {
+            return Err(Mock::fail(call, Failure::Other));
+        }
+        Ok(())
+    }
+    /// A refusal of the memory model.
+    fn refuse(call: &'static str, why: &str) -> DriverError {
+        DriverError {
+            backend: "mock",
+            call,
+            failure: Failure::Other,
+            message: why.to_string(),
+        }
     }
     fn fail(call: &'static str, failure: Failure) -> DriverError {
         DriverError {
@@ -130,6 +219,12 @@ impl Driver for Mock {
             setup,
             calls: Mutex::new(Vec::new()),
             next: AtomicU64::new(0x1000_0000),
+            memory: MEMORY.with(|m| {
+                let memory = Arc::new(Mutex::new(Memory::default()));
+                *m.borrow_mut() = Arc::clone(&memory);
+                memory
+            }),
+            fail_on: Mutex::new(Vec::new()),
         }
     }
     fn version(&self) -> i32 {
@@ -165,37 +260,88 @@ impl Driver for Mock {
         Ok((1 << 30, 1 << 30))
     }
     fn synchronize(&self) -> DriverResult<()> {
-        Ok(())
+        self.record(Call::Synchronize);
+        self.injected("synchronize")
     }
-    fn mem_create(&self, device: &DeviceId, _bytes: usize, fabric: bool) -> DriverResult<u64> {
+    fn mem_create(&self, device: &DeviceId, bytes: usize, fabric: bool) -> DriverResult<u64> {
         self.record(Call::Create {
             device: *device,
             fabric,
         });
+        self.injected("mem_create")?;
         match self.setup.fabric_refused {
             Some(failure) if fabric => Err(Mock::fail("mem_create", failure)),
-            _ => Ok(self.fresh()),
+            _ => {
+                let handle = self.fresh();
+                let mut memory = self.memory.lock();
+                memory.bytes.insert(handle, vec![0; bytes]);
+                memory.live.insert(handle);
+                Ok(handle)
+            }
         }
     }
     unsafe fn mem_release(&self, handle: u64) -> DriverResult<()> {
         self.record(Call::Release(handle));
+        if !self.memory.lock().live.remove(&handle) {
+            return Err(Mock::refuse("mem_release", "not a live handle"));
+        }
         Ok(())
     }
-    fn address_reserve(&self, _bytes: usize, _alignment: usize) -> DriverResult<u64> {
+    fn address_reserve(&self, bytes: usize, _alignment: usize) -> DriverResult<u64> {
+        assert!(
+            bytes as u64 <= 64 * MIB,
+            "the mock's address steps are 64 MiB"
+        );
+        self.injected("address_reserve")?;
         let base = self.fresh();
         self.record(Call::Reserve(base));
+        self.memory.lock().reserved.insert(base, bytes);
         Ok(base)
     }
-    unsafe fn address_free(&self, base: u64, _bytes: usize) -> DriverResult<()> {
+    unsafe fn address_free(&self, base: u64, bytes: usize) -> DriverResult<()> {
         self.record(Call::AddressFree(base));
+        self.injected("address_free")?;
+        let mut memory = self.memory.lock();
+        if memory.reserved.get(&base) != Some(&bytes) {
+            return Err(Mock::refuse("address_free", "not a whole reservation"));
+        }
+        let end = base + bytes as u64;
+        if memory.mapped.range(base..end).next().is_some() {
+            return Err(Mock::refuse(
+                "address_free",
+                "something is still mapped there",
+            ));
+        }
+        memory.reserved.remove(&base);
         Ok(())
     }
-    unsafe fn map(&self, base: u64, _bytes: usize, handle: u64) -> DriverResult<()> {
+    unsafe fn map(&self, base: u64, bytes: usize, handle: u64) -> DriverResult<()> {
         self.record(Call::Map(base, handle));
+        self.injected("map")?;
+        let mut memory = self.memory.lock();
+        let end = base + bytes as u64;
+        let reserved = memory.reserved.range(..=base).next_back();
+        if reserved.is_none_or(|(&r, &size)| end > r + size as u64) {
+            return Err(Mock::refuse("map", "not inside a reservation"));
+        }
+        let before = memory.mapped.range(..end).next_back();
+        if before.is_some_and(|(&m, &(size, _))| m + size as u64 > base) {
+            return Err(Mock::refuse("map", "overlaps a mapping"));
+        }
+        if !memory.live.contains(&handle) {
+            return Err(Mock::refuse("map", "not a live handle"));
+        }
+        memory.mapped.insert(base, (bytes, handle));
         Ok(())
     }
-    unsafe fn unmap(&self, base: u64, _bytes: usize) -> DriverResult<()> {
+    unsafe fn unmap(&self, base: u64, bytes: usize) -> DriverResult<()> {
         self.record(Call::Unmap(base));
+        self.injected("unmap")?;
+        let mut memory = self.memory.lock();
+        if memory.mapped.get(&base).map(|m| m.0) != Some(bytes) {
+            return Err(Mock::refuse("unmap", "not a whole mapping"));
+        }
+        memory.mapped.remove(&base);
         Ok(())
     }
     unsafe fn set_access(
@@ -205,6 +351,7 @@ impl Driver for Mock {
         devices: &[DeviceId],
     ) -> DriverResult<()> {
         self.record(Call::SetAccess(base, devices.to_vec()));
+        self.injected("set_access")?;
         let refused = self.setup.refuse_peer_grants && devices.len() > 1;
         if refused || self.fail_set_access.load(Ordering::Relaxed) {
             return Err(Mock::fail("set_access", Failure::Other));
@@ -224,6 +371,7 @@ impl Driver for Mock {
     fn import_fd(&self, _fd: BorrowedFd<'_>) -> DriverResult<u64> {
         let handle = self.fresh();
         self.record(Call::ImportFd(handle));
+        self.memory.lock().live.insert(handle);
         Ok(handle)
     }
     fn legacy_alloc(&self, _bytes: usize) -> DriverResult<u64> {
@@ -261,15 +409,19 @@ impl Driver for Mock {
     unsafe fn event_destroy(&self, _event: u64) -> DriverResult<()> {
         Ok(())
     }
-    unsafe fn memcpy_htod(&self, _dst: u64, _src: &[u8]) -> DriverResult<()> {
+    unsafe fn memcpy_htod(&self, dst: u64, src: &[u8]) -> DriverResult<()> {
+        self.memory.lock().write(dst, src)
+    }
+    unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> DriverResult<()> {
+        dst.copy_from_slice(&self.memory.lock().read(src, dst.len())?);
         Ok(())
     }
-    unsafe fn memcpy_dtoh(&self, _dst: &mut [u8], _src: u64) -> DriverResult<()> {
-        Ok(())
-    }
-    unsafe fn memcpy_dtod(&self, dst: u64, src: u64, _bytes: usize) -> DriverResult<()> {
-        self.record(Call::CopyDtoD(dst, src));
-        Ok(())
+    unsafe fn memcpy_dtod(&self, dst: u64, src: u64, bytes: usize) -> DriverResult<()> {
+        self.record(Call::CopyDtoD { dst, src });
+        self.injected("memcpy_dtod")?;
+        let mut memory = self.memory.lock();
+        let data = memory.read(src, bytes)?;
+        memory.write(dst, &data)
     }
     unsafe fn memset_d8(&self, _dst: u64, _value: u8, _bytes: usize) -> DriverResult<()> {
         Ok(())
@@ -612,93 +764,4 @@ fn legacy_ipc_is_no_fallback_where_the_driver_says_so() {
     b.destroy_arena(a).unwrap();
 }
 
-#[test]
-fn a_split_arena_keeps_its_reservation_until_the_last_window_goes() {
-    let b = backend(Setup::default());
-    let a = b.create_arena(0, 16 * MIB).unwrap();
-    take_calls(&b);
-    let ws = b
-        .split_arena(&a, &[(0, 2 * MIB), (8 * MIB, 4 * MIB)])
-        .unwrap();
-    assert_eq!(
-        ws.iter().map(|w| (w.base, w.bytes)).collect::<Vec<_>>(),
-        [(a.base, 2 * MIB), (a.base + 8 * MIB, 4 * MIB)]
-    );
-    let calls = take_calls(&b);
-    let copies: Vec<&Call> = calls
-        .iter()
-        .filter(|c| matches!(c, Call::CopyDtoD(..)))
-        .collect();
-    let temp = match copies[..] {
-        [Call::CopyDtoD(t, src0), Call::CopyDtoD(t1, src1)] => {
-            assert_eq!((*src0, *src1, *t1), (a.base, a.base + 8 * MIB, t + 2 * MIB));
-            *t
-        }
-        _ => panic!("{calls:?}"),
-    };
-    assert!(calls.contains(&Call::Release(a.handle)), "{calls:?}");
-    assert!(calls.contains(&Call::AddressFree(temp)), "{calls:?}");
-    assert!(!calls.contains(&Call::AddressFree(a.base)), "{calls:?}");
-    assert!(
-        calls.contains(&Call::Map(ws[1].base, ws[1].handle)),
-        "{calls:?}"
-    );
-    // The old arena is gone; each window is an arena (sleep, wake, split again).
-    assert!(b.destroy_arena(a.clone()).is_err());
-    b.release_physical(&ws[1]).unwrap();
-    let w1 = b.restore_physical(&ws[1]).unwrap();
-    let parts = b.split_arena(&w1, &[(2 * MIB, 2 * MIB)]).unwrap();
-    take_calls(&b);
-    b.destroy_arena(ws[0].clone()).unwrap();
-    assert_eq!(
-        take_calls(&b),
-        [Call::Unmap(a.base), Call::Release(ws[0].handle)]
-    );
-    b.destroy_arena(parts[0].clone()).unwrap();
-    assert_eq!(
-        take_calls(&b),
-        [
-            Call::Unmap(parts[0].base),
-            Call::AddressFree(a.base),
-            Call::Release(parts[0].handle)
-        ]
-    );
-}
-
-#[test]
-fn a_failed_split_leaves_the_arena_as_it_was() {
-    let b = backend(Setup::default());
-    let a = b.create_arena(0, 8 * MIB).unwrap();
-    assert!(b
-        .split_arena(&a, &[(2 * MIB, 2 * MIB), (MIB, MIB)])
-        .is_err());
-    take_calls(&b);
-    b.driver.fail_set_access.store(true, Ordering::Relaxed);
-    assert!(b.split_arena(&a, &[(0, 2 * MIB)]).is_err());
-    let calls = take_calls(&b);
-    assert!(
-        !calls
-            .iter()
-            .any(|c| *c == Call::Unmap(a.base) || *c == Call::Release(a.handle)),
-        "{calls:?}"
-    );
-    let created = calls
-        .iter()
-        .filter(|c| matches!(c, Call::Create { .. }))
-        .count();
-    let released = calls
-        .iter()
-        .filter(|c| matches!(c, Call::Release(_)))
-        .count();
-    assert_eq!((created, released), (1, 1), "{calls:?}");
-    b.driver.fail_set_access.store(false, Ordering::Relaxed);
-    b.destroy_arena(a.clone()).unwrap();
-    assert_eq!(
-        take_calls(&b),
-        [
-            Call::Unmap(a.base),
-            Call::AddressFree(a.base),
-            Call::Release(a.handle)
-        ]
-    );
-}
+mod split;
