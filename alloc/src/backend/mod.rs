@@ -277,6 +277,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
