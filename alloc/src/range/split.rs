@@ -83,6 +83,7 @@ impl RangeAllocator {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::super::{RangeAllocator, RangeError};
 

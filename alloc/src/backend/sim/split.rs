@@ -25,7 +25,7 @@ impl SimBackend {
                     arena.handle
                 )));
             }
-            if !entry.owner.as_ref().is_some_and(|o| o.memfd.is_some()) {
+            if entry.owner.as_ref().is_none_or(|o| o.memfd.is_none()) {
                 return Err(Error::InvalidState(format!(
                     "sim split_arena: arena {} is destroyed or asleep",
                     arena.handle
