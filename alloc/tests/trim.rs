@@ -485,3 +485,49 @@ fn windows_sleep_and_wake_after_a_trim() {
     pool.empty_cache(None).unwrap();
     assert!(sim.is_clean(0));
 }
+
+/// A survivor in a window is shared through the broker and imported (in process): one
+/// export, of its window only, and the importer sees its bytes; everything returns.
+#[test]
+fn a_window_is_shared_and_imported_with_one_export_of_its_own() {
+    use gpu_arena::backend::Backend;
+    use gpu_arena::ipc::{Broker, BrokerConfig, Importer, ShareHandle};
+    let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+    let pool = common::validating_pool(&sim, 64 * MIB);
+    let broker = Broker::start(pool.clone(), BrokerConfig::default()).unwrap();
+    let blocks: Vec<_> = (0..8).map(|_| pool.alloc(0, 8 * MIB, S).unwrap()).collect();
+    for b in &blocks[..7] {
+        pool.free(b.ptr).unwrap();
+    }
+    let d = blocks[7];
+    stamp(&d, 42);
+    let r = pool.trim(None).unwrap();
+    assert_eq!((r.split_arenas, r.released_bytes), (1, 56 * MIB), "{r:?}");
+    let exports = pool.stats(0).unwrap().exports_total;
+    let h = broker.share(d.ptr, d.bytes).unwrap();
+    let h = ShareHandle::from_bytes(&h.to_bytes()).unwrap();
+    let importer = Importer::new(sim.clone() as Arc<dyn Backend>);
+    let p = importer.import(&h).unwrap();
+    // (The sim also counts the pool's one-time export self-test.)
+    assert_eq!(
+        pool.stats(0).unwrap().exports_total,
+        exports + 1,
+        "one export"
+    );
+    assert_eq!(sim.ledger(0).open_exports, 1);
+    assert_eq!(importer.imported_len(p), Some(d.bytes));
+    let seen = Allocation { ptr: p, ..d };
+    assert!(stamped(&seen, 42), "the importer sees the survivor's bytes");
+    assert_eq!(
+        sim.ledger(0).held_bytes,
+        8 * MIB,
+        "the export holds the window only"
+    );
+    importer.close(p).unwrap();
+    broker.unshare(&h).unwrap();
+    pool.free(d.ptr).unwrap();
+    pool.empty_cache(None).unwrap();
+    drop(broker);
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 0);
+    assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+}
