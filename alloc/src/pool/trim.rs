@@ -63,19 +63,20 @@ impl Pool {
         let _serial = self.sleep_lock.lock();
         let mut report = TrimReport::default();
         for dp in self.sleep_devices(device)? {
-            report.emptied_bytes += self.empty_cache(Some(dp.device))?;
+            let emptied = self.empty_cache(Some(dp.device))?;
             // The thread caches' gate, for every tag, as long as the trim runs: a fast free
             // would put a block (with its arena's key) into a thread cache between the
             // drain (`settle_all`) and `promote_all`, where the split would not see it and
             // its record would keep the replaced arena's key; gated, frees and allocations
             // take the device lock's path.
             dp.state.lock().front.set_asleep_tags(u64::MAX);
-            let r = self.trim_device(dp);
+            let r = self.trim_device(dp, emptied);
             {
                 let st = dp.state.lock();
                 st.front.set_asleep_tags(st.asleep_tags);
             }
             let r = r?;
+            report.emptied_bytes += r.emptied_bytes;
             report.released_bytes += r.released_bytes;
             report.split_arenas += r.split_arenas;
             report.windows += r.windows;
@@ -85,11 +86,15 @@ impl Pool {
         Ok(report)
     }
 
-    fn trim_device(&self, dp: &DevicePool) -> Result<TrimReport> {
+    /// Trim one device after its `empty_cache` (which released `emptied` bytes).
+    fn trim_device(&self, dp: &DevicePool, emptied: u64) -> Result<TrimReport> {
         let device = dp.device;
         let granularity = self.backend.granularity(device)?;
         self.backend.synchronize(device)?;
-        let mut report = TrimReport::default();
+        let mut report = TrimReport {
+            emptied_bytes: emptied,
+            ..TrimReport::default()
+        };
         // 1. Under the lock: the arenas worth splitting, and their observers' on_release.
         let (work, releases) = {
             let mut st = dp.state.lock();
@@ -98,6 +103,7 @@ impl Pool {
             self.plan(dp, &mut st, granularity, &mut report)
         };
         if work.is_empty() {
+            log_trim(device, &report);
             return Ok(report);
         }
         self.count_failures(self.observers.deliver(releases));
@@ -121,6 +127,7 @@ impl Pool {
         }
         // 2. Split, under the lock (nothing else may allocate from these arenas meanwhile).
         let mut announce: Vec<(u64, ArenaMem)> = Vec::new();
+        let mut first_err = None;
         {
             let mut st = dp.state.lock();
             st.settle_all(self.backend.as_ref());
@@ -147,7 +154,15 @@ impl Pool {
                         report.released_bytes += mem.bytes - kept;
                         report.split_arenas += 1;
                         report.windows += parts.len() as u64;
-                        announce.extend(st.replace_by_windows(key, parts, &dp.metrics)?);
+                        match st.replace_by_windows(key, parts, &dp.metrics) {
+                            Ok(windows) => announce.extend(windows),
+                            // A bug (the windows come from the sub-allocator itself):
+                            // reported after the other arenas are done and announced.
+                            Err(e) => {
+                                tracing::error!(device, base = mem.base, error = %e, "trim: the pool could not record the windows");
+                                first_err.get_or_insert(e);
+                            }
+                        }
                     }
                     Err(e) => {
                         if !matches!(e, Error::Unavailable(_)) {
@@ -168,16 +183,11 @@ impl Pool {
         for (id, mem) in &announce {
             self.announce(dp, *id, mem);
         }
-        tracing::info!(
-            device,
-            released_bytes = report.released_bytes,
-            split_arenas = report.split_arenas,
-            windows = report.windows,
-            kept_shared_bytes = report.kept_shared_bytes,
-            kept_other_bytes = report.kept_other_bytes,
-            "gpu-arena trim"
-        );
-        Ok(report)
+        log_trim(device, &report);
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
     }
 
     /// The arenas to split (claiming their observers' `on_release`), counting the others.
@@ -211,6 +221,20 @@ impl Pool {
         }
         (work, calls)
     }
+}
+
+/// The one line a trim logs per device.
+fn log_trim(device: DeviceId, report: &TrimReport) {
+    tracing::info!(
+        device,
+        emptied_bytes = report.emptied_bytes,
+        released_bytes = report.released_bytes,
+        split_arenas = report.split_arenas,
+        windows = report.windows,
+        kept_shared_bytes = report.kept_shared_bytes,
+        kept_other_bytes = report.kept_other_bytes,
+        "gpu-arena trim"
+    );
 }
 
 /// The windows of `a` (relative to its base): its allocated ranges rounded out to
