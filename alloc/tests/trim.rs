@@ -531,3 +531,103 @@ fn a_window_is_shared_and_imported_with_one_export_of_its_own() {
     assert_eq!(pool.stats(0).unwrap().reserved_bytes, 0);
     assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
 }
+
+/// The sim without `split_arena` (the trait's default: `Unavailable`), as a backend that
+/// cannot split (legacy IPC arenas) behaves.
+#[derive(Debug)]
+struct NoSplit(Arc<SimBackend>);
+
+mod no_split {
+    use super::NoSplit;
+    use gpu_arena::backend::{
+        ArenaMem, Backend, DeviceId, Event, Export, ImportSource, Mapping, MemInfo, StreamId,
+    };
+    use gpu_arena::Result;
+
+    impl Backend for NoSplit {
+        fn name(&self) -> &'static str {
+            "nosplit"
+        }
+        fn device_count(&self) -> Result<usize> {
+            self.0.device_count()
+        }
+        fn granularity(&self, d: DeviceId) -> Result<u64> {
+            self.0.granularity(d)
+        }
+        fn mem_info(&self, d: DeviceId) -> Result<MemInfo> {
+            self.0.mem_info(d)
+        }
+        fn create_arena(&self, d: DeviceId, bytes: u64) -> Result<ArenaMem> {
+            self.0.create_arena(d, bytes)
+        }
+        fn destroy_arena(&self, a: ArenaMem) -> Result<()> {
+            self.0.destroy_arena(a)
+        }
+        fn export(&self, a: &ArenaMem) -> Result<Export> {
+            self.0.export(a)
+        }
+        fn close_export(&self, a: &ArenaMem, e: Export) -> Result<()> {
+            self.0.close_export(a, e)
+        }
+        fn import(&self, d: DeviceId, s: ImportSource<'_>, bytes: u64) -> Result<Mapping> {
+            self.0.import(d, s, bytes)
+        }
+        fn unmap_import(&self, m: Mapping) -> Result<()> {
+            self.0.unmap_import(m)
+        }
+        fn record_event(&self, d: DeviceId, s: StreamId) -> Result<Event> {
+            self.0.record_event(d, s)
+        }
+        fn event_done(&self, e: &Event) -> Result<bool> {
+            self.0.event_done(e)
+        }
+        fn destroy_event(&self, e: Event) -> Result<()> {
+            self.0.destroy_event(e)
+        }
+        fn synchronize(&self, d: DeviceId) -> Result<()> {
+            self.0.synchronize(d)
+        }
+    }
+}
+
+/// A backend that cannot split: trim does what empty_cache does, reports the arenas with
+/// survivors as kept, returns no error, and the observers' view stays the pool's.
+#[test]
+fn a_backend_without_split_keeps_arenas_whole_without_an_error() {
+    let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+    let config = gpu_arena::PoolConfig {
+        arena_size: 64 * MIB,
+        validate: true,
+        ..Default::default()
+    };
+    let pool = Pool::new(Arc::new(NoSplit(sim.clone())), config).unwrap();
+    let w = Arc::new(Watcher::default());
+    let id = pool.observe_arenas(w.clone());
+    // Two arenas: one emptied, one with a survivor.
+    let blocks: Vec<_> = (0..16)
+        .map(|_| pool.alloc(0, 8 * MIB, S).unwrap())
+        .collect();
+    for b in &blocks[1..] {
+        pool.free(b.ptr).unwrap();
+    }
+    stamp(&blocks[0], 8);
+    let r = pool.trim(None).unwrap();
+    assert_eq!(
+        (
+            r.emptied_bytes,
+            r.split_arenas,
+            r.released_bytes,
+            r.kept_other_bytes
+        ),
+        (64 * MIB, 0, 0, 64 * MIB),
+        "{r:?}"
+    );
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 64 * MIB);
+    assert!(stamped(&blocks[0], 8));
+    assert_eq!(watched(&w), pool_arenas(&pool));
+    pool.validate(0).unwrap();
+    pool.unobserve_arenas(id).unwrap();
+    pool.free(blocks[0].ptr).unwrap();
+    pool.empty_cache(None).unwrap();
+    assert!(sim.is_clean(0));
+}
