@@ -18,7 +18,9 @@
  *   - a nonzero on_ready is counted in observer_errors and gets no on_release;
  *   - a callback calls malloc, free, stats, and unobserves its own observer;
  *   - threads allocate and empty the cache while the main thread adds and removes
- *     observers: one release per ready, none after unobserve returned.
+ *     observers: one release per ready, none after unobserve returned;
+ *   - gpu_arena_trim cuts an arena down to its survivors' pages (bytes kept), with
+ *     on_release for it and on_ready for each window; a bad device is refused.
  * One line per check ("ok ..."); the first failure prints "FAIL ..." and exits 1.
  */
 #define _GNU_SOURCE
@@ -364,6 +366,56 @@ static void threads(void) {
           "pool valid");
 }
 
+/* -------------------------------------------------------------------------------- trim */
+
+/* gpu_arena_trim: an 8 MiB arena of four 2 MiB blocks, the middle two freed, is cut down to
+ * its two survivors' pages (same addresses and bytes), its observer gets on_release for it
+ * and on_ready for each window; a bad device is refused. */
+static void trim(void) {
+    CHECK(gpu_arena_empty_cache(-1) == GPU_ARENA_OK && stats().reserved_bytes == 0,
+          "trim: nothing reserved before");
+    unsigned char *b[4];
+    for (int i = 0; i < 4; i++) {
+        b[i] = gpu_arena_malloc(2 * 1024 * 1024, 0, NULL);
+        CHECK(b[i] != NULL, "trim: malloc of block %d", i);
+    }
+    CHECK(stats().reserved_bytes == 8u * 1024 * 1024, "trim: the four blocks fill one arena");
+    memset(b[0], 0xA5, 2 * 1024 * 1024);
+    memset(b[3], 0x5A, 2 * 1024 * 1024);
+    gpu_arena_free(b[1], 2 * 1024 * 1024, 0, NULL);
+    gpu_arena_free(b[2], 2 * 1024 * 1024, 0, NULL);
+    CHECK(stats().allocations == 2, "trim: the middle blocks freed");
+    recorder r;
+    recorder_init(&r);
+    uint64_t id = observe(&r);
+    CHECK(r.ready == 1, "trim: the observer took the arena (ready %d)", r.ready);
+    uint64_t released = 0;
+    CHECK(gpu_arena_trim(0, &released) == GPU_ARENA_OK, "gpu_arena_trim(0) returns OK");
+    gpu_arena_stats_t s = stats();
+    CHECK(released == 4u * 1024 * 1024 && s.reserved_bytes == 4u * 1024 * 1024 && s.arenas == 2,
+          "trim: released %" PRIu64 " bytes, %" PRIu64 " reserved in %" PRIu64 " arenas "
+          "(want 4 MiB, 4 MiB, 2)", released, s.reserved_bytes, s.arenas);
+    int intact = b[0][0] == 0xA5 && b[0][2 * 1024 * 1024 - 1] == 0xA5 && b[3][0] == 0x5A &&
+                 b[3][2 * 1024 * 1024 - 1] == 0x5A;
+    CHECK(intact, "trim: the survivors keep their addresses and bytes");
+    pthread_mutex_lock(&r.lock);
+    int ready = r.ready, rel = r.released, bad = r.violations;
+    pthread_mutex_unlock(&r.lock);
+    CHECK(rel == 1 && ready == 3 && bad == 0,
+          "trim: on_release for the arena, on_ready for its 2 windows (release %d, ready %d, "
+          "violations %d)", rel, ready, bad);
+    CHECK(gpu_arena_trim(7, NULL) == GPU_ARENA_ERR_INVALID_DEVICE,
+          "gpu_arena_trim(7) is GPU_ARENA_ERR_INVALID_DEVICE");
+    CHECK(gpu_arena_trim(-1, NULL) == GPU_ARENA_OK, "gpu_arena_trim(-1, NULL) returns OK");
+    gpu_arena_free(b[0], 2 * 1024 * 1024, 0, NULL);
+    gpu_arena_free(b[3], 2 * 1024 * 1024, 0, NULL);
+    CHECK(gpu_arena_empty_cache(-1) == GPU_ARENA_OK && stats().reserved_bytes == 0,
+          "trim: the windows go back with their blocks");
+    unobserve(&r, id);
+    CHECK(r.released == 3 && r.violations == 0, "trim: one release per ready");
+    CHECK(gpu_arena_validate(0) == GPU_ARENA_OK, "pool valid after trim");
+}
+
 int main(void) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     g_mode = "observers";
@@ -375,6 +427,7 @@ int main(void) {
     ready_release_and_errors();
     reentrant();
     threads();
+    trim();
     printf("observers_test: all %d checks passed\n", g_checks);
     return 0;
 }

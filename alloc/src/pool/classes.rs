@@ -6,14 +6,17 @@
 //! Each (tag, class) has its own sub-allocator ([`Class::index`] into
 //! `DeviceState::ranges`) and its own arenas:
 //! - **small** arenas are [`SMALL_ARENA`] bytes, rounded up to the backend granularity
-//!   (PyTorch's small segment): after `empty_cache` a small survivor keeps at most its own
-//!   2 MiB arena, and small blocks allocated together share arenas (600 live 4 KiB blocks
-//!   hold 4 MiB). Shared, small blocks cost one export per 2 MiB arena they touch (like
-//!   PyTorch's one IPC handle per segment);
+//!   (PyTorch's small segment): after `empty_cache` (or `trim`) a small survivor keeps at
+//!   most its own 2 MiB arena, and small blocks allocated together share arenas (600 live
+//!   4 KiB blocks hold 4 MiB). Shared, small blocks cost one export per 2 MiB arena they
+//!   touch (like PyTorch's one IPC handle per segment);
 //! - **large** arenas are `arena_size` bytes (a block larger than that gets its own). A
-//!   large survivor keeps its whole arena after `empty_cache`: an arena is one physical
-//!   allocation and one export when shared. The choice, and the bound it gives, are in
-//!   docs/ARCHITECTURE.md ("Survivors after empty_cache").
+//!   large survivor keeps its whole arena after a plain `empty_cache` (safe with work in
+//!   flight): an arena is one physical allocation and one export when shared. `trim`
+//!   (`pool/trim.rs`, at an idle point) cuts such an arena down to the 2 MiB pages its
+//!   survivors touch, each run of pages an arena of its own: large blocks are 2 MiB
+//!   multiples at 2 MiB offsets, so they then keep exactly their bytes. The choices, and
+//!   the bounds they give, are in docs/ARCHITECTURE.md ("Survivors after empty_cache").
 //!
 //! - **huge** arenas (blocks above [`HUGE_MIN`]) are `arena_size` bytes too (or the block's
 //!   own size when larger), holding only huge blocks. Among 2 MiB KV blocks, a freed 256 MiB

@@ -54,7 +54,7 @@
 //! promoted into the device's map (`record_stream`, shares, a free the front declines,
 //! snapshots, sleep). A miss that would grow the pool, `empty_cache`, the OOM retry and
 //! `sleep` drain every thread's cache under the device lock, each block back to its class's
-//! sub-allocator (the class derived from its tag and length); sleep (of the tags it puts to sleep) and history recording gate the fast path
+//! sub-allocator (the class derived from its tag and length); sleep (of the tags it puts to sleep), trim (every tag, while it runs) and history recording gate the fast path
 //! first. Lock order: device, registry, thread caches. Arena creation
 //! and destruction (the slow driver calls) run with the device lock released; event
 //! record/query run under it, on the miss path only, never under a cache lock.

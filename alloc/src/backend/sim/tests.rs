@@ -510,3 +510,36 @@ fn a_split_keeps_the_windows_bytes_at_their_addresses_and_releases_the_rest() {
     assert_eq!(b.ledger(0).held_bytes, 0);
     assert_eq!((tagged_fds(&tag), tagged_maps(&tag)), (0, 0));
 }
+
+#[test]
+fn a_split_is_refused_for_an_exported_asleep_or_too_large_arena_changing_nothing() {
+    // 16 MiB capacity: a 12 MiB arena leaves no room for a 6 MiB window beside it.
+    let b = sim_with(16 * MIB, false);
+    let tag = b.memfd_tag();
+    let a = b.create_arena(0, 12 * MIB).unwrap();
+    write(a.base, 7, &[9; 64]);
+    let export = b.export(&a).unwrap();
+    assert!(matches!(
+        b.split_arena(&a, &[(0, 2 * MIB)]),
+        Err(Error::InvalidState(_))
+    ));
+    b.close_export(&a, export).unwrap();
+    assert!(matches!(
+        b.split_arena(&a, &[(0, 6 * MIB)]),
+        Err(Error::DriverOutOfMemory { .. })
+    ));
+    assert_eq!(b.ledger(0).held_bytes, 12 * MIB);
+    assert_eq!(read(a.base, 7, 64), [9; 64]);
+    b.release_physical(&a).unwrap();
+    assert!(matches!(
+        b.split_arena(&a, &[(0, 2 * MIB)]),
+        Err(Error::InvalidState(_))
+    ));
+    let a = b.restore_physical(&a).unwrap();
+    // It still splits afterwards (room for one 2 MiB window).
+    let ws = b.split_arena(&a, &[(0, 2 * MIB)]).unwrap();
+    assert_eq!(b.ledger(0).held_bytes, 2 * MIB);
+    b.destroy_arena(ws[0].clone()).unwrap();
+    assert!(b.is_clean(0));
+    assert_eq!((tagged_fds(&tag), tagged_maps(&tag)), (0, 0));
+}
