@@ -194,16 +194,20 @@ impl Pool {
         let end = ptr
             .checked_add(len)
             .ok_or_else(|| Error::invalid("share range overflows"))?;
-        let dp = self
+        // Cut before the device lock: its getrandom (once per 256 tokens) runs unlocked.
+        let token = random_token()?;
+        // The device's lock is taken once: the guard that found the arena is kept.
+        let (dp, mut st) = self
             .devices
             .iter()
-            .find(|dp| dp.state.lock().arena_of(ptr).is_some())
+            .find_map(|dp| {
+                let st = dp.state.lock();
+                st.arena_of(ptr).is_some().then_some((dp, st))
+            })
             .ok_or_else(|| Error::UnknownPointer {
                 ptr,
                 why: "share of memory gpu-arena did not allocate".into(),
             })?;
-        let token = random_token()?;
-        let mut st = dp.state.lock();
         let (start, alen) = st
             .ranges_of(ptr)
             .and_then(|r| r.allocated_containing(ptr))
