@@ -55,9 +55,15 @@ fn a_forked_child_cuts_other_tokens_than_its_parent() {
         libc::close(fds[0]);
         libc::close(fds[1]);
     }
-    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "child status {status}");
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "child status {status}"
+    );
     assert_eq!(n, 16, "the child's token");
-    assert_ne!(child_token, parent_next.token, "child and parent cut the same token");
+    assert_ne!(
+        child_token, parent_next.token,
+        "child and parent cut the same token"
+    );
     assert_ne!(child_token, first.token);
     assert_ne!(first.token, parent_next.token);
 }
