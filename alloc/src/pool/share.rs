@@ -54,28 +54,21 @@ extern "C" fn after_fork_in_child() {
 }
 
 /// The fork generation of this process. The handler is registered on the first call, before
-/// any token is cut: a fork before that has no batch to duplicate.
-fn fork_generation() -> u64 {
-    static REGISTERED: std::sync::Once = std::sync::Once::new();
-    REGISTERED.call_once(|| {
+/// any token is cut: a fork before that has no batch to duplicate. `None` when it could not
+/// be registered: a forked child could then reuse its parent's tokens, so none are cut.
+fn fork_generation() -> Option<u64> {
+    static REGISTERED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let registered = *REGISTERED.get_or_init(|| {
         // SAFETY: registers a handler that only does an atomic add; no prepare/parent ones.
-        let rc = unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
-        if rc != 0 {
-            // Without the handler a forked child could reuse its parent's tokens: refuse to
-            // cut tokens at all rather than risk that (see random_token).
-            FORK_GENERATION.store(u64::MAX, Ordering::Relaxed);
-        }
+        unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) == 0 }
     });
-    FORK_GENERATION.load(Ordering::Relaxed)
+    registered.then(|| FORK_GENERATION.load(Ordering::Relaxed))
 }
 
 fn random_token() -> Result<[u8; 16]> {
-    let generation = fork_generation();
-    if generation == u64::MAX {
-        return Err(Error::Internal(
-            "pthread_atfork failed: share tokens cannot be made fork-safe".into(),
-        ));
-    }
+    let generation = fork_generation().ok_or_else(|| {
+        Error::Internal("pthread_atfork failed: share tokens cannot be made fork-safe".into())
+    })?;
     let mut batch = TOKENS.lock();
     if batch.used + 16 > TOKEN_BATCH || batch.generation != generation {
         let mut filled = 0;
