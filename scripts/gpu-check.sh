@@ -7,7 +7,7 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export GPU_ARENA_LIB=$PWD/.gpu/libgpu_arena.so PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(info backend torch torch_check kvbench kv_repeat ipc wheel)
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(info backend torch torch_check kvbench kv_repeat ipc share_bench wheel)
 declare -A status
 run() { # name, command...
   local name=$1; shift
@@ -26,6 +26,7 @@ for s in "${steps[@]}"; do case $s in
   kvsim) run kvsim .gpu/bin/kv_replay --backend sim --no-per-allocation --no-sweep ;;
   kv) run kv .gpu/bin/kv_replay --backend cuda --no-per-allocation ;;
   ipc) run ipc python3 tests/gpu/gpu_ipc_check.py ;;
+  share_bench) run share_bench bash bench/gpu/share_bench.sh --out "$OUT/share_bench.md" ;;
   wheel) run wheel bash -c 'rm -rf .gpu/site && python3 -m pip install -q --no-deps --target .gpu/site .gpu/gpu_arena-*.whl &&
     env -u GPU_ARENA_LIB PYTHONPATH=.gpu/site python3 tests/gpu/gpu_wheel_check.py' ;;
   *) [ -f "tests/gpu/gpu_$s.py" ] && run "$s" python3 "tests/gpu/gpu_$s.py" ;;

@@ -523,7 +523,7 @@ fn a_producer_that_never_answers_delays_only_its_own_imports() {
     let hung_name = format!("gpu-arena.test-hung.{}", std::process::id());
     let _hung = silent_broker(&hung_name);
     let mut hung = h.clone();
-    hung.socket_name = hung_name;
+    hung.socket_name = hung_name.into();
     let stuck = {
         let importer = importer.clone();
         std::thread::spawn(move || {

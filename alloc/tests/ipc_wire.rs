@@ -310,7 +310,7 @@ fn handle_version_skew_and_handles_pointing_elsewhere_are_refused() {
     let importer = Importer::new(p.sim.clone() as Arc<dyn Backend>);
     // A name that is not bound, in the broker's own naming scheme (a producer that exited).
     let mut gone = h.clone();
-    gone.socket_name = format!("gpu-arena.{}.0000000000000000", std::process::id());
+    gone.socket_name = format!("gpu-arena.{}.0000000000000000", std::process::id()).into();
     let e = importer.import(&gone).unwrap_err();
     assert!(e.to_string().contains("unreachable"), "{e}");
     // The right socket, a pid that is not ours (a live process, and one that cannot exist).
@@ -324,7 +324,7 @@ fn handle_version_skew_and_handles_pointing_elsewhere_are_refused() {
     // abstract address, and one with a NUL.
     for name in ["x".repeat(200), "gpu\0arena".to_string()] {
         let mut w = h.clone();
-        w.socket_name = name;
+        w.socket_name = name.into();
         assert!(importer.import(&w).is_err());
     }
     // A stale handle: the right token, another arena id.

@@ -186,6 +186,16 @@ fn built() -> &'static Built {
 
 /// Compile `tests/c/<name>.c` against the header and the library in `lib_dir`.
 fn compile(lib_dir: &Path, out_dir: &Path, name: &str) -> PathBuf {
+    let src = workspace_root()
+        .join("tests")
+        .join("c")
+        .join(format!("{name}.c"));
+    compile_source(lib_dir, out_dir, name, &src)
+}
+
+/// Compile the C program `src` into `out_dir/name` against the header and the library in
+/// `lib_dir`.
+fn compile_source(lib_dir: &Path, out_dir: &Path, name: &str, src: &Path) -> PathBuf {
     let exe = out_dir.join(name);
     let root = workspace_root();
     let cc = std::env::var_os("CC").unwrap_or_else(|| "cc".into());
@@ -203,14 +213,14 @@ fn compile(lib_dir: &Path, out_dir: &Path, name: &str) -> PathBuf {
         .arg("-pthread")
         .arg("-I")
         .arg(root.join("ffi").join("include"))
-        .arg(root.join("tests").join("c").join(format!("{name}.c")))
+        .arg(src)
         .arg("-o")
         .arg(&exe)
         .arg("-L")
         .arg(lib_dir)
         .arg("-lgpu_arena")
         .arg(format!("-Wl,-rpath,{}", lib_dir.display()));
-    run_checked(cmd, &format!("compiling tests/c/{name}.c"));
+    run_checked(cmd, &format!("compiling {}", src.display()));
     exe
 }
 
@@ -415,4 +425,44 @@ fn header_compiles_as_cxx() {
     .arg(workspace_root().join("ffi").join("include"))
     .arg(&src);
     run_checked(cmd, "compiling gpu_arena.h as C++");
+}
+
+/// `bench/gpu/share_bench.c` (the C share/import latency bench) builds against the header
+/// and runs on sim: 64 blocks shared, imported by its forked consumer (which checks their
+/// bytes), closed, batch forms, unshared. Nothing about time is asserted (`--no-targets`).
+#[test]
+fn share_bench_runs_on_sim() {
+    let b = built();
+    let lib_dir = b.lib.parent().expect("lib dir");
+    let out_dir = b.exe.parent().expect("the C programs' directory");
+    let src = workspace_root()
+        .join("bench")
+        .join("gpu")
+        .join("share_bench.c");
+    let exe = compile_source(lib_dir, out_dir, "share_bench", &src);
+    let log_path = exe.with_extension("log");
+    let log = File::create(&log_path).expect("create the bench's log");
+    let mut child = Command::new(&exe)
+        .args(["--sim", "--n", "64", "--no-targets"])
+        .env_remove("GPU_ARENA_CONF")
+        .env_remove("GPU_ARENA_LOG")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().expect("dup the log file"))
+        .stderr(log)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", exe.display()));
+    let status = wait_with_timeout(&mut child, RUN_TIMEOUT);
+    let output = std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "share_bench --sim failed ({status:?}):\n{output}"
+    );
+    for row in [
+        "sim backend, N=64",
+        "| gpu_arena_share (exported arena) |",
+        "| gpu_arena_import (mapped arena) |",
+        "| gpu_arena_import_many, per share |",
+    ] {
+        assert!(output.contains(row), "no `{row}` in:\n{output}");
+    }
 }

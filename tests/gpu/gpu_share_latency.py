@@ -11,7 +11,8 @@ before timing starts (an anchor share of each block is made and imported first),
 figures are those of a share of an already exported arena and an import of a share whose
 arena the consumer maps already. Per-call medians, in microseconds:
 
-* C API (ctypes, so each call includes ~0.3-1 us of ctypes overhead): ``gpu_arena_share``,
+* C API via ctypes (each call includes ~0.3-1 us of ctypes overhead; bench/gpu/share_bench.c
+  measures the C API from C, without it): ``gpu_arena_share``,
   ``gpu_arena_import``, ``gpu_arena_close``, ``gpu_arena_unshare``, and the batch forms
   ``gpu_arena_share_many`` / ``gpu_arena_import_many`` / ``gpu_arena_close_many`` (the
   batch time divided by N);
@@ -243,13 +244,13 @@ def run_gpu_arena(args, rows: dict) -> None:
         unshare_ns.append(time.perf_counter_ns() - t)
         _lib.check(rc, "gpu_arena_unshare")
 
-    rows["C share (exported arena)"] = (med_us(share_ns), 2.0, "reduce")
-    rows["C share_many, per share"] = (share_many / 1e3, 2.0, "reduce")
-    rows["C import (mapped arena)"] = (med_us(single["import"]), 5.0, "rebuild")
-    rows["C import_many, per share"] = (batch["import_many"] / 1e3, 5.0, "rebuild")
-    rows["C close"] = (med_us(single["close"]), None, None)
-    rows["C close_many, per import"] = (batch["close_many"] / 1e3, None, None)
-    rows["C unshare"] = (med_us(unshare_ns), None, None)
+    rows["C API via ctypes: share (exported arena)"] = (med_us(share_ns), 2.0, "reduce")
+    rows["C API via ctypes: share_many, per share"] = (share_many / 1e3, 2.0, "reduce")
+    rows["C API via ctypes: import (mapped arena)"] = (med_us(single["import"]), 5.0, "rebuild")
+    rows["C API via ctypes: import_many, per share"] = (batch["import_many"] / 1e3, 5.0, "rebuild")
+    rows["C API via ctypes: close"] = (med_us(single["close"]), None, None)
+    rows["C API via ctypes: close_many, per import"] = (batch["close_many"] / 1e3, None, None)
+    rows["C API via ctypes: unshare"] = (med_us(unshare_ns), None, None)
 
     sim_blocks = []
 

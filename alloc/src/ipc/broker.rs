@@ -124,7 +124,8 @@ struct Shared {
 pub struct Broker {
     shared: Arc<Shared>,
     listener: Arc<OwnedFd>,
-    name: String,
+    /// The socket name, shared with every handle this broker makes.
+    name: Arc<str>,
     pid: u32,
     accept_thread: Option<JoinHandle<()>>,
 }
@@ -191,7 +192,7 @@ impl Broker {
         Ok(Broker {
             shared,
             listener,
-            name,
+            name: name.into(),
             pid,
             accept_thread: Some(accept_thread),
         })

@@ -22,6 +22,8 @@
 //! | 64..80 | token |
 //! | 80..128 | socket name (abstract namespace), NUL-padded |
 
+use std::sync::Arc;
+
 use crate::backend::DeviceId;
 use crate::error::{Error, Result};
 use crate::pool::ShareInfo;
@@ -39,8 +41,9 @@ pub const MAX_SOCKET_NAME: usize = 48;
 pub struct ShareHandle {
     /// Producer process id.
     pub producer_pid: u32,
-    /// Producer broker's socket name (abstract namespace, without the leading NUL).
-    pub socket_name: String,
+    /// Producer broker's socket name (abstract namespace, without the leading NUL). Shared:
+    /// a share or an import copies a pointer, not the name.
+    pub socket_name: Arc<str>,
     /// The share as the producer's pool knows it.
     pub info: ShareInfo,
 }
@@ -156,7 +159,7 @@ impl ShareHandle {
             .ok()
             .filter(|s| s.chars().all(|c| c.is_ascii_graphic()))
             .ok_or_else(|| Error::Ipc("share handle socket name is not printable ASCII".into()))?
-            .to_string();
+            .into();
         Ok(ShareHandle {
             producer_pid,
             socket_name,

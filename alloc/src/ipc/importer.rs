@@ -36,7 +36,7 @@ use crate::ipc::wire::{Batch, Op, Reply, Request, MAX_BATCH};
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// (producer pid, socket name): one broker.
-type ProducerKey = (u32, String);
+type ProducerKey = (u32, Arc<str>);
 /// (producer, device, arena id): one mapped arena.
 type ArenaKey = (ProducerKey, DeviceId, u64);
 

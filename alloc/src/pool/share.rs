@@ -10,6 +10,8 @@
 //! `mem_info`) finds the driver still holding the memory. The self-test costs one
 //! granularity of memory on a pinning driver, once per device per process.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use rustc_hash::FxHashMap;
 use slab::Slab;
 
@@ -27,24 +29,48 @@ const TOKEN_BATCH: usize = 4096;
 
 /// Tokens are cut from [`TOKEN_BATCH`] bytes of the kernel's CSPRNG (`getrandom`) at a time,
 /// each byte used once: one syscall per 256 shares instead of one per share. The batch is
-/// refetched in a forked child (its pid differs), so parent and child never hand out the
-/// same token.
+/// refetched in a forked child (its [`fork_generation`] differs), so parent and child never
+/// hand out the same token.
 struct TokenBatch {
-    pid: u32,
+    /// The [`fork_generation`] the bytes were fetched in.
+    generation: u64,
     used: usize,
     bytes: [u8; TOKEN_BATCH],
 }
 
 static TOKENS: parking_lot::Mutex<TokenBatch> = parking_lot::const_mutex(TokenBatch {
-    pid: 0,
+    generation: 0,
     used: TOKEN_BATCH,
     bytes: [0; TOKEN_BATCH],
 });
 
+/// Forks this process went through (as a child): bumped by a `pthread_atfork` child
+/// handler, so a share learns it runs in a forked child without a `getpid` syscall.
+static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn after_fork_in_child() {
+    // Async-signal-safe: one atomic add.
+    FORK_GENERATION.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The fork generation of this process. The handler is registered on the first call, before
+/// any token is cut: a fork before that has no batch to duplicate. `None` when it could not
+/// be registered: a forked child could then reuse its parent's tokens, so none are cut.
+fn fork_generation() -> Option<u64> {
+    static REGISTERED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let registered = *REGISTERED.get_or_init(|| {
+        // SAFETY: registers a handler that only does an atomic add; no prepare/parent ones.
+        unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) == 0 }
+    });
+    registered.then(|| FORK_GENERATION.load(Ordering::Relaxed))
+}
+
 fn random_token() -> Result<[u8; 16]> {
-    let pid = std::process::id();
+    let generation = fork_generation().ok_or_else(|| {
+        Error::Internal("pthread_atfork failed: share tokens cannot be made fork-safe".into())
+    })?;
     let mut batch = TOKENS.lock();
-    if batch.used + 16 > TOKEN_BATCH || batch.pid != pid {
+    if batch.used + 16 > TOKEN_BATCH || batch.generation != generation {
         let mut filled = 0;
         while filled < TOKEN_BATCH {
             let n = rustix::rand::getrandom(
@@ -54,7 +80,7 @@ fn random_token() -> Result<[u8; 16]> {
             .map_err(|e| Error::Internal(format!("getrandom failed: {e}")))?;
             filled += n;
         }
-        batch.pid = pid;
+        batch.generation = generation;
         batch.used = 0;
     }
     let at = batch.used;
@@ -161,16 +187,20 @@ impl Pool {
         let end = ptr
             .checked_add(len)
             .ok_or_else(|| Error::invalid("share range overflows"))?;
-        let dp = self
+        // Cut before the device lock: its getrandom (once per 256 tokens) runs unlocked.
+        let token = random_token()?;
+        // The device's lock is taken once: the guard that found the arena is kept.
+        let (dp, mut st) = self
             .devices
             .iter()
-            .find(|dp| dp.state.lock().arena_of(ptr).is_some())
+            .find_map(|dp| {
+                let st = dp.state.lock();
+                st.arena_of(ptr).is_some().then_some((dp, st))
+            })
             .ok_or_else(|| Error::UnknownPointer {
                 ptr,
                 why: "share of memory gpu-arena did not allocate".into(),
             })?;
-        let token = random_token()?;
-        let mut st = dp.state.lock();
         let (start, alen) = st
             .ranges_of(ptr)
             .and_then(|r| r.allocated_containing(ptr))
