@@ -256,6 +256,23 @@ fn run_lifecycle_with(mode: &str, env: &[(&str, &str)]) -> String {
     run_program(&built().lifecycle_exe, mode, env)
 }
 
+/// Run `cmd` (no stdin) with its stdout and stderr in `log_path`, at most [`RUN_TIMEOUT`];
+/// returns its status (`None`: killed after the timeout) and its output.
+fn run_logged(mut cmd: Command, log_path: &Path) -> (Option<ExitStatus>, String) {
+    let log = File::create(log_path).expect("create the program's log");
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().expect("dup the log file"))
+        .stderr(log)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {:?}: {e}", cmd.get_program()));
+    let status = wait_with_timeout(&mut child, RUN_TIMEOUT);
+    (
+        status,
+        std::fs::read_to_string(log_path).unwrap_or_default(),
+    )
+}
+
 /// Run `exe` with `mode` on the sim backend (plus `env`) and require exit status 0 and its
 /// "checks passed" line; returns the program's stdout and stderr.
 fn run_program(exe: &Path, mode: &str, env: &[(&str, &str)]) -> String {
@@ -265,7 +282,6 @@ fn run_program(exe: &Path, mode: &str, env: &[(&str, &str)]) -> String {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let log_path = exe.with_extension(format!("{mode}.log"));
-    let log = File::create(&log_path).expect("create the C program's log");
     let lib_dir = b.lib.parent().expect("lib dir");
     let ld_path = match std::env::var_os("LD_LIBRARY_PATH") {
         Some(old) if !old.is_empty() => {
@@ -276,21 +292,15 @@ fn run_program(exe: &Path, mode: &str, env: &[(&str, &str)]) -> String {
         }
         _ => lib_dir.as_os_str().to_owned(),
     };
-    let mut child = Command::new(exe)
-        .arg(mode)
+    let mut cmd = Command::new(exe);
+    cmd.arg(mode)
         .env("GPU_ARENA_BACKEND", "sim")
         .env_remove("GPU_ARENA_CONF")
         .env_remove("GPU_ARENA_LOG")
         .envs(env.iter().copied())
         .env("GPU_ARENA_EXPECT_LIB", &b.lib)
-        .env("LD_LIBRARY_PATH", ld_path)
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().expect("dup the log file"))
-        .stderr(log)
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", exe.display()));
-    let status = wait_with_timeout(&mut child, RUN_TIMEOUT);
-    let output = std::fs::read_to_string(&log_path).unwrap_or_default();
+        .env("LD_LIBRARY_PATH", ld_path);
+    let (status, output) = run_logged(cmd, &log_path);
     match status {
         Some(s) if s.success() => {
             // Shown with `cargo test -- --nocapture`.
@@ -440,19 +450,11 @@ fn share_bench_runs_on_sim() {
         .join("gpu")
         .join("share_bench.c");
     let exe = compile_source(lib_dir, out_dir, "share_bench", &src);
-    let log_path = exe.with_extension("log");
-    let log = File::create(&log_path).expect("create the bench's log");
-    let mut child = Command::new(&exe)
-        .args(["--sim", "--n", "64", "--no-targets"])
+    let mut cmd = Command::new(&exe);
+    cmd.args(["--sim", "--n", "64", "--no-targets"])
         .env_remove("GPU_ARENA_CONF")
-        .env_remove("GPU_ARENA_LOG")
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().expect("dup the log file"))
-        .stderr(log)
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", exe.display()));
-    let status = wait_with_timeout(&mut child, RUN_TIMEOUT);
-    let output = std::fs::read_to_string(&log_path).unwrap_or_default();
+        .env_remove("GPU_ARENA_LOG");
+    let (status, output) = run_logged(cmd, &exe.with_extension("log"));
     assert!(
         status.is_some_and(|s| s.success()),
         "share_bench --sim failed ({status:?}):\n{output}"

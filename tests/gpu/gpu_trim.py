@@ -76,6 +76,15 @@ def main() -> int:
             failures.append(what)
             log(f"FAIL: {what}")
 
+    def empty_then_trim():
+        """empty_cache, then a timed trim: stats and free memory after each, the trim's time."""
+        gt.empty_cache()
+        st_e, free_e = gpu_arena.stats(0), free_now()
+        t = time.perf_counter()
+        gt.trim()
+        trim_s = time.perf_counter() - t
+        return st_e, free_e, trim_s, gpu_arena.stats(0), free_now()
+
     free0 = free_now()
     log(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, free {mib(free0)}")
 
@@ -117,14 +126,7 @@ def main() -> int:
     torch.cuda.synchronize()
     live = sum(t[2].numel() * 4 for t in survivors)
 
-    gt.empty_cache()
-    st_e = gpu_arena.stats(0)
-    free_e = free_now()
-    t = time.perf_counter()
-    gt.trim()
-    trim_s = time.perf_counter() - t
-    st_t = gpu_arena.stats(0)
-    free_t = free_now()
+    st_e, free_e, trim_s, st_t, free_t = empty_then_trim()
     log(f"live {mib(live)}: after empty_cache reserved {mib(st_e['reserved_bytes'])}, after trim "
         f"{mib(st_t['reserved_bytes'])} ({trim_s * 1e3:.1f} ms), free +{mib(free_t - free_e)}")
     check(st_t["reserved_bytes"] <= 2 * live + 8 * MiB,
@@ -178,14 +180,7 @@ def main() -> int:
         k.fill_(float(j))
     del blocks
     torch.cuda.synchronize()
-    gt.empty_cache()
-    st_e = gpu_arena.stats(0)
-    free_e = free_now()
-    t = time.perf_counter()
-    gt.trim()
-    trim_s = time.perf_counter() - t
-    st_t = gpu_arena.stats(0)
-    free_t = free_now()
+    st_e, free_e, trim_s, st_t, free_t = empty_then_trim()
     same = all(bool((k == float(j)).all()) for j, k in enumerate(kept))
     check(same, "a 2 MiB survivor changed in the timed trim")
     returned = st_e["reserved_bytes"] - st_t["reserved_bytes"]
