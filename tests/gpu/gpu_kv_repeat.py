@@ -47,6 +47,10 @@ def parse(report: str) -> dict[str, dict[str, float]]:
     for line in report.splitlines():
         if line.startswith("## Warm alloc+free pair"):
             section = "pairs"
+        elif line.startswith("## "):
+            section = "other" if section == "pairs" else section
+        if section == "other":
+            break
         for key, prefix in ROWS.items():
             if not line.startswith("| " + prefix):
                 continue
@@ -84,7 +88,7 @@ def main() -> int:
     for i in range(1, args.runs + 1):
         md = out_dir / f"kv_repeat_{i}.md"
         cmd = pin + [bench, "--trace", args.trace, "--out", str(md),
-                     "--skip", "cumemalloc,async", "--pair-bytes", str(2 << 20)]
+                     "--skip", "cumemalloc,async", "--pair-bytes", str(2 << 20), "--no-scaling"]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         if p.returncode != 0 or not md.exists():
             print(f"run {i}: kv_bench exited {p.returncode}\n{p.stderr[-2000:]}", file=sys.stderr)
@@ -108,7 +112,7 @@ def main() -> int:
     lines = [
         "# KV trace replay, gpu-arena vs PyTorch, repeated",
         "",
-        f"{len(runs)} runs of `{' '.join(pin + ['.gpu/kv_bench', '--trace', args.trace, '--skip', 'cumemalloc,async'])}`, "
+        f"{len(runs)} runs of `{' '.join(pin + ['.gpu/kv_bench', '--trace', args.trace, '--skip', 'cumemalloc,async', '--no-scaling'])}`, "
         "each a fresh process: the same seeded trace, gpu-arena (C API, cuda backend) then "
         "PyTorch's caching allocator, each cold then warm; then 2 MiB alloc+free pairs on "
         "one thread. Speedup = PyTorch ns/op / gpu-arena ns/op within one run.",
