@@ -1,5 +1,5 @@
 //! Byte stream -> a sequence of `RangeAllocator` operations (add/remove region, alloc with
-//! tags, free of live and bogus offsets, retag and the read-only queries), checked against a
+//! tags, free of live and bogus offsets, retag, region splits and the read-only queries), checked against a
 //! simple model after every step: `validate()` passes, live ranges never overlap and lie in
 //! a region, counters match, and every call's result agrees with what the model allows.
 #![no_main]
@@ -81,6 +81,13 @@ enum Op {
     Query {
         at: Off,
         tag: u8,
+    },
+    /// Split a region picked by index at its live ranges rounded out to pages of
+    /// `1 + page % 8` granules (trim); `drop_one`: leave one live range's window out (refused).
+    SplitRegion {
+        pick: u8,
+        page: u8,
+        drop_one: bool,
     },
 }
 
@@ -283,6 +290,42 @@ fn step(r: &mut RangeAllocator, m: &mut Model, op: &Op) {
             } else {
                 assert_eq!(moved, free_from, "retag moved a different byte count");
                 assert_eq!(r.largest_free(from), 0, "retag left ranges under {from}");
+            }
+        }
+        Op::SplitRegion {
+            pick,
+            page,
+            drop_one,
+        } => {
+            if m.regions.is_empty() {
+                return;
+            }
+            let (&off, &len) = m.regions.iter().nth(*pick as usize % m.regions.len()).unwrap();
+            let page = (1 + *page as u64 % 8) * GRANULE;
+            let mut windows: Vec<(u64, u64)> = Vec::new();
+            for (&s, &l) in m.live.range(off..off + len) {
+                let start = off + (s - off) / page * page;
+                let end = (off + (s - off + l).div_ceil(page) * page).min(off + len);
+                match windows.last_mut() {
+                    Some((ws, wl)) if start <= *ws + *wl => *wl = end.max(*ws + *wl) - *ws,
+                    _ => windows.push((start, end - start)),
+                }
+            }
+            if *drop_one && !windows.is_empty() {
+                windows.remove(0);
+            }
+            let covered = |s: u64, l: u64| windows.iter().any(|&(w, wl)| s >= w && s + l <= w + wl);
+            let ok = !windows.is_empty()
+                && m.live.range(off..off + len).all(|(&s, &l)| covered(s, l));
+            let before = r.clone();
+            let res = r.split_region(off, &windows);
+            if ok {
+                assert_eq!(res, Ok(()), "split_region({off:#x}, {windows:?}) refused");
+                m.regions.remove(&off);
+                m.regions.extend(windows.iter().copied());
+            } else {
+                assert!(res.is_err(), "split_region({off:#x}, {windows:?}) left a live range out");
+                assert_eq!(*r, before, "a refused split_region changed something");
             }
         }
         Op::Query { at, tag: t } => {
