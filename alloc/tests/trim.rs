@@ -591,7 +591,7 @@ mod no_split {
 }
 
 /// A backend that cannot split: trim does what empty_cache does, reports the arenas with
-/// survivors as kept, returns no error, and the observers' view stays the pool's.
+/// survivors as kept, returns no error, and observers hear only of the emptied arena.
 #[test]
 fn a_backend_without_split_keeps_arenas_whole_without_an_error() {
     let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
@@ -625,6 +625,15 @@ fn a_backend_without_split_keeps_arenas_whole_without_an_error() {
     assert_eq!(pool.stats(0).unwrap().reserved_bytes, 64 * MIB);
     assert!(stamped(&blocks[0], 8));
     assert_eq!(watched(&w), pool_arenas(&pool));
+    // Only the emptied arena was released: the one the backend cannot split was left alone
+    // (no on_release / on_ready churn for a transport).
+    assert_eq!(
+        (
+            w.releases.load(Ordering::SeqCst),
+            w.readies.load(Ordering::SeqCst)
+        ),
+        (1, 2)
+    );
     pool.validate(0).unwrap();
     pool.unobserve_arenas(id).unwrap();
     pool.free(blocks[0].ptr).unwrap();

@@ -229,6 +229,14 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// failure of the VMM core (mapping a window failed, then mapping the old memory back
     /// failed too): the arena is then asleep, as after [`Backend::release_physical`], its
     /// contents lost, and the error says so.
+    /// Whether [`Backend::split_arena`] can split this arena at all (a backend or an arena
+    /// kind without it says no up front, so a trim leaves the arena alone: no observer is
+    /// told it goes and comes back).
+    fn can_split(&self, arena: &ArenaMem) -> bool {
+        let _ = arena;
+        false
+    }
+
     fn split_arena(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {
         let _ = windows;
         Err(Error::Unavailable(format!(

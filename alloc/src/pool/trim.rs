@@ -205,7 +205,7 @@ impl Pool {
                 report.kept_shared_bytes += a.mem.bytes;
                 continue;
             }
-            if a.sleep.is_some() {
+            if a.sleep.is_some() || !self.backend.can_split(&a.mem) {
                 report.kept_other_bytes += a.mem.bytes;
                 continue;
             }

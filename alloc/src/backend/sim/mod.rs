@@ -602,6 +602,10 @@ impl Backend for SimBackend {
         Ok(())
     }
 
+    fn can_split(&self, _arena: &ArenaMem) -> bool {
+        true
+    }
+
     fn split_arena(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {
         self.split(arena, windows)
     }

@@ -636,6 +636,12 @@ impl<D: Driver> Backend for VmmBackend<D> {
         })
     }
 
+    fn can_split(&self, arena: &ArenaMem) -> bool {
+        // A legacy IPC arena (`cuMemAlloc` / `hipMalloc`, handle 0) is one allocation with
+        // its addresses: it cannot be re-backed.
+        matches!(Self::arena_region(arena).kind, RegionKind::Arena { .. })
+    }
+
     fn split_arena(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {
         self.split(arena, windows)
     }

@@ -401,8 +401,12 @@ fn bad_windows_and_arenas_are_refused_and_change_nothing() {
     b.unmap_import(m).unwrap();
     b.close_export(&c, export).unwrap();
     b.destroy_arena(c).unwrap();
+    let f = filled_arena(&b);
+    assert!(b.can_split(&f));
+    b.destroy_arena(f).unwrap();
     let legacy = backend(Setup::default()).with_legacy_ipc(true);
     let l = legacy.create_arena(0, 2 * G).unwrap();
+    assert!(!legacy.can_split(&l), "a legacy arena says so up front");
     let e = legacy.split_arena(&l, &[(0, G)]).unwrap_err();
     assert!(matches!(e, Error::Unavailable(_)), "{e}");
     legacy.destroy_arena(l).unwrap();
