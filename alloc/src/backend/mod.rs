@@ -216,6 +216,14 @@ pub trait Backend: Send + Sync + fmt::Debug {
         )))
     }
 
+    /// Whether [`Backend::split_arena`] can split this arena at all (a backend or an arena
+    /// kind without it says no up front, so a trim leaves the arena alone: no observer is
+    /// told it goes and comes back).
+    fn can_split(&self, arena: &ArenaMem) -> bool {
+        let _ = arena;
+        false
+    }
+
     /// Trim: give each window of `windows` (`(offset, len)` pairs relative to `arena.base`:
     /// granularity multiples, sorted, disjoint, inside the arena, at least one) physical
     /// memory of its own holding the window's current contents, and give the rest of the
@@ -229,14 +237,6 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// failure of the VMM core (mapping a window failed, then mapping the old memory back
     /// failed too): the arena is then asleep, as after [`Backend::release_physical`], its
     /// contents lost, and the error says so.
-    /// Whether [`Backend::split_arena`] can split this arena at all (a backend or an arena
-    /// kind without it says no up front, so a trim leaves the arena alone: no observer is
-    /// told it goes and comes back).
-    fn can_split(&self, arena: &ArenaMem) -> bool {
-        let _ = arena;
-        false
-    }
-
     fn split_arena(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {
         let _ = windows;
         Err(Error::Unavailable(format!(
