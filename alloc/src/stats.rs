@@ -71,6 +71,10 @@ pub struct PoolStats {
     /// contents of sleeping arenas, and buffers kept for the next sleep (reused, so a sleep
     /// need not pin again; `gpu_arena_sleep_release_host` frees the kept ones).
     pub offload_host_bytes: u64,
+    /// Bytes of arenas whose tag sleeps but which kept their memory because they are shared,
+    /// exported or pinned (a consumer may map them: sleep never breaks one); counted in
+    /// `reserved_bytes` too.
+    pub sleep_kept_shared_bytes: u64,
 }
 
 /// `metrics` handles for one device, registered once so the hot path does not format labels.

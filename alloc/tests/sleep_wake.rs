@@ -166,6 +166,11 @@ fn shared_arenas_keep_their_memory_and_sleeping_memory_is_not_shared() {
     });
     let st = pool.stats(0).unwrap();
     assert_eq!((st.reserved_bytes, st.sleeping_bytes), (8 * MIB, 8 * MIB));
+    assert_eq!(
+        st.sleep_kept_shared_bytes,
+        8 * MIB,
+        "the kept bytes in the stats"
+    );
     assert_eq!(sim.ledger(0).held_bytes, 8 * MIB);
     // New shares of a sleeping tag's memory are refused, kept arena or not.
     for p in [other, mine] {
@@ -174,6 +179,7 @@ fn shared_arenas_keep_their_memory_and_sleeping_memory_is_not_shared() {
     }
     pool.unshare(0, info.share_key, &info.token).unwrap();
     pool.wake(None, None).unwrap();
+    assert_eq!(pool.stats(0).unwrap().sleep_kept_shared_bytes, 0);
     let again = pool.share(other, 2 * MIB).unwrap();
     pool.unshare(0, again.share_key, &again.token).unwrap();
     for p in [shared, other, mine] {

@@ -207,6 +207,12 @@ typedef struct gpu_arena_stats_t {
      * need not pin again; `gpu_arena_sleep_release_host` frees the kept ones).
      */
     uint64_t offload_host_bytes;
+    /**
+     * Bytes of arenas whose tag sleeps but which kept their memory because they are shared,
+     * exported or pinned (a consumer may map them: sleep never breaks one); counted in
+     * `reserved_bytes` too.
+     */
+    uint64_t sleep_kept_shared_bytes;
 } gpu_arena_stats_t;
 
 /**

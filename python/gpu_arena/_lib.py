@@ -204,6 +204,7 @@ class GpuArenaStats(ctypes.Structure):
         ("observer_errors", ctypes.c_uint64),
         ("sleeping_bytes", ctypes.c_uint64),
         ("offload_host_bytes", ctypes.c_uint64),
+        ("sleep_kept_shared_bytes", ctypes.c_uint64),
     ]
 
     def to_dict(self) -> dict:

@@ -401,6 +401,14 @@ impl DeviceState {
             s.peak_allocated_bytes,
             s.peak_requested_bytes,
         ] = self.front.byte_counts(&caches);
+        if self.asleep_tags != 0 {
+            s.sleep_kept_shared_bytes = self
+                .arenas
+                .iter()
+                .filter(|(_, a)| self.asleep_tags & (1 << a.tag) != 0 && a.sleep.is_none())
+                .map(|(_, a)| a.mem.bytes)
+                .sum();
+        }
         s
     }
 
