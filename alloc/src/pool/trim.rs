@@ -89,8 +89,8 @@ impl Pool {
     /// Trim one device after its `empty_cache` (which released `emptied` bytes).
     fn trim_device(&self, dp: &DevicePool, emptied: u64) -> Result<TrimReport> {
         let device = dp.device;
+        // `release_cached` just synchronized the device (or found no arena to trim).
         let granularity = self.backend.granularity(device)?;
-        self.backend.synchronize(device)?;
         let mut report = TrimReport {
             emptied_bytes: emptied,
             ..TrimReport::default()
@@ -293,12 +293,19 @@ impl DeviceState {
             keys.push((w.base, w.bytes, k));
             out.push((id, w));
         }
-        for (&ptr, live) in self.allocs.iter_mut().filter(|(_, l)| l.arena == key) {
-            if let Some(&(_, _, k)) = keys.iter().find(|&&(b, n, _)| ptr >= b && ptr < b + n) {
-                live.arena = k;
-                if let Some(a) = self.arenas.get_mut(k) {
-                    a.live_allocs += 1;
+        // Each window's allocations are its region's allocated ranges (every live record is
+        // in the device's map: `promote_all` ran under this lock): no walk of the other
+        // arenas' allocations.
+        for &(wbase, _, k) in &keys {
+            let mut live_allocs = 0;
+            for r in self.ranges[class.index()].ranges(wbase) {
+                if let (None, Some(live)) = (r.free_tag, self.allocs.get_mut(&r.offset)) {
+                    live.arena = k;
+                    live_allocs += 1;
                 }
+            }
+            if let Some(a) = self.arenas.get_mut(k) {
+                a.live_allocs = live_allocs;
             }
         }
         let kept: u64 = out.iter().map(|(_, w)| w.bytes).sum();
