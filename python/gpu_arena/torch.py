@@ -336,21 +336,27 @@ def empty_cache() -> None:
     """``torch.cuda.empty_cache()`` (which hands PyTorch's unused MemPool segments back to
     gpu-arena) then ``gpu_arena.empty_cache()`` (which hands gpu-arena's empty arenas back
     to the driver)."""
+    _torch_empty_cache()
+    api = _api()
+    if api.is_initialized():
+        api.empty_cache(-1)
+
+
+def _torch_empty_cache() -> None:
+    """PyTorch's side of ``empty_cache``: its unused MemPool segments back to gpu-arena."""
     torch = _import_torch()
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    api = _api()
-    if api.is_initialized():
-        api.empty_cache(-1)
 
 
 def trim() -> int:
     """``empty_cache()`` then ``gpu_arena.trim()``: arenas that still hold live tensors are
     cut down to the 2 MiB pages those tensors use. Call it at an idle point (as ``sleep``):
     it synchronizes, and no other thread may run work on gpu-arena memory until it returns.
-    Returns the bytes gpu-arena gave back to the driver."""
-    empty_cache()
+    Returns the bytes gpu-arena gave back to the driver (``gpu_arena.trim`` runs gpu-arena's
+    own empty_cache first)."""
+    _torch_empty_cache()
     api = _api()
     return api.trim(-1) if api.is_initialized() else 0
 
