@@ -7,7 +7,8 @@
 //! synchronize and settling every pending free, each arena of those tags:
 //! - is *kept* (memory and contents untouched) when it is shared, exported, pinned or being
 //!   announced to an observer: sleep never breaks a consumer. Its bytes are reported
-//!   ([`SleepReport::kept_shared_bytes`]) and logged;
+//!   ([`SleepReport::kept_shared_bytes`], `PoolStats::sleep_kept_shared_bytes` while the
+//!   tag sleeps) and logged;
 //! - otherwise its observers get `on_release`, the live allocations of a tag in `offload`
 //!   are copied into one host buffer per arena (`Backend::alloc_host`: pinned memory where
 //!   the backend has it, so the copies run at link speed; a buffer kept from an earlier
