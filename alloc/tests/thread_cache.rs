@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 
 use gpu_arena::backend::sim::{SimBackend, SimConfig};
+use gpu_arena::pool::CACHE_MAX_BLOCK;
 use gpu_arena::{tags, Error, Pool, StreamId};
 use parking_lot::Mutex;
 
@@ -339,18 +340,18 @@ fn frees_find_their_device_among_several() {
     }
 }
 
-/// Frees past a full thread cache (a quarter of the reserved bytes) go under the device
+/// Frees the thread caches decline (blocks above `CACHE_MAX_BLOCK`) go under the device
 /// lock, from this thread and from another, and the pool stays consistent (`validate`
-/// after every operation); a double free of a block a cache holds free, and a free with the
-/// wrong size, are errors that change nothing.
+/// after every operation); a double free of a freed block, and a free with the wrong size,
+/// are errors that change nothing. A thread cache takes any number of cacheable blocks
+/// (it has no byte bound: the flush before growth bounds it).
 #[test]
-fn frees_past_a_full_thread_cache_stay_consistent() {
+fn frees_past_the_thread_cache_stay_consistent() {
     let (_sim, pool) = pool(true);
     let s = StreamId(1);
-    let ptrs: Vec<u64> = (0..48)
-        .map(|_| pool.alloc(0, 2 * MIB, s).unwrap().ptr)
-        .collect();
-    let (mine, theirs) = ptrs.split_at(24);
+    let big = CACHE_MAX_BLOCK + 2 * MIB;
+    let ptrs: Vec<u64> = (0..8).map(|_| pool.alloc(0, big, s).unwrap().ptr).collect();
+    let (mine, theirs) = ptrs.split_at(4);
     // A wrong size first: refused, the allocation still live.
     assert!(pool.free_checked(mine[0], MIB, 0).is_err());
     for &p in mine {
@@ -364,18 +365,29 @@ fn frees_past_a_full_thread_cache_stay_consistent() {
         });
     });
     let before = pool.stats(0).unwrap();
-    assert_eq!((before.allocations, before.free_count), (0, 48));
-    // The last block freed here sits in a cache (or was released): freeing it again is an
-    // error either way, and changes nothing.
-    for &p in [mine[23], theirs[23]].iter() {
+    assert_eq!((before.allocations, before.free_count), (0, 8));
+    for &p in [mine[3], theirs[3]].iter() {
         assert!(pool.free(p).is_err());
-        assert!(pool.free_checked(p, 2 * MIB, 0).is_err());
+        assert!(pool.free_checked(p, big, 0).is_err());
     }
     assert_eq!(pool.stats(0).unwrap(), before);
-    // Everything comes back whole.
-    let again: Vec<u64> = (0..48)
+    // Many cacheable blocks all stay in this thread's cache: the next allocations of
+    // their size reuse them without growing the pool.
+    let small: Vec<u64> = (0..64)
         .map(|_| pool.alloc(0, 2 * MIB, s).unwrap().ptr)
         .collect();
+    for &p in &small {
+        pool.free(p).unwrap();
+    }
+    let reserved = pool.stats(0).unwrap().reserved_bytes;
+    let again: Vec<u64> = (0..64)
+        .map(|_| pool.alloc(0, 2 * MIB, s).unwrap().ptr)
+        .collect();
+    let mut sorted = (small.clone(), again.clone());
+    sorted.0.sort_unstable();
+    sorted.1.sort_unstable();
+    assert_eq!(sorted.0, sorted.1, "the cached blocks came back");
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, reserved);
     for p in again {
         pool.free(p).unwrap();
     }

@@ -412,11 +412,6 @@ impl DeviceState {
         s
     }
 
-    /// Tell the thread caches how much they may hold: a quarter of the reserved bytes.
-    pub(super) fn set_cache_limit(&self) {
-        self.front.set_cache_limit(self.stats.reserved_bytes / 4);
-    }
-
     /// Give an allocation's range back to the sub-allocator under `tag` and drop its record.
     pub(crate) fn release_range(&mut self, ptr: u64, tag: u64) -> Result<()> {
         let live = self
@@ -505,7 +500,6 @@ impl DeviceState {
         s.peak_reserved_bytes = s.peak_reserved_bytes.max(s.reserved_bytes);
         s.arenas += 1;
         s.backend_creates += 1;
-        self.set_cache_limit();
         metrics.creates.increment(1);
         if self.history.recording {
             self.history.record(Action::SegmentAlloc, base, bytes, 0, 0);
@@ -545,7 +539,6 @@ impl DeviceState {
             }
             out.push(a.mem);
         }
-        self.set_cache_limit();
         out
     }
 

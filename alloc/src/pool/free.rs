@@ -79,8 +79,8 @@ impl Pool {
     fn free_locked(&self, dp: &DevicePool, ptr: u64, requested: Option<u64>) -> Result<()> {
         let mut st = dp.state.lock();
         st.reclaim_gone_caches();
-        // A record of the front (plain by definition; the fast path declined it: a full
-        // cache, a gate, a large block) is freed at once, not through the device's map.
+        // A record of the front (plain by definition; the fast path declined it: a
+        // gate, a large block) is freed at once, not through the device's map.
         let plain = match st.front.take_live(ptr) {
             Some(rec) if requested.is_none_or(|r| r == rec.requested) => Some(st.promoted(rec)),
             Some(rec) => {

@@ -28,9 +28,12 @@
 //!
 //! **Cache.** A plain free (not shared, no other stream) of a block up to
 //! [`CACHE_MAX_BLOCK`] keeps it whole: in the freeing thread's cache (or the cache that
-//! recorded the allocation), else in the device's exact-size cache, each keyed by (stream,
-//! length) and bounded at a quarter of the reserved bytes: the next request of that length
-//! on that stream takes it with two hash operations and no sub-allocator call. The key's
+//! recorded the allocation), else in the device's exact-size cache (bounded at a quarter of
+//! the reserved bytes), each keyed by (stream, length): the next request of that length on
+//! that stream takes it with two hash operations and no sub-allocator call. A thread cache
+//! has no bound of its own: the flush below (before any growth) bounds it, and a bound cut
+//! the second KV trace's cache off while a long sequence's thousands of KV blocks came
+//! back (bench/results/sim-2026-12-01-margin.md). The key's
 //! length fixes the block's size class, so a cache hit (a thread's or the device's) stays
 //! in its class. On a miss that would otherwise grow the pool, the device's cached blocks
 //! of the missing class and the threads' cached blocks of every class go back to their

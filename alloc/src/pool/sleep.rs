@@ -322,7 +322,6 @@ impl Pool {
         first_err: Option<Error>,
         report: SleepReport,
     ) -> Result<SleepReport> {
-        st.set_cache_limit();
         dp.metrics.publish(&st.stats_now());
         if self.config.validate {
             st.validate_or_log();

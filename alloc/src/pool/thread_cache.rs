@@ -157,9 +157,6 @@ struct Gates {
     asleep_tags: AtomicU64,
     /// Mirror of `history.recording`.
     history: AtomicBool,
-    /// Most bytes one thread cache may hold (a quarter of the reserved bytes, like the
-    /// device's cache).
-    cache_limit: AtomicU64,
 }
 
 /// The thread front of one device (see the module docs).
@@ -273,7 +270,7 @@ impl Front {
     /// The fast free: a plain allocation (its size `requested` when given) into the cache
     /// that recorded it: the calling thread's (one lookup), else another thread's (found
     /// under the registry lock). `None` when it is not the front's to free that way (not
-    /// recorded here, a size mismatch, gated, too large, or that cache is full): the caller
+    /// recorded here, a size mismatch, gated, or too large): the caller
     /// takes the device lock's path. Else the allocated and requested bytes as seen.
     pub(crate) fn try_free(self: &Arc<Self>, ptr: u64, requested: Option<u64>) -> Option<[u64; 2]> {
         let own = self.with_cache(|cache| Some(self.free_into(cache, ptr, requested)));
@@ -304,13 +301,11 @@ impl Front {
     /// Free `ptr` into `cache` if `cache` holds its record.
     fn free_into(&self, cache: &mut ThreadCache, ptr: u64, requested: Option<u64>) -> FreeStep {
         // One lookup: the record, which stays where it is (marked free) with the block.
-        let limit = self.gates.cache_limit.load(Relaxed);
-        let step = cache.records.free_live(ptr, |rec, cached| {
+        let step = cache.records.free_live(ptr, |rec| {
             let len = block_len(rec.requested).unwrap_or(u64::MAX);
             let ours = requested.is_none_or(|r| r == rec.requested)
                 && !self.gated(rec.tag)
-                && len <= CACHE_MAX_BLOCK
-                && cached + len <= limit;
+                && len <= CACHE_MAX_BLOCK;
             ours.then_some(len)
         });
         let (rec, len) = match step {
@@ -518,10 +513,6 @@ impl Front {
 
     pub(crate) fn set_history(&self, on: bool) {
         self.gates.history.store(on, Relaxed);
-    }
-
-    pub(crate) fn set_cache_limit(&self, bytes: u64) {
-        self.gates.cache_limit.store(bytes, Relaxed);
     }
 }
 

@@ -115,13 +115,13 @@ impl ThreadRecords {
         }
     }
 
-    /// Free the live record of `ptr` into its free list if `accept` (given the record and
-    /// the cache's free bytes) returns the block's length. One hash lookup.
+    /// Free the live record of `ptr` into its free list if `accept` (given the record)
+    /// returns the block's length. One hash lookup.
     #[inline]
     pub(crate) fn free_live(
         &mut self,
         ptr: u64,
-        accept: impl FnOnce(&FrontLive, u64) -> Option<u64>,
+        accept: impl FnOnce(&FrontLive) -> Option<u64>,
     ) -> FreeOutcome {
         let Some(r) = self.at.get_mut(&ptr) else {
             return FreeOutcome::Absent;
@@ -129,7 +129,7 @@ impl ThreadRecords {
         if r.free {
             return FreeOutcome::Absent;
         }
-        let Some(len) = accept(&r.rec, self.free_bytes) else {
+        let Some(len) = accept(&r.rec) else {
             return FreeOutcome::Declined;
         };
         r.free = true;
@@ -253,7 +253,7 @@ mod tests {
 
     /// Free `ptr` (a 4 KiB block) accepting it.
     fn free(t: &mut ThreadRecords, ptr: u64) -> FreeOutcome {
-        t.free_live(ptr, |_, _| Some(4096))
+        t.free_live(ptr, |_| Some(4096))
     }
 
     /// A freed block keeps its record: the next allocation of its size on its stream takes
@@ -263,7 +263,7 @@ mod tests {
     fn a_freed_block_is_reused_on_its_stream_only() {
         let mut t = ThreadRecords::default();
         t.insert_live(0x1000, rec(7, 4096));
-        assert_eq!(t.free_live(0x1000, |_, _| None), FreeOutcome::Declined);
+        assert_eq!(t.free_live(0x1000, |_| None), FreeOutcome::Declined);
         assert_eq!(t.live().count(), 1);
         assert_eq!(free(&mut t, 0x1000), FreeOutcome::Freed(rec(7, 4096), 4096));
         assert_eq!(t.free_bytes(), 4096);

@@ -173,7 +173,6 @@ impl Pool {
                     }
                 }
             }
-            st.set_cache_limit();
             dp.metrics.publish(&st.stats_now());
             if self.config.validate {
                 st.validate_or_log();
