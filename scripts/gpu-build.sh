@@ -6,7 +6,7 @@
 # Usage: scripts/gpu-build.sh && then on the GPU machine: bash scripts/gpu-check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release -p gpu-arena-bench --bins
+cargo build --release -p gpu-arena-bench --bins --example pair_cost --example replay_pool
 cargo test --release --no-run -p gpu-arena --test cuda_backend --test pool_sim --test ipc_sim 2>&1 \
   | tee /tmp/gpu-build.log
 # Everything but the NIXL wheel (scripts/nixl-wheel.sh: a download, kept between builds).
@@ -18,6 +18,10 @@ wheel=$(bash scripts/build-wheel.sh .gpu | tail -1)
 python3 -c 'import sys, zipfile; sys.stdout.buffer.write(zipfile.ZipFile(sys.argv[1]).read("gpu_arena/_native/lib_native.so"))' \
   "$wheel" >.gpu/libgpu_arena.so
 for b in kv_replay kv_trace_dump; do cp "target/release/$b" .gpu/bin/; done
+# The sim-backend pair loops for bench/gpu/mode_probe.sh (CPU only: the host's CPU).
+for b in pair_cost replay_pool; do cp "target/release/examples/$b" .gpu/bin/; done
+cc -O2 -Iffi/include bench/capi/capi_pairs.c -L.gpu -lgpu_arena -Wl,-rpath,'$ORIGIN/..' \
+  -o .gpu/bin/capi_pairs
 for t in cuda_backend pool_sim ipc_sim; do
   exe=$(grep -oE "target/release/deps/${t}-[0-9a-f]+" /tmp/gpu-build.log | tail -1)
   cp "$exe" ".gpu/bin/$t"

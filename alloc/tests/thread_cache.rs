@@ -397,6 +397,42 @@ fn frees_past_the_thread_cache_stay_consistent() {
     assert_eq!((st.allocations, st.reserved_bytes), (0, 0));
 }
 
+/// A thread cache has no byte bound, so the flush before growth is what bounds it: blocks
+/// that a live thread holds in its cache are taken back when another thread would otherwise
+/// grow the pool, and that thread's allocations fit in them (no new arena).
+#[test]
+fn another_threads_cached_blocks_are_used_before_the_pool_grows() {
+    let (_sim, pool) = pool(true);
+    let s = StreamId(1);
+    let n = 64;
+    let (freed, done) = (Barrier::new(2), Barrier::new(2));
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            let ptrs: Vec<u64> = (0..n)
+                .map(|_| pool.alloc(0, 2 * MIB, s).unwrap().ptr)
+                .collect();
+            for p in ptrs {
+                pool.free(p).unwrap();
+            }
+            freed.wait();
+            // Alive (its cache too) until the other thread has allocated.
+            done.wait();
+        });
+        freed.wait();
+        let reserved = pool.stats(0).unwrap().reserved_bytes;
+        assert!(reserved >= n * 2 * MIB);
+        let mine: Vec<u64> = (0..n)
+            .map(|_| pool.alloc(0, 2 * MIB, s).unwrap().ptr)
+            .collect();
+        assert_eq!(pool.stats(0).unwrap().reserved_bytes, reserved, "the pool grew");
+        for p in mine {
+            pool.free(p).unwrap();
+        }
+        done.wait();
+    });
+    pool.validate(0).unwrap();
+}
+
 /// The peaks never count bytes another thread has freed: blocks allocated on this thread
 /// and freed on another leave that thread's change negative; an allocation here must not
 /// see the freed bytes as still allocated (it raised the peak to 22 MiB against a true
