@@ -9,6 +9,7 @@
 //! `"default"`.
 
 use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::OnceLock;
 
 use parking_lot::RwLock;
@@ -31,6 +32,19 @@ fn names() -> &'static RwLock<Vec<String>> {
 
 thread_local! {
     static CURRENT: Cell<u8> = const { Cell::new(0) };
+}
+
+/// Set once any thread sets a tag other than the default: until then every thread's tag is
+/// 0 and [`current`] reads this flag instead of the thread-local (in a shared library a
+/// thread-local read is a `__tls_get_addr` call, on every allocation of the C API).
+/// Relaxed is enough: a thread that set its own tag sees its own store.
+static ANY_TAG_SET: AtomicBool = AtomicBool::new(false);
+
+fn set_this_thread(tag: u8) {
+    if tag != 0 {
+        ANY_TAG_SET.store(true, Relaxed);
+    }
+    CURRENT.with(|c| c.set(tag));
 }
 
 /// Check a tag name: 1 to [`MAX_TAG_LEN`] bytes of `[A-Za-z0-9_.-]`.
@@ -99,19 +113,21 @@ pub fn count() -> usize {
 /// Set this thread's current tag (`None` or `""`: the default tag). On a bad name nothing
 /// changes.
 pub fn set_current(name: Option<&str>) -> Result<()> {
-    let i = index(name)?;
-    CURRENT.with(|c| c.set(i));
+    set_this_thread(index(name)?);
     Ok(())
 }
 
 /// Set this thread's current tag by index (as returned by [`current`]).
 pub fn set_current_index(tag: u8) {
-    CURRENT.with(|c| c.set(tag));
+    set_this_thread(tag);
 }
 
 /// This thread's current tag index.
 #[inline]
 pub fn current() -> u8 {
+    if !ANY_TAG_SET.load(Relaxed) {
+        return 0;
+    }
     CURRENT.with(Cell::get)
 }
 

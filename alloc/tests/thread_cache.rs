@@ -424,7 +424,11 @@ fn another_threads_cached_blocks_are_used_before_the_pool_grows() {
         let mine: Vec<u64> = (0..n)
             .map(|_| pool.alloc(0, 2 * MIB, s).unwrap().ptr)
             .collect();
-        assert_eq!(pool.stats(0).unwrap().reserved_bytes, reserved, "the pool grew");
+        assert_eq!(
+            pool.stats(0).unwrap().reserved_bytes,
+            reserved,
+            "the pool grew"
+        );
         for p in mine {
             pool.free(p).unwrap();
         }
