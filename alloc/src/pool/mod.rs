@@ -33,7 +33,7 @@
 //! that stream takes it with two hash operations and no sub-allocator call. A thread cache
 //! has no bound of its own: the flush below (before any growth) bounds it, and a bound cut
 //! the second KV trace's cache off while a long sequence's thousands of KV blocks came
-//! back (bench/results/sim-2026-12-01-margin.md). The key's
+//! back (bench/results/sim-2026-11-30-nobound.md). The key's
 //! length fixes the block's size class, so a cache hit (a thread's or the device's) stays
 //! in its class. On a miss that would otherwise grow the pool, the device's cached blocks
 //! of the missing class and the threads' cached blocks of every class go back to their
