@@ -60,6 +60,14 @@ fn assert_nothing_held(memory: &Mutex<Memory>) {
 
 const WINDOWS: [(u64, u64); 3] = [(G, G), (4 * G, 2 * G), (7 * G, G)];
 
+/// Destroy every window, then check the driver holds nothing.
+fn destroy_all(b: &VmmBackend<Mock>, windows: Vec<ArenaMem>) {
+    for w in windows {
+        b.destroy_arena(w).unwrap();
+    }
+    assert_nothing_held(&b.driver.memory);
+}
+
 #[test]
 fn split_keeps_the_windows_contents_and_gives_the_rest_back() {
     let b = backend(Setup {
@@ -142,10 +150,7 @@ fn split_keeps_the_windows_contents_and_gives_the_rest_back() {
         b.split_arena(&a, &WINDOWS),
         Err(Error::InvalidState(_))
     ));
-    for w in windows {
-        b.destroy_arena(w).unwrap();
-    }
-    assert_nothing_held(&b.driver.memory);
+    destroy_all(&b, windows);
 }
 
 #[test]
@@ -298,10 +303,7 @@ fn every_failed_step_leaves_the_arena_as_it_was() {
         }
     }
     // Still a whole arena: it splits, and everything is freed afterwards.
-    for w in b.split_arena(&a, &WINDOWS).unwrap() {
-        b.destroy_arena(w).unwrap();
-    }
-    assert_nothing_held(&b.driver.memory);
+    destroy_all(&b, b.split_arena(&a, &WINDOWS).unwrap());
 }
 
 #[test]
