@@ -218,24 +218,30 @@ impl Front {
                 let mut handles = cell.try_borrow_mut().ok()?;
                 let i = match handles.iter().position(|h| h.front_id == self.id) {
                     Some(i) => i,
-                    None => {
-                        // Handles of dropped pools go first.
-                        handles.retain(|h| h.front.strong_count() > 0);
-                        let slot = Arc::new(CacheSlot::default());
-                        self.caches.lock().push(Arc::clone(&slot));
-                        handles.push(CacheHandle {
-                            front_id: self.id,
-                            front: Arc::downgrade(self),
-                            slot,
-                        });
-                        handles.len() - 1
-                    }
+                    None => self.add_handle(&mut handles),
                 };
                 let mut cache = handles[i].slot.lock();
                 f(&mut cache)
             })
             .ok()
             .flatten()
+    }
+
+    /// The calling thread's first use of this front: make its cache, register it and
+    /// return its handle's index. Out of line: the fast path's frame stays small.
+    #[cold]
+    #[inline(never)]
+    fn add_handle(self: &Arc<Self>, handles: &mut Vec<CacheHandle>) -> usize {
+        // Handles of dropped pools go first.
+        handles.retain(|h| h.front.strong_count() > 0);
+        let slot = Arc::new(CacheSlot::default());
+        self.caches.lock().push(Arc::clone(&slot));
+        handles.push(CacheHandle {
+            front_id: self.id,
+            front: Arc::downgrade(self),
+            slot,
+        });
+        handles.len() - 1
     }
 
     fn gated(&self, tag: u8) -> bool {
@@ -326,8 +332,9 @@ impl Front {
     /// thread).
     fn settle_bytes(&self, cache: &mut ThreadCache, allocated: bool) -> [u64; 2] {
         let b = &self.bytes;
-        let change = cache.allocated as i64;
-        if change > FOLD_BYTES as i64 || change < 0 || (cache.requested as i64) < 0 {
+        // The change is negative (wrapped: above FOLD_BYTES as unsigned) or past FOLD_BYTES,
+        // or the requested bytes' change is negative.
+        if cache.allocated > FOLD_BYTES || (cache.requested as i64) < 0 {
             self.fold(cache);
         }
         let seen = [

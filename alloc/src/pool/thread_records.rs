@@ -61,13 +61,31 @@ pub(crate) enum FreeOutcome {
 }
 
 /// One thread cache's records and free blocks (see the module docs).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct ThreadRecords {
     at: FxHashMap<u64, Record>,
     lists: Vec<FreeList>,
     list_at: FxHashMap<(u64, u64), u32>,
+    /// The list the last allocation found: (stream, key, index), or [`NO_MEMO`]. A thread
+    /// mostly allocates one size on one stream (KV blocks), and this skips the hash.
+    memo: (u64, u64, u32),
     /// Bytes of the free blocks.
     free_bytes: u64,
+}
+
+/// No list remembered (no key has every low bit set: a tag index is below 256).
+const NO_MEMO: (u64, u64, u32) = (u64::MAX, u64::MAX, NO_LIST);
+
+impl Default for ThreadRecords {
+    fn default() -> Self {
+        Self {
+            at: FxHashMap::default(),
+            lists: Vec::new(),
+            list_at: FxHashMap::default(),
+            memo: NO_MEMO,
+            free_bytes: 0,
+        }
+    }
 }
 
 impl ThreadRecords {
@@ -87,7 +105,15 @@ impl ThreadRecords {
         tag: u8,
         requested: u64,
     ) -> Option<(u64, usize)> {
-        let &list = self.list_at.get(&(stream, cache_len(len, tag)))?;
+        let key = cache_len(len, tag);
+        let list = match self.memo {
+            (s, k, list) if (s, k) == (stream, key) => list,
+            _ => {
+                let &list = self.list_at.get(&(stream, key))?;
+                self.memo = (stream, key, list);
+                list
+            }
+        };
         let ptr = self.lists[list as usize].ptrs.pop()?;
         self.free_bytes -= len;
         let Some(r) = self.at.get_mut(&ptr) else {
@@ -226,6 +252,7 @@ impl ThreadRecords {
         }
         self.lists.retain(|l| !l.ptrs.is_empty());
         self.list_at.clear();
+        self.memo = NO_MEMO;
         for (i, l) in self.lists.iter().enumerate() {
             self.list_at.insert((l.stream, l.key), i as u32);
         }
