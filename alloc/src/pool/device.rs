@@ -463,7 +463,7 @@ impl DeviceState {
     }
 
     pub(crate) fn arena_of(&self, ptr: u64) -> Option<usize> {
-        self.arena_at.get(&ptr).copied()
+        self.arena_at.get(ptr)
     }
 
     /// The sub-allocator of the tag whose arena holds `ptr`.

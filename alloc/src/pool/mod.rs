@@ -80,6 +80,7 @@ use crate::stats::{DeviceMetrics, PoolStats};
 use records::ShareTables;
 use thread_cache::{Front, FrontLive};
 
+mod arena_index;
 mod classes;
 mod device;
 mod free;
@@ -288,7 +289,7 @@ pub(crate) struct DeviceState {
     pub(crate) asleep_tags: u64,
     pub(crate) arenas: Slab<Arena>,
     /// Arena base address -> arena key.
-    pub(crate) arena_at: rangemap::RangeMap<u64, usize>,
+    pub(crate) arena_at: arena_index::ArenaIndex,
     pub(crate) allocs: FxHashMap<u64, Live>,
     /// Freed blocks kept whole, by (stream, length): an exact-size reuse on the same stream
     /// costs two hash operations. They stay allocated in `ranges` until flushed (on a miss
