@@ -1,7 +1,8 @@
-//! Which arena holds an address: the arenas' address ranges (`rangemap`), with the last
-//! answer remembered. A miss of the thread caches looks up the arena of the range it took;
-//! consecutive misses mostly land in the same arena, and the remembered range answers
-//! those without the ordered search.
+//! Which arena holds an address: the arenas' address ranges (`rangemap`), with the last two
+//! answers remembered. A miss of the thread caches looks up the arena of the range it took;
+//! consecutive misses mostly land in the arena of the one before or the one before that (KV
+//! blocks in one arena, temporaries in another), and the remembered ranges answer those
+//! without the ordered search.
 
 use std::cell::Cell;
 use std::ops::Range;
@@ -15,15 +16,16 @@ const NONE: (u64, u64, usize) = (0, 0, usize::MAX);
 #[derive(Debug)]
 pub(crate) struct ArenaIndex {
     map: RangeMap<u64, usize>,
-    /// The last range found: (start, end, key), or [`NONE`] (an empty range).
-    last: Cell<(u64, u64, usize)>,
+    /// The last two ranges found, the latest first: (start, end, key), or [`NONE`] (an
+    /// empty range).
+    last: Cell<[(u64, u64, usize); 2]>,
 }
 
 impl Default for ArenaIndex {
     fn default() -> Self {
         Self {
             map: RangeMap::new(),
-            last: Cell::new(NONE),
+            last: Cell::new([NONE; 2]),
         }
     }
 }
@@ -32,24 +34,28 @@ impl ArenaIndex {
     /// The key of the arena whose range holds `ptr`.
     #[inline]
     pub(crate) fn get(&self, ptr: u64) -> Option<usize> {
-        let (start, end, key) = self.last.get();
-        if (start..end).contains(&ptr) {
-            return Some(key);
+        let [a, b] = self.last.get();
+        if (a.0..a.1).contains(&ptr) {
+            return Some(a.2);
+        }
+        if (b.0..b.1).contains(&ptr) {
+            self.last.set([b, a]);
+            return Some(b.2);
         }
         let (range, &key) = self.map.get_key_value(&ptr)?;
-        self.last.set((range.start, range.end, key));
+        self.last.set([(range.start, range.end, key), a]);
         Some(key)
     }
 
     /// Record the arena `key` at `range`.
     pub(crate) fn insert(&mut self, range: Range<u64>, key: usize) {
-        self.last.set(NONE);
+        self.last.set([NONE; 2]);
         self.map.insert(range, key);
     }
 
     /// Forget the addresses of `range`.
     pub(crate) fn remove(&mut self, range: Range<u64>) {
-        self.last.set(NONE);
+        self.last.set([NONE; 2]);
         self.map.remove(range);
     }
 }
@@ -69,6 +75,10 @@ mod tests {
         assert_eq!(ix.get(0x3000), Some(2));
         assert_eq!(ix.get(0x4000), None);
         assert_eq!(ix.get(0x1800), Some(1));
+        // Both remembered, in either order.
+        assert_eq!(ix.get(0x3800), Some(2));
+        assert_eq!(ix.get(0x1000), Some(1));
+        assert_eq!(ix.get(0x3fff), Some(2));
         ix.remove(0x1000..0x3000);
         assert_eq!(ix.get(0x1800), None);
         // Split in two, as a trim does: each half answers with its own key.

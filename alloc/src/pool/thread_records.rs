@@ -227,7 +227,9 @@ impl ThreadRecords {
             if list.ptrs.is_empty() || len <= min_len || class.is_some_and(|c| c != of) {
                 continue;
             }
-            let ptrs = std::mem::take(&mut list.ptrs);
+            // The list keeps its capacity: its blocks come back after the flush.
+            let keep = Vec::with_capacity(list.ptrs.len());
+            let ptrs = std::mem::replace(&mut list.ptrs, keep);
             self.free_bytes -= len * ptrs.len() as u64;
             for ptr in &ptrs {
                 self.at.remove(ptr);
