@@ -226,6 +226,10 @@ Row run_phase(const std::string& label, A& a, const Trace& t, size_t baseline_fr
 
 #include "kv_threads.h"
 
+#ifndef KV_BENCH_NO_TORCH
+#include "kv_interleave.h"
+#endif
+
 struct PairRow {
   std::string name;
   PairOut one, many;
@@ -247,6 +251,7 @@ struct Options {
   bool no_pairs = false, no_replay = false, no_scaling = false;
   std::vector<int> scaling_threads = {1, 2, 4, 8};
   uint64_t scaling_pairs = 100000;
+  size_t interleave = 0;  // ops per turn of the interleaved replay; 0: not run
 };
 
 const char* kUsage =
@@ -254,7 +259,7 @@ const char* kUsage =
     "                [--arena-conf STR] [--pairs N] [--thread-pairs N] [--threads N]\n"
     "                [--warmup N] [--pair-bytes N] [--cumem-pairs N] [--cumem-thread-pairs N]\n"
     "                [--no-pairs] [--no-replay] [--no-scaling] [--scaling-threads 1,2,4,8]\n"
-    "                [--scaling-pairs N]\n"
+    "                [--scaling-pairs N] [--interleave N]\n"
     "  LIST: comma-separated among gpu-arena,cumemalloc,async,torch\n";
 
 Options parse_args(int argc, char** argv) {
@@ -288,6 +293,7 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--no-replay") o.no_replay = true;
     else if (a == "--no-scaling") o.no_scaling = true;
     else if (a == "--scaling-pairs") o.scaling_pairs = num(i);
+    else if (a == "--interleave") o.interleave = num(i);
     else if (a == "--scaling-threads") {
       o.scaling_threads.clear();
       std::string v = need(i);
@@ -563,6 +569,19 @@ int main(int argc, char** argv) {
     }
   }
 
+  // gpu-arena and PyTorch replaying in turns (kv_interleave.h), when asked for.
+  std::string interleaved_md;
+#ifndef KV_BENCH_NO_TORCH
+  if (!opt.no_replay && opt.interleave > 0) {
+    InterleavedOut il;
+    il.chunk = opt.interleave;
+    if (!ga_skip.empty() || !torch_skip.empty()) il.why_not = "needs both gpu-arena and PyTorch";
+    else il = run_interleaved(trace, ns, opt.interleave);
+    any_failure = any_failure || il.failed;
+    interleaved_md = interleaved_markdown(il, ga_label);
+  }
+#endif
+
   // Item 5: warm pair latency; item 6: thread scaling (kv_threads.h).
   std::vector<PairRow> prow;
   std::vector<ScalingRow> srow;
@@ -746,6 +765,7 @@ int main(int argc, char** argv) {
     }
   }
 
+  md += interleaved_md;
   if (!prow.empty()) {
     md += strf("\n## Warm alloc+free pair latency, %s, each thread on its own non-blocking stream\n\n",
                fmt_bytes(static_cast<double>(opt.pair_bytes)).c_str());

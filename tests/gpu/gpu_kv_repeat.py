@@ -6,9 +6,12 @@ its absolute times moved by up to 2x from one process to the next, for both allo
 This runs kv_bench N times (each a fresh process replaying the same seeded trace, gpu-arena
 then PyTorch, cold then warm, pair latency included), each pinned to one CPU, and reports
 every run's ratio and the median, smallest and largest ratio: the figure to quote is the
-median, the spread says how far one run can be trusted.
+median, the spread says how far one run can be trusted. Each run also replays the trace with
+both allocators in one loop, taking turns every N ops (`--interleave N`, kv_bench's
+interleaved replay): the machine's speed changes within a second, and there a change slows
+both alike.
 
-    python3 tests/gpu/gpu_kv_repeat.py [--runs 7] [--cpu 2] [--trace .gpu/kv_trace.bin]
+    python3 tests/gpu/gpu_kv_repeat.py [--runs 7] [--cpu 2] [--trace .gpu/kv_trace.bin] [--interleave 4096]
 
 Builds .gpu/kv_bench with bench/gpu/build.sh when missing; needs .gpu/libgpu_arena.so. Writes the report
 to stdout and, when OUT is set, to $OUT/kv_repeat.md with each run's kv_bench report beside
@@ -40,23 +43,30 @@ def ns(cell: str) -> float:
 
 
 def parse(report: str) -> dict[str, dict[str, float]]:
-    """Cold/warm ns per op and reserved/live from the replay table, pair ns from the pair
-    table, per allocator."""
+    """Cold/warm ns per op and reserved/live from the replay table, cold/warm ns per op of
+    the interleaved replay ("il_cold", "il_warm"), pair ns from the pair table, per
+    allocator."""
     out: dict[str, dict[str, float]] = {k: {} for k in ROWS}
-    section = None
+    section = "replay"
     for line in report.splitlines():
         if line.startswith("## Warm alloc+free pair"):
             section = "pairs"
+        elif line.startswith("## Interleaved replay"):
+            section = "interleaved"
         elif line.startswith("## "):
-            section = "other" if section == "pairs" else section
+            section = "other"
         if section == "other":
-            break
+            continue
         for key, prefix in ROWS.items():
             if not line.startswith("| " + prefix):
                 continue
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
             if section == "pairs":
                 out[key]["pair"] = ns(cells[1])
+            elif section == "interleaved":
+                out[key]["il_cold"] = ns(cells[1])
+                out[key]["il_warm"] = ns(cells[2])
+                out[key]["il_failures"] = 0.0 if cells[3] == "0" else 1.0
             else:
                 out[key]["cold"] = ns(cells[1])
                 out[key]["warm"] = ns(cells[2])
@@ -70,6 +80,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--cpu", type=int, default=2, help="CPU to pin each run to (-1: none)")
     ap.add_argument("--trace", default=str(ROOT / ".gpu/kv_trace.bin"))
+    ap.add_argument("--interleave", type=int, default=4096,
+                    help="ops per turn of kv_bench's interleaved replay (0: not run)")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "gpu-out"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -87,15 +99,17 @@ def main() -> int:
     ok = True
     for i in range(1, args.runs + 1):
         md = out_dir / f"kv_repeat_{i}.md"
-        cmd = pin + [bench, "--trace", args.trace, "--out", str(md),
-                     "--skip", "cumemalloc,async", "--pair-bytes", str(2 << 20), "--no-scaling"]
+        cmd = pin + [bench, "--trace", args.trace, "--out", str(md), "--skip", "cumemalloc,async",
+                     "--pair-bytes", str(2 << 20), "--no-scaling", "--interleave", str(args.interleave)]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         if p.returncode != 0 or not md.exists():
             print(f"run {i}: kv_bench exited {p.returncode}\n{p.stderr[-2000:]}", file=sys.stderr)
             ok = False
             continue
         r = parse(md.read_text())
-        if any(r[k].get("failures", 1.0) for k in ROWS) or any(len(r[k]) < 5 for k in ROWS):
+        want = 8 if args.interleave > 0 else 5
+        if (any(r[k].get("failures", 1.0) or r[k].get("il_failures", 0.0) for k in ROWS)
+                or any(len(r[k]) < want for k in ROWS)):
             print(f"run {i}: failures or missing rows in {md}", file=sys.stderr)
             ok = False
         runs.append(r)
@@ -105,6 +119,8 @@ def main() -> int:
     if not runs:
         return 1
 
+    il = args.interleave > 0
+
     def ratios(metric: str) -> list[float]:
         return [r["torch"][metric] / r["gpu-arena"][metric] for r in runs
                 if r["gpu-arena"].get(metric) and r["torch"].get(metric)]
@@ -112,13 +128,17 @@ def main() -> int:
     lines = [
         "# KV trace replay, gpu-arena vs PyTorch, repeated",
         "",
-        f"{len(runs)} runs of `{' '.join(pin + ['.gpu/kv_bench', '--trace', args.trace, '--skip', 'cumemalloc,async', '--no-scaling'])}`, "
+        f"{len(runs)} runs of `{' '.join(pin + ['.gpu/kv_bench', '--trace', args.trace, '--skip', 'cumemalloc,async', '--no-scaling', '--interleave', str(args.interleave)])}`, "
         "each a fresh process: the same seeded trace, gpu-arena (C API, cuda backend) then "
-        "PyTorch's caching allocator, each cold then warm; then 2 MiB alloc+free pairs on "
-        "one thread. Speedup = PyTorch ns/op / gpu-arena ns/op within one run.",
+        "PyTorch's caching allocator, each cold then warm (sequential)"
+        + (f"; then both in one loop, taking turns every {args.interleave} ops, cold then warm "
+           "(interleaved: a change of the machine's speed slows both alike)" if il else "")
+        + "; then 2 MiB alloc+free pairs on one thread. Speedup = PyTorch ns/op / gpu-arena "
+        "ns/op within one run.",
         "",
-        "| run | gpu-arena cold | warm | pair | PyTorch cold | warm | pair | speedup cold | warm | pair | reserved/live gpu-arena | PyTorch |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | gpu-arena cold | warm | pair | PyTorch cold | warm | pair | speedup cold | warm | pair | reserved/live gpu-arena | PyTorch |"
+        + (" interleaved gpu-arena cold | warm | PyTorch cold | warm | speedup cold | warm |" if il else ""),
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" * 6 if il else ""),
     ]
     for i, r in enumerate(runs, 1):
         g, t = r["gpu-arena"], r["torch"]
@@ -126,11 +146,16 @@ def main() -> int:
             f"| {i} | {g['cold']:.0f} ns | {g['warm']:.0f} ns | {g['pair']:.0f} ns | "
             f"{t['cold']:.0f} ns | {t['warm']:.0f} ns | {t['pair']:.0f} ns | "
             f"{t['cold'] / g['cold']:.2f}x | {t['warm'] / g['warm']:.2f}x | {t['pair'] / g['pair']:.2f}x | "
-            f"{g['reserved_live']:.3f} | {t['reserved_live']:.3f} |")
+            f"{g['reserved_live']:.3f} | {t['reserved_live']:.3f} |"
+            + (f" {g['il_cold']:.0f} ns | {g['il_warm']:.0f} ns | {t['il_cold']:.0f} ns | {t['il_warm']:.0f} ns | "
+               f"{t['il_cold'] / g['il_cold']:.2f}x | {t['il_warm'] / g['il_warm']:.2f}x |" if il else ""))
     lines += ["", "| speedup | median | smallest | largest |", "|---|---:|---:|---:|"]
-    for metric in ("cold", "warm", "pair"):
+    names = {"cold": "cold", "warm": "warm", "pair": "pair", "il_cold": "interleaved cold",
+             "il_warm": "interleaved warm"}
+    for metric in ("cold", "warm", "pair") + (("il_cold", "il_warm") if il else ()):
         rs = ratios(metric)
-        lines.append(f"| {metric} | {statistics.median(rs):.2f}x | {min(rs):.2f}x | {max(rs):.2f}x |")
+        if rs:
+            lines.append(f"| {names[metric]} | {statistics.median(rs):.2f}x | {min(rs):.2f}x | {max(rs):.2f}x |")
     text = "\n".join(lines) + "\n"
     print(text)
     (out_dir / "kv_repeat.md").write_text(text)
