@@ -79,10 +79,13 @@ pub struct PoolStats {
 
 /// `metrics` handles for one device, registered once so the hot path does not format labels.
 #[derive(Clone)]
+#[repr(C)]
 pub(crate) struct DeviceMetrics {
-    reserved: metrics::Gauge,
+    /// First: the two gauges every allocation and free sets (`DevicePool` keeps them on its
+    /// first cache line).
     allocated: metrics::Gauge,
     requested: metrics::Gauge,
+    reserved: metrics::Gauge,
     arenas: metrics::Gauge,
     pinned: metrics::Gauge,
     exports_live: metrics::Gauge,

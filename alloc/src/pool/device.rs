@@ -345,7 +345,7 @@ impl DeviceState {
         let s = &mut self.stats;
         s.alloc_count = s.alloc_count.wrapping_add(counts.alloc_count);
         s.free_count = s.free_count.wrapping_add(counts.free_count);
-        s.allocations = s.allocations.wrapping_add(counts.allocations);
+        s.allocations = s.allocations.wrapping_add(counts.allocations());
     }
 
     /// Move the front's record of `ptr`, if it has one, into the device's map (where shares,
@@ -393,7 +393,7 @@ impl DeviceState {
         for c in &caches {
             s.alloc_count = s.alloc_count.wrapping_add(c.counts.alloc_count);
             s.free_count = s.free_count.wrapping_add(c.counts.free_count);
-            s.allocations = s.allocations.wrapping_add(c.counts.allocations);
+            s.allocations = s.allocations.wrapping_add(c.counts.allocations());
         }
         [
             s.allocated_bytes,

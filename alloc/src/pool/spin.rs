@@ -13,8 +13,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// Spins before each yield while the lock is held.
 const SPINS: u32 = 64;
 
-/// A value behind a spin lock.
+/// A value behind a spin lock. `repr(C)`: the flag first, then the value, so that a value
+/// laid out for cache lines stays so behind the flag.
 #[derive(Default)]
+#[repr(C)]
 pub(crate) struct SpinLock<T> {
     locked: AtomicBool,
     value: UnsafeCell<T>,
@@ -49,6 +51,12 @@ impl<T> SpinLock<T> {
             std::thread::yield_now();
         }
     }
+}
+
+/// Where a lock's value starts, in bytes from the lock's start (for layout checks).
+#[cfg(test)]
+pub(crate) fn value_offset<T>() -> usize {
+    std::mem::offset_of!(SpinLock<T>, value)
 }
 
 impl<T> std::fmt::Debug for SpinLock<T> {

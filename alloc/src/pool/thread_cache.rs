@@ -108,32 +108,39 @@ pub(crate) struct FrontLive {
 
 /// Allocation and free counts kept by a thread cache (added to the device's by `stats`).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
 pub(crate) struct Counts {
     pub(crate) alloc_count: u64,
     pub(crate) free_count: u64,
-    /// Change in live allocations, wrapping (a block allocated on one thread may be freed on
-    /// another, so one cache's share may be "negative").
-    pub(crate) allocations: u64,
 }
 
 impl Counts {
     pub(crate) fn add(&mut self, o: Counts) {
         self.alloc_count = self.alloc_count.wrapping_add(o.alloc_count);
         self.free_count = self.free_count.wrapping_add(o.free_count);
-        self.allocations = self.allocations.wrapping_add(o.allocations);
+    }
+
+    /// Change in live allocations, wrapping (a block allocated on one thread may be freed on
+    /// another, so one cache's share may be "negative").
+    pub(crate) fn allocations(&self) -> u64 {
+        self.alloc_count.wrapping_sub(self.free_count)
     }
 }
 
-/// One thread's cache for one device.
+/// One thread's cache for one device. `repr(C)`, in this order: behind its lock's flag, what
+/// an allocation or a free reads and writes fills two cache lines (the counts, the byte
+/// changes and the records' remembered list on the first; the record map and the free lists
+/// on the second; `thread_cache_fields_a_fast_operation_touches_fill_two_lines`).
 #[derive(Debug, Default)]
+#[repr(C)]
 pub(crate) struct ThreadCache {
-    /// The plain allocations this cache handed out (or its thread made under the device
-    /// lock) and the blocks freed into it, in one table (`pool/thread_records.rs`).
-    pub(crate) records: ThreadRecords,
     pub(crate) counts: Counts,
     /// Change in allocated and requested bytes not yet folded into the base (wrapping).
     allocated: u64,
     requested: u64,
+    /// The plain allocations this cache handed out (or its thread made under the device
+    /// lock) and the blocks freed into it, in one table (`pool/thread_records.rs`).
+    pub(crate) records: ThreadRecords,
     /// Its thread exited: drained and dropped by the next [`Front::take_gone`].
     gone: bool,
 }
@@ -159,27 +166,35 @@ struct Gates {
     history: AtomicBool,
 }
 
+/// What every fast operation reads, on one cache line (56 bytes): written rarely (the
+/// gates), or once per [`FOLD_BYTES`] of a thread's change (the bytes).
+#[derive(Debug, Default)]
+struct Hot {
+    /// Unique for the life of the process: thread-local handles name their front by it.
+    id: u64,
+    gates: Gates,
+    bytes: ByteCounters,
+}
+
 /// The thread front of one device (see the module docs).
 #[derive(Debug)]
 pub(crate) struct Front {
-    /// Unique for the life of the process: thread-local handles name their front by it.
-    id: u64,
+    hot: Padded<Hot>,
     caches: Mutex<Vec<Arc<CacheSlot>>>,
     /// Hint: thread caches whose thread exited since the last [`Front::take_gone`].
     gone: AtomicUsize,
-    gates: Padded<Gates>,
-    bytes: Padded<ByteCounters>,
 }
 
 impl Default for Front {
     fn default() -> Self {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         Front {
-            id: NEXT_ID.fetch_add(1, Relaxed),
+            hot: Padded(Hot {
+                id: NEXT_ID.fetch_add(1, Relaxed),
+                ..Hot::default()
+            }),
             caches: Mutex::default(),
             gone: AtomicUsize::new(0),
-            gates: Padded::default(),
-            bytes: Padded::default(),
         }
     }
 }
@@ -216,7 +231,7 @@ impl Front {
         CACHES
             .try_with(|cell| {
                 let mut handles = cell.try_borrow_mut().ok()?;
-                let i = match handles.iter().position(|h| h.front_id == self.id) {
+                let i = match handles.iter().position(|h| h.front_id == self.hot.id) {
                     Some(i) => i,
                     None => self.add_handle(&mut handles),
                 };
@@ -237,7 +252,7 @@ impl Front {
         let slot = Arc::new(CacheSlot::default());
         self.caches.lock().push(Arc::clone(&slot));
         handles.push(CacheHandle {
-            front_id: self.id,
+            front_id: self.hot.id,
             front: Arc::downgrade(self),
             slot,
         });
@@ -245,7 +260,8 @@ impl Front {
     }
 
     fn gated(&self, tag: u8) -> bool {
-        self.gates.asleep_tags.load(Relaxed) & (1 << tag) != 0 || self.gates.history.load(Relaxed)
+        self.hot.gates.asleep_tags.load(Relaxed) & (1 << tag) != 0
+            || self.hot.gates.history.load(Relaxed)
     }
 
     /// The fast allocation: a block of `len` bytes and tag `tag` freed on `stream`, from
@@ -266,7 +282,6 @@ impl Front {
             }
             let (ptr, _) = cache.records.alloc_free(stream, len, tag, requested)?;
             cache.counts.alloc_count += 1;
-            cache.counts.allocations = cache.counts.allocations.wrapping_add(1);
             cache.allocated = cache.allocated.wrapping_add(len);
             cache.requested = cache.requested.wrapping_add(requested);
             Some((ptr, self.settle_bytes(cache, true)))
@@ -320,7 +335,6 @@ impl Front {
             FreeOutcome::Absent => return FreeStep::Absent,
         };
         cache.counts.free_count += 1;
-        cache.counts.allocations = cache.counts.allocations.wrapping_sub(1);
         cache.allocated = cache.allocated.wrapping_sub(len);
         cache.requested = cache.requested.wrapping_sub(rec.requested);
         FreeStep::Freed(self.settle_bytes(cache, false))
@@ -331,7 +345,7 @@ impl Front {
     /// requested bytes as this thread sees them (base plus its changes; exact with one
     /// thread).
     fn settle_bytes(&self, cache: &mut ThreadCache, allocated: bool) -> [u64; 2] {
-        let b = &self.bytes;
+        let b = &self.hot.bytes;
         // The change is negative (wrapped: above FOLD_BYTES as unsigned) or past FOLD_BYTES,
         // or the requested bytes' change is negative.
         if cache.allocated > FOLD_BYTES || (cache.requested as i64) < 0 {
@@ -352,14 +366,14 @@ impl Front {
         if (cache.allocated, cache.requested) == (0, 0) {
             return;
         }
-        let b = &self.bytes;
+        let b = &self.hot.bytes;
         b.allocated.fetch_add(cache.allocated, Relaxed);
         b.requested.fetch_add(cache.requested, Relaxed);
         (cache.allocated, cache.requested) = (0, 0);
     }
 
     fn raise_peaks(&self, [allocated, requested]: [u64; 2]) {
-        let b = &self.bytes;
+        let b = &self.hot.bytes;
         if allocated > b.peak_allocated.load(Relaxed) {
             b.peak_allocated.fetch_max(allocated, Relaxed);
         }
@@ -388,7 +402,7 @@ impl Front {
         if let Some(seen) = recorded {
             return (true, seen);
         }
-        let b = &self.bytes;
+        let b = &self.hot.bytes;
         let seen = [
             seen_value(b.allocated.fetch_add(len, Relaxed).wrapping_add(len)),
             seen_value(
@@ -481,7 +495,7 @@ impl Front {
     pub(crate) fn seen_bytes(self: &Arc<Self>) -> [u64; 2] {
         let own = self.with_cache(|c| Some((c.allocated, c.requested)));
         let (allocated, requested) = own.unwrap_or((0, 0));
-        let b = &self.bytes;
+        let b = &self.hot.bytes;
         [
             seen_value(b.allocated.load(Relaxed).wrapping_add(allocated)),
             seen_value(b.requested.load(Relaxed).wrapping_add(requested)),
@@ -490,15 +504,15 @@ impl Front {
 
     /// Count the end of an allocation of `len` bytes, under the device lock.
     pub(crate) fn sub_bytes(&self, len: u64, requested: u64) {
-        self.bytes.allocated.fetch_sub(len, Relaxed);
-        self.bytes.requested.fetch_sub(requested, Relaxed);
+        self.hot.bytes.allocated.fetch_sub(len, Relaxed);
+        self.hot.bytes.requested.fetch_sub(requested, Relaxed);
     }
 
     /// Allocated bytes, requested bytes, and their peaks: exact given every cache locked
     /// ([`LockedCaches::lock`]). The exact values raise the peaks first (so a peak is never
     /// below a value read).
     pub(crate) fn byte_counts(&self, caches: &[SpinGuard<'_, ThreadCache>]) -> [u64; 4] {
-        let b = &self.bytes;
+        let b = &self.hot.bytes;
         let mut allocated = b.allocated.load(Relaxed);
         let mut requested = b.requested.load(Relaxed);
         for c in caches {
@@ -515,11 +529,11 @@ impl Front {
     }
 
     pub(crate) fn set_asleep_tags(&self, mask: u64) {
-        self.gates.asleep_tags.store(mask, Relaxed);
+        self.hot.gates.asleep_tags.store(mask, Relaxed);
     }
 
     pub(crate) fn set_history(&self, on: bool) {
-        self.gates.history.store(on, Relaxed);
+        self.hot.gates.history.store(on, Relaxed);
     }
 }
 
@@ -573,6 +587,43 @@ mod tests {
             ..PoolConfig::default()
         };
         Pool::new(sim, config).unwrap()
+    }
+
+    /// The fields a warm allocation or free touches lie on the cache slot's first two cache
+    /// lines, the lock's flag and the counts with the records' remembered list on the
+    /// first, the record map, the free lists and the free bytes on the second.
+    #[test]
+    fn thread_cache_fields_a_fast_operation_touches_fill_two_lines() {
+        use super::{CacheSlot, ThreadCache};
+        use std::mem::{offset_of, size_of};
+        assert_eq!(std::mem::align_of::<CacheSlot>(), 128);
+        // The value behind the flag (a `repr(C)` lock: flag, then value).
+        let value = super::super::spin::value_offset::<ThreadCache>();
+        assert!(value <= 8, "lock value at {value}");
+        let records = value + offset_of!(ThreadCache, records);
+        let (memo_end, hot_end) = super::super::thread_records::hot_field_ends();
+        assert!(value + offset_of!(ThreadCache, requested) + size_of::<u64>() <= records);
+        assert!(
+            records + memo_end <= 64,
+            "first line ends at {}",
+            records + memo_end
+        );
+        assert!(
+            records + hot_end <= 128,
+            "second line ends at {}",
+            records + hot_end
+        );
+    }
+
+    /// A device's front and its allocated and requested gauges (the first two of its
+    /// metrics) lie on the device pool's first cache line.
+    #[test]
+    fn device_pool_fields_a_fast_operation_reads_share_a_line() {
+        use std::mem::{align_of, offset_of, size_of};
+        type DevicePool = super::super::DevicePool;
+        assert_eq!(align_of::<DevicePool>(), 64);
+        assert_eq!(offset_of!(DevicePool, front), 0);
+        assert!(offset_of!(DevicePool, metrics) + 2 * size_of::<metrics::Gauge>() <= 64);
     }
 
     /// After the first pair, a pair on the same stream is served by the thread cache: the

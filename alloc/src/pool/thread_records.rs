@@ -61,16 +61,19 @@ pub(crate) enum FreeOutcome {
 }
 
 /// One thread cache's records and free blocks (see the module docs).
+/// `repr(C)`, the fields a warm allocation or free touches first, in the order
+/// `ThreadCache` (`pool/thread_cache.rs`) lays them out on cache lines.
 #[derive(Debug)]
+#[repr(C)]
 pub(crate) struct ThreadRecords {
-    at: FxHashMap<u64, Record>,
-    lists: Vec<FreeList>,
-    list_at: FxHashMap<(u64, u64), u32>,
     /// The list the last allocation found: (stream, key, index), or [`NO_MEMO`]. A thread
     /// mostly allocates one size on one stream (KV blocks), and this skips the hash.
     memo: (u64, u64, u32),
+    at: FxHashMap<u64, Record>,
+    lists: Vec<FreeList>,
     /// Bytes of the free blocks.
     free_bytes: u64,
+    list_at: FxHashMap<(u64, u64), u32>,
 }
 
 /// No list remembered (no key has every low bit set: a tag index is below 256).
@@ -79,11 +82,11 @@ const NO_MEMO: (u64, u64, u32) = (u64::MAX, u64::MAX, NO_LIST);
 impl Default for ThreadRecords {
     fn default() -> Self {
         Self {
+            memo: NO_MEMO,
             at: FxHashMap::default(),
             lists: Vec::new(),
-            list_at: FxHashMap::default(),
-            memo: NO_MEMO,
             free_bytes: 0,
+            list_at: FxHashMap::default(),
         }
     }
 }
@@ -264,6 +267,24 @@ impl ThreadRecords {
             }
         }
     }
+}
+
+/// Where [`ThreadRecords`]'s remembered list ends, and where the fields a warm operation
+/// touches after it (the record map, the free lists, the free bytes) end, in bytes from its
+/// start (`thread_cache.rs` checks how they fall on cache lines).
+#[cfg(test)]
+pub(crate) fn hot_field_ends() -> (usize, usize) {
+    use std::mem::{offset_of, size_of};
+    let memo_end = offset_of!(ThreadRecords, memo) + size_of::<(u64, u64, u32)>();
+    let hot_end = [
+        offset_of!(ThreadRecords, at) + size_of::<FxHashMap<u64, Record>>(),
+        offset_of!(ThreadRecords, lists) + size_of::<Vec<FreeList>>(),
+        offset_of!(ThreadRecords, free_bytes) + size_of::<u64>(),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(usize::MAX);
+    (memo_end, hot_end)
 }
 
 #[cfg(test)]
