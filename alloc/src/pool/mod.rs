@@ -288,7 +288,7 @@ pub(crate) struct DeviceState {
     /// Tags asleep on this device (bit = tag index): their allocations are refused.
     pub(crate) asleep_tags: u64,
     pub(crate) arenas: Slab<Arena>,
-    /// Arena base address -> arena key.
+    /// Arena address ranges -> arena key (with the last two answers remembered).
     pub(crate) arena_at: arena_index::ArenaIndex,
     pub(crate) allocs: FxHashMap<u64, Live>,
     /// Freed blocks kept whole, by (stream, length): an exact-size reuse on the same stream

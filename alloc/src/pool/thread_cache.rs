@@ -167,7 +167,8 @@ struct Gates {
 }
 
 /// What every fast operation reads, on one cache line (56 bytes): written rarely (the
-/// gates), or once per [`FOLD_BYTES`] of a thread's change (the bytes).
+/// gates), or when a thread folds its byte changes (past [`FOLD_BYTES`], or negative) and by
+/// the device lock's frees (the bytes).
 #[derive(Debug, Default)]
 struct Hot {
     /// Unique for the life of the process: thread-local handles name their front by it.
