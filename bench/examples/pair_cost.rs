@@ -3,14 +3,15 @@
 //! remove of a 40-byte record, one free-list pop and one push), in one process.
 //!
 //! ```text
-//! cargo run --release -p gpu-arena-bench --example pair_cost -- [--pairs 2000000] [--which both|pool|floor]
+//! cargo run --release -p gpu-arena-bench --example pair_cost -- [--pairs 2000000] [--which both|pool|floor|miss]
 //! valgrind --tool=callgrind --collect-atstart=no --toggle-collect='*pool_pairs*' \
 //!     target/release/examples/pair_cost --pairs 200000 --which pool
 //! ```
 //!
 //! The pool's pairs are 2 MiB on one stream (the thread cache's hit path after the first
 //! pair), through `Pool::alloc` / `Pool::free` on the sim backend. `--which` runs one side
-//! alone (for callgrind). The figures and the callgrind breakdown are in
+//! alone (for callgrind); `--which miss` runs pairs that miss every cache (blocks above
+//! 64 MiB: the sub-allocator's best fit and coalescing under the device lock). The figures and the callgrind breakdown are in
 //! `bench/results/sim-2026-11-30-pair-cost.md` and `bench/gpu/README.md`.
 #![allow(clippy::unwrap_used)]
 
@@ -35,6 +36,22 @@ fn pool_pairs(pool: &Pool, n: u64) -> f64 {
     let t0 = Instant::now();
     for _ in 0..n {
         let a = pool.alloc(0, BLOCK, StreamId(7)).unwrap();
+        pool.free(black_box(a.ptr)).unwrap();
+    }
+    t0.elapsed().as_nanos() as f64 / n as f64
+}
+
+/// Pairs that miss the caches: blocks above `CACHE_MAX_BLOCK` (never cached), sizes cycling
+/// through four lengths on one stream, so each allocation is a best fit in the huge class's
+/// free ranges and each free coalesces (the second KV trace's temporaries above 64 MiB).
+#[inline(never)]
+fn miss_pairs(pool: &Pool, n: u64) -> f64 {
+    const MISS_LENS: [u64; 4] = [66 << 20, 130 << 20, 200 << 20, 98 << 20];
+    let t0 = Instant::now();
+    for i in 0..n {
+        let a = pool
+            .alloc(0, MISS_LENS[i as usize % 4], StreamId(7))
+            .unwrap();
         pool.free(black_box(a.ptr)).unwrap();
     }
     t0.elapsed().as_nanos() as f64 / n as f64
@@ -81,6 +98,13 @@ fn main() {
     )
     .unwrap();
     pool_pairs(&pool, 1000); // the arena, the thread cache
+    if which == "miss" {
+        miss_pairs(&pool, 1000); // the huge class's arena
+        for round in 0..3 {
+            println!("round {round}: miss pair {:.1} ns", miss_pairs(&pool, n));
+        }
+        return;
+    }
     for round in 0..3 {
         let p = (which != "floor").then(|| pool_pairs(&pool, n));
         let f = (which != "pool").then(|| floor_pairs(n));
