@@ -80,6 +80,7 @@ use crate::stats::{DeviceMetrics, PoolStats};
 use records::ShareTables;
 use thread_cache::{Front, FrontLive};
 
+mod addr_table;
 mod arena_index;
 mod classes;
 mod device;

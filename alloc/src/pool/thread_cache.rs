@@ -385,8 +385,8 @@ impl Front {
 
     /// Record a plain allocation of `len` bytes made under the device lock in the calling
     /// thread's cache and count its bytes there, as a fast allocation does (no shared
-    /// write). `false` while the thread exits: the caller records it itself, and the bytes
-    /// go to the base. Also returns the allocated and requested bytes as this thread sees
+    /// write). `false` while the thread exits, or when the cache cannot hold its record: the
+    /// caller records it itself, and the bytes go to the base. Also returns the allocated and requested bytes as this thread sees
     /// them.
     pub(crate) fn record_alloc(
         self: &Arc<Self>,
@@ -395,7 +395,9 @@ impl Front {
         len: u64,
     ) -> (bool, [u64; 2]) {
         let recorded = self.with_cache(|cache| {
-            cache.records.insert_live(ptr, rec);
+            if !cache.records.insert_live(ptr, rec) {
+                return None;
+            }
             cache.allocated = cache.allocated.wrapping_add(len);
             cache.requested = cache.requested.wrapping_add(rec.requested);
             Some(self.settle_bytes(cache, true))

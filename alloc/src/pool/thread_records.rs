@@ -2,11 +2,12 @@
 //! recorded and every block freed into it, in one map, so that a warm alloc/free pair
 //! touches one record, with no insert or remove.
 //!
-//! - **Records**: block address to its record ([`FrontLive`]), live or free. A freed block
-//!   keeps its record (marked free): its next allocation only marks it live again. A free is
-//!   one hash lookup; the record sits in the map's entry, so the lookup is also the one
-//!   cold memory access (a table of slots beside the map cost a second one, and the KV
-//!   trace, whose frees come in no particular order, ran no faster for it).
+//! - **Records**: block address to its record ([`FrontLive`], packed in 24 bytes), live or
+//!   free, in an [`AddrTable`] (`pool/addr_table.rs`: the address's hash names the slot,
+//!   which holds the key and the record, 32 bytes). A freed block keeps its record (marked
+//!   free): its next allocation only marks it live again. A free is one lookup, and the
+//!   lookup is the one cold memory access (a table of slots beside the map cost a second
+//!   one, and the KV trace, whose frees come in no particular order, ran no faster for it).
 //! - **Free lists**: by (stream, [`cache_len`]), each a stack of free blocks' addresses;
 //!   a record remembers its list once its block has been freed into one, so a free pushes
 //!   without hashing the key. An allocation finds its list (a small, hot map), pops an
@@ -17,28 +18,45 @@
 //! promotion). Lists are not removed while a record may name them, except by
 //! [`ThreadRecords::drain_free`]'s compaction, which renumbers them.
 
-use std::collections::hash_map::Entry;
-
 use rustc_hash::FxHashMap;
 
+use super::addr_table::{AddrTable, NO_KEY};
 use super::classes::Class;
 use super::device::{cache_key_parts, cache_len};
 use super::thread_cache::FrontLive;
 
 /// A record's list before its block was first freed into the cache.
-const NO_LIST: u32 = u32::MAX;
+const NO_LIST: u16 = u16::MAX;
 
 /// More lists than this after a drain: the empty ones are removed (a process that keeps
 /// making streams would otherwise keep one empty list per stream and size).
 const MAX_LISTS: usize = 256;
 
-#[derive(Debug, Clone, Copy)]
+/// A [`FrontLive`] and its cache state, packed in 24 bytes (a slot of the records' table
+/// is 32). A block whose arena key does not fit `u32` is not recorded here (the device's
+/// own records take it), nor freed into a list past the `u16` range (4 billion arenas, or
+/// 65,535 lists between two drains: no process gets there).
+#[derive(Debug, Clone, Copy, Default)]
 struct Record {
-    rec: FrontLive,
+    requested: u64,
+    stream: u64,
+    arena: u32,
     /// Index of its free list in [`ThreadRecords::lists`], or [`NO_LIST`].
-    list: u32,
+    list: u16,
+    tag: u8,
     /// Its block is on that free list (else it is live).
     free: bool,
+}
+
+impl Record {
+    fn live(&self) -> FrontLive {
+        FrontLive {
+            arena: self.arena as usize,
+            requested: self.requested,
+            stream: self.stream,
+            tag: self.tag,
+        }
+    }
 }
 
 /// Free blocks of one (stream, [`cache_len`]), by address.
@@ -68,22 +86,22 @@ pub(crate) enum FreeOutcome {
 pub(crate) struct ThreadRecords {
     /// The list the last allocation found: (stream, key, index), or [`NO_MEMO`]. A thread
     /// mostly allocates one size on one stream (KV blocks), and this skips the hash.
-    memo: (u64, u64, u32),
-    at: FxHashMap<u64, Record>,
+    memo: (u64, u64, u16),
+    at: AddrTable<Record>,
     lists: Vec<FreeList>,
     /// Bytes of the free blocks.
     free_bytes: u64,
-    list_at: FxHashMap<(u64, u64), u32>,
+    list_at: FxHashMap<(u64, u64), u16>,
 }
 
 /// No list remembered (no key has every low bit set: a tag index is below 256).
-const NO_MEMO: (u64, u64, u32) = (u64::MAX, u64::MAX, NO_LIST);
+const NO_MEMO: (u64, u64, u16) = (u64::MAX, u64::MAX, NO_LIST);
 
 impl Default for ThreadRecords {
     fn default() -> Self {
         Self {
             memo: NO_MEMO,
-            at: FxHashMap::default(),
+            at: AddrTable::default(),
             lists: Vec::new(),
             free_bytes: 0,
             list_at: FxHashMap::default(),
@@ -119,22 +137,32 @@ impl ThreadRecords {
         };
         let ptr = self.lists[list as usize].ptrs.pop()?;
         self.free_bytes -= len;
-        let Some(r) = self.at.get_mut(&ptr) else {
+        let Some(r) = self.at.get_mut(ptr) else {
             // Every listed block has its record: a block without one is dropped from the
             // cache (still allocated in the ranges: found by `validate`).
             tracing::error!(ptr, "a thread cache listed a block without its record");
             return None;
         };
         r.free = false;
-        r.rec.requested = requested;
-        Some((ptr, r.rec.arena))
+        r.requested = requested;
+        Some((ptr, r.arena as usize))
     }
 
-    /// Record a live allocation (made under the device lock) at `ptr`.
-    pub(crate) fn insert_live(&mut self, ptr: u64, rec: FrontLive) {
+    /// Record a live allocation (made under the device lock) at `ptr`. `false` (nothing
+    /// recorded) when its record does not fit here: the caller records it itself.
+    pub(crate) fn insert_live(&mut self, ptr: u64, rec: FrontLive) -> bool {
+        let Ok(arena) = u32::try_from(rec.arena) else {
+            return false;
+        };
+        if ptr == NO_KEY {
+            return false;
+        }
         let record = Record {
-            rec,
+            requested: rec.requested,
+            stream: rec.stream,
+            arena,
             list: NO_LIST,
+            tag: rec.tag,
             free: false,
         };
         if self.at.insert(ptr, record).is_some() {
@@ -142,6 +170,7 @@ impl ThreadRecords {
             // still holds allocated for a cache.
             tracing::error!(ptr, "a thread cache recorded a block twice");
         }
+        true
     }
 
     /// Free the live record of `ptr` into its free list if `accept` (given the record)
@@ -152,21 +181,29 @@ impl ThreadRecords {
         ptr: u64,
         accept: impl FnOnce(&FrontLive) -> Option<u64>,
     ) -> FreeOutcome {
-        let Some(r) = self.at.get_mut(&ptr) else {
+        let Some(r) = self.at.get_mut(ptr) else {
             return FreeOutcome::Absent;
         };
         if r.free {
             return FreeOutcome::Absent;
         }
-        let Some(len) = accept(&r.rec) else {
+        let rec = r.live();
+        let Some(len) = accept(&rec) else {
             return FreeOutcome::Declined;
         };
-        r.free = true;
         if r.list == NO_LIST {
-            let (stream, key) = (r.rec.stream, cache_len(len, r.rec.tag));
-            let next = self.lists.len() as u32;
-            r.list = *self.list_at.entry((stream, key)).or_insert(next);
-            if r.list == next {
+            let (stream, key) = (r.stream, cache_len(len, r.tag));
+            let Ok(next) = u16::try_from(self.lists.len()) else {
+                return FreeOutcome::Declined;
+            };
+            let list = *self.list_at.entry((stream, key)).or_insert(next);
+            if list == NO_LIST {
+                // The last index is the "no list" mark: this list is not made.
+                self.list_at.remove(&(stream, key));
+                return FreeOutcome::Declined;
+            }
+            r.list = list;
+            if list == next {
                 self.lists.push(FreeList {
                     stream,
                     key,
@@ -174,35 +211,36 @@ impl ThreadRecords {
                 });
             }
         }
+        r.free = true;
         self.lists[r.list as usize].ptrs.push(ptr);
         self.free_bytes += len;
-        FreeOutcome::Freed(r.rec, len)
+        FreeOutcome::Freed(rec, len)
     }
 
-    /// Take the live record of `ptr` out of the map (to promote it). One hash lookup.
+    /// Take the live record of `ptr` out of the map (to promote it). One lookup.
     pub(crate) fn take_live(&mut self, ptr: u64) -> Option<FrontLive> {
-        match self.at.entry(ptr) {
-            Entry::Occupied(e) if !e.get().free => Some(e.remove().rec),
-            _ => None,
+        if self.at.get_mut(ptr)?.free {
+            return None;
         }
+        self.at.remove(ptr).map(|r| r.live())
     }
 
     /// Take every live record out of the map.
     pub(crate) fn take_all_live(&mut self, out: &mut Vec<(u64, FrontLive)>) {
-        self.at.retain(|&ptr, r| {
+        self.at.retain(|ptr, r| {
             if !r.free {
-                out.push((ptr, r.rec));
+                out.push((ptr, r.live()));
             }
             r.free
         });
     }
 
     /// The live records, by address.
-    pub(crate) fn live(&self) -> impl Iterator<Item = (u64, &FrontLive)> {
+    pub(crate) fn live(&self) -> impl Iterator<Item = (u64, FrontLive)> + '_ {
         self.at
             .iter()
             .filter(|(_, r)| !r.free)
-            .map(|(&ptr, r)| (ptr, &r.rec))
+            .map(|(ptr, r)| (ptr, r.live()))
     }
 
     /// The free blocks: address and length.
@@ -234,7 +272,7 @@ impl ThreadRecords {
             let keep = Vec::with_capacity(list.ptrs.len());
             let ptrs = std::mem::replace(&mut list.ptrs, keep);
             self.free_bytes -= len * ptrs.len() as u64;
-            for ptr in &ptrs {
+            for &ptr in &ptrs {
                 self.at.remove(ptr);
             }
             out.push(((list.stream, of.index()), ptrs));
@@ -248,7 +286,7 @@ impl ThreadRecords {
     /// live record whose list went finds it again at its next free).
     fn remove_empty_lists(&mut self) {
         let mut renumber = vec![NO_LIST; self.lists.len()];
-        let mut kept = 0u32;
+        let mut kept = 0u16;
         for (old, l) in self.lists.iter().enumerate() {
             if !l.ptrs.is_empty() {
                 renumber[old] = kept;
@@ -259,7 +297,7 @@ impl ThreadRecords {
         self.list_at.clear();
         self.memo = NO_MEMO;
         for (i, l) in self.lists.iter().enumerate() {
-            self.list_at.insert((l.stream, l.key), i as u32);
+            self.list_at.insert((l.stream, l.key), i as u16);
         }
         for r in self.at.values_mut() {
             if r.list != NO_LIST {
@@ -275,9 +313,9 @@ impl ThreadRecords {
 #[cfg(test)]
 pub(crate) fn hot_field_ends() -> (usize, usize) {
     use std::mem::{offset_of, size_of};
-    let memo_end = offset_of!(ThreadRecords, memo) + size_of::<(u64, u64, u32)>();
+    let memo_end = offset_of!(ThreadRecords, memo) + size_of::<(u64, u64, u16)>();
     let hot_end = [
-        offset_of!(ThreadRecords, at) + size_of::<FxHashMap<u64, Record>>(),
+        offset_of!(ThreadRecords, at) + size_of::<AddrTable<Record>>(),
         offset_of!(ThreadRecords, lists) + size_of::<Vec<FreeList>>(),
         offset_of!(ThreadRecords, free_bytes) + size_of::<u64>(),
     ]
