@@ -176,7 +176,9 @@ impl<V: Copy + Default> AddrTable<V> {
         if kept.len() == self.len {
             return;
         }
-        self.slots.iter_mut().for_each(|s| *s = (NO_KEY, V::default()));
+        self.slots
+            .iter_mut()
+            .for_each(|s| *s = (NO_KEY, V::default()));
         self.len = kept.len();
         for (k, v) in kept {
             self.place(k, v);

@@ -365,6 +365,37 @@ mod tests {
         assert_eq!(free(&mut t, 0x1000), FreeOutcome::Absent);
     }
 
+    /// A record that does not fit the packed form is not taken: an arena key past `u32`
+    /// (the caller records the block itself), or a free that would need a list index past
+    /// the `u16` range (declined: the block goes to the device, its record stays live).
+    #[test]
+    fn records_that_do_not_fit_are_left_to_the_device() {
+        let mut t = ThreadRecords::default();
+        let far = FrontLive {
+            arena: u32::MAX as usize + 1,
+            ..rec(7, 4096)
+        };
+        assert!(!t.insert_live(0x1000, far));
+        assert!(!t.insert_live(0, rec(7, 4096)), "the null address");
+        assert_eq!(t.live().count(), 0);
+        // One list per stream, up to the last index below the "no list" mark.
+        for s in 0..u64::from(NO_LIST) {
+            let ptr = 0x10_0000 * (s + 1);
+            assert!(t.insert_live(ptr, rec(s, 4096)));
+            assert!(matches!(free(&mut t, ptr), FreeOutcome::Freed(..)));
+        }
+        assert_eq!(t.lists.len(), usize::from(NO_LIST));
+        let ptr = 0x10_0000 * (u64::from(NO_LIST) + 1);
+        assert!(t.insert_live(ptr, rec(1 << 40, 4096)));
+        assert_eq!(free(&mut t, ptr), FreeOutcome::Declined);
+        assert_eq!(t.lists.len(), usize::from(NO_LIST));
+        assert_eq!(t.take_live(ptr), Some(rec(1 << 40, 4096)), "still live");
+        // A stream that has a list still frees into it.
+        assert!(t.insert_live(ptr, rec(3, 4096)));
+        assert!(matches!(free(&mut t, ptr), FreeOutcome::Freed(..)));
+        assert_eq!(t.alloc_free(3, 4096, 0, 4096).map(|(p, _)| p), Some(ptr));
+    }
+
     /// Draining takes the free blocks out (the live records stay), and with many lists the
     /// empty ones go while live records still find their lists.
     #[test]
