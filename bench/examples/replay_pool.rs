@@ -16,7 +16,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use gpu_arena::backend::sim::{SimBackend, SimConfig};
+use gpu_arena::backend::sim::{SimBackend, SimCall, SimConfig};
 use gpu_arena::{Pool, PoolConfig, StreamId};
 use gpu_arena_bench::trace::{generate, Op, TraceConfig};
 
@@ -58,7 +58,19 @@ fn main() {
         arena_size: arena_mib << 20,
         ..PoolConfig::default()
     };
-    let pool = Pool::new(Arc::new(backend), config).unwrap();
+    let backend = Arc::new(backend);
+    let pool = Pool::new(Arc::clone(&backend) as Arc<_>, config).unwrap();
+    // Driver calls per replay: on a GPU an event record or query costs about a
+    // microsecond, which instruction counts on sim do not show.
+    let driver_calls = || {
+        [
+            SimCall::RecordEvent,
+            SimCall::EventQuery,
+            SimCall::CreateArena,
+            SimCall::Synchronize,
+        ]
+        .map(|c| backend.calls(c))
+    };
     let t = Instant::now();
     for _ in 0..pairs {
         let a = pool.alloc(0, 2 << 20, StreamId(1)).unwrap();
@@ -70,12 +82,23 @@ fn main() {
     }
     let mut ptrs = vec![0u64; trace.allocs as usize];
     for r in 0..replays {
+        let calls_before = driver_calls();
         let t = Instant::now();
         replay_ops(&pool, &trace.ops, &mut ptrs);
         let ns = t.elapsed().as_nanos() as f64 / trace.ops.len() as f64;
         let s = pool.stats(0).unwrap();
+        let [records, queries, creates, syncs] = driver_calls()
+            .iter()
+            .zip(calls_before)
+            .map(|(after, before)| after - before)
+            .collect::<Vec<_>>()[..]
+        else {
+            unreachable!()
+        };
         println!(
-            "replay {r}: {ns:.1} ns/op, peak reserved {} MiB, arenas {}",
+            "replay {r}: {ns:.1} ns/op, peak reserved {} MiB, arenas {}, driver calls: \
+             {records} event records, {queries} event queries, {creates} arenas created, \
+             {syncs} synchronizes",
             s.peak_reserved_bytes >> 20,
             s.arenas
         );

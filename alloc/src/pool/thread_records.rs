@@ -264,8 +264,11 @@ impl ThreadRecords {
         }
         for list in &mut self.lists {
             let (len, tag) = cache_key_parts(list.key);
+            if list.ptrs.is_empty() || len <= min_len {
+                continue;
+            }
             let of = Class::of(tag as u8, len);
-            if list.ptrs.is_empty() || len <= min_len || class.is_some_and(|c| c != of) {
+            if class.is_some_and(|c| c != of) {
                 continue;
             }
             // The list keeps its capacity: its blocks come back after the flush.

@@ -47,7 +47,7 @@ fn class_of(len: u64) -> usize {
 const SPARE_TAGS: usize = 4;
 
 /// One tag's free ranges.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 struct TagRanges {
     /// Their bytes (0 in a spare or an emptied tag).
     bytes: u64,
@@ -55,7 +55,19 @@ struct TagRanges {
     nonempty: [u64; WORDS],
     /// (length, offset) by class.
     classes: Box<[BTreeSet<(u64, u64)>]>,
+    /// In [`FreeIndex::emptied`] (a flag: the queue is not searched on each emptying).
+    queued: bool,
 }
+
+/// Equal when they hold the same ranges (queued or not).
+impl PartialEq for TagRanges {
+    fn eq(&self, other: &Self) -> bool {
+        (self.bytes, self.nonempty) == (other.bytes, other.nonempty)
+            && self.classes == other.classes
+    }
+}
+
+impl Eq for TagRanges {}
 
 impl TagRanges {
     fn new() -> Self {
@@ -63,6 +75,7 @@ impl TagRanges {
             bytes: 0,
             nonempty: [0; WORDS],
             classes: (0..CLASSES).map(|_| BTreeSet::new()).collect(),
+            queued: false,
         }
     }
 
@@ -167,20 +180,18 @@ impl FreeIndex {
         if !t.remove(class_of(len), len, offset) {
             return false;
         }
-        if t.bytes == 0 {
+        if t.bytes == 0 && !t.queued {
+            t.queued = true;
             self.emptied(tag);
         }
         self.ranges -= 1;
         true
     }
 
-    /// `tag` has no free range left: it stays, and the oldest emptied tag past
-    /// [`SPARE_TAGS`] leaves (its structure kept as a spare), if it is still empty. A tag
-    /// emptied again before its turn keeps its place.
+    /// `tag` (just marked queued) has no free range left: it stays, and the oldest emptied
+    /// tag past [`SPARE_TAGS`] leaves (its structure kept as a spare), if it is still empty.
+    /// A tag emptied again before its turn keeps its place (the caller skips queued tags).
     fn emptied(&mut self, tag: u64) {
-        if self.emptied.contains(&tag) {
-            return;
-        }
         self.emptied.push_back(tag);
         if self.emptied.len() <= SPARE_TAGS {
             return;
@@ -188,7 +199,11 @@ impl FreeIndex {
         let Some(oldest) = self.emptied.pop_front() else {
             return;
         };
-        if self.tags.get(&oldest).is_some_and(|t| t.bytes == 0) {
+        let Some(t) = self.tags.get_mut(&oldest) else {
+            return;
+        };
+        t.queued = false;
+        if t.bytes == 0 {
             if let Some(t) = self.tags.remove(&oldest) {
                 if self.spare.len() < SPARE_TAGS {
                     self.spare.push(t);
@@ -215,7 +230,8 @@ impl FreeIndex {
             }
         };
         t.remove(class, flen, offset);
-        if t.bytes == 0 {
+        if t.bytes == 0 && !t.queued {
+            t.queued = true;
             self.emptied(tag);
         }
         self.ranges -= 1;
@@ -293,7 +309,10 @@ impl FreeIndex {
                     t.bytes
                 ));
             }
-            if bytes == 0 && !self.emptied.contains(&tag) {
+            if t.queued != self.emptied.contains(&tag) {
+                return Err(format!("tag {tag:#x}: its queued flag is wrong"));
+            }
+            if bytes == 0 && !t.queued {
                 return Err(format!(
                     "tag {tag:#x} has no range and is not an emptied one"
                 ));
@@ -304,7 +323,10 @@ impl FreeIndex {
         }
         if self.spare.len() > SPARE_TAGS
             || self.spare.iter().any(|t| {
-                t.bytes != 0 || t.nonempty != [0; WORDS] || t.classes.iter().any(|s| !s.is_empty())
+                t.bytes != 0
+                    || t.queued
+                    || t.nonempty != [0; WORDS]
+                    || t.classes.iter().any(|s| !s.is_empty())
             })
         {
             return Err("a spare tag structure is not empty".into());
