@@ -13,10 +13,11 @@
 //! class, found in the bitmap.
 #![forbid(unsafe_code)]
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::VecDeque;
 
 use rustc_hash::FxHashMap;
 
+use super::class_set::ClassSet;
 use super::GRANULE;
 
 /// log2 of the number of classes per power of two of a length in granules.
@@ -53,8 +54,8 @@ struct TagRanges {
     bytes: u64,
     /// Bit `c` set when class `c` holds a range.
     nonempty: [u64; WORDS],
-    /// (length, offset) by class.
-    classes: Box<[BTreeSet<(u64, u64)>]>,
+    /// (length, offset) by class (`range/class_set.rs`: a sorted vector while it is short).
+    classes: Box<[ClassSet]>,
     /// In [`FreeIndex::emptied`] (a flag: the queue is not searched on each emptying).
     queued: bool,
 }
@@ -74,7 +75,7 @@ impl TagRanges {
         Self {
             bytes: 0,
             nonempty: [0; WORDS],
-            classes: (0..CLASSES).map(|_| BTreeSet::new()).collect(),
+            classes: (0..CLASSES).map(|_| ClassSet::default()).collect(),
             queued: false,
         }
     }
@@ -217,15 +218,12 @@ impl FreeIndex {
     pub(super) fn take_best_fit(&mut self, tag: u64, len: u64) -> Option<(u64, u64)> {
         let t = self.tags.get_mut(&tag)?;
         let own = class_of(len);
-        let in_own = t
-            .classes
-            .get(own)
-            .and_then(|set| set.range((len, 0)..).next().copied());
+        let in_own = t.classes.get(own).and_then(|set| set.first_from((len, 0)));
         let (flen, offset, class) = match in_own {
             Some((flen, offset)) => (flen, offset, own),
             None => {
                 let class = t.nonempty_from(own + 1)?;
-                let &(flen, offset) = t.classes[class].first()?;
+                let (flen, offset) = t.classes[class].first()?;
                 (flen, offset, class)
             }
         };
@@ -243,7 +241,7 @@ impl FreeIndex {
         self.tags
             .get(&tag)
             .and_then(|t| t.classes[t.last_nonempty()?].last())
-            .map_or(0, |&(len, _)| len)
+            .map_or(0, |(len, _)| len)
     }
 
     /// The free ranges of `tag` as `(offset, length)`, by length then offset.
@@ -251,8 +249,8 @@ impl FreeIndex {
         self.tags.get(&tag).map_or_else(Vec::new, |t| {
             t.classes
                 .iter()
-                .flatten()
-                .map(|&(len, offset)| (offset, len))
+                .flat_map(ClassSet::iter)
+                .map(|(len, offset)| (offset, len))
                 .collect()
         })
     }
@@ -290,7 +288,7 @@ impl FreeIndex {
                 if bit == set.is_empty() {
                     return Err(format!("tag {tag:#x}: class {class}'s bit is wrong"));
                 }
-                for &(len, offset) in set {
+                for (len, offset) in set.iter() {
                     if class_of(len) != class {
                         return Err(format!("free range {offset:#x}+{len} in class {class}"));
                     }
@@ -346,6 +344,7 @@ impl FreeIndex {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::collections::BTreeSet;
 
     #[test]
     fn classes_are_contiguous_and_grow_with_the_length() {

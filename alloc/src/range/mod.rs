@@ -35,6 +35,7 @@ use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
 
+mod class_set;
 mod free_index;
 mod split;
 
