@@ -130,7 +130,24 @@ impl<V: Copy + Default> AddrTable<V> {
 
     /// Double the slots (or make the first ones) and place every entry again.
     fn grow(&mut self) {
-        let n = (self.slots.len() * 2).max(MIN_SLOTS);
+        self.resize((self.slots.len() * 2).max(MIN_SLOTS));
+    }
+
+    /// At most 1/8 of the slots used: halve them until half are (a thread that once held
+    /// 50,000 records and now a few hundred gives the memory back). Far from the 3/4 at
+    /// which the table grows, so a count that moves back and forth does not rebuild it
+    /// each time. Whether it shrank.
+    pub(crate) fn shrink_if_sparse(&mut self) -> bool {
+        let n = self.slots.len();
+        if n <= MIN_SLOTS || self.len * 8 > n {
+            return false;
+        }
+        self.resize((self.len * 2).next_power_of_two().max(MIN_SLOTS));
+        true
+    }
+
+    /// `n` slots (a power of two, above the entries' count), every entry placed again.
+    fn resize(&mut self, n: usize) {
         let old = std::mem::replace(&mut self.slots, vec![(NO_KEY, V::default()); n].into());
         self.shift = 64 - n.trailing_zeros();
         for &(k, v) in old.iter() {
@@ -260,6 +277,41 @@ mod tests {
         assert!(t.get_mut(NO_KEY).is_none());
         assert!(t.remove(NO_KEY).is_none());
         assert_eq!(t.len(), 1);
+    }
+
+    /// A table emptied down to a few entries shrinks (and keeps them), one still a quarter
+    /// full does not, and the shrunk table grows again as before.
+    #[test]
+    fn a_sparse_table_shrinks_and_keeps_its_entries() {
+        let mut t: AddrTable<u64> = AddrTable::default();
+        for i in 1..=10_000u64 {
+            t.insert(i * 512, i);
+        }
+        let full = t.slots.len();
+        for i in 1..=7_500u64 {
+            t.remove(i * 512);
+        }
+        assert!(!t.shrink_if_sparse(), "a quarter full");
+        for i in 7_501..=9_900u64 {
+            t.remove(i * 512);
+        }
+        assert!(t.shrink_if_sparse());
+        assert!(t.slots.len() < full / 8 && t.slots.len() >= 2 * t.len());
+        assert!(!t.shrink_if_sparse(), "already half full");
+        for i in 9_901..=10_000u64 {
+            assert_eq!(t.get_mut(i * 512).copied(), Some(i));
+        }
+        for i in 1..=9_900u64 {
+            assert!(t.get_mut(i * 512).is_none());
+            t.insert(i * 512, i);
+        }
+        assert_eq!(t.len(), 10_000);
+        assert!((1..=10_000u64).all(|i| t.get_mut(i * 512).copied() == Some(i)));
+        for i in 1..=10_000u64 {
+            t.remove(i * 512);
+        }
+        assert!(t.shrink_if_sparse());
+        assert_eq!(t.slots.len(), MIN_SLOTS);
     }
 
     /// `retain` keeps exactly the entries it is told to (with their changed values), and

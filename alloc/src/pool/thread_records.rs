@@ -233,6 +233,7 @@ impl ThreadRecords {
             }
             r.free
         });
+        self.at.shrink_if_sparse();
     }
 
     /// The live records, by address.
@@ -283,6 +284,7 @@ impl ThreadRecords {
         if self.lists.len() > MAX_LISTS {
             self.remove_empty_lists();
         }
+        self.at.shrink_if_sparse();
     }
 
     /// Remove the empty free lists, renumbering the rest in the records that name them (a
