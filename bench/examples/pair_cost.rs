@@ -11,8 +11,9 @@
 //! The pool's pairs are 2 MiB on one stream (the thread cache's hit path after the first
 //! pair), through `Pool::alloc` / `Pool::free` on the sim backend. `--which` runs one side
 //! alone (for callgrind); `--which miss` runs pairs that miss every cache (blocks above
-//! 64 MiB: the sub-allocator's best fit and coalescing under the device lock). The figures and the callgrind breakdown are in
-//! `bench/results/sim-2026-11-30-pair-cost.md` and `bench/gpu/README.md`.
+//! 64 MiB: the sub-allocator's best fit and coalescing under the device lock). The figures
+//! and the callgrind breakdown are in `bench/results/sim-2026-11-30-pair-cost.md`,
+//! `bench/results/sim-2026-12-01-miss-path.md` and `bench/gpu/README.md`.
 #![allow(clippy::unwrap_used)]
 
 use std::hint::black_box;

@@ -87,14 +87,9 @@ fn main() {
         replay_ops(&pool, &trace.ops, &mut ptrs);
         let ns = t.elapsed().as_nanos() as f64 / trace.ops.len() as f64;
         let s = pool.stats(0).unwrap();
-        let [records, queries, creates, syncs] = driver_calls()
-            .iter()
-            .zip(calls_before)
-            .map(|(after, before)| after - before)
-            .collect::<Vec<_>>()[..]
-        else {
-            unreachable!()
-        };
+        let after = driver_calls();
+        let [records, queries, creates, syncs]: [u64; 4] =
+            std::array::from_fn(|i| after[i] - calls_before[i]);
         println!(
             "replay {r}: {ns:.1} ns/op, peak reserved {} MiB, arenas {}, driver calls: \
              {records} event records, {queries} event queries, {creates} arenas created, \

@@ -138,12 +138,22 @@ impl<V: Copy + Default> AddrTable<V> {
     /// which the table grows, so a count that moves back and forth does not rebuild it
     /// each time. Whether it shrank.
     pub(crate) fn shrink_if_sparse(&mut self) -> bool {
-        let n = self.slots.len();
-        if n <= MIN_SLOTS || self.len * 8 > n {
+        let n = self.fitted_slots();
+        if n == self.slots.len() {
             return false;
         }
-        self.resize((self.len * 2).next_power_of_two().max(MIN_SLOTS));
+        self.resize(n);
         true
+    }
+
+    /// The number of slots [`Self::shrink_if_sparse`] leaves: the present one, or half the
+    /// entries' count rounded up to a power of two when at most 1/8 of the slots are used.
+    fn fitted_slots(&self) -> usize {
+        let n = self.slots.len();
+        if n <= MIN_SLOTS || self.len * 8 > n {
+            return n;
+        }
+        (self.len * 2).next_power_of_two().max(MIN_SLOTS)
     }
 
     /// `n` slots (a power of two, above the entries' count), every entry placed again.
@@ -160,8 +170,16 @@ impl<V: Copy + Default> AddrTable<V> {
     /// Remove `key`; its value. The entries after it in its run move back into the hole
     /// when their home allows it, so every probe still ends at the first empty slot.
     pub(crate) fn remove(&mut self, key: u64) -> Option<V> {
+        self.remove_if(key, |_| true)
+    }
+
+    /// Remove `key` if `take` says so of its value, in one probe; the value removed.
+    pub(crate) fn remove_if(&mut self, key: u64, take: impl FnOnce(&V) -> bool) -> Option<V> {
         let mut hole = self.find(key)?;
         let value = self.slots[hole].1;
+        if !take(&value) {
+            return None;
+        }
         let mask = self.slots.len() - 1;
         let mut i = hole;
         loop {
@@ -182,24 +200,22 @@ impl<V: Copy + Default> AddrTable<V> {
         Some(value)
     }
 
-    /// Keep the entries for which `keep` returns true (it may change their values).
+    /// Keep the entries for which `keep` returns true (it may change their values). When
+    /// some go, the rest are placed again (the holes broke their probe runs), in fewer slots
+    /// if the table is then sparse ([`Self::shrink_if_sparse`]).
     pub(crate) fn retain(&mut self, mut keep: impl FnMut(u64, &mut V) -> bool) {
-        let kept: Vec<(u64, V)> = self
-            .slots
-            .iter_mut()
-            .filter(|(k, _)| *k != NO_KEY)
-            .filter_map(|(k, v)| keep(*k, v).then_some((*k, *v)))
-            .collect();
-        if kept.len() == self.len {
+        let mut removed = 0;
+        for slot in self.slots.iter_mut() {
+            if slot.0 != NO_KEY && !keep(slot.0, &mut slot.1) {
+                *slot = (NO_KEY, V::default());
+                removed += 1;
+            }
+        }
+        if removed == 0 {
             return;
         }
-        self.slots
-            .iter_mut()
-            .for_each(|s| *s = (NO_KEY, V::default()));
-        self.len = kept.len();
-        for (k, v) in kept {
-            self.place(k, v);
-        }
+        self.len -= removed;
+        self.resize(self.fitted_slots());
     }
 
     /// The entries, in no particular order.
@@ -279,6 +295,21 @@ mod tests {
         assert_eq!(t.len(), 1);
     }
 
+    /// `remove_if` removes only what its predicate takes, and keeps the table findable.
+    #[test]
+    fn remove_if_takes_only_what_it_is_told() {
+        let mut t: AddrTable<u64> = AddrTable::default();
+        for i in 1..=100u64 {
+            t.insert(i * 512, i);
+        }
+        assert_eq!(t.remove_if(512, |&v| v == 2), None);
+        assert_eq!(t.get_mut(512).copied(), Some(1));
+        assert_eq!(t.remove_if(512, |&v| v == 1), Some(1));
+        assert_eq!(t.remove_if(512, |_| true), None);
+        assert_eq!(t.len(), 99);
+        assert!((2..=100u64).all(|i| t.get_mut(i * 512).copied() == Some(i)));
+    }
+
     /// A table emptied down to a few entries shrinks (and keeps them), one still a quarter
     /// full does not, and the shrunk table grows again as before.
     #[test]
@@ -337,5 +368,11 @@ mod tests {
         assert!(t.iter().all(|(_, v)| *v == 7));
         assert_eq!(t.remove(1024), Some(7));
         assert_eq!(t.len(), 499);
+        // Keeping few: the table is placed again in fewer slots.
+        let before = t.slots.len();
+        t.retain(|k, _| k % (64 * 1024) == 0);
+        assert_eq!(t.len(), 7);
+        assert!(t.slots.len() < before);
+        assert!((1..=7u64).all(|i| t.get_mut(i * 64 * 1024) == Some(&mut 7)));
     }
 }

@@ -386,8 +386,8 @@ impl Front {
     /// Record a plain allocation of `len` bytes made under the device lock in the calling
     /// thread's cache and count its bytes there, as a fast allocation does (no shared
     /// write). `false` while the thread exits, or when the cache cannot hold its record: the
-    /// caller records it itself, and the bytes go to the base. Also returns the allocated and requested bytes as this thread sees
-    /// them.
+    /// caller records it itself, and the bytes go to the base. Also returns the allocated
+    /// and requested bytes as this thread sees them.
     pub(crate) fn record_alloc(
         self: &Arc<Self>,
         ptr: u64,

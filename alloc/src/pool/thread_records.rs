@@ -193,23 +193,23 @@ impl ThreadRecords {
         };
         if r.list == NO_LIST {
             let (stream, key) = (r.stream, cache_len(len, r.tag));
-            let Ok(next) = u16::try_from(self.lists.len()) else {
-                return FreeOutcome::Declined;
+            r.list = match self.list_at.get(&(stream, key)) {
+                Some(&list) => list,
+                None => {
+                    // A new list, unless its index would be the "no list" mark.
+                    let next = match u16::try_from(self.lists.len()) {
+                        Ok(next) if next != NO_LIST => next,
+                        _ => return FreeOutcome::Declined,
+                    };
+                    self.list_at.insert((stream, key), next);
+                    self.lists.push(FreeList {
+                        stream,
+                        key,
+                        ptrs: Vec::new(),
+                    });
+                    next
+                }
             };
-            let list = *self.list_at.entry((stream, key)).or_insert(next);
-            if list == NO_LIST {
-                // The last index is the "no list" mark: this list is not made.
-                self.list_at.remove(&(stream, key));
-                return FreeOutcome::Declined;
-            }
-            r.list = list;
-            if list == next {
-                self.lists.push(FreeList {
-                    stream,
-                    key,
-                    ptrs: Vec::new(),
-                });
-            }
         }
         r.free = true;
         self.lists[r.list as usize].ptrs.push(ptr);
@@ -219,10 +219,7 @@ impl ThreadRecords {
 
     /// Take the live record of `ptr` out of the map (to promote it). One lookup.
     pub(crate) fn take_live(&mut self, ptr: u64) -> Option<FrontLive> {
-        if self.at.get_mut(ptr)?.free {
-            return None;
-        }
-        self.at.remove(ptr).map(|r| r.live())
+        self.at.remove_if(ptr, |r| !r.free).map(|r| r.live())
     }
 
     /// Take every live record out of the map.
@@ -233,7 +230,6 @@ impl ThreadRecords {
             }
             r.free
         });
-        self.at.shrink_if_sparse();
     }
 
     /// The live records, by address.

@@ -13,6 +13,7 @@
 //! class, found in the bitmap.
 #![forbid(unsafe_code)]
 
+use std::collections::hash_map::Entry;
 use std::collections::VecDeque;
 
 use rustc_hash::FxHashMap;
@@ -111,6 +112,16 @@ impl TagRanges {
         }
     }
 
+    /// Whether it has just lost its last range and is not queued yet (it is, from now:
+    /// the caller queues it with [`FreeIndex::emptied`]).
+    fn newly_emptied(&mut self) -> bool {
+        if self.bytes != 0 || self.queued {
+            return false;
+        }
+        self.queued = true;
+        true
+    }
+
     /// Remove `(len, offset)` from `class`; whether it was there.
     fn remove(&mut self, class: usize, len: u64, offset: u64) -> bool {
         let Some(set) = self.classes.get_mut(class) else {
@@ -144,14 +155,11 @@ pub(super) struct FreeIndex {
 /// Equal when they hold the same ranges (whatever their spares and emptied tags).
 impl PartialEq for FreeIndex {
     fn eq(&self, other: &Self) -> bool {
-        let holding = |i: &Self| i.tags.iter().filter(|(_, t)| t.bytes > 0).count();
         self.ranges == other.ranges
-            && holding(self) == holding(other)
+            && self.holding().count() == other.holding().count()
             && self
-                .tags
-                .iter()
-                .filter(|(_, t)| t.bytes > 0)
-                .all(|(tag, t)| other.tags.get(tag) == Some(t))
+                .holding()
+                .all(|(tag, t)| other.tags.get(&tag) == Some(t))
     }
 }
 
@@ -181,8 +189,7 @@ impl FreeIndex {
         if !t.remove(class_of(len), len, offset) {
             return false;
         }
-        if t.bytes == 0 && !t.queued {
-            t.queued = true;
+        if t.newly_emptied() {
             self.emptied(tag);
         }
         self.ranges -= 1;
@@ -200,15 +207,14 @@ impl FreeIndex {
         let Some(oldest) = self.emptied.pop_front() else {
             return;
         };
-        let Some(t) = self.tags.get_mut(&oldest) else {
+        let Entry::Occupied(mut e) = self.tags.entry(oldest) else {
             return;
         };
-        t.queued = false;
-        if t.bytes == 0 {
-            if let Some(t) = self.tags.remove(&oldest) {
-                if self.spare.len() < SPARE_TAGS {
-                    self.spare.push(t);
-                }
+        e.get_mut().queued = false;
+        if e.get().bytes == 0 {
+            let t = e.remove();
+            if self.spare.len() < SPARE_TAGS {
+                self.spare.push(t);
             }
         }
     }
@@ -228,8 +234,7 @@ impl FreeIndex {
             }
         };
         t.remove(class, flen, offset);
-        if t.bytes == 0 && !t.queued {
-            t.queued = true;
+        if t.newly_emptied() {
             self.emptied(tag);
         }
         self.ranges -= 1;
@@ -270,10 +275,15 @@ impl FreeIndex {
 
     /// Tags with free ranges and their free bytes, in no order.
     pub(super) fn tag_bytes(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.holding().map(|(tag, t)| (tag, t.bytes))
+    }
+
+    /// The tags that hold free ranges (not the emptied ones still kept), in no order.
+    fn holding(&self) -> impl Iterator<Item = (u64, &TagRanges)> + '_ {
         self.tags
             .iter()
             .filter(|(_, t)| t.bytes > 0)
-            .map(|(&tag, t)| (tag, t.bytes))
+            .map(|(&tag, t)| (tag, t))
     }
 
     /// Check the index's own invariants: every range in its class, the bitmaps, the bytes
