@@ -19,7 +19,7 @@ pub use config::{BackendChoice, Config};
 pub use error::{Error, Result};
 pub use ids::{DeviceId, StreamId};
 pub use pool::{
-    Allocation, ArenaInfo, ArenaObserver, LeaseGrant, ObserverId, Pool, PoolConfig, ShareInfo,
-    TrimReport,
+    Allocation, ArenaInfo, ArenaObserver, BlockInfo, GraphPoolId, LeaseGrant, ObserverId, Pool,
+    PoolBlock, PoolConfig, SegmentInfo, ShareInfo, TrimReport,
 };
 pub use stats::PoolStats;

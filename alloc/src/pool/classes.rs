@@ -46,10 +46,12 @@ pub const SMALL_ARENA: u64 = 2 * MIB;
 /// `empty_cache` still flushes everything and releases every empty small arena.
 pub const SMALL_GROW_FREELY: u64 = 32 * MIB;
 
-/// A sub-allocator: a tag and a size class.
+/// A sub-allocator: a graph pool (or the general pool), a tag and a size class.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Class {
-    /// The tag index (`crate::tags`).
+    /// The graph pool's slot (`pool/graph_pools.rs`), [`GENERAL`] for the general pool.
+    pub(crate) pool: u16,
+    /// The tag index (`crate::tags`); always 0 in a graph pool.
     pub(crate) tag: u8,
     /// Blocks up to [`LARGE_MIN`] bytes.
     pub(crate) small: bool,
@@ -67,23 +69,42 @@ impl Class {
     #[inline]
     pub(crate) fn of(tag: u8, len: u64) -> Class {
         Class {
+            pool: GENERAL,
             tag,
             small: len <= LARGE_MIN,
             huge: len > HUGE_MIN,
         }
     }
 
-    /// Its index in `DeviceState::ranges`.
+    /// The class serving a block of `len` bytes in graph pool `slot` (not [`GENERAL`]).
+    pub(crate) fn in_graph_pool(slot: u16, len: u64) -> Class {
+        Class {
+            pool: slot,
+            ..Class::of(0, len)
+        }
+    }
+
+    /// Its index in `DeviceState::ranges`: the general pool's (tag, class) first, then
+    /// three per graph pool slot (whose blocks carry tag 0).
     #[inline]
     pub(crate) fn index(self) -> usize {
-        usize::from(self.tag) * 3 + usize::from(self.small) + 2 * usize::from(self.huge)
+        let row = if self.pool == GENERAL {
+            usize::from(self.tag)
+        } else {
+            crate::tags::MAX_TAGS + usize::from(self.pool) - 1
+        };
+        row * 3 + usize::from(self.small) + 2 * usize::from(self.huge)
     }
 }
+
+/// `Class::pool` of the general pool (every allocation outside a graph pool).
+pub(crate) const GENERAL: u16 = 0;
 
 impl Arena {
     /// The class whose blocks it holds.
     pub(crate) fn class(&self) -> Class {
         Class {
+            pool: self.graph_pool,
             tag: self.tag,
             small: self.small,
             huge: self.huge,
@@ -115,9 +136,17 @@ impl DeviceState {
     }
 }
 
+/// Bytes of a graph pool's arena for large blocks up to half of it (larger blocks get an
+/// arena of their own size). A graph pool holds one capture's (or a few captures')
+/// temporaries and outputs, and many pools may live at once (one per graph unless they
+/// share): a regular `arena_size` arena each would reserve a GiB per graph. PyTorch's
+/// private pools use 20 MiB segments for blocks up to 10 MiB.
+pub const GRAPH_POOL_ARENA: u64 = 32 * MIB;
+
 /// The size of the arena to create for a block of `len` bytes of `class`: a small arena,
 /// an arena of its own for a block larger than `arena_bytes`, else a regular arena of
-/// `arena_bytes`. A multiple of `granularity`; `None` on overflow.
+/// `arena_bytes` (in a graph pool: [`GRAPH_POOL_ARENA`], or the block's own size above
+/// half of it). A multiple of `granularity`; `None` on overflow.
 pub(crate) fn arena_bytes_for(
     class: Class,
     len: u64,
@@ -126,7 +155,9 @@ pub(crate) fn arena_bytes_for(
 ) -> Option<u64> {
     if class.small {
         range::round_up_to(SMALL_ARENA, granularity)
-    } else if len > arena_bytes {
+    } else if class.pool != GENERAL && len <= GRAPH_POOL_ARENA / 2 {
+        range::round_up_to(GRAPH_POOL_ARENA.min(arena_bytes), granularity)
+    } else if class.pool != GENERAL || len > arena_bytes {
         range::round_up_to(len, granularity)
     } else {
         Some(arena_bytes)
@@ -144,5 +175,34 @@ mod tests {
         assert!(!Class::of(3, LARGE_MIN + 2 * MIB).small);
         assert_ne!(Class::of(3, 512).index(), Class::of(3, 4 * MIB).index());
         assert_ne!(Class::of(3, 512).index(), Class::of(4, 512).index());
+    }
+
+    #[test]
+    fn graph_pools_have_sub_allocators_of_their_own() {
+        let general: Vec<usize> = (0..crate::tags::MAX_TAGS as u8)
+            .flat_map(|t| [512, 4 * MIB, 128 * MIB].map(|l| Class::of(t, l).index()))
+            .collect();
+        let mut seen = std::collections::HashSet::new();
+        for slot in 1..=4u16 {
+            for len in [512, 4 * MIB, 128 * MIB] {
+                let i = Class::in_graph_pool(slot, len).index();
+                assert!(
+                    !general.contains(&i),
+                    "slot {slot} len {len} shares index {i}"
+                );
+                assert!(seen.insert(i), "two graph pool classes share index {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn graph_pool_arenas_are_small_or_the_block_s_own() {
+        let g = 2 * MIB;
+        let pool = |len| arena_bytes_for(Class::in_graph_pool(1, len), len, 1024 * MIB, g);
+        assert_eq!(pool(4 * MIB), Some(GRAPH_POOL_ARENA));
+        assert_eq!(pool(20 * MIB), Some(20 * MIB));
+        assert_eq!(pool(512), Some(SMALL_ARENA));
+        let general = arena_bytes_for(Class::of(0, 4 * MIB), 4 * MIB, 1024 * MIB, g);
+        assert_eq!(general, Some(1024 * MIB));
     }
 }

@@ -6,7 +6,7 @@
 use rustc_hash::FxHashMap;
 use std::collections::HashMap;
 
-use super::classes::Class;
+use super::classes::{Class, GENERAL};
 use super::thread_cache::FrontLive;
 use super::{DeviceState, Live, PendingFree, ANY_STREAM, FLUSH_FIRST_ABOVE, LIMBO_BASE};
 use crate::backend::{ArenaMem, Backend, DeviceId, StreamId};
@@ -35,11 +35,10 @@ impl DeviceState {
         &mut self,
         len: u64,
         stream: StreamId,
-        tag: u8,
+        class: Class,
         backend: &dyn Backend,
         device: DeviceId,
     ) -> Option<u64> {
-        let class = Class::of(tag, len);
         let t = class.index();
         // Created on first use.
         self.ranges_mut(class);
@@ -60,8 +59,9 @@ impl DeviceState {
         // Miss: give this class's cached blocks, the device's and the thread caches', back
         // to the ranges, where they coalesce, and retry: the large ones first, then all (see
         // FLUSH_FIRST_ABOVE; small blocks are all below it).
-        if self.grows_freely(class) {
-            return None;
+        // A graph pool's blocks are never cached, so a flush cannot help it.
+        if self.grows_freely(class) || class.pool != GENERAL {
+            return self.settle_unless_routing(backend, device, class, len, stream);
         }
         let passes: &[u64] = if class.small {
             &[0]
@@ -86,6 +86,24 @@ impl DeviceState {
         // Only this class's ranges move: small misses are frequent (small arenas are 2 MiB)
         // and moving the large class's ranges on each of them changed its placement (one
         // more 1 GiB arena on the KV trace, and slower).
+        self.settle_unless_routing(backend, device, class, len, stream)
+    }
+
+    /// The last resort of [`Self::take_range`]: settle `class`'s streams and retry; not
+    /// while allocations are routed to a graph pool (no event may be recorded or queried:
+    /// `pool/graph_pools.rs`), nor for a small class that grows freely.
+    fn settle_unless_routing(
+        &mut self,
+        backend: &dyn Backend,
+        device: DeviceId,
+        class: Class,
+        len: u64,
+        stream: StreamId,
+    ) -> Option<u64> {
+        if self.graph_pools.routing() || (class.pool == GENERAL && self.grows_freely(class)) {
+            return None;
+        }
+        let t = class.index();
         self.settle(backend, device, t);
         self.ranges[t]
             .alloc(len, stream.0)
@@ -227,6 +245,10 @@ impl DeviceState {
             if let Err(e) = self.release_range(ptr, stream.0) {
                 tracing::error!(error = %e, "releasing a deferred free failed");
             }
+            return;
+        }
+        if self.graph_pools.routing() {
+            self.defer_until_no_capture(ptr, bytes);
             return;
         }
         let mut events = Vec::with_capacity(extra.len());
@@ -492,6 +514,7 @@ impl DeviceState {
             tag: class.tag,
             small: class.small,
             huge: class.huge,
+            graph_pool: class.pool,
             sleep: None,
         });
         self.arena_at.insert(base..base + bytes, key);
@@ -518,6 +541,7 @@ impl DeviceState {
                 a.live_allocs == 0
                     && a.sleep.is_none()
                     && a.lifetime.destroyable()
+                    && !super::graph_pools::keeps_arenas(&self.graph_pools, a.graph_pool)
                     && !busy(a.mem.base)
             })
             .map(|(k, _)| k)
@@ -539,6 +563,10 @@ impl DeviceState {
             }
             out.push(a.mem);
         }
+        // Released graph pools whose last arena went are forgotten.
+        let arenas = &self.arenas;
+        self.graph_pools
+            .forget_unused(|slot| arenas.iter().any(|(_, a)| a.graph_pool == slot));
         out
     }
 

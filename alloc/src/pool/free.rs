@@ -5,6 +5,7 @@
 
 use std::collections::hash_map::Entry;
 
+use super::classes::GENERAL;
 use super::{live_tag, DevicePool, PendingFree, Pool, CACHE_MAX_BLOCK};
 use crate::backend::{DeviceId, StreamId};
 use crate::error::{Error, Result};
@@ -103,14 +104,21 @@ impl Pool {
             }
         };
         if let Some(live) = plain {
-            st.stats.free_count += 1;
+            st.stats.free_count = st.stats.free_count.wrapping_add(1);
             let bytes = live.bytes();
             if st.history.recording {
                 let (req, s) = (live.requested, live.stream.0);
                 st.history.record(Action::FreeRequested, ptr, bytes, req, s);
             }
-            let cacheable =
-                bytes <= CACHE_MAX_BLOCK && st.cached_bytes + bytes <= st.stats.reserved_bytes / 4;
+            // A graph pool's block goes back to its pool's sub-allocator, never to a cache
+            // (pool/graph_pools.rs, rule 2).
+            let general = st
+                .arenas
+                .get(live.arena)
+                .is_some_and(|a| a.graph_pool == GENERAL);
+            let cacheable = general
+                && bytes <= CACHE_MAX_BLOCK
+                && st.cached_bytes + bytes <= st.stats.reserved_bytes / 4;
             if cacheable {
                 st.cache_live(ptr, live);
             } else {
@@ -150,7 +158,7 @@ impl Pool {
                 }
             }
         };
-        st.stats.free_count += 1;
+        st.stats.free_count = st.stats.free_count.wrapping_add(1);
         if st.history.recording {
             let (len, req) = (live.bytes(), live.requested);
             st.history
@@ -160,6 +168,10 @@ impl Pool {
             // Still shared: the range waits for its last reference (pool/share.rs releases
             // it when the lifetime says so).
             st.stats.deferred_free_bytes += live.bytes();
+        } else if !extra.is_empty() && st.graph_pools.routing() {
+            // No event while a capture may be under way: recorded when the last graph pool
+            // context closes (pool/graph_pools.rs, rule 4).
+            st.defer_until_no_capture(ptr, live.bytes());
         } else if !extra.is_empty() {
             let mut events = Vec::with_capacity(extra.len());
             for s in extra {

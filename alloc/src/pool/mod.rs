@@ -64,7 +64,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rustc_hash::FxHashMap;
 
@@ -73,18 +73,20 @@ use slab::Slab;
 
 use crate::backend::{ArenaMem, Backend, DeviceId, Event, Export, StreamId};
 use crate::error::{Error, Result};
-use crate::history::{Action, History};
+use crate::history::History;
 use crate::lifetime::{AllocHold, ArenaLifetime};
 use crate::range::{self, RangeAllocator};
 use crate::stats::{DeviceMetrics, PoolStats};
 use records::ShareTables;
-use thread_cache::{Front, FrontLive};
+use thread_cache::Front;
 
 mod addr_table;
+mod alloc;
 mod arena_index;
 mod classes;
 mod device;
 mod free;
+mod graph_pools;
 mod limits;
 mod observers;
 mod offload;
@@ -99,7 +101,8 @@ mod trace;
 mod trim;
 mod wake;
 
-pub use classes::{HUGE_MIN, SMALL_ARENA, SMALL_GROW_FREELY};
+pub use classes::{GRAPH_POOL_ARENA, HUGE_MIN, SMALL_ARENA, SMALL_GROW_FREELY};
+pub use graph_pools::{GraphPoolId, PoolBlock};
 pub use limits::{MaxReserved, MIN_ARENA_SIZE};
 pub use observers::{
     ArenaInfo, ArenaObserver, ObserverError, ObserverId, ARENA_EXPORTED, ARENA_PINNED,
@@ -107,6 +110,7 @@ pub use observers::{
 };
 pub use records::{LeaseGrant, ShareInfo};
 pub use sleep::SleepReport;
+pub use snapshot::{BlockInfo, SegmentInfo};
 pub use trace::DEFAULT_HISTORY_ENTRIES;
 pub use trim::TrimReport;
 
@@ -239,6 +243,9 @@ pub(crate) struct Arena {
     pub(crate) small: bool,
     /// Whether it holds huge blocks (`pool/classes.rs`).
     pub(crate) huge: bool,
+    /// The graph pool whose blocks it holds, for life (`pool/graph_pools.rs`; the slot,
+    /// `classes::GENERAL` for the general pool).
+    pub(crate) graph_pool: u16,
     /// While asleep (`pool/sleep.rs`): the contents kept on the host, if offloaded.
     pub(crate) sleep: Option<sleep::Asleep>,
 }
@@ -316,6 +323,8 @@ pub(crate) struct DeviceState {
     pub(crate) front: Arc<Front>,
     /// Host buffers kept for the next sleep's offload (`pool/offload.rs`).
     pub(crate) host_buffers: Vec<crate::backend::HostBuffer>,
+    /// Graph pools, their use counts and the routing contexts open (`pool/graph_pools.rs`).
+    pub(crate) graph_pools: graph_pools::GraphPools,
 }
 
 /// One device's pool. `repr(C)` on a line of its own: what a fast allocation or free reads
@@ -407,217 +416,6 @@ impl Pool {
         }
     }
 
-    /// Allocate `bytes` on `device` for use on `stream`.
-    pub fn alloc(&self, device: DeviceId, bytes: u64, stream: StreamId) -> Result<Allocation> {
-        let dp = self.dev(device)?;
-        if bytes == 0 || bytes > MAX_REQUEST_BYTES {
-            return Err(Error::invalid(format!(
-                "alloc of {bytes} bytes on device {device}: size must be between 1 and {MAX_REQUEST_BYTES}"
-            )));
-        }
-        let len = block_len(bytes).ok_or_else(|| Error::invalid("size overflows"))?;
-        let stream = if self.config.unsafe_ignore_streams {
-            StreamId(ANY_STREAM)
-        } else {
-            stream
-        };
-        let tag = crate::tags::current();
-        // Fast path: a block freed on this stream, from this thread's cache, no device lock.
-        if let Some((ptr, [allocated_bytes, requested_bytes])) =
-            dp.front.try_alloc(stream.0, len, tag, bytes)
-        {
-            dp.metrics
-                .publish_allocated(allocated_bytes, requested_bytes);
-            if self.config.validate {
-                dp.state.lock().validate_or_log();
-            }
-            return Ok(Allocation {
-                ptr,
-                bytes: len,
-                device,
-            });
-        }
-        self.alloc_locked(dp, len, bytes, stream, tag)
-    }
-
-    /// A thread cache miss: an exact-size block from the device's cache, else a best-fit
-    /// range (under the lock, no driver call), else [`Self::alloc_slow`]. Out of line, so
-    /// the fast path's frame stays small.
-    #[cold]
-    #[inline(never)]
-    fn alloc_locked(
-        &self,
-        dp: &DevicePool,
-        len: u64,
-        bytes: u64,
-        stream: StreamId,
-        tag: u8,
-    ) -> Result<Allocation> {
-        let device = dp.device;
-        {
-            let mut st = dp.state.lock();
-            if st.asleep_tags & (1 << tag) != 0 {
-                return Err(sleep::asleep_error(device, tag, bytes));
-            }
-            st.reclaim_gone_caches();
-            let key = (stream.0, device::cache_len(len, tag));
-            if let Some((ptr, arena)) = st.cache.get_mut(&key).and_then(Vec::pop) {
-                st.cached_bytes -= len;
-                return Ok(self.finish_alloc_in(dp, &mut st, ptr, arena, len, bytes, stream));
-            }
-            if let Some(ptr) = st.take_range(len, stream, tag, self.backend.as_ref(), device) {
-                return Ok(self.finish_alloc(dp, &mut st, ptr, len, bytes, stream));
-            }
-        }
-        self.alloc_slow(dp, len, bytes, stream, tag)
-    }
-
-    fn alloc_slow(
-        &self,
-        dp: &DevicePool,
-        len: u64,
-        requested: u64,
-        stream: StreamId,
-        tag: u8,
-    ) -> Result<Allocation> {
-        let device = dp.device;
-        let limits = self.limits(dp)?;
-        let class = classes::Class::of(tag, len);
-        let arena_bytes =
-            classes::arena_bytes_for(class, len, limits.arena_bytes, limits.granularity)
-                .ok_or_else(|| Error::invalid("size overflows"))?;
-        let mut retried = false;
-        loop {
-            // Recycled (pinned) arenas and any range freed meanwhile come first. Ranges that
-            // wait only for a just-recorded event (limbo) are worth a short wait: an event
-            // on an idle stream completes within microseconds, creating an arena costs
-            // hundreds and grows the pool for good.
-            let deadline = Instant::now() + LIMBO_WAIT;
-            loop {
-                let mut st = dp.state.lock();
-                if st.asleep_tags & (1 << tag) != 0 {
-                    return Err(sleep::asleep_error(device, tag, requested));
-                }
-                if let Some(ptr) = st.take_range(len, stream, tag, self.backend.as_ref(), device) {
-                    return Ok(self.finish_alloc(dp, &mut st, ptr, len, requested, stream));
-                }
-                if st.limbo_bytes(class) < len || Instant::now() >= deadline {
-                    break;
-                }
-                drop(st);
-                std::thread::yield_now();
-            }
-            let capped = limits.over_cap(|| dp.state.lock().stats.reserved_bytes, arena_bytes);
-            // An arena larger than the device fails at once, without a driver call.
-            let created = if capped || arena_bytes > limits.total {
-                Err(Error::DriverOutOfMemory {
-                    backend: self.backend.name(),
-                    call: if capped { "max_reserved" } else { "arena_size" },
-                    device,
-                    bytes: arena_bytes,
-                })
-            } else {
-                self.backend.create_arena(device, arena_bytes)
-            };
-            match created {
-                Ok(mem) => {
-                    // Observers' on_ready runs before the arena enters the pool.
-                    let (mut st, key) = self.install_arena(dp, mem, class)?;
-                    dp.metrics.publish(&st.stats_now());
-                    let ptr = st.ranges_mut(class).alloc(len, ANY_STREAM).ok_or_else(|| {
-                        Error::Internal(format!("fresh arena {key} cannot fit {len} bytes"))
-                    })?;
-                    return Ok(self.finish_alloc(dp, &mut st, ptr, len, requested, stream));
-                }
-                Err(Error::DriverOutOfMemory { .. }) if !retried => {
-                    retried = true;
-                    tracing::debug!(
-                        device,
-                        len,
-                        "out of memory: releasing cached arenas and retrying"
-                    );
-                    self.release_cached(dp)?;
-                }
-                Err(Error::DriverOutOfMemory { .. }) => {
-                    let mut st = dp.state.lock();
-                    st.stats.oom_count += 1;
-                    dp.metrics.ooms.increment(1);
-                    let free = self.backend.mem_info(device).map(|m| m.free).unwrap_or(0);
-                    let stats = st.stats_now();
-                    let cause = limits.oom_cause(&self.config, arena_bytes, capped, &stats, free);
-                    if st.history.recording {
-                        st.history
-                            .record(Action::Oom, free, len, requested, stream.0);
-                    }
-                    return Err(Error::OutOfMemory {
-                        device,
-                        requested: len,
-                        reserved: st.stats.reserved_bytes,
-                        free,
-                        cause,
-                    });
-                }
-                Err(e) => return Err(e),
-            }
-        }
-    }
-
-    fn finish_alloc(
-        &self,
-        dp: &DevicePool,
-        st: &mut DeviceState,
-        ptr: u64,
-        len: u64,
-        requested: u64,
-        stream: StreamId,
-    ) -> Allocation {
-        let arena = st.arena_of(ptr).unwrap_or(usize::MAX);
-        self.finish_alloc_in(dp, st, ptr, arena, len, requested, stream)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn finish_alloc_in(
-        &self,
-        dp: &DevicePool,
-        st: &mut DeviceState,
-        ptr: u64,
-        arena: usize,
-        len: u64,
-        requested: u64,
-        stream: StreamId,
-    ) -> Allocation {
-        debug_assert_eq!(block_len(requested), Some(len));
-        // A plain allocation: recorded in the front, where its free needs no device lock.
-        let tag = st.arenas.get(arena).map_or(0, |a| a.tag);
-        let rec = FrontLive {
-            arena,
-            requested,
-            stream: stream.0,
-            tag,
-        };
-        let (recorded, [allocated_bytes, requested_bytes]) = st.front.record_alloc(ptr, rec, len);
-        if !recorded {
-            st.insert_promoted(ptr, rec);
-        }
-        let s = &mut st.stats;
-        s.allocations = s.allocations.wrapping_add(1);
-        s.alloc_count += 1;
-        dp.metrics
-            .publish_allocated(allocated_bytes, requested_bytes);
-        if st.history.recording {
-            st.history
-                .record(Action::Alloc, ptr, len, requested, stream.0);
-        }
-        if self.config.validate {
-            st.validate_or_log();
-        }
-        Allocation {
-            ptr,
-            bytes: len,
-            device: dp.device,
-        }
-    }
-
     /// Synchronize `device` (or every device for `None`) and destroy every arena with no live
     /// allocation and no share. Pinned arenas stay (recycled). Returns bytes released.
     pub fn empty_cache(&self, device: Option<DeviceId>) -> Result<u64> {
@@ -642,6 +440,7 @@ impl Pool {
     fn release_cached(&self, dp: &DevicePool) -> Result<u64> {
         {
             let st = dp.state.lock();
+            st.check_not_routing(dp.device, "empty_cache")?;
             if st.arenas.is_empty() && st.orphans.is_empty() {
                 return Ok(0);
             }
@@ -687,6 +486,26 @@ impl Pool {
     /// Counters of one device.
     pub fn stats(&self, device: DeviceId) -> Result<PoolStats> {
         Ok(self.dev(device)?.state.lock().stats_now())
+    }
+
+    /// Set the peaks of one device's counters (reserved, allocated and requested bytes) to
+    /// their current values (PyTorch's `reset_peak_memory_stats`).
+    pub fn reset_peak_stats(&self, device: DeviceId) -> Result<()> {
+        let mut st = self.dev(device)?.state.lock();
+        st.stats.peak_reserved_bytes = st.stats.reserved_bytes;
+        let registry = st.front.lock_caches();
+        st.front.reset_peaks(&registry.lock());
+        Ok(())
+    }
+
+    /// Zero one device's counts of events (PyTorch's `reset_accumulated_memory_stats`):
+    /// allocations and frees served, arenas created and destroyed, out-of-memory failures,
+    /// exports made. Current values and peaks stay.
+    pub fn reset_accumulated_stats(&self, device: DeviceId) -> Result<()> {
+        let mut st = self.dev(device)?.state.lock();
+        st.promote_all();
+        st.reset_accumulated();
+        Ok(())
     }
 
     /// Check every invariant of one device's pool (the sub-allocator's, and that the pool's

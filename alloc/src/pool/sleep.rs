@@ -190,6 +190,7 @@ impl Pool {
 
     fn sleep_device(&self, dp: &DevicePool, want: u64, offload: u64) -> Result<SleepReport> {
         let device = dp.device;
+        dp.state.lock().check_not_routing(device, "sleep")?;
         self.backend.synchronize(device)?;
         let mut report = SleepReport::default();
         let mut calls = Vec::new();

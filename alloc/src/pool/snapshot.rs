@@ -32,6 +32,7 @@ impl Pool {
                             "tag": crate::tags::name(a.tag),
                             "asleep": a.sleep.is_some(),
                             "small": a.small,
+                            "graph_pool": st.graph_pools.id_of(a.graph_pool).map(|id| [id.0, id.1]),
                             "ranges": st.ranges.get(a.class().index()).map(|r| r.ranges(a.mem.base)).unwrap_or_default(),
                         })
                     })
@@ -46,5 +47,78 @@ impl Pool {
             })
             .collect();
         serde_json::json!({ "backend": self.backend.name(), "devices": devices }).to_string()
+    }
+}
+
+/// One arena as PyTorch's snapshot shows a segment (`Pool::segments`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentInfo {
+    /// Device address of its first byte.
+    pub base: u64,
+    /// Bytes.
+    pub bytes: u64,
+    /// Whether it holds small blocks (PyTorch's small pool).
+    pub small: bool,
+    /// The graph pool whose blocks it holds (`None`: the general pool).
+    pub graph_pool: Option<super::GraphPoolId>,
+    /// Its ranges in address order: allocated ones first met with their request (0 when
+    /// not known: a freed-but-shared range), free ones with `requested` 0.
+    pub blocks: Vec<BlockInfo>,
+}
+
+/// A range of a [`SegmentInfo`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockInfo {
+    /// Device address of its first byte.
+    pub ptr: u64,
+    /// Bytes.
+    pub bytes: u64,
+    /// Bytes asked for (0 for a free range).
+    pub requested: u64,
+    /// Allocated (live, or freed and waiting for its shares or streams).
+    pub allocated: bool,
+}
+
+impl Pool {
+    /// Every arena of `device` with its ranges, in address order (what PyTorch's
+    /// `torch.cuda.memory._snapshot()` lists as segments and blocks).
+    pub fn segments(
+        &self,
+        device: crate::backend::DeviceId,
+    ) -> crate::error::Result<Vec<SegmentInfo>> {
+        let mut st = self.dev(device)?.state.lock();
+        st.promote_all();
+        let mut out: Vec<SegmentInfo> = st
+            .arenas
+            .iter()
+            .map(|(_, a)| {
+                let ranges = st
+                    .ranges
+                    .get(a.class().index())
+                    .map(|r| r.ranges(a.mem.base))
+                    .unwrap_or_default();
+                SegmentInfo {
+                    base: a.mem.base,
+                    bytes: a.mem.bytes,
+                    small: a.small,
+                    graph_pool: st.graph_pools.id_of(a.graph_pool),
+                    blocks: ranges
+                        .iter()
+                        .map(|r| BlockInfo {
+                            ptr: r.offset,
+                            bytes: r.len,
+                            requested: if r.free_tag.is_none() {
+                                st.allocs.get(&r.offset).map_or(0, |l| l.requested)
+                            } else {
+                                0
+                            },
+                            allocated: r.free_tag.is_none(),
+                        })
+                        .collect(),
+                }
+            })
+            .collect();
+        out.sort_unstable_by_key(|s| s.base);
+        Ok(out)
     }
 }

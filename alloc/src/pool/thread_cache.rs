@@ -405,17 +405,32 @@ impl Front {
         if let Some(seen) = recorded {
             return (true, seen);
         }
+        (false, self.count_unrecorded(len, rec.requested))
+    }
+
+    /// Count an allocation of `len` bytes (`requested` asked for) that the device records
+    /// (no thread cache holds its record): the bytes now seen, as `record_alloc` returns.
+    pub(crate) fn count_unrecorded(&self, len: u64, requested: u64) -> [u64; 2] {
         let b = &self.hot.bytes;
         let seen = [
             seen_value(b.allocated.fetch_add(len, Relaxed).wrapping_add(len)),
             seen_value(
                 b.requested
-                    .fetch_add(rec.requested, Relaxed)
-                    .wrapping_add(rec.requested),
+                    .fetch_add(requested, Relaxed)
+                    .wrapping_add(requested),
             ),
         ];
         self.raise_peaks(seen);
-        (false, seen)
+        seen
+    }
+
+    /// Set the byte peaks to the current values (every cache locked, as for
+    /// [`Self::byte_counts`]): PyTorch's `reset_peak_memory_stats`.
+    pub(crate) fn reset_peaks(&self, caches: &[SpinGuard<'_, ThreadCache>]) {
+        let b = &self.hot.bytes;
+        let [allocated, requested, ..] = self.byte_counts(caches);
+        b.peak_allocated.store(allocated, Relaxed);
+        b.peak_requested.store(requested, Relaxed);
     }
 
     /// Take the record of `ptr` out of the caches (to promote it): the calling thread's

@@ -204,7 +204,11 @@ impl Pool {
                 report.kept_shared_bytes += a.mem.bytes;
                 continue;
             }
-            if a.sleep.is_some() || !self.backend.can_split(&a.mem) {
+            // A graph pool in use: its free ranges hold what its graphs write on replay.
+            if a.sleep.is_some()
+                || !self.backend.can_split(&a.mem)
+                || super::graph_pools::keeps_arenas(&st.graph_pools, a.graph_pool)
+            {
                 report.kept_other_bytes += a.mem.bytes;
                 continue;
             }
@@ -286,6 +290,7 @@ impl DeviceState {
                 tag: old.tag,
                 small: old.small,
                 huge: old.huge,
+                graph_pool: old.graph_pool,
                 sleep: None,
             });
             self.arena_at.insert(w.base..w.base + w.bytes, k);

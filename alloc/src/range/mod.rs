@@ -37,6 +37,7 @@ use rustc_hash::FxHashMap;
 
 mod class_set;
 mod free_index;
+mod place;
 mod split;
 
 use free_index::FreeIndex;
@@ -83,6 +84,14 @@ pub enum RangeError {
     /// No allocation starts at this offset (never allocated, or already freed).
     #[error("no allocation starts at {0:#x}")]
     NotAllocated(u64),
+    /// A range to place is not inside one free range ([`RangeAllocator::alloc_at`]).
+    #[error("[{offset:#x}, +{len}) is not inside one free range")]
+    NotFree {
+        /// The offset.
+        offset: u64,
+        /// The length.
+        len: u64,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

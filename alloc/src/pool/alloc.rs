@@ -1,0 +1,265 @@
+//! The allocation path: the thread front's hit, the device's exact-size cache and best fit
+//! under the device lock, and growth (a new arena, the OOM retry). The free path is
+//! `pool/free.rs`; the rules both follow are in `pool/mod.rs`'s module docs. Graph pools
+//! (`pool/graph_pools.rs`) enter at [`Pool::alloc_slow`]'s locked half with a class of
+//! their own and skip the caches.
+
+use std::time::Instant;
+
+use super::classes::{self, Class, GENERAL};
+use super::thread_cache::FrontLive;
+use super::{
+    block_len, device, sleep, Allocation, DevicePool, DeviceState, Pool, ANY_STREAM, LIMBO_WAIT,
+    MAX_REQUEST_BYTES,
+};
+use crate::backend::{DeviceId, StreamId};
+use crate::error::{Error, Result};
+use crate::history::Action;
+
+impl Pool {
+    /// Allocate `bytes` on `device` for use on `stream`.
+    pub fn alloc(&self, device: DeviceId, bytes: u64, stream: StreamId) -> Result<Allocation> {
+        let dp = self.dev(device)?;
+        let len = request_len(device, bytes)?;
+        let stream = self.stream_of(stream);
+        let tag = crate::tags::current();
+        // Fast path: a block freed on this stream, from this thread's cache, no device lock.
+        if let Some((ptr, [allocated_bytes, requested_bytes])) =
+            dp.front.try_alloc(stream.0, len, tag, bytes)
+        {
+            dp.metrics
+                .publish_allocated(allocated_bytes, requested_bytes);
+            if self.config.validate {
+                dp.state.lock().validate_or_log();
+            }
+            return Ok(Allocation {
+                ptr,
+                bytes: len,
+                device,
+            });
+        }
+        self.alloc_locked(dp, len, bytes, stream, tag)
+    }
+
+    /// The stream an allocation is recorded on (every stream's when streams are ignored).
+    pub(super) fn stream_of(&self, stream: StreamId) -> StreamId {
+        if self.config.unsafe_ignore_streams {
+            StreamId(ANY_STREAM)
+        } else {
+            stream
+        }
+    }
+
+    /// A thread cache miss: an exact-size block from the device's cache, else a best-fit
+    /// range (under the lock, no driver call), else [`Self::alloc_slow`]. Out of line, so
+    /// the fast path's frame stays small.
+    #[cold]
+    #[inline(never)]
+    fn alloc_locked(
+        &self,
+        dp: &DevicePool,
+        len: u64,
+        bytes: u64,
+        stream: StreamId,
+        tag: u8,
+    ) -> Result<Allocation> {
+        let device = dp.device;
+        {
+            let mut st = dp.state.lock();
+            if st.asleep_tags & (1 << tag) != 0 {
+                return Err(sleep::asleep_error(device, tag, bytes));
+            }
+            st.reclaim_gone_caches();
+            if let Some((ptr, arena)) = st.take_cached(stream.0, len, tag) {
+                return Ok(self.finish_alloc_in(dp, &mut st, ptr, arena, len, bytes, stream));
+            }
+            let class = Class::of(tag, len);
+            if let Some(ptr) = st.take_range(len, stream, class, self.backend.as_ref(), device) {
+                return Ok(self.finish_alloc(dp, &mut st, ptr, len, bytes, stream));
+            }
+        }
+        self.alloc_slow(dp, len, bytes, stream, Class::of(tag, len))
+    }
+
+    /// A range of `class` (retried under the lock), else a new arena for it; on the
+    /// driver's out of memory, the cached arenas released and one more try.
+    pub(super) fn alloc_slow(
+        &self,
+        dp: &DevicePool,
+        len: u64,
+        requested: u64,
+        stream: StreamId,
+        class: Class,
+    ) -> Result<Allocation> {
+        let device = dp.device;
+        let limits = self.limits(dp)?;
+        let arena_bytes =
+            classes::arena_bytes_for(class, len, limits.arena_bytes, limits.granularity)
+                .ok_or_else(|| Error::invalid("size overflows"))?;
+        let mut retried = false;
+        loop {
+            // Recycled (pinned) arenas and any range freed meanwhile come first. Ranges that
+            // wait only for a just-recorded event (limbo) are worth a short wait: an event
+            // on an idle stream completes within microseconds, creating an arena costs
+            // hundreds and grows the pool for good. Not while a graph pool routes
+            // allocations: no event is queried then (`pool/graph_pools.rs`).
+            let deadline = Instant::now() + LIMBO_WAIT;
+            let routing = loop {
+                let mut st = dp.state.lock();
+                if st.asleep_tags & (1 << class.tag) != 0 {
+                    return Err(sleep::asleep_error(device, class.tag, requested));
+                }
+                if let Some(ptr) = st.take_range(len, stream, class, self.backend.as_ref(), device)
+                {
+                    return Ok(self.finish_alloc(dp, &mut st, ptr, len, requested, stream));
+                }
+                let routing = st.graph_pools.routing();
+                if routing || st.limbo_bytes(class) < len || Instant::now() >= deadline {
+                    break routing;
+                }
+                drop(st);
+                std::thread::yield_now();
+            };
+            let capped = limits.over_cap(|| dp.state.lock().stats.reserved_bytes, arena_bytes);
+            // An arena larger than the device fails at once, without a driver call.
+            let created = if capped || arena_bytes > limits.total {
+                Err(Error::DriverOutOfMemory {
+                    backend: self.backend.name(),
+                    call: if capped { "max_reserved" } else { "arena_size" },
+                    device,
+                    bytes: arena_bytes,
+                })
+            } else {
+                self.backend.create_arena(device, arena_bytes)
+            };
+            match created {
+                Ok(mem) => {
+                    // Observers' on_ready runs before the arena enters the pool.
+                    let (mut st, key) = self.install_arena(dp, mem, class)?;
+                    dp.metrics.publish(&st.stats_now());
+                    let ptr = st.ranges_mut(class).alloc(len, ANY_STREAM).ok_or_else(|| {
+                        Error::Internal(format!("fresh arena {key} cannot fit {len} bytes"))
+                    })?;
+                    return Ok(self.finish_alloc(dp, &mut st, ptr, len, requested, stream));
+                }
+                // The retry synchronizes the device: never while a capture may be under way.
+                Err(Error::DriverOutOfMemory { .. }) if !retried && !routing => {
+                    retried = true;
+                    tracing::debug!(
+                        device,
+                        len,
+                        "out of memory: releasing cached arenas and retrying"
+                    );
+                    self.release_cached(dp)?;
+                }
+                Err(Error::DriverOutOfMemory { .. }) => {
+                    let mut st = dp.state.lock();
+                    st.stats.oom_count += 1;
+                    dp.metrics.ooms.increment(1);
+                    let free = self.backend.mem_info(device).map(|m| m.free).unwrap_or(0);
+                    let stats = st.stats_now();
+                    let cause = limits.oom_cause(&self.config, arena_bytes, capped, &stats, free);
+                    if st.history.recording {
+                        st.history
+                            .record(Action::Oom, free, len, requested, stream.0);
+                    }
+                    return Err(Error::OutOfMemory {
+                        device,
+                        requested: len,
+                        reserved: st.stats.reserved_bytes,
+                        free,
+                        cause,
+                    });
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    pub(super) fn finish_alloc(
+        &self,
+        dp: &DevicePool,
+        st: &mut DeviceState,
+        ptr: u64,
+        len: u64,
+        requested: u64,
+        stream: StreamId,
+    ) -> Allocation {
+        let arena = st.arena_of(ptr).unwrap_or(usize::MAX);
+        self.finish_alloc_in(dp, st, ptr, arena, len, requested, stream)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn finish_alloc_in(
+        &self,
+        dp: &DevicePool,
+        st: &mut DeviceState,
+        ptr: u64,
+        arena: usize,
+        len: u64,
+        requested: u64,
+        stream: StreamId,
+    ) -> Allocation {
+        debug_assert_eq!(block_len(requested), Some(len));
+        let (tag, graph_pool) = st
+            .arenas
+            .get(arena)
+            .map_or((0, GENERAL), |a| (a.tag, a.graph_pool));
+        let rec = FrontLive {
+            arena,
+            requested,
+            stream: stream.0,
+            tag,
+        };
+        // A plain allocation: recorded in the front, where its free needs no device lock.
+        // A graph pool's block is recorded by the device (its free takes the pool's rules).
+        let [allocated_bytes, requested_bytes] = if graph_pool == GENERAL {
+            let (recorded, seen) = st.front.record_alloc(ptr, rec, len);
+            if !recorded {
+                st.insert_promoted(ptr, rec);
+            }
+            seen
+        } else {
+            st.insert_promoted(ptr, rec);
+            st.front.count_unrecorded(len, requested)
+        };
+        let s = &mut st.stats;
+        s.allocations = s.allocations.wrapping_add(1);
+        s.alloc_count = s.alloc_count.wrapping_add(1);
+        dp.metrics
+            .publish_allocated(allocated_bytes, requested_bytes);
+        if st.history.recording {
+            st.history
+                .record(Action::Alloc, ptr, len, requested, stream.0);
+        }
+        if self.config.validate {
+            st.validate_or_log();
+        }
+        Allocation {
+            ptr,
+            bytes: len,
+            device: dp.device,
+        }
+    }
+}
+
+/// The block length serving a request of `bytes` on `device`, or a clear error.
+pub(super) fn request_len(device: DeviceId, bytes: u64) -> Result<u64> {
+    if bytes == 0 || bytes > MAX_REQUEST_BYTES {
+        return Err(Error::invalid(format!(
+            "alloc of {bytes} bytes on device {device}: size must be between 1 and {MAX_REQUEST_BYTES}"
+        )));
+    }
+    block_len(bytes).ok_or_else(|| Error::invalid("size overflows"))
+}
+
+impl DeviceState {
+    /// A block of exactly `len` bytes freed on `stream` with tag `tag`, from the device's
+    /// exact-size cache: its address and arena key.
+    fn take_cached(&mut self, stream: u64, len: u64, tag: u8) -> Option<(u64, usize)> {
+        let key = (stream, device::cache_len(len, tag));
+        let (ptr, arena) = self.cache.get_mut(&key).and_then(Vec::pop)?;
+        self.cached_bytes -= len;
+        Some((ptr, arena))
+    }
+}

@@ -1,0 +1,550 @@
+//! Graph pools: PyTorch's private memory pools (a CUDA graph's capture, graphs that share a
+//! pool, `torch.cuda.MemPool`), by PyTorch's id (`MempoolId_t`, here [`GraphPoolId`]).
+//!
+//! A graph replays into the addresses its capture was given, with no allocator call: every
+//! block the capture allocated, freed or not, is written again on each replay. So:
+//!
+//! 1. **Routing.** An allocation asked for in a pool ([`Pool::graph_pool_alloc`]; the C++
+//!    layer decides, from the stream filters torch hands it) comes from the pool's own
+//!    arenas: a class of its own per pool (`Class::pool`; sub-allocators by
+//!    `Class::index`), never the general pool's free ranges, exact-size cache or thread
+//!    caches. A general allocation never comes from a pool's arena.
+//! 2. **A block keeps its pool for life.** Its record is the device's (never a thread
+//!    cache's); freed, during the capture or after, its range goes back to its pool's
+//!    sub-allocator under its stream's tag (never into a cache), reusable only by later
+//!    allocations in that pool: how graphs sharing a pool reuse each other's memory.
+//! 3. **Nothing goes early.** While a pool's use count is above 0 its arenas are neither
+//!    destroyed (`empty_cache`, the OOM retry) nor trimmed; after the last release its
+//!    arenas holding no live block go at the next `empty_cache`, and the pool is forgotten
+//!    once it has no arena left (its id may then be used again, afresh).
+//! 4. **No events while allocations are routed.** Between [`Pool::graph_pool_begin`] and
+//!    [`Pool::graph_pool_end`] a capture may be under way on the device, and querying an
+//!    event or synchronizing would invalidate it: while any such context is open the
+//!    device records and queries no event (settling skipped, no limbo wait), the OOM retry
+//!    does not release (it synchronizes), `empty_cache`, `trim` and `sleep` are refused, and
+//!    a free whose block has `record_stream` streams waits in a list until the last
+//!    context closes, when its events are recorded.
+//! 5. **Pools stay apart**: no free range, cache or thread cache is shared between pools.
+//!
+//! Sizes: a pool's small blocks come from 2 MiB arenas, its large ones from arenas of
+//! [`super::GRAPH_POOL_ARENA`] (or their own size), so a pool per graph does not reserve a
+//! GiB each. A pool's blocks carry tag 0 (they sleep with the default tag).
+//!
+//! Checkpoints (PyTorch's cudagraph trees): [`Pool::graph_pool_blocks`] lists a pool's live
+//! blocks, [`Pool::graph_pool_restore`] makes them exactly a given list again, placing
+//! blocks at their own addresses (`RangeAllocator::alloc_at`).
+
+use rustc_hash::FxHashMap;
+
+use super::alloc::request_len;
+use super::classes::{Class, GENERAL};
+use super::{block_len, Allocation, DevicePool, DeviceState, Live, PendingFree, Pool};
+use crate::backend::{Backend, DeviceId, StreamId};
+use crate::error::{Error, Result};
+use crate::history::Action;
+use crate::lifetime::AllocHold;
+
+/// PyTorch's id of a private memory pool (`MempoolId_t`: a pair of 64-bit ids; `(0, 0)`
+/// is torch's default pool and is not a graph pool).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GraphPoolId(pub u64, pub u64);
+
+impl std::fmt::Display for GraphPoolId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "({}, {})", self.0, self.1)
+    }
+}
+
+/// A live block of a graph pool, as listed and restored by checkpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct PoolBlock {
+    /// Device address of its first byte.
+    pub ptr: u64,
+    /// Bytes asked for (the block serves [`block_len`] of it).
+    pub requested: u64,
+    /// The stream it was allocated on.
+    pub stream: StreamId,
+}
+
+/// Graph pools of one device (behind its lock): slots, ids and use counts, and the routing
+/// contexts open. Pure bookkeeping: the pool's arenas carry their slot.
+#[derive(Debug, Default)]
+pub(crate) struct GraphPools {
+    /// Slot `i + 1` (slot 0 is the general pool, `classes::GENERAL`).
+    slots: Vec<Option<Slot>>,
+    by_id: FxHashMap<GraphPoolId, u16>,
+    /// Routing contexts open (captures or `use_mem_pool` blocks): no events while above 0.
+    routing: u32,
+    /// Frees made while routing whose blocks have `record_stream` streams: their events
+    /// are recorded when the last context closes.
+    deferred: Vec<u64>,
+}
+
+#[derive(Debug)]
+struct Slot {
+    id: GraphPoolId,
+    use_count: u32,
+}
+
+/// Most graph pools alive at once on one device.
+pub const MAX_GRAPH_POOLS: usize = u16::MAX as usize;
+
+impl GraphPools {
+    /// Whether a routing context is open: no event may be recorded or queried.
+    #[inline]
+    pub(crate) fn routing(&self) -> bool {
+        self.routing != 0
+    }
+
+    /// The slot of pool `id`, if it exists.
+    fn slot(&self, id: GraphPoolId) -> Option<u16> {
+        self.by_id.get(&id).copied()
+    }
+
+    fn slot_mut(&mut self, slot: u16) -> Option<&mut Slot> {
+        self.slots
+            .get_mut(usize::from(slot).checked_sub(1)?)?
+            .as_mut()
+    }
+
+    /// The id of the pool in `slot`.
+    pub(crate) fn id_of(&self, slot: u16) -> Option<GraphPoolId> {
+        let i = usize::from(slot).checked_sub(1)?;
+        self.slots.get(i)?.as_ref().map(|s| s.id)
+    }
+
+    /// Whether the pool in `slot` is in use (its arenas must stay whole and mapped).
+    pub(crate) fn in_use(&self, slot: u16) -> bool {
+        let i = usize::from(slot).wrapping_sub(1);
+        self.slots
+            .get(i)
+            .and_then(Option::as_ref)
+            .is_some_and(|s| s.use_count > 0)
+    }
+
+    /// Create pool `id` (use count 1) or add a use. Returns the use count after.
+    fn retain(&mut self, id: GraphPoolId) -> Result<u32> {
+        if id == GraphPoolId(0, 0) {
+            return Err(Error::invalid(
+                "graph pool (0, 0) is torch's default pool, not a private pool",
+            ));
+        }
+        if let Some(slot) = self.slot(id) {
+            let s = self.slot_mut(slot).ok_or_else(|| lost(id))?;
+            s.use_count += 1;
+            return Ok(s.use_count);
+        }
+        let i = match self.slots.iter().position(Option::is_none) {
+            Some(i) => i,
+            None if self.slots.len() < MAX_GRAPH_POOLS => {
+                self.slots.push(None);
+                self.slots.len() - 1
+            }
+            None => {
+                return Err(Error::InvalidState(format!(
+                    "graph pool {id}: {MAX_GRAPH_POOLS} graph pools are alive on this device \
+                     already (release some: each graph's reset, or del of its MemPool)"
+                )))
+            }
+        };
+        self.slots[i] = Some(Slot { id, use_count: 1 });
+        // i < MAX_GRAPH_POOLS = u16::MAX, so the slot fits.
+        let slot = u16::try_from(i + 1).map_err(|_| lost(id))?;
+        self.by_id.insert(id, slot);
+        Ok(1)
+    }
+
+    /// Take a use of pool `id`. Returns the use count after; the pool stays known until
+    /// [`Self::forget_unused`] finds it without arenas.
+    fn release(&mut self, id: GraphPoolId) -> Result<u32> {
+        let slot = self.slot(id).ok_or_else(|| unknown(id))?;
+        let s = self.slot_mut(slot).ok_or_else(|| lost(id))?;
+        if s.use_count == 0 {
+            return Err(Error::InvalidState(format!(
+                "graph pool {id} released more often than it was retained"
+            )));
+        }
+        s.use_count -= 1;
+        Ok(s.use_count)
+    }
+
+    /// Forget the pools with no use whose slots `has_arena` says hold no arena.
+    pub(crate) fn forget_unused(&mut self, has_arena: impl Fn(u16) -> bool) {
+        for i in 0..self.slots.len() {
+            let slot = (i + 1) as u16;
+            let done = matches!(&self.slots[i], Some(s) if s.use_count == 0) && !has_arena(slot);
+            if let Some(s) = self.slots[i].take_if(|_| done) {
+                self.by_id.remove(&s.id);
+            }
+        }
+    }
+}
+
+fn unknown(id: GraphPoolId) -> Error {
+    Error::invalid(format!(
+        "graph pool {id} does not exist on this device (never retained, or released and \
+         emptied since)"
+    ))
+}
+
+fn lost(id: GraphPoolId) -> Error {
+    Error::Internal(format!("graph pool {id}: its slot is gone"))
+}
+
+impl DeviceState {
+    /// The slot of pool `id`, or a clear error.
+    fn pool_slot(&self, id: GraphPoolId) -> Result<u16> {
+        self.graph_pools.slot(id).ok_or_else(|| unknown(id))
+    }
+
+    /// Refuse `what` (which synchronizes the device) while allocations are routed to a
+    /// graph pool: a capture may be under way.
+    pub(crate) fn check_not_routing(&self, device: DeviceId, what: &str) -> Result<()> {
+        if self.graph_pools.routing() {
+            return Err(Error::InvalidState(format!(
+                "{what} on device {device} while a CUDA graph capture or a graph pool context \
+                 (torch.cuda.graph, use_mem_pool) is open: it would synchronize the device \
+                 and invalidate the capture; nothing was done"
+            )));
+        }
+        Ok(())
+    }
+
+    /// A free of `ptr` whose block has `record_stream` streams, made while routing: its
+    /// events wait for the last context to close. Its record stays (freed) meanwhile.
+    pub(crate) fn defer_until_no_capture(&mut self, ptr: u64, bytes: u64) {
+        self.stats.pending_free_bytes += bytes;
+        self.graph_pools.deferred.push(ptr);
+    }
+
+    /// The last routing context closed: the deferred frees get their events.
+    fn end_deferred(&mut self, backend: &dyn Backend, device: DeviceId) {
+        for ptr in std::mem::take(&mut self.graph_pools.deferred) {
+            let Some(live) = self.allocs.get(&ptr) else {
+                continue;
+            };
+            let (stream, extra) = (live.stream, live.extra_streams().to_vec());
+            let mut events = Vec::with_capacity(extra.len());
+            let mut until_synchronize = false;
+            for s in extra {
+                match backend.record_event(device, s) {
+                    Ok(e) => events.push(e),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "record_event failed: the range waits for a synchronize");
+                        until_synchronize = true;
+                    }
+                }
+            }
+            // Counted in pending_free_bytes since it was deferred.
+            self.pending.push(PendingFree {
+                ptr,
+                stream,
+                events,
+                until_synchronize,
+            });
+        }
+    }
+
+    /// The live blocks of pool `slot`, sorted by address.
+    fn pool_blocks(&self, slot: u16) -> Vec<PoolBlock> {
+        let mut out: Vec<PoolBlock> = self
+            .allocs
+            .iter()
+            .filter(|(_, l)| !l.hold.freed())
+            .filter(|(_, l)| {
+                self.arenas
+                    .get(l.arena)
+                    .is_some_and(|a| a.graph_pool == slot)
+            })
+            .map(|(&ptr, l)| PoolBlock {
+                ptr,
+                requested: l.requested,
+                stream: l.stream,
+            })
+            .collect();
+        out.sort_unstable();
+        out
+    }
+}
+
+impl Pool {
+    /// Create graph pool `id` on `device` or add a use of it (PyTorch's
+    /// `createOrIncrefPool`). Returns the use count after.
+    pub fn graph_pool_retain(&self, device: DeviceId, id: GraphPoolId) -> Result<u32> {
+        self.dev(device)?.state.lock().graph_pools.retain(id)
+    }
+
+    /// Take a use of graph pool `id` (PyTorch's `releasePool`). Returns the use count
+    /// after; at 0 its arenas holding no live block go at the next `empty_cache`.
+    pub fn graph_pool_release(&self, device: DeviceId, id: GraphPoolId) -> Result<u32> {
+        let mut st = self.dev(device)?.state.lock();
+        let count = st.graph_pools.release(id)?;
+        if count == 0 {
+            let st = &mut *st;
+            let arenas = &st.arenas;
+            st.graph_pools
+                .forget_unused(|slot| arenas.iter().any(|(_, a)| a.graph_pool == slot));
+        }
+        Ok(count)
+    }
+
+    /// The use count of graph pool `id` (0 for a pool that does not exist).
+    pub fn graph_pool_use_count(&self, device: DeviceId, id: GraphPoolId) -> Result<u32> {
+        let st = self.dev(device)?.state.lock();
+        Ok(st
+            .graph_pools
+            .slot(id)
+            .and_then(|slot| st.graph_pools.slots[usize::from(slot) - 1].as_ref())
+            .map_or(0, |s| s.use_count))
+    }
+
+    /// Open a routing context for pool `id` (PyTorch's `beginAllocateToPool`): the pool is
+    /// created or gets a use, and until [`Self::graph_pool_end`] the device records and
+    /// queries no events (module docs, rule 4).
+    pub fn graph_pool_begin(&self, device: DeviceId, id: GraphPoolId) -> Result<u32> {
+        let mut st = self.dev(device)?.state.lock();
+        let count = st.graph_pools.retain(id)?;
+        st.graph_pools.routing += 1;
+        Ok(count)
+    }
+
+    /// Close a routing context of pool `id` (PyTorch's `endAllocateToPool`; the use stays
+    /// until [`Self::graph_pool_release`]). When the last closes, frees deferred meanwhile
+    /// get their events.
+    pub fn graph_pool_end(&self, device: DeviceId, id: GraphPoolId) -> Result<()> {
+        let dp = self.dev(device)?;
+        let mut st = dp.state.lock();
+        st.pool_slot(id)?;
+        if st.graph_pools.routing == 0 {
+            return Err(Error::InvalidState(format!(
+                "graph pool {id}: end without a matching begin on device {device}"
+            )));
+        }
+        st.graph_pools.routing -= 1;
+        if st.graph_pools.routing == 0 {
+            st.end_deferred(self.backend.as_ref(), device);
+        }
+        Ok(())
+    }
+
+    /// Allocate `bytes` on `device` for `stream` from graph pool `id`'s own arenas (module
+    /// docs, rules 1 and 2). The pool must exist (retained or begun).
+    pub fn graph_pool_alloc(
+        &self,
+        device: DeviceId,
+        id: GraphPoolId,
+        bytes: u64,
+        stream: StreamId,
+    ) -> Result<Allocation> {
+        let dp = self.dev(device)?;
+        let len = request_len(device, bytes)?;
+        let stream = self.stream_of(stream);
+        let class = {
+            let mut st = dp.state.lock();
+            let slot = st.pool_slot(id)?;
+            let class = Class::in_graph_pool(slot, len);
+            if let Some(ptr) = st.take_range(len, stream, class, self.backend.as_ref(), device) {
+                return Ok(self.finish_alloc(dp, &mut st, ptr, len, bytes, stream));
+            }
+            class
+        };
+        self.alloc_slow(dp, len, bytes, stream, class)
+    }
+
+    /// The live blocks of graph pool `id`, sorted by address (PyTorch's checkpoint state and
+    /// `checkPoolLiveAllocations`).
+    pub fn graph_pool_blocks(&self, device: DeviceId, id: GraphPoolId) -> Result<Vec<PoolBlock>> {
+        let st = self.dev(device)?.state.lock();
+        let slot = st.pool_slot(id)?;
+        Ok(st.pool_blocks(slot))
+    }
+
+    /// Make graph pool `id`'s live blocks exactly `blocks` (PyTorch's
+    /// `setCheckpointPoolState`): live blocks not listed (by address and length) are freed,
+    /// listed blocks not live are allocated at their own addresses. All or nothing: on an
+    /// error nothing changed. A block to free must be plain (not shared, no
+    /// `record_stream`); a block to place must lie in a free range of the pool's arenas.
+    pub fn graph_pool_restore(
+        &self,
+        device: DeviceId,
+        id: GraphPoolId,
+        blocks: &[PoolBlock],
+    ) -> Result<()> {
+        let dp = self.dev(device)?;
+        let mut st = dp.state.lock();
+        let slot = st.pool_slot(id)?;
+        let plan = st.restore_plan(slot, id, blocks)?;
+        st.apply_restore(dp, &plan)?;
+        if self.config.validate {
+            st.validate_or_log();
+        }
+        dp.metrics.publish(&st.stats_now());
+        Ok(())
+    }
+
+    /// Release graph pool `id`'s arenas that hold no live block, if its use count is 0
+    /// (PyTorch's `emptyCache(mempool_id)`; with uses left it releases nothing). Like
+    /// `empty_cache`, it synchronizes the device and releases the general pool's empty
+    /// arenas too. Returns the bytes released.
+    pub fn graph_pool_empty_cache(&self, device: DeviceId, id: GraphPoolId) -> Result<u64> {
+        let dp = self.dev(device)?;
+        {
+            let st = dp.state.lock();
+            let slot = st.pool_slot(id)?;
+            if st.graph_pools.in_use(slot) {
+                return Ok(0);
+            }
+        }
+        self.release_cached(dp)
+    }
+}
+
+impl DeviceState {
+    /// Zero the counts of events (allocations and frees served, arenas created and
+    /// destroyed, OOMs, exports made): the thread caches' unfolded counts are subtracted
+    /// from the device's base, so the sums `stats_now` reports start at 0.
+    pub(crate) fn reset_accumulated(&mut self) {
+        let registry = self.front.lock_caches();
+        let caches = registry.lock();
+        let (mut allocs, mut frees) = (0u64, 0u64);
+        for c in &caches {
+            allocs = allocs.wrapping_add(c.counts.alloc_count);
+            frees = frees.wrapping_add(c.counts.free_count);
+        }
+        drop(caches);
+        drop(registry);
+        let s = &mut self.stats;
+        s.alloc_count = 0u64.wrapping_sub(allocs);
+        s.free_count = 0u64.wrapping_sub(frees);
+        s.oom_count = 0;
+        s.backend_creates = 0;
+        s.backend_destroys = 0;
+        s.exports_total = 0;
+    }
+}
+
+/// What a restore does: blocks to free, and blocks to place (address, length, request).
+struct RestorePlan {
+    free: Vec<(u64, StreamId)>,
+    place: Vec<PoolBlock>,
+}
+
+impl DeviceState {
+    /// Check a restore of pool `slot` to `blocks` and plan it, changing nothing.
+    fn restore_plan(
+        &self,
+        slot: u16,
+        id: GraphPoolId,
+        blocks: &[PoolBlock],
+    ) -> Result<RestorePlan> {
+        let now = self.pool_blocks(slot);
+        let len = |b: &PoolBlock| block_len(b.requested);
+        let same = |a: &PoolBlock, b: &PoolBlock| a.ptr == b.ptr && len(a) == len(b);
+        let mut free = Vec::new();
+        for b in now.iter().filter(|b| !blocks.iter().any(|t| same(b, t))) {
+            let live = &self.allocs[&b.ptr];
+            if !live.hold.is_plain() || live.extra_streams.is_some() {
+                return Err(Error::InvalidState(format!(
+                    "graph pool {id}: restoring a checkpoint would free {:#x}, which is \
+                     shared or has record_stream streams; nothing changed",
+                    b.ptr
+                )));
+            }
+            free.push((b.ptr, b.stream));
+        }
+        let place: Vec<PoolBlock> = blocks
+            .iter()
+            .filter(|t| !now.iter().any(|b| same(b, t)))
+            .copied()
+            .collect();
+        // Placement, tried on copies of the pool's sub-allocators.
+        let mut trial: FxHashMap<usize, crate::range::RangeAllocator> = FxHashMap::default();
+        for &(ptr, stream) in &free {
+            let t = self.class_index_at(ptr, id)?;
+            let r = trial.entry(t).or_insert_with(|| self.ranges[t].clone());
+            r.free(ptr, stream.0)
+                .map_err(|e| Error::Internal(format!("graph pool {id}: restore: {e}")))?;
+        }
+        for b in &place {
+            let bytes = request_len(0, b.requested)?;
+            let a = self
+                .arena_of(b.ptr)
+                .and_then(|k| self.arenas.get(k))
+                .filter(|a| a.graph_pool == slot)
+                .ok_or_else(|| {
+                    Error::invalid(format!(
+                        "graph pool {id}: checkpoint block {:#x} is not in an arena of the pool",
+                        b.ptr
+                    ))
+                })?;
+            if a.class() != Class::in_graph_pool(slot, bytes) {
+                return Err(Error::invalid(format!(
+                    "graph pool {id}: checkpoint block {:#x} of {} bytes lies in an arena of \
+                     another size class",
+                    b.ptr, b.requested
+                )));
+            }
+            let t = a.class().index();
+            let r = trial.entry(t).or_insert_with(|| self.ranges[t].clone());
+            r.alloc_at(b.ptr, bytes).map_err(|e| {
+                Error::InvalidState(format!(
+                    "graph pool {id}: checkpoint block {:#x} ({bytes} bytes) cannot be placed \
+                     again: {e}; nothing changed",
+                    b.ptr
+                ))
+            })?;
+        }
+        Ok(RestorePlan { free, place })
+    }
+
+    /// The sub-allocator index of the arena holding `ptr`.
+    fn class_index_at(&self, ptr: u64, id: GraphPoolId) -> Result<usize> {
+        self.arena_of(ptr)
+            .and_then(|k| self.arenas.get(k))
+            .map(|a| a.class().index())
+            .ok_or_else(|| Error::Internal(format!("graph pool {id}: block {ptr:#x} has no arena")))
+    }
+
+    /// Carry out a checked [`RestorePlan`] (every step succeeded on copies).
+    fn apply_restore(&mut self, dp: &DevicePool, plan: &RestorePlan) -> Result<()> {
+        for &(ptr, stream) in &plan.free {
+            self.stats.free_count = self.stats.free_count.wrapping_add(1);
+            self.release_range(ptr, stream.0)?;
+        }
+        for b in &plan.place {
+            let bytes = request_len(dp.device, b.requested)?;
+            let arena = self
+                .arena_of(b.ptr)
+                .ok_or_else(|| Error::Internal(format!("restore: {:#x} lost its arena", b.ptr)))?;
+            let t = self.arenas[arena].class().index();
+            self.ranges[t]
+                .alloc_at(b.ptr, bytes)
+                .map_err(|e| Error::Internal(format!("restore: placement checked, then: {e}")))?;
+            self.arenas[arena].live_allocs += 1;
+            self.allocs.insert(
+                b.ptr,
+                Live {
+                    arena,
+                    requested: b.requested,
+                    stream: b.stream,
+                    extra_streams: None,
+                    hold: AllocHold::default(),
+                },
+            );
+            let seen = self.front.count_unrecorded(bytes, b.requested);
+            dp.metrics.publish_allocated(seen[0], seen[1]);
+            self.stats.allocations = self.stats.allocations.wrapping_add(1);
+            self.stats.alloc_count = self.stats.alloc_count.wrapping_add(1);
+            if self.history.recording {
+                self.history
+                    .record(Action::Alloc, b.ptr, bytes, b.requested, b.stream.0);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether arenas of `slot` must stay (their pool is in use): `GENERAL` never.
+pub(crate) fn keeps_arenas(pools: &GraphPools, slot: u16) -> bool {
+    slot != GENERAL && pools.in_use(slot)
+}
