@@ -1,7 +1,31 @@
 // kv_adapters.h: kv_bench's trace file, device state and the allocators as replay adapters
 // (gpu-arena through its C API loaded at run time, cuMemAlloc, cuMemAllocAsync, PyTorch's
-// caching allocator). Included by kv_bench.cpp inside its anonymous namespace, after its
-// helpers (Clock, secs, die, strf, fmt_ns, CU_CHECK); split out to keep each file short.
+// caching allocator unless KV_BENCH_NO_TORCH). Helpers from kv_common.h.
+#pragma once
+
+#include <cuda.h>
+#include <dlfcn.h>
+
+#include "gpu_arena.h"
+
+#ifndef KV_BENCH_NO_TORCH
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+#include <cerrno>
+#include <cinttypes>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "kv_common.h"
+
+namespace {
 
 // ---------------------------------------------------------------------------------------
 // The trace file.
@@ -271,3 +295,5 @@ int64_t torch_reserved() {
   return tca::getDeviceStats(torch_dev()).reserved_bytes[0].current;
 }
 #endif
+
+}  // namespace

@@ -15,7 +15,6 @@
 // is the wall time of a whole loop divided by its op count.
 
 #include <cuda.h>
-#include <dlfcn.h>
 
 #include "gpu_arena.h"
 
@@ -25,11 +24,8 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cerrno>
 #include <cinttypes>
-#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -37,198 +33,21 @@
 #include <ctime>
 #include <exception>
 #include <string>
-#include <thread>
 #include <vector>
+
+#include "kv_adapters.h"  // the trace file, the device, the allocators as replay adapters
+#include "kv_common.h"    // Clock, logf, strf, fmt_bytes, fmt_ns, die, CU_CHECK
+#include "kv_replay.h"    // replay, run_phase, Row
+#include "kv_threads.h"   // pair_bench, scaling_bench, scaling_markdown
+#ifndef KV_BENCH_NO_TORCH
+#include "kv_interleave.h"  // run_interleaved, interleaved_markdown
+#endif
 
 #ifndef KV_TORCH_VERSION
 #define KV_TORCH_VERSION "unknown"
 #endif
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double secs(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
-void logf(const char* fmt, ...) {
-  static const Clock::time_point start = Clock::now();
-  std::fprintf(stderr, "[kv_bench %8.2fs] ", secs(Clock::now() - start));
-  va_list ap;
-  va_start(ap, fmt);
-  std::vfprintf(stderr, fmt, ap);
-  va_end(ap);
-  std::fputc('\n', stderr);
-  std::fflush(stderr);
-}
-
-std::string strf(const char* fmt, ...) {
-  char buf[1024];
-  va_list ap;
-  va_start(ap, fmt);
-  std::vsnprintf(buf, sizeof buf, fmt, ap);
-  va_end(ap);
-  return buf;
-}
-
-[[noreturn]] void die(const std::string& msg) {
-  std::fprintf(stderr, "kv_bench: %s\n", msg.c_str());
-  std::exit(2);
-}
-
-std::string cu_err(CUresult r) {
-  const char* name = nullptr;
-  const char* text = nullptr;
-  cuGetErrorName(r, &name);
-  cuGetErrorString(r, &text);
-  return strf("%s (%d): %s", name ? name : "?", static_cast<int>(r), text ? text : "?");
-}
-
-#define CU_CHECK(call)                                                              \
-  do {                                                                              \
-    CUresult cu_check_r_ = (call);                                                  \
-    if (cu_check_r_ != CUDA_SUCCESS)                                                \
-      die(strf("%s:%d: %s failed: %s", __FILE__, __LINE__, #call,                   \
-               cu_err(cu_check_r_).c_str()));                                       \
-  } while (0)
-
-std::string fmt_bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  double v = b < 0 ? -b : b;
-  while (v >= 1024.0 && u < 4) {
-    v /= 1024.0;
-    ++u;
-  }
-  if (b < 0) v = -v;
-  return u == 0 ? strf("%.0f B", v) : strf("%.2f %s", v, units[u]);
-}
-
-std::string fmt_ns(double ns) {
-  if (ns >= 100000.0) return strf("%.1f µs", ns / 1000.0);
-  if (ns >= 100.0) return strf("%.0f ns", ns);
-  return strf("%.1f ns", ns);
-}
-
-#include "kv_adapters.h"
-
-// ---------------------------------------------------------------------------------------
-// Replay.
-
-struct ReplayOut {
-  double ns_per_op = 0;
-  double loop_s = 0;
-  double sync_s = 0;
-  uint64_t alloc_failures = 0;
-  uint64_t free_failures = 0;
-  int64_t used_at_peak = 0;  // free memory at phase start minus free memory at the peak-live op
-};
-
-template <class A>
-ReplayOut replay(A& a, const Trace& t, std::vector<void*>& ptrs, size_t free_at_start) {
-  ReplayOut out;
-  std::fill(ptrs.begin(), ptrs.end(), nullptr);
-  const uint64_t free_fail0 = a.free_failures;
-  const Op* ops = t.ops.data();
-  const size_t n = t.ops.size();
-  const size_t probe = t.peak_index;
-  uint64_t fails = 0;
-  Clock::duration excluded{0};
-  const Clock::time_point t0 = Clock::now();
-  for (size_t i = 0; i < n; ++i) {
-    const Op& op = ops[i];
-    if (op.kind == 0) {
-      void* p = a.alloc(op.bytes, op.stream);
-      if (p == nullptr) ++fails;
-      ptrs[op.id] = p;
-    } else {
-      void* p = ptrs[op.id];
-      if (p != nullptr) {
-        a.free(p, op.bytes, op.stream);
-        ptrs[op.id] = nullptr;
-      }
-    }
-    if (i == probe) {  // one cuMemGetInfo at the peak-live op, its time left out
-      const Clock::time_point p0 = Clock::now();
-      size_t fr = 0, tot = 0;
-      if (cuMemGetInfo(&fr, &tot) == CUDA_SUCCESS)
-        out.used_at_peak = static_cast<int64_t>(free_at_start) - static_cast<int64_t>(fr);
-      excluded += Clock::now() - p0;
-    }
-  }
-  const Clock::time_point t1 = Clock::now();
-  CU_CHECK(cuCtxSynchronize());
-  out.sync_s = secs(Clock::now() - t1);
-  out.loop_s = secs(t1 - t0 - excluded);
-  out.ns_per_op = out.loop_s * 1e9 / static_cast<double>(n ? n : 1);
-  out.alloc_failures = fails;
-  out.free_failures = a.free_failures - free_fail0;
-  return out;
-}
-
-struct Row {
-  std::string name;
-  bool ran = false;
-  std::string why_not;  // when !ran
-  ReplayOut cold, warm;
-  int64_t peak_reserved_cold = -1, peak_reserved = -1;
-  std::string peak_note;
-  int64_t held_phase = 0;   // free before this allocator was touched minus free after teardown
-  int64_t held_global = 0;  // process baseline free minus free after teardown
-  std::vector<std::string> notes;
-  bool failed = false;
-};
-
-// Runs one allocator's phase: prepare (runtime initialized, cache emptied again), cold
-// replay, warm replay, checks, teardown. Hooks are plain lambdas.
-template <class A, class Prepare, class Peak, class Check, class Teardown>
-Row run_phase(const std::string& label, A& a, const Trace& t, size_t baseline_free, Prepare prepare,
-              Peak peak, Check check, Teardown teardown) {
-  Row row;
-  row.name = label;
-  const char* name = label.c_str();
-  std::vector<void*> ptrs(t.allocs, nullptr);
-  make_current();
-  const size_t free0 = mem_free();
-  logf("%s: prepare", name);
-  prepare(row);
-  const size_t free_start = mem_free();
-  logf("%s: cold replay of %zu ops", name, t.ops.size());
-  row.cold = replay(a, t, ptrs, free_start);
-  row.peak_reserved_cold = peak();
-  logf("%s: cold %.1f ns/op (%.2fs), warm replay", name, row.cold.ns_per_op, row.cold.loop_s);
-  row.warm = replay(a, t, ptrs, free_start);
-  row.peak_reserved = peak();
-  logf("%s: warm %.1f ns/op (%.2fs)", name, row.warm.ns_per_op, row.warm.loop_s);
-  check(row);
-  teardown(row);
-  const size_t free_end = mem_free();
-  row.held_phase = static_cast<int64_t>(free0) - static_cast<int64_t>(free_end);
-  row.held_global = static_cast<int64_t>(baseline_free) - static_cast<int64_t>(free_end);
-  row.ran = true;
-  const uint64_t fails = row.cold.alloc_failures + row.warm.alloc_failures +
-                         row.cold.free_failures + row.warm.free_failures;
-  if (fails) {
-    row.failed = true;
-    row.notes.push_back(strf("FAILURES: alloc %" PRIu64 "/%" PRIu64 " (cold/warm), free %" PRIu64
-                             "/%" PRIu64,
-                             row.cold.alloc_failures, row.warm.alloc_failures,
-                             row.cold.free_failures, row.warm.free_failures));
-  }
-  logf("%s: held after teardown %s (vs phase start), %s (vs process baseline)", name,
-       fmt_bytes(static_cast<double>(row.held_phase)).c_str(),
-       fmt_bytes(static_cast<double>(row.held_global)).c_str());
-  return row;
-}
-
-// ---------------------------------------------------------------------------------------
-// Pair latency and thread scaling: kv_threads.h (pair_bench, the fixed and mixed workloads,
-// scaling_bench, scaling_markdown).
-
-#include "kv_threads.h"
-
-#ifndef KV_BENCH_NO_TORCH
-#include "kv_interleave.h"
-#endif
 
 struct PairRow {
   std::string name;
@@ -256,25 +75,50 @@ struct Options {
   size_t interleave = 0;  // ops per turn of the interleaved replay; 0: not run
 };
 
+// Every option, with its default (Options above).
 const char* kUsage =
-    "usage: kv_bench --trace FILE [--out FILE.md] [--device N] [--skip LIST]\n"
-    "                [--arena-conf STR] [--pairs N] [--thread-pairs N] [--threads N]\n"
-    "                [--warmup N] [--pair-bytes N] [--cumem-pairs N] [--cumem-thread-pairs N]\n"
-    "                [--no-pairs] [--no-replay] [--no-scaling] [--scaling-threads 1,2,4,8]\n"
-    "                [--scaling-pairs N] [--arena-scaling-pairs N] [--interleave N]\n"
-    "  LIST: comma-separated among gpu-arena,cumemalloc,async,torch\n";
+    "usage: kv_bench --trace FILE [options]     (FILE may also be the first bare argument)\n"
+    "  --trace FILE             the KV trace (kv_trace_dump's KVTRACE1 file); not needed with\n"
+    "                           --no-replay\n"
+    "  --out FILE.md            also write the report there (it always goes to stdout)\n"
+    "  --device N               the CUDA device (default 0)\n"
+    "  --skip LIST              leave allocators out: comma-separated among\n"
+    "                           gpu-arena,cumemalloc,async,torch\n"
+    "  --arena-conf STR         gpu_arena_configure's string (default backend=cuda)\n"
+    "  --no-replay              no trace replay (and no trace needed): pairs and scaling only\n"
+    "  --interleave N           also replay the trace through gpu-arena and PyTorch in one loop,\n"
+    "                           taking turns every N ops (kv_interleave.h; default 0: not run;\n"
+    "                           needs a build with torch)\n"
+    "  --no-pairs               no pair latency and no thread scaling\n"
+    "  --pairs N                warm alloc+free pairs on one thread (default 1000000)\n"
+    "  --thread-pairs N         pairs per thread on --threads threads (default 200000)\n"
+    "  --threads N              threads of the multi-thread pair run, 1..256 (default 8)\n"
+    "  --warmup N               warm-up pairs per thread before each timed loop, at most its\n"
+    "                           pairs (default 10000)\n"
+    "  --pair-bytes N           bytes of each pair's allocation (default 2097152: 2 MiB)\n"
+    "  --cumem-pairs N          cuMemAlloc's pairs on one thread (default 2000: each is a driver\n"
+    "                           call)\n"
+    "  --cumem-thread-pairs N   cuMemAlloc's pairs per thread (default 250)\n"
+    "  --no-scaling             no thread scaling (the pair latency still runs)\n"
+    "  --scaling-threads LIST   the scaling's thread counts, comma-separated, each 1..256\n"
+    "                           (default 1,2,4,8)\n"
+    "  --scaling-pairs N        pairs per thread of each scaling run, PyTorch and\n"
+    "                           cuMemAllocAsync (default 100000)\n"
+    "  --arena-scaling-pairs N  the same for gpu-arena (default 2000000: its loops are short)\n"
+    "  -h, --help               this text\n"
+    "Numbers are read as C literals (0x... is hex).\n";
 
 Options parse_args(int argc, char** argv) {
   Options o;
   auto need = [&](int& i) -> std::string {
-    if (i + 1 >= argc) die(strf("%s needs a value\n%s", argv[i], kUsage));
+    if (i + 1 >= argc) die(std::string(argv[i]) + " needs a value\n" + kUsage);
     return argv[++i];
   };
   auto num = [&](int& i) -> uint64_t {
     std::string v = need(i);
     char* end = nullptr;
     unsigned long long x = std::strtoull(v.c_str(), &end, 0);
-    if (end == v.c_str() || *end) die(strf("bad number %s\n%s", v.c_str(), kUsage));
+    if (end == v.c_str() || *end) die("bad number " + v + "\n" + kUsage);
     return x;
   };
   for (int i = 1; i < argc; ++i) {
@@ -304,7 +148,7 @@ Options parse_args(int argc, char** argv) {
         size_t e = v.find(',', k);
         if (e == std::string::npos) e = v.size();
         const int t = std::atoi(v.substr(k, e - k).c_str());
-        if (t < 1 || t > 256) die(strf("--scaling-threads: %s is not 1..256\n%s", v.c_str(), kUsage));
+        if (t < 1 || t > 256) die("--scaling-threads: " + v + " is not 1..256\n" + kUsage);
         o.scaling_threads.push_back(t);
         k = e + 1;
       }
@@ -313,9 +157,9 @@ Options parse_args(int argc, char** argv) {
       std::fputs(kUsage, stdout);
       std::exit(0);
     } else if (o.trace.empty() && !a.empty() && a[0] != '-') o.trace = a;
-    else die(strf("unknown argument %s\n%s", a.c_str(), kUsage));
+    else die("unknown argument " + a + "\n" + kUsage);
   }
-  if (o.trace.empty() && !o.no_replay) die(strf("no trace file\n%s", kUsage));
+  if (o.trace.empty() && !o.no_replay) die(std::string("no trace file\n") + kUsage);
   if (o.threads < 1 || o.threads > 256) die("--threads must be 1..256");
   return o;
 }
@@ -333,19 +177,31 @@ std::string utc_now() {
   return b;
 }
 
-}  // namespace
-
 // ---------------------------------------------------------------------------------------
+// The run: what its phases share, then the phases in the order main() runs them.
 
-int main(int argc, char** argv) {
-  const Options opt = parse_args(argc, argv);
+struct Run {
+  Options opt;
+  int ndev = 0;
+  size_t baseline_free = 0;  // free memory once the primary context exists
+  Trace trace;               // empty with --no-replay
+  size_t ns = 0;             // streams per allocator: the trace's
+  CUmemoryPool pool = nullptr;  // the device's default pool (cuMemAllocAsync)
+  std::string ga_skip;          // why gpu-arena does not run ("" when it does)
+  std::string torch_skip;       // why PyTorch does not run ("" when it does)
+  std::string torch_name = "-";  // the c10 allocator backend's name
+  std::string ga_label;         // gpu-arena's row name
   bool any_failure = false;
+};
 
-  // The device and its primary context (what cudart, torch and gpu-arena all use).
+// The device and its primary context (what cudart, torch and gpu-arena all use).
+void open_device(Run& run) {
+  const Options& opt = run.opt;
   CU_CHECK(cuInit(0));
   int ndev = 0;
   CU_CHECK(cuDeviceGetCount(&ndev));
   if (opt.device < 0 || opt.device >= ndev) die(strf("--device %d but %d devices", opt.device, ndev));
+  run.ndev = ndev;
   g_dev.ordinal = opt.device;
   CU_CHECK(cuDeviceGet(&g_dev.dev, opt.device));
   CU_CHECK(cuDevicePrimaryCtxRetain(&g_dev.ctx, g_dev.dev));
@@ -356,11 +212,15 @@ int main(int argc, char** argv) {
   CU_CHECK(cuDeviceTotalMem(&g_dev.total, g_dev.dev));
   CU_CHECK(cuDriverGetVersion(&g_dev.driver_version));
   const size_t baseline_free = mem_free();
+  run.baseline_free = baseline_free;
   logf("device %d: %s, %s total, %s free at baseline, driver %d", opt.device, g_dev.name.c_str(),
        fmt_bytes(static_cast<double>(g_dev.total)).c_str(),
        fmt_bytes(static_cast<double>(baseline_free)).c_str(), g_dev.driver_version);
+}
 
-  Trace trace;
+void read_trace(Run& run) {
+  const Options& opt = run.opt;
+  Trace& trace = run.trace;
   if (!opt.no_replay) {
     trace = load_trace(opt.trace);
     logf("trace %s: %" PRIu64 " ops, %" PRIu64 " allocs, %" PRIu64 " streams, peak live %s in %" PRIu64
@@ -369,35 +229,45 @@ int main(int argc, char** argv) {
          fmt_bytes(static_cast<double>(trace.peak_live_bytes)).c_str(), trace.peak_live_allocs,
          trace.peak_index);
   }
+  run.ns = static_cast<size_t>(trace.streams);
+}
 
+void open_default_pool(Run& run) {
   CUmemoryPool pool = nullptr;
   CU_CHECK(cuDeviceGetDefaultMemPool(&pool, g_dev.dev));
   {
     cuuint64_t threshold = UINT64_MAX;  // keep freed memory in the pool (ANCHORS.md's setting)
     CU_CHECK(cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &threshold));
   }
+  run.pool = pool;
+}
 
-  // gpu-arena is loaded (and initialized) first, for the whole run.
-  std::string ga_skip;
+// gpu-arena is loaded (and initialized) first, for the whole run.
+void open_gpu_arena(Run& run) {
+  const Options& opt = run.opt;
+  std::string& ga_skip = run.ga_skip;
   if (skipped(opt, "gpu-arena")) ga_skip = "skipped (--skip)";
   else {
-    g_ga = load_gpu_arena(ndev, opt.arena_conf);
+    g_ga = load_gpu_arena(run.ndev, opt.arena_conf);
     if (!g_ga.ok()) {
       ga_skip = "unavailable: " + g_ga.error;
-      any_failure = true;
+      run.any_failure = true;
       logf("gpu-arena: %s", ga_skip.c_str());
     } else {
       logf("gpu-arena: %s, configured \"%s\", backend %s", g_ga.path.c_str(), opt.arena_conf.c_str(),
            g_ga.backend_name());
     }
   }
+  run.ga_label = std::string("gpu-arena (C API, ") + (ga_skip.empty() ? g_ga.backend_name() : "cuda") + ")";
+}
 
-  std::string torch_skip;
-  std::string torch_name = "-";
+void open_torch(Run& run) {
+  std::string& torch_skip = run.torch_skip;
 #ifdef KV_BENCH_NO_TORCH
   torch_skip = "not built (KV_BENCH_NO_TORCH: see the build log)";
 #else
-  if (skipped(opt, "torch")) torch_skip = "skipped (--skip)";
+  std::string& torch_name = run.torch_name;
+  if (skipped(run.opt, "torch")) torch_skip = "skipped (--skip)";
   else {
     try {
       c10::cuda::set_device(torch_dev());
@@ -408,299 +278,336 @@ int main(int argc, char** argv) {
              torch_name.c_str(), std::getenv("PYTORCH_CUDA_ALLOC_CONF") ? std::getenv("PYTORCH_CUDA_ALLOC_CONF") : "");
     } catch (const std::exception& e) {
       torch_skip = std::string("init failed: ") + e.what();
-      any_failure = true;
+      run.any_failure = true;
     }
     make_current();
   }
 #endif
+}
 
-  const std::string ga_label =
-      std::string("gpu-arena (C API, ") + (ga_skip.empty() ? g_ga.backend_name() : "cuda") + ")";
-  std::vector<Row> rows;
-  const size_t ns = static_cast<size_t>(trace.streams);
+// A row for an allocator that did not run.
+Row not_run(const std::string& name, const std::string& why) {
+  Row r;
+  r.name = name;
+  r.why_not = why;
+  return r;
+}
 
-  if (!opt.no_replay) {
-    // (a) gpu-arena
-    if (ga_skip.empty()) {
-      GpuArenaAdapter a;
-      gpu_arena_stats_t before{};
-      rows.push_back(run_phase(
-          ga_label, a, trace, baseline_free,
-          [&](Row&) {
-            for (CUstream s : make_streams(ns)) a.streams.push_back(reinterpret_cast<void*>(s));
-            void* p = g_ga.malloc(4096, g_dev.ordinal, a.streams[0]);
-            if (p) g_ga.free(p, 4096, g_dev.ordinal, a.streams[0]);
-            if (g_ga.empty_cache(-1) != GPU_ARENA_OK) logf("gpu_arena_empty_cache: %s", g_ga.last_error());
-            before = ga_stats();
-          },
-          [&]() { return static_cast<int64_t>(ga_stats().peak_reserved_bytes); },
-          [&](Row& r) {
-            gpu_arena_stats_t s = ga_stats();
-            const uint64_t allocs = s.alloc_count - before.alloc_count;
-            const uint64_t frees = s.free_count - before.free_count;
-            r.notes.push_back(strf("%" PRIu64 " allocs and %" PRIu64 " frees served (trace: 2 x %" PRIu64
-                                   "), %" PRIu64 " live after, %" PRIu64 " arenas held, %" PRIu64
-                                   " arena creates, %" PRIu64 " destroys, peak allocated %s",
-                                   allocs, frees, trace.allocs, s.allocations, s.arenas,
-                                   s.backend_creates - before.backend_creates,
-                                   s.backend_destroys - before.backend_destroys,
-                                   fmt_bytes(static_cast<double>(s.peak_allocated_bytes)).c_str()));
-            if (allocs != 2 * trace.allocs)
-              r.notes.push_back("note: alloc_count moved by a different number than the trace's allocations");
-            if (s.allocations != 0 || frees != 2 * trace.allocs) {
-              r.failed = true;
-              r.notes.push_back("FAILURE: counts do not match the trace (a free was refused?): " +
-                                std::string(g_ga.last_error()));
-            }
-            const int v = g_ga.validate(g_dev.ordinal);
-            r.notes.push_back(v == GPU_ARENA_OK ? "gpu_arena_validate: ok"
-                                                : "FAILURE: gpu_arena_validate: " + std::string(g_ga.last_error()));
-            if (v != GPU_ARENA_OK) r.failed = true;
-            r.notes.push_back("peak reserved = gpu_arena_stats().peak_reserved_bytes (lifetime high-water mark)");
-          },
-          [&](Row& r) {
-            if (g_ga.empty_cache(-1) != GPU_ARENA_OK) {
-              r.notes.push_back("FAILURE: gpu_arena_empty_cache: " + std::string(g_ga.last_error()));
-              r.failed = true;
-            }
-            gpu_arena_stats_t s = ga_stats();
-            r.notes.push_back(strf("after empty_cache: reserved %s, %" PRIu64 " arenas",
-                                   fmt_bytes(static_cast<double>(s.reserved_bytes)).c_str(), s.arenas));
-          }));
-    } else {
-      Row r;
-      r.name = ga_label;
-      r.why_not = ga_skip;
-      rows.push_back(r);
-    }
+// (a) gpu-arena
+Row replay_gpu_arena(Run& run) {
+  const Trace& trace = run.trace;
+  const size_t ns = run.ns;
+  GpuArenaAdapter a;
+  gpu_arena_stats_t before{};
+  return run_phase(
+      run.ga_label, a, trace, run.baseline_free,
+      [&](Row&) {
+        for (CUstream s : make_streams(ns)) a.streams.push_back(reinterpret_cast<void*>(s));
+        void* p = g_ga.malloc(4096, g_dev.ordinal, a.streams[0]);
+        if (p) g_ga.free(p, 4096, g_dev.ordinal, a.streams[0]);
+        if (g_ga.empty_cache(-1) != GPU_ARENA_OK) logf("gpu_arena_empty_cache: %s", g_ga.last_error());
+        before = ga_stats();
+      },
+      [&]() { return static_cast<int64_t>(ga_stats().peak_reserved_bytes); },
+      [&](Row& r) {
+        gpu_arena_stats_t s = ga_stats();
+        const uint64_t allocs = s.alloc_count - before.alloc_count;
+        const uint64_t frees = s.free_count - before.free_count;
+        r.notes.push_back(strf("%" PRIu64 " allocs and %" PRIu64 " frees served (trace: 2 x %" PRIu64
+                               "), %" PRIu64 " live after, %" PRIu64 " arenas held, %" PRIu64
+                               " arena creates, %" PRIu64 " destroys, peak allocated %s",
+                               allocs, frees, trace.allocs, s.allocations, s.arenas,
+                               s.backend_creates - before.backend_creates,
+                               s.backend_destroys - before.backend_destroys,
+                               fmt_bytes(static_cast<double>(s.peak_allocated_bytes)).c_str()));
+        if (allocs != 2 * trace.allocs)
+          r.notes.push_back("note: alloc_count moved by a different number than the trace's allocations");
+        if (s.allocations != 0 || frees != 2 * trace.allocs) {
+          r.failed = true;
+          r.notes.push_back("FAILURE: counts do not match the trace (a free was refused?): " +
+                            std::string(g_ga.last_error()));
+        }
+        const int v = g_ga.validate(g_dev.ordinal);
+        r.notes.push_back(v == GPU_ARENA_OK ? "gpu_arena_validate: ok"
+                                            : "FAILURE: gpu_arena_validate: " + std::string(g_ga.last_error()));
+        if (v != GPU_ARENA_OK) r.failed = true;
+        r.notes.push_back("peak reserved = gpu_arena_stats().peak_reserved_bytes (lifetime high-water mark)");
+      },
+      [&](Row& r) {
+        if (g_ga.empty_cache(-1) != GPU_ARENA_OK) {
+          r.notes.push_back("FAILURE: gpu_arena_empty_cache: " + std::string(g_ga.last_error()));
+          r.failed = true;
+        }
+        gpu_arena_stats_t s = ga_stats();
+        r.notes.push_back(strf("after empty_cache: reserved %s, %" PRIu64 " arenas",
+                               fmt_bytes(static_cast<double>(s.reserved_bytes)).c_str(), s.arenas));
+      });
+}
 
-    // (b) cuMemAlloc / cuMemFree
-    if (!skipped(opt, "cumemalloc")) {
-      CuMemAllocAdapter a;
-      rows.push_back(run_phase(
-          "cuMemAlloc / cuMemFree", a, trace, baseline_free,
-          [&](Row&) {
-            CUdeviceptr d = 0;
-            CU_CHECK(cuMemAlloc(&d, 4096));
-            CU_CHECK(cuMemFree(d));
-          },
-          [&]() { return static_cast<int64_t>(trace.peak_live_bytes); },
-          [&](Row& r) {
-            r.peak_note = "= peak live (no cache)";
-            r.notes.push_back("peak reserved = the trace's peak live (nothing is cached); the driver's own "
-                              "rounding shows in 'device used at peak-live op'");
-          },
-          [&](Row&) {}));
-    } else {
-      Row r;
-      r.name = "cuMemAlloc / cuMemFree";
-      r.why_not = "skipped (--skip)";
-      rows.push_back(r);
-    }
+// (b) cuMemAlloc / cuMemFree
+Row replay_cumemalloc(Run& run) {
+  const Trace& trace = run.trace;
+  CuMemAllocAdapter a;
+  return run_phase(
+      "cuMemAlloc / cuMemFree", a, trace, run.baseline_free,
+      [&](Row&) {
+        CUdeviceptr d = 0;
+        CU_CHECK(cuMemAlloc(&d, 4096));
+        CU_CHECK(cuMemFree(d));
+      },
+      [&]() { return static_cast<int64_t>(trace.peak_live_bytes); },
+      [&](Row& r) {
+        r.peak_note = "= peak live (no cache)";
+        r.notes.push_back("peak reserved = the trace's peak live (nothing is cached); the driver's own "
+                          "rounding shows in 'device used at peak-live op'");
+      },
+      [&](Row&) {});
+}
 
-    // (c) cuMemAllocAsync on the default pool
-    if (!skipped(opt, "async")) {
-      CuAsyncAdapter a;
-      rows.push_back(run_phase(
-          "cuMemAllocAsync (default pool, threshold max)", a, trace, baseline_free,
-          [&](Row&) {
-            a.streams = make_streams(ns);
-            CUdeviceptr d = 0;
-            CU_CHECK(cuMemAllocAsync(&d, 4096, a.streams[0]));
-            CU_CHECK(cuMemFreeAsync(d, a.streams[0]));
-            CU_CHECK(cuCtxSynchronize());
-            CU_CHECK(cuMemPoolTrimTo(pool, 0));
-            cuuint64_t zero = 0;
-            CU_CHECK(cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, &zero));
-          },
-          [&]() {
-            cuuint64_t v = 0;
-            CU_CHECK(cuMemPoolGetAttribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, &v));
-            return static_cast<int64_t>(v);
-          },
-          [&](Row& r) {
-            cuuint64_t cur = 0;
-            CU_CHECK(cuMemPoolGetAttribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &cur));
-            r.notes.push_back(strf("pool reserved before trim %s; peak reserved = CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH",
-                                   fmt_bytes(static_cast<double>(cur)).c_str()));
-          },
-          [&](Row&) {
-            CU_CHECK(cuCtxSynchronize());
-            CU_CHECK(cuMemPoolTrimTo(pool, 0));
-          }));
-    } else {
-      Row r;
-      r.name = "cuMemAllocAsync (default pool, threshold max)";
-      r.why_not = "skipped (--skip)";
-      rows.push_back(r);
-    }
+// (c) cuMemAllocAsync on the default pool
+Row replay_async(Run& run) {
+  const size_t ns = run.ns;
+  CUmemoryPool pool = run.pool;
+  CuAsyncAdapter a;
+  return run_phase(
+      "cuMemAllocAsync (default pool, threshold max)", a, run.trace, run.baseline_free,
+      [&](Row&) {
+        a.streams = make_streams(ns);
+        CUdeviceptr d = 0;
+        CU_CHECK(cuMemAllocAsync(&d, 4096, a.streams[0]));
+        CU_CHECK(cuMemFreeAsync(d, a.streams[0]));
+        CU_CHECK(cuCtxSynchronize());
+        CU_CHECK(cuMemPoolTrimTo(pool, 0));
+        cuuint64_t zero = 0;
+        CU_CHECK(cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, &zero));
+      },
+      [&]() {
+        cuuint64_t v = 0;
+        CU_CHECK(cuMemPoolGetAttribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, &v));
+        return static_cast<int64_t>(v);
+      },
+      [&](Row& r) {
+        cuuint64_t cur = 0;
+        CU_CHECK(cuMemPoolGetAttribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &cur));
+        r.notes.push_back(strf("pool reserved before trim %s; peak reserved = CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH",
+                               fmt_bytes(static_cast<double>(cur)).c_str()));
+      },
+      [&](Row&) {
+        CU_CHECK(cuCtxSynchronize());
+        CU_CHECK(cuMemPoolTrimTo(pool, 0));
+      });
+}
 
-    // (d) PyTorch's caching allocator, last.
 #ifndef KV_BENCH_NO_TORCH
-    if (torch_skip.empty()) {
-      TorchAdapter a;
-      rows.push_back(run_phase(
-          "PyTorch CUDACachingAllocator", a, trace, baseline_free,
-          [&](Row&) {
-            for (CUstream s : make_streams(ns)) a.streams.push_back(reinterpret_cast<cudaStream_t>(s));
-            // Initialize cudart and the allocator, then give the memory back: cold = cache empty.
-            void* p = a.alloc(4096, 0);
-            if (p) a.free(p, 4096, 0);
-            tca::emptyCache();
-            tca::resetPeakStats(torch_dev());
-            make_current();
-          },
-          [&]() { return static_cast<int64_t>(torch_peak_reserved()); },
-          [&](Row& r) {
-            r.notes.push_back(strf("allocator \"%s\"; reserved before emptyCache %s; peak reserved = "
-                                   "getDeviceStats().reserved_bytes[AGGREGATE].peak",
-                                   torch_name.c_str(), fmt_bytes(static_cast<double>(torch_reserved())).c_str()));
-            if (!g_torch_last_error.empty()) r.notes.push_back("last torch error: " + g_torch_last_error);
-          },
-          [&](Row& r) {
-            tca::emptyCache();
-            make_current();
-            r.notes.push_back(strf("after emptyCache: reserved %s", fmt_bytes(static_cast<double>(torch_reserved())).c_str()));
-          }));
-    } else
+// (d) PyTorch's caching allocator
+Row replay_torch(Run& run) {
+  const size_t ns = run.ns;
+  const std::string& torch_name = run.torch_name;
+  TorchAdapter a;
+  return run_phase(
+      "PyTorch CUDACachingAllocator", a, run.trace, run.baseline_free,
+      [&](Row&) {
+        for (CUstream s : make_streams(ns)) a.streams.push_back(reinterpret_cast<cudaStream_t>(s));
+        // Initialize cudart and the allocator, then give the memory back: cold = cache empty.
+        void* p = a.alloc(4096, 0);
+        if (p) a.free(p, 4096, 0);
+        tca::emptyCache();
+        tca::resetPeakStats(torch_dev());
+        make_current();
+      },
+      [&]() { return static_cast<int64_t>(torch_peak_reserved()); },
+      [&](Row& r) {
+        r.notes.push_back(strf("allocator \"%s\"; reserved before emptyCache %s; peak reserved = "
+                               "getDeviceStats().reserved_bytes[AGGREGATE].peak",
+                               torch_name.c_str(), fmt_bytes(static_cast<double>(torch_reserved())).c_str()));
+        if (!g_torch_last_error.empty()) r.notes.push_back("last torch error: " + g_torch_last_error);
+      },
+      [&](Row& r) {
+        tca::emptyCache();
+        make_current();
+        r.notes.push_back(strf("after emptyCache: reserved %s", fmt_bytes(static_cast<double>(torch_reserved())).c_str()));
+      });
+}
 #endif
-    {
-      Row r;
-      r.name = "PyTorch CUDACachingAllocator";
-      r.why_not = torch_skip;
-      rows.push_back(r);
-    }
-  }
 
-  // gpu-arena and PyTorch replaying in turns (kv_interleave.h), when asked for.
+// The trace replayed by each allocator in turn: gpu-arena, cuMemAlloc, cuMemAllocAsync,
+// PyTorch last.
+std::vector<Row> replay_phases(Run& run) {
+  const Options& opt = run.opt;
+  std::vector<Row> rows;
+  if (run.ga_skip.empty()) rows.push_back(replay_gpu_arena(run));
+  else rows.push_back(not_run(run.ga_label, run.ga_skip));
+  if (!skipped(opt, "cumemalloc")) rows.push_back(replay_cumemalloc(run));
+  else rows.push_back(not_run("cuMemAlloc / cuMemFree", "skipped (--skip)"));
+  if (!skipped(opt, "async")) rows.push_back(replay_async(run));
+  else rows.push_back(not_run("cuMemAllocAsync (default pool, threshold max)", "skipped (--skip)"));
+#ifndef KV_BENCH_NO_TORCH
+  if (run.torch_skip.empty()) rows.push_back(replay_torch(run));
+  else
+#endif
+    rows.push_back(not_run("PyTorch CUDACachingAllocator", run.torch_skip));
+  return rows;
+}
+
+// gpu-arena and PyTorch replaying in turns (kv_interleave.h), when asked for: its report
+// section ("" when not asked for).
+std::string interleaved_phase(Run& run) {
   std::string interleaved_md;
 #ifndef KV_BENCH_NO_TORCH
+  const Options& opt = run.opt;
   if (!opt.no_replay && opt.interleave > 0) {
     InterleavedOut il;
     il.chunk = opt.interleave;
-    if (!ga_skip.empty() || !torch_skip.empty()) il.why_not = "needs both gpu-arena and PyTorch";
-    else il = run_interleaved(trace, ns, opt.interleave);
-    any_failure = any_failure || il.failed;
-    interleaved_md = interleaved_markdown(il, ga_label);
+    if (!run.ga_skip.empty() || !run.torch_skip.empty()) il.why_not = "needs both gpu-arena and PyTorch";
+    else il = run_interleaved(run.trace, run.ns, opt.interleave);
+    run.any_failure = run.any_failure || il.failed;
+    interleaved_md = interleaved_markdown(il, run.ga_label);
   }
-#endif
-
-  // Item 5: warm pair latency; item 6: thread scaling (kv_threads.h).
-  std::vector<PairRow> prow;
-  std::vector<ScalingRow> srow;
-  if (!opt.no_pairs) {
-    const size_t B = opt.pair_bytes;
-    const int N = opt.threads;
-    auto no_init = [] {};
-    auto scale = [&](const std::string& name, uint64_t pairs, auto init, auto al, auto fr) {
-      ScalingRow sr;
-      sr.name = name;
-      if (opt.no_scaling) return;
-      logf("scaling %s: threads", name.c_str());
-      sr.points = scaling_bench(opt.scaling_threads, pairs, std::min<uint64_t>(opt.warmup, pairs), B, make_streams,
-                                init, al, fr);
-      for (const auto& p : sr.points)
-        if (p.fixed.failures || p.mixed.failures) any_failure = true;
-      srow.push_back(sr);
-    };
-    auto both = [&](PairRow& r, uint64_t p1, uint64_t pn, auto init, auto al, auto fr) {
-      logf("pairs %s: 1 thread x %" PRIu64, r.name.c_str(), p1);
-      r.one = pair_bench(1, p1, std::min<uint64_t>(opt.warmup, p1), B, make_streams(1), init, al, fr);
-      logf("pairs %s: %.1f ns/pair; %d threads x %" PRIu64, r.name.c_str(), r.one.ns_per_pair_mean, N, pn);
-      r.many = pair_bench(N, pn, std::min<uint64_t>(opt.warmup, pn), B, make_streams(N), init, al, fr);
-      logf("pairs %s: %.1f ns/pair/thread, %.0f pairs/s", r.name.c_str(), r.many.ns_per_pair_mean,
-           r.many.pairs_per_s);
-      if (r.one.failures || r.many.failures) any_failure = true;
-    };
-    {
-      PairRow r;
-      r.name = ga_label;
-      if (ga_skip.empty()) {
-        auto al = [](size_t b, CUstream s) { return g_ga.malloc(static_cast<ssize_t>(b), g_dev.ordinal, s); };
-        auto fr = [](void* p, size_t b, CUstream s) {
-          g_ga.free(p, static_cast<ssize_t>(b), g_dev.ordinal, s);
-          return true;
-        };
-        both(r, opt.pairs, opt.thread_pairs, no_init, al, fr);
-        g_ga.empty_cache(-1);
-        scale(r.name, opt.arena_scaling_pairs, no_init, al, fr);
-        g_ga.empty_cache(-1);
-      } else {
-        r.one.why_not = ga_skip;
-      }
-      prow.push_back(r);
-    }
-#ifndef KV_BENCH_NO_TORCH
-    {
-      PairRow r;
-      r.name = "PyTorch CUDACachingAllocator";
-      if (torch_skip.empty()) {
-        auto init = [] { c10::cuda::set_device(torch_dev()); };
-        auto al = [](size_t b, CUstream s) -> void* {
-          try {
-            return tca::raw_alloc_with_stream(b, reinterpret_cast<cudaStream_t>(s));
-          } catch (const std::exception&) {
-            return nullptr;
-          }
-        };
-        auto fr = [](void* p, size_t, CUstream) {
-          try {
-            tca::raw_delete(p);
-            return true;
-          } catch (const std::exception&) {
-            return false;
-          }
-        };
-        both(r, opt.pairs, opt.thread_pairs, init, al, fr);
-        tca::emptyCache();
-        make_current();
-        scale(r.name, opt.scaling_pairs, init, al, fr);
-        tca::emptyCache();
-        make_current();
-      } else {
-        r.one.why_not = torch_skip;
-      }
-      prow.push_back(r);
-    }
 #else
-    {
-      PairRow r;
-      r.name = "PyTorch CUDACachingAllocator";
-      r.one.why_not = torch_skip;
-      prow.push_back(r);
-    }
+  (void)run;
 #endif
-    if (!skipped(opt, "async")) {
-      PairRow r;
-      r.name = "cuMemAllocAsync (default pool, threshold max)";
-      auto al = [](size_t b, CUstream s) -> void* {
-        CUdeviceptr d = 0;
-        return cuMemAllocAsync(&d, b, s) == CUDA_SUCCESS ? reinterpret_cast<void*>(d) : nullptr;
-      };
-      auto fr = [](void* p, size_t, CUstream s) {
-        return cuMemFreeAsync(reinterpret_cast<CUdeviceptr>(p), s) == CUDA_SUCCESS;
-      };
-      both(r, opt.pairs, opt.thread_pairs, no_init, al, fr);
-      CU_CHECK(cuMemPoolTrimTo(pool, 0));
-      scale(r.name, opt.scaling_pairs, no_init, al, fr);
-      CU_CHECK(cuMemPoolTrimTo(pool, 0));
-      prow.push_back(r);
-    }
-    if (!skipped(opt, "cumemalloc")) {
-      PairRow r;
-      r.name = "cuMemAlloc / cuMemFree";
-      both(r, opt.cumem_pairs, opt.cumem_thread_pairs, no_init,
+  return interleaved_md;
+}
+
+// Warm pairs through one allocator: on 1 thread (p1 pairs), then on --threads threads (pn
+// pairs each).
+template <class Init, class Alloc, class Free>
+void pairs_of(Run& run, PairRow& r, uint64_t p1, uint64_t pn, Init init, Alloc al, Free fr) {
+  const Options& opt = run.opt;
+  const size_t B = opt.pair_bytes;
+  const int N = opt.threads;
+  logf("pairs %s: 1 thread x %" PRIu64, r.name.c_str(), p1);
+  r.one = pair_bench(1, p1, std::min<uint64_t>(opt.warmup, p1), B, make_streams(1), init, al, fr);
+  logf("pairs %s: %.1f ns/pair; %d threads x %" PRIu64, r.name.c_str(), r.one.ns_per_pair_mean, N, pn);
+  r.many = pair_bench(N, pn, std::min<uint64_t>(opt.warmup, pn), B, make_streams(N), init, al, fr);
+  logf("pairs %s: %.1f ns/pair/thread, %.0f pairs/s", r.name.c_str(), r.many.ns_per_pair_mean,
+       r.many.pairs_per_s);
+  if (r.one.failures || r.many.failures) run.any_failure = true;
+}
+
+// One allocator's thread scaling (kv_threads.h), unless --no-scaling.
+template <class Init, class Alloc, class Free>
+void scaling_of(Run& run, std::vector<ScalingRow>& srow, const std::string& name, uint64_t pairs,
+                Init init, Alloc al, Free fr) {
+  const Options& opt = run.opt;
+  const size_t B = opt.pair_bytes;
+  ScalingRow sr;
+  sr.name = name;
+  if (opt.no_scaling) return;
+  logf("scaling %s: threads", name.c_str());
+  sr.points = scaling_bench(opt.scaling_threads, pairs, std::min<uint64_t>(opt.warmup, pairs), B, make_streams,
+                            init, al, fr);
+  for (const auto& p : sr.points)
+    if (p.fixed.failures || p.mixed.failures) run.any_failure = true;
+  srow.push_back(sr);
+}
+
+PairRow pairs_gpu_arena(Run& run, std::vector<ScalingRow>& srow) {
+  const Options& opt = run.opt;
+  auto no_init = [] {};
+  PairRow r;
+  r.name = run.ga_label;
+  if (run.ga_skip.empty()) {
+    auto al = [](size_t b, CUstream s) { return g_ga.malloc(static_cast<ssize_t>(b), g_dev.ordinal, s); };
+    auto fr = [](void* p, size_t b, CUstream s) {
+      g_ga.free(p, static_cast<ssize_t>(b), g_dev.ordinal, s);
+      return true;
+    };
+    pairs_of(run, r, opt.pairs, opt.thread_pairs, no_init, al, fr);
+    g_ga.empty_cache(-1);
+    scaling_of(run, srow, r.name, opt.arena_scaling_pairs, no_init, al, fr);
+    g_ga.empty_cache(-1);
+  } else {
+    r.one.why_not = run.ga_skip;
+  }
+  return r;
+}
+
+PairRow pairs_torch(Run& run, std::vector<ScalingRow>& srow) {
+  PairRow r;
+  r.name = "PyTorch CUDACachingAllocator";
+#ifndef KV_BENCH_NO_TORCH
+  const Options& opt = run.opt;
+  if (run.torch_skip.empty()) {
+    auto init = [] { c10::cuda::set_device(torch_dev()); };
+    auto al = [](size_t b, CUstream s) -> void* {
+      try {
+        return tca::raw_alloc_with_stream(b, reinterpret_cast<cudaStream_t>(s));
+      } catch (const std::exception&) {
+        return nullptr;
+      }
+    };
+    auto fr = [](void* p, size_t, CUstream) {
+      try {
+        tca::raw_delete(p);
+        return true;
+      } catch (const std::exception&) {
+        return false;
+      }
+    };
+    pairs_of(run, r, opt.pairs, opt.thread_pairs, init, al, fr);
+    tca::emptyCache();
+    make_current();
+    scaling_of(run, srow, r.name, opt.scaling_pairs, init, al, fr);
+    tca::emptyCache();
+    make_current();
+  } else {
+    r.one.why_not = run.torch_skip;
+  }
+#else
+  (void)srow;
+  r.one.why_not = run.torch_skip;
+#endif
+  return r;
+}
+
+PairRow pairs_async(Run& run, std::vector<ScalingRow>& srow) {
+  const Options& opt = run.opt;
+  auto no_init = [] {};
+  PairRow r;
+  r.name = "cuMemAllocAsync (default pool, threshold max)";
+  auto al = [](size_t b, CUstream s) -> void* {
+    CUdeviceptr d = 0;
+    return cuMemAllocAsync(&d, b, s) == CUDA_SUCCESS ? reinterpret_cast<void*>(d) : nullptr;
+  };
+  auto fr = [](void* p, size_t, CUstream s) {
+    return cuMemFreeAsync(reinterpret_cast<CUdeviceptr>(p), s) == CUDA_SUCCESS;
+  };
+  pairs_of(run, r, opt.pairs, opt.thread_pairs, no_init, al, fr);
+  CU_CHECK(cuMemPoolTrimTo(run.pool, 0));
+  scaling_of(run, srow, r.name, opt.scaling_pairs, no_init, al, fr);
+  CU_CHECK(cuMemPoolTrimTo(run.pool, 0));
+  return r;
+}
+
+PairRow pairs_cumemalloc(Run& run) {
+  const Options& opt = run.opt;
+  auto no_init = [] {};
+  PairRow r;
+  r.name = "cuMemAlloc / cuMemFree";
+  pairs_of(run, r, opt.cumem_pairs, opt.cumem_thread_pairs, no_init,
            [](size_t b, CUstream) -> void* {
              CUdeviceptr d = 0;
              return cuMemAlloc(&d, b) == CUDA_SUCCESS ? reinterpret_cast<void*>(d) : nullptr;
            },
            [](void* p, size_t, CUstream) { return cuMemFree(reinterpret_cast<CUdeviceptr>(p)) == CUDA_SUCCESS; });
-      r.note = "fewer pairs (--cumem-pairs, --cumem-thread-pairs): each is a driver call";
-      prow.push_back(r);
-    }
-  }
+  r.note = "fewer pairs (--cumem-pairs, --cumem-thread-pairs): each is a driver call";
+  return r;
+}
 
-  // ---- Report.
+// Item 5: warm pair latency; item 6: thread scaling (kv_threads.h).
+void pair_phases(Run& run, std::vector<PairRow>& prow, std::vector<ScalingRow>& srow) {
+  prow.push_back(pairs_gpu_arena(run, srow));
+  prow.push_back(pairs_torch(run, srow));
+  if (!skipped(run.opt, "async")) prow.push_back(pairs_async(run, srow));
+  if (!skipped(run.opt, "cumemalloc")) prow.push_back(pairs_cumemalloc(run));
+}
+
+// ---------------------------------------------------------------------------------------
+// The report (markdown, on stdout and in --out).
+
+std::string report_header(const Run& run) {
+  const Options& opt = run.opt;
   std::string md;
   md += "# KV trace replay and pair latency on the GPU (kv_bench, one run)\n\n";
   md += strf("- date: %s\n", utc_now().c_str());
@@ -709,92 +616,113 @@ int main(int argc, char** argv) {
   md += strf("- gpu-arena: %s, configure \"%s\"\n", g_ga.path.empty() ? "-" : g_ga.path.c_str(),
              opt.arena_conf.c_str());
   md += strf("- torch: %s (c10 caching allocator \"%s\", PYTORCH_CUDA_ALLOC_CONF=%s)\n", KV_TORCH_VERSION,
-             torch_name.c_str(),
+             run.torch_name.c_str(),
              std::getenv("PYTORCH_CUDA_ALLOC_CONF") ? std::getenv("PYTORCH_CUDA_ALLOC_CONF") : "unset");
-  if (!opt.no_replay) {
-    md += strf("- trace: %s, seed %#" PRIx64 ", %" PRIu64 " requests: %" PRIu64 " ops, %" PRIu64
-               " allocations, %" PRIu64 " streams (each allocator gets its own non-blocking streams), peak "
-               "live %s (%" PRIu64 " B) in %" PRIu64 " allocations\n",
-               trace.path.c_str(), trace.seed, trace.requests, trace.op_count, trace.allocs, trace.streams,
-               fmt_bytes(static_cast<double>(trace.peak_live_bytes)).c_str(), trace.peak_live_bytes,
-               trace.peak_live_allocs);
-    md += strf("- process baseline free memory (primary context created, before any allocator): %s\n",
-               fmt_bytes(static_cast<double>(baseline_free)).c_str());
-    md += "\nOrder: gpu-arena, cuMemAlloc, cuMemAllocAsync, PyTorch. Cold = first replay (runtime "
-          "initialized, cache empty), warm = the same allocator replaying the trace again. ns/op = wall "
-          "time of the op loop / ops (one cuMemGetInfo at the peak-live op is left out). Held after "
-          "teardown = free memory before that allocator was first touched minus free memory after its "
-          "teardown (free everything, then gpu_arena_empty_cache / cuMemPoolTrimTo(0) / emptyCache).\n\n";
+  return md;
+}
 
-    double torch_warm = 0;
-    for (const auto& r : rows)
-      if (r.ran && r.name.rfind("PyTorch", 0) == 0) torch_warm = r.warm.ns_per_op;
-    md += "| allocator | cold ns/op | warm ns/op | peak reserved | reserved/live | held after teardown | "
-          "speedup vs torch (warm) | device used at peak-live op | held vs process baseline | failures |\n";
-    md += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n";
-    for (const auto& r : rows) {
-      if (!r.ran) {
-        md += strf("| %s | - | - | - | - | - | - | - | - | %s |\n", r.name.c_str(), r.why_not.c_str());
-        any_failure = any_failure || r.why_not.find("skipped") == std::string::npos;
-        continue;
-      }
-      const double ratio = static_cast<double>(r.peak_reserved) / static_cast<double>(trace.peak_live_bytes);
-      const std::string speed = torch_warm > 0 ? strf("%.2fx", torch_warm / r.warm.ns_per_op) : "-";
-      const uint64_t fails = r.cold.alloc_failures + r.warm.alloc_failures + r.cold.free_failures +
-                             r.warm.free_failures;
-      md += strf("| %s | %s | %s | %s%s | %.3f | %s | %s | %s | %s | %s |\n", r.name.c_str(),
-                 fmt_ns(r.cold.ns_per_op).c_str(), fmt_ns(r.warm.ns_per_op).c_str(),
-                 fmt_bytes(static_cast<double>(r.peak_reserved)).c_str(),
-                 r.peak_note.empty() ? "" : (" " + r.peak_note).c_str(), ratio,
-                 fmt_bytes(static_cast<double>(r.held_phase)).c_str(), speed.c_str(),
-                 fmt_bytes(static_cast<double>(r.cold.used_at_peak)).c_str(),
-                 fmt_bytes(static_cast<double>(r.held_global)).c_str(),
-                 fails ? strf("%" PRIu64, fails).c_str() : (r.failed ? "see notes" : "0"));
-      any_failure = any_failure || r.failed;
+// The replay's section: the trace, the table, the details. A row that failed, or did not run
+// for another reason than --skip, is a failure of the run.
+std::string replay_markdown(Run& run, const std::vector<Row>& rows) {
+  const Trace& trace = run.trace;
+  bool& any_failure = run.any_failure;
+  std::string md;
+  md += strf("- trace: %s, seed %#" PRIx64 ", %" PRIu64 " requests: %" PRIu64 " ops, %" PRIu64
+             " allocations, %" PRIu64 " streams (each allocator gets its own non-blocking streams), peak "
+             "live %s (%" PRIu64 " B) in %" PRIu64 " allocations\n",
+             trace.path.c_str(), trace.seed, trace.requests, trace.op_count, trace.allocs, trace.streams,
+             fmt_bytes(static_cast<double>(trace.peak_live_bytes)).c_str(), trace.peak_live_bytes,
+             trace.peak_live_allocs);
+  md += strf("- process baseline free memory (primary context created, before any allocator): %s\n",
+             fmt_bytes(static_cast<double>(run.baseline_free)).c_str());
+  md += "\nOrder: gpu-arena, cuMemAlloc, cuMemAllocAsync, PyTorch. Cold = first replay (runtime "
+        "initialized, cache empty), warm = the same allocator replaying the trace again. ns/op = wall "
+        "time of the op loop / ops (one cuMemGetInfo at the peak-live op is left out). Held after "
+        "teardown = free memory before that allocator was first touched minus free memory after its "
+        "teardown (free everything, then gpu_arena_empty_cache / cuMemPoolTrimTo(0) / emptyCache).\n\n";
+
+  double torch_warm = 0;
+  for (const auto& r : rows)
+    if (r.ran && r.name.rfind("PyTorch", 0) == 0) torch_warm = r.warm.ns_per_op;
+  md += "| allocator | cold ns/op | warm ns/op | peak reserved | reserved/live | held after teardown | "
+        "speedup vs torch (warm) | device used at peak-live op | held vs process baseline | failures |\n";
+  md += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n";
+  for (const auto& r : rows) {
+    if (!r.ran) {
+      md += strf("| %s | - | - | - | - | - | - | - | - | %s |\n", r.name.c_str(), r.why_not.c_str());
+      any_failure = any_failure || r.why_not.find("skipped") == std::string::npos;
+      continue;
     }
-    md += "\nDetails:\n\n";
-    for (const auto& r : rows) {
-      if (!r.ran) continue;
-      md += strf("- **%s**: cold %.3fs loop + %.3fs sync, warm %.3fs loop + %.3fs sync; peak reserved after "
-                 "cold %s (%.3f x live), after warm %s; device used at the peak-live op: cold %s, warm %s",
-                 r.name.c_str(), r.cold.loop_s, r.cold.sync_s, r.warm.loop_s, r.warm.sync_s,
-                 fmt_bytes(static_cast<double>(r.peak_reserved_cold)).c_str(),
-                 static_cast<double>(r.peak_reserved_cold) / static_cast<double>(trace.peak_live_bytes),
-                 fmt_bytes(static_cast<double>(r.peak_reserved)).c_str(),
-                 fmt_bytes(static_cast<double>(r.cold.used_at_peak)).c_str(),
-                 fmt_bytes(static_cast<double>(r.warm.used_at_peak)).c_str());
-      for (const auto& n : r.notes) md += "; " + n;
-      md += ".\n";
-    }
+    const double ratio = static_cast<double>(r.peak_reserved) / static_cast<double>(trace.peak_live_bytes);
+    const std::string speed = torch_warm > 0 ? strf("%.2fx", torch_warm / r.warm.ns_per_op) : "-";
+    const uint64_t fails = r.cold.alloc_failures + r.warm.alloc_failures + r.cold.free_failures +
+                           r.warm.free_failures;
+    md += strf("| %s | %s | %s | %s%s | %.3f | %s | %s | %s | %s | %s |\n", r.name.c_str(),
+               fmt_ns(r.cold.ns_per_op).c_str(), fmt_ns(r.warm.ns_per_op).c_str(),
+               fmt_bytes(static_cast<double>(r.peak_reserved)).c_str(),
+               r.peak_note.empty() ? "" : (" " + r.peak_note).c_str(), ratio,
+               fmt_bytes(static_cast<double>(r.held_phase)).c_str(), speed.c_str(),
+               fmt_bytes(static_cast<double>(r.cold.used_at_peak)).c_str(),
+               fmt_bytes(static_cast<double>(r.held_global)).c_str(),
+               fails ? strf("%" PRIu64, fails).c_str() : (r.failed ? "see notes" : "0"));
+    any_failure = any_failure || r.failed;
   }
+  md += "\nDetails:\n\n";
+  for (const auto& r : rows) {
+    if (!r.ran) continue;
+    md += strf("- **%s**: cold %.3fs loop + %.3fs sync, warm %.3fs loop + %.3fs sync; peak reserved after "
+               "cold %s (%.3f x live), after warm %s; device used at the peak-live op: cold %s, warm %s",
+               r.name.c_str(), r.cold.loop_s, r.cold.sync_s, r.warm.loop_s, r.warm.sync_s,
+               fmt_bytes(static_cast<double>(r.peak_reserved_cold)).c_str(),
+               static_cast<double>(r.peak_reserved_cold) / static_cast<double>(trace.peak_live_bytes),
+               fmt_bytes(static_cast<double>(r.peak_reserved)).c_str(),
+               fmt_bytes(static_cast<double>(r.cold.used_at_peak)).c_str(),
+               fmt_bytes(static_cast<double>(r.warm.used_at_peak)).c_str());
+    for (const auto& n : r.notes) md += "; " + n;
+    md += ".\n";
+  }
+  return md;
+}
 
+std::string pairs_markdown(const Options& opt, const std::vector<PairRow>& prow) {
+  std::string md;
+  md += strf("\n## Warm alloc+free pair latency, %s, each thread on its own non-blocking stream\n\n",
+             fmt_bytes(static_cast<double>(opt.pair_bytes)).c_str());
+  md += strf("After %" PRIu64 " warm-up pairs per thread (fewer when a run has fewer pairs); threads start "
+             "together; ns/pair = a thread's loop time / its pairs; pairs/s = all pairs / (last end - first "
+             "start).\n\n",
+             opt.warmup);
+  md += strf("| allocator | 1 thread: ns/pair | pairs | %d threads: ns/pair/thread (mean) | max | pairs/thread "
+             "| aggregate pairs/s | failures | notes |\n",
+             opt.threads);
+  md += "|---|---:|---:|---:|---:|---:|---:|---:|---|\n";
+  for (const auto& r : prow) {
+    if (!r.one.ran) {
+      md += strf("| %s | - | - | - | - | - | - | - | %s |\n", r.name.c_str(), r.one.why_not.c_str());
+      continue;
+    }
+    md += strf("| %s | %s | %" PRIu64 " | %s | %s | %" PRIu64 " | %.3g | %" PRIu64 " | %s |\n", r.name.c_str(),
+               fmt_ns(r.one.ns_per_pair_mean).c_str(), r.one.pairs_per_thread,
+               fmt_ns(r.many.ns_per_pair_mean).c_str(), fmt_ns(r.many.ns_per_pair_max).c_str(),
+               r.many.pairs_per_thread, r.many.pairs_per_s, r.one.failures + r.many.failures, r.note.c_str());
+  }
+  return md;
+}
+
+std::string report(Run& run, const std::vector<Row>& rows, const std::string& interleaved_md,
+                   const std::vector<PairRow>& prow, const std::vector<ScalingRow>& srow) {
+  const Options& opt = run.opt;
+  std::string md = report_header(run);
+  if (!opt.no_replay) md += replay_markdown(run, rows);
   md += interleaved_md;
-  if (!prow.empty()) {
-    md += strf("\n## Warm alloc+free pair latency, %s, each thread on its own non-blocking stream\n\n",
-               fmt_bytes(static_cast<double>(opt.pair_bytes)).c_str());
-    md += strf("After %" PRIu64 " warm-up pairs per thread (fewer when a run has fewer pairs); threads start "
-               "together; ns/pair = a thread's loop time / its pairs; pairs/s = all pairs / (last end - first "
-               "start).\n\n",
-               opt.warmup);
-    md += strf("| allocator | 1 thread: ns/pair | pairs | %d threads: ns/pair/thread (mean) | max | pairs/thread "
-               "| aggregate pairs/s | failures | notes |\n",
-               opt.threads);
-    md += "|---|---:|---:|---:|---:|---:|---:|---:|---|\n";
-    for (const auto& r : prow) {
-      if (!r.one.ran) {
-        md += strf("| %s | - | - | - | - | - | - | - | %s |\n", r.name.c_str(), r.one.why_not.c_str());
-        continue;
-      }
-      md += strf("| %s | %s | %" PRIu64 " | %s | %s | %" PRIu64 " | %.3g | %" PRIu64 " | %s |\n", r.name.c_str(),
-                 fmt_ns(r.one.ns_per_pair_mean).c_str(), r.one.pairs_per_thread,
-                 fmt_ns(r.many.ns_per_pair_mean).c_str(), fmt_ns(r.many.ns_per_pair_max).c_str(),
-                 r.many.pairs_per_thread, r.many.pairs_per_s, r.one.failures + r.many.failures, r.note.c_str());
-    }
-  }
+  if (!prow.empty()) md += pairs_markdown(opt, prow);
   if (!srow.empty())
     md += scaling_markdown(srow, std::min<uint64_t>(opt.warmup, opt.scaling_pairs), opt.pair_bytes);
-  md += strf("\nResult: %s\n", any_failure ? "FAILURES (see the table and notes)" : "no failures");
+  md += strf("\nResult: %s\n", run.any_failure ? "FAILURES (see the table and notes)" : "no failures");
+  return md;
+}
 
+void write_report(const Options& opt, const std::string& md) {
   std::fputs(md.c_str(), stdout);
   std::fflush(stdout);
   if (!opt.out.empty()) {
@@ -804,5 +732,27 @@ int main(int argc, char** argv) {
     std::fclose(f);
     logf("wrote %s", opt.out.c_str());
   }
-  return any_failure ? 1 : 0;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+
+int main(int argc, char** argv) {
+  Run run;
+  run.opt = parse_args(argc, argv);
+  open_device(run);
+  read_trace(run);
+  open_default_pool(run);
+  open_gpu_arena(run);
+  open_torch(run);
+  std::vector<Row> rows;
+  if (!run.opt.no_replay) rows = replay_phases(run);
+  const std::string interleaved_md = interleaved_phase(run);
+  std::vector<PairRow> prow;
+  std::vector<ScalingRow> srow;
+  if (!run.opt.no_pairs) pair_phases(run, prow, srow);
+  const std::string md = report(run, rows, interleaved_md, prow, srow);
+  write_report(run.opt, md);
+  return run.any_failure ? 1 : 0;
 }

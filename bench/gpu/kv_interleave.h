@@ -9,9 +9,24 @@
 // first alternates from chunk to chunk, so each runs after the other's cache footprint
 // equally often. Both hold their memory at once (the trace's peak live, twice).
 //
-// Included by kv_bench.cpp after kv_adapters.h (Trace, the adapters, make_streams, g_ga) and
-// the sequential replay (ReplayOut); only built with torch.
+// Uses kv_adapters.h (Trace, the adapters, make_streams, g_ga) and the sequential replay's
+// ReplayOut (kv_replay.h); helpers from kv_common.h. Only built with torch.
 #pragma once
+
+#include <cuda.h>
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gpu_arena.h"
+#include "kv_adapters.h"
+#include "kv_common.h"
+#include "kv_replay.h"
+
+namespace {
 
 struct InterleavedOut {
   bool ran = false;
@@ -132,3 +147,5 @@ std::string interleaved_markdown(const InterleavedOut& il, const std::string& ga
   for (const auto& n : il.notes) md += "\n- " + n;
   return md + "\n";
 }
+
+}  // namespace

@@ -1,5 +1,5 @@
-// kv_threads.h: kv_bench's thread part (included by kv_bench.cpp inside its anonymous
-// namespace, after its helpers: Clock, secs, make_current, CU_CHECK, strf, fmt_ns).
+// kv_threads.h: kv_bench's thread part (helpers from kv_common.h, make_current from
+// kv_adapters.h).
 //
 // - pair_bench: N threads, each on its own non-blocking stream, doing warm alloc/free pairs
 //   through one allocator; a thread's loop time / its pairs, and all pairs / (last end -
@@ -11,6 +11,22 @@
 // - scaling_bench / scaling_markdown: both workloads at T = 1, 2, 4, 8 (--scaling-threads)
 //   for each allocator, with the aggregate's ratio to T = 1 (issue #14: >= 0.8 x T up to the
 //   cores, >= 4x with 8 threads on the H200 host).
+#pragma once
+
+#include <cuda.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cinttypes>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kv_adapters.h"
+#include "kv_common.h"
+
+namespace {
 
 enum class Workload { Fixed, Mixed };
 
@@ -186,3 +202,5 @@ std::string scaling_markdown(const std::vector<ScalingRow>& rows, uint64_t warmu
   }
   return md;
 }
+
+}  // namespace
