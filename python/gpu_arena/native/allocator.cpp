@@ -1,0 +1,778 @@
+// allocator.cpp: gpu-arena as PyTorch's own CUDA allocator. A subclass of
+// c10::cuda::CUDACachingAllocator::CUDAAllocator over gpu-arena's C API, compiled at
+// gpu_arena.torch install time against the installed torch (gpu_arena/torch_native.py, cached
+// per torch build) and installed by gpu_arena_torch_install_native() through
+// torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator. Every torch.cuda memory entry
+// point (allocation, graph pools and CUDA graphs, cudagraph trees' checkpoints, memory_stats,
+// empty_cache, record_stream, torch.multiprocessing's CUDA IPC) then reaches gpu-arena.
+//
+// Versions: torch 2.8 and newer. Every method is marked `override`, so an interface torch
+// reshapes fails the build (and gpu_arena falls back to the pluggable route) instead of
+// adding an overload torch never calls. TORCH_VERSION_MAJOR/MINOR bridge the changes of
+// 2.8, 2.10, 2.11 and 2.12 (shared/design/TORCH-ALLOCATOR.md §7).
+//
+// What is not gpu-arena's own (each also said where it is implemented):
+// - snapshot(): segments are not reported yet (empty SnapshotInfo; gpu_arena's own
+//   gpu_arena.torch.memory_snapshot() has them); history is gpu-arena's, not torch's traces.
+// - setMemoryFraction: kept and returned, not enforced (gpu-arena's cap, max_reserved, is set
+//   only before first use: gpu_arena.configure).
+// - setUseOnOOM / setNoSplit: accepted, no effect (warned once).
+// - cacheInfo: the largest cached block is unknown; the device's free memory stands for it.
+#include <torch/version.h>
+
+#define GA_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) ||     \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+#if !GA_TORCH_AT_LEAST(2, 8)
+#error "gpu-arena's native torch allocator needs torch 2.8 or newer"
+#endif
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "gpu_arena_api.h"
+
+#ifdef GPU_ARENA_CHECK_LAYOUT  // torch_native.check_headers(gpu_arena_header=...)
+#include <gpu_arena.h>
+#define GA_SAME_FIELD(f)                                                            \
+  static_assert(offsetof(gpu_arena_native::Stats, f) == offsetof(gpu_arena_stats_t, f), \
+                "gpu_arena_stats_t." #f " moved");
+GA_SAME_FIELD(reserved_bytes)
+GA_SAME_FIELD(oom_count)
+GA_SAME_FIELD(peak_requested_bytes)
+static_assert(sizeof(gpu_arena_native::Share) == sizeof(gpu_arena_share_t), "share size");
+static_assert(sizeof(gpu_arena_native::StatsBuffer) >= sizeof(gpu_arena_stats_t), "room");
+#endif
+
+namespace gpu_arena_native {
+namespace {
+
+namespace cca = c10::cuda::CUDACachingAllocator;
+using c10::DataPtr;
+using c10::DeviceIndex;
+using c10::cuda::MempoolId_t;  // c10::MempoolId_t since 2.9; this alias in every version
+
+#if GA_TORCH_AT_LEAST(2, 11)
+using PoolAllocatorArg = std::shared_ptr<cca::CUDAAllocator>;
+cca::CUDAAllocator* raw_of(const PoolAllocatorArg& a) { return a.get(); }
+#else
+using PoolAllocatorArg = cca::CUDAAllocator*;
+cca::CUDAAllocator* raw_of(PoolAllocatorArg a) { return a; }
+#endif
+
+constexpr int kMaxDevices = 128;
+// Our share handles for torch.multiprocessing: this prefix, then the 128 share bytes. Its
+// first byte is far above torch's SHAREABLE_HANDLE_VERSION, so a handle reaching a process
+// where gpu-arena is not torch's allocator fails loudly there, and ours refuse theirs.
+constexpr char kHandleMagic[] = "\xa7gpu-arena/1";
+constexpr size_t kHandleMagicLen = sizeof(kHandleMagic) - 1;
+
+Api g_api;  // bound once, by gpu_arena_torch_install_native
+class Allocator;
+Allocator* g_self = nullptr;  // the installed allocator, never destroyed
+void raw_delete_fn(void* ptr);
+
+std::string last_error() { return g_api.last_error(); }
+
+void check_rc(long rc, const char* what) {
+  TORCH_CHECK(rc >= 0, "gpu-arena: ", what, " failed: ", last_error());
+}
+
+std::string take_string(char* s) {
+  std::string out = s != nullptr ? s : "";
+  g_api.string_free(s);
+  return out;
+}
+
+// PyTorch's format_size (CUDACachingAllocator.cpp), for OOM messages shaped like its own.
+std::string format_size(uint64_t size) {
+  char buf[64];
+  if (size <= 1024) {
+    std::snprintf(buf, sizeof buf, "%llu bytes", static_cast<unsigned long long>(size));
+  } else if (size <= 1048576) {
+    std::snprintf(buf, sizeof buf, "%.2f KiB", size / 1024.0);
+  } else if (size <= 1073741824ULL) {
+    std::snprintf(buf, sizeof buf, "%.2f MiB", size / 1048576.0);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", size / 1073741824.0);
+  }
+  return buf;
+}
+
+// cudaMemGetInfo on `dev`, the caller's current device restored.
+std::pair<size_t, size_t> mem_info(DeviceIndex dev) {
+  c10::cuda::CUDAGuard guard(dev);
+  size_t free_bytes = 0, total = 0;
+  C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+  return {free_bytes, total};
+}
+
+void check_device(DeviceIndex dev) {
+  TORCH_CHECK(dev >= 0 && dev < kMaxDevices, "gpu-arena: device index ", int(dev),
+              " out of range");
+}
+
+// Pointer -> (requested size, device) of every live allocation, kept only when the library
+// lacks gpu_arena_free_unsized / gpu_arena_allocation_of (see gpu_arena_api.h): sharded, one
+// mutex per shard.
+class SizeTable {
+ public:
+  struct Entry {
+    size_t requested;
+    int device;
+  };
+  void put(void* p, size_t requested, int device) {
+    Shard& s = shard(p);
+    std::lock_guard<std::mutex> g(s.mu);
+    s.map[p] = Entry{requested, device};
+  }
+  bool take(void* p, Entry* out) {
+    Shard& s = shard(p);
+    std::lock_guard<std::mutex> g(s.mu);
+    auto it = s.map.find(p);
+    if (it == s.map.end()) return false;
+    *out = it->second;
+    s.map.erase(it);
+    return true;
+  }
+  bool find(void* p, Entry* out) {
+    Shard& s = shard(p);
+    std::lock_guard<std::mutex> g(s.mu);
+    auto it = s.map.find(p);
+    if (it == s.map.end()) return false;
+    *out = it->second;
+    return true;
+  }
+
+ private:
+  struct Shard {
+    std::mutex mu;
+    std::unordered_map<void*, Entry> map;
+  };
+  Shard& shard(void* p) {
+    uint64_t h = (reinterpret_cast<uintptr_t>(p) >> 9) * 0x9E3779B97F4A7C15ULL;
+    return shards_[h >> 58];
+  }
+  std::array<Shard, 64> shards_;
+};
+
+// What getCheckpointState hands torch: the pool's live blocks at that time.
+struct Checkpoint : cca::AllocatorState {
+  DeviceIndex device = 0;
+  MempoolId_t id{0, 0};
+  std::vector<PoolBlock> blocks;
+};
+
+class Allocator final : public cca::CUDAAllocator {
+ public:
+  Allocator() {
+    table_mode_ = g_api.free_unsized == nullptr || g_api.allocation_of == nullptr;
+    for (auto& f : fraction_) f.store(1.0);
+  }
+  bool table_mode() const { return table_mode_; }
+
+  // ---- allocation (hot path: one atomic load when no pool route is open) ----
+  DataPtr allocate(size_t n) override {
+    const DeviceIndex dev = c10::cuda::current_device();
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+    void* p = n != 0 ? alloc(n, dev, stream) : nullptr;
+    return {p, p, &raw_delete_fn, c10::Device(c10::DeviceType::CUDA, dev)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &raw_delete_fn; }
+  void* raw_alloc(size_t n) override {
+    if (n == 0) return nullptr;
+    const DeviceIndex dev = c10::cuda::current_device();
+    return alloc(n, dev, c10::cuda::getCurrentCUDAStream(dev).stream());
+  }
+  void* raw_alloc_with_stream(size_t n, cudaStream_t stream) override {
+    if (n == 0) return nullptr;
+    return alloc(n, c10::cuda::current_device(), stream);
+  }
+  void raw_delete(void* ptr) override { release(ptr, /*throw_on_error=*/true); }
+
+  // The deleter of every DataPtr this allocator makes (raw_deleter()).
+  void release(void* ptr, bool throw_on_error) {
+    if (ptr == nullptr) return;
+    if (C10_UNLIKELY(shares_live_.load(std::memory_order_acquire) > 0)) drop_share(ptr);
+    int rc;
+    if (C10_LIKELY(!table_mode_)) {
+      rc = g_api.free_unsized(ptr);
+    } else {
+      SizeTable::Entry e{};
+      rc = table_.take(ptr, &e)
+               ? g_api.free_checked(ptr, static_cast<ssize_t>(e.requested), e.device)
+               : -3;  // GPU_ARENA_ERR_UNKNOWN_POINTER
+    }
+    if (C10_UNLIKELY(rc < 0)) {
+      std::string why = table_mode_ && rc == -3 ? "not allocated by gpu-arena's torch allocator"
+                                                : last_error();
+      if (throw_on_error) TORCH_CHECK(false, "gpu-arena: free of ", ptr, " failed: ", why);
+      TORCH_WARN("gpu-arena: free of ", ptr, " failed: ", why);
+    }
+  }
+
+  // ---- graph pools (CUDA graphs, torch.cuda.MemPool, cudagraph trees) ----
+  void beginAllocateToPool(DeviceIndex dev, MempoolId_t id,
+                           std::function<bool(cudaStream_t)> filter) override {
+    check_device(dev);
+    std::lock_guard<std::mutex> g(routes_mu_);
+    for (const Route& r : routes_[dev]) {
+      TORCH_CHECK(r.id != id, "beginAllocateToPool: already recording to mempool_id");
+    }
+    check_rc(g_api.graph_pool_begin(dev, id.first, id.second), "gpu_arena_graph_pool_begin");
+    routes_[dev].push_back(Route{id, std::move(filter)});
+    open_[dev].fetch_add(1, std::memory_order_release);
+  }
+  void endAllocateToPool(DeviceIndex dev, MempoolId_t id) override {
+    check_device(dev);
+    std::lock_guard<std::mutex> g(routes_mu_);
+    auto& v = routes_[dev];
+    auto it = std::find_if(v.begin(), v.end(), [&](const Route& r) { return r.id == id; });
+    TORCH_CHECK(it != v.end(), "endAllocatePool: not currently recording to mempool_id");
+    v.erase(it);
+    open_[dev].fetch_sub(1, std::memory_order_release);
+    check_rc(g_api.graph_pool_end(dev, id.first, id.second), "gpu_arena_graph_pool_end");
+  }
+  void releasePool(DeviceIndex dev, MempoolId_t id) override {
+    check_rc(g_api.graph_pool_release(dev, id.first, id.second), "gpu_arena_graph_pool_release");
+  }
+  void createOrIncrefPool(DeviceIndex dev, MempoolId_t id, PoolAllocatorArg allocator) override {
+    cca::CUDAAllocator* other = raw_of(allocator);
+    TORCH_CHECK(other == nullptr || other == this,
+                "gpu-arena's native torch allocator does not serve a MemPool with another "
+                "allocator (", other->name(), "); create torch.cuda.MemPool() without one, "
+                "or use gpu_arena.torch.install(native=False) for pluggable mem pools");
+    check_rc(g_api.graph_pool_retain(dev, id.first, id.second), "gpu_arena_graph_pool_retain");
+  }
+  int getPoolUseCount(DeviceIndex dev, MempoolId_t id) override {
+    int n = g_api.graph_pool_use_count(dev, id.first, id.second);
+    check_rc(n, "gpu_arena_graph_pool_use_count");
+    return n;
+  }
+#if GA_TORCH_AT_LEAST(2, 11)
+  void setUseOnOOM(DeviceIndex, MempoolId_t, bool use_on_oom) override {
+    if (use_on_oom) warn_use_on_oom();
+  }
+#else
+  void setUseOnOOM(DeviceIndex, MempoolId_t) override { warn_use_on_oom(); }
+#endif
+#if GA_TORCH_AT_LEAST(2, 10)
+  // A block of gpu-arena never spans arenas and is placed, not split off a segment torch
+  // sees: there is nothing to turn off.
+  void setNoSplit(DeviceIndex, MempoolId_t) override {}
+#endif
+  bool checkPoolLiveAllocations(DeviceIndex dev, MempoolId_t id,
+                                const std::unordered_set<void*>& expected) override {
+    std::vector<PoolBlock> blocks = pool_blocks(dev, id);
+    if (blocks.size() != expected.size()) return false;
+    for (const PoolBlock& b : blocks) {
+      if (expected.count(reinterpret_cast<void*>(b.ptr)) == 0) return false;
+    }
+    return true;
+  }
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(DeviceIndex dev,
+                                                          MempoolId_t id) override {
+    auto state = std::make_shared<Checkpoint>();
+    state->device = dev;
+    state->id = id;
+    state->blocks = pool_blocks(dev, id);
+    return state;
+  }
+  // As CUDACachingAllocator does (and torch's _cuda_setCheckpointPoolState and cudagraph
+  // trees rely on): every block live in the pool before is in ptrs_freed, every checkpointed
+  // block gets a fresh DataPtr in dataptrs_allocd (a pointer may be in both: torch hands
+  // those DataPtrs to the live storages it passes, whose old DataPtrs own nothing). In
+  // gpu-arena a block live in both keeps its memory: only the others are freed or placed.
+  cca::CheckpointDelta setCheckpointPoolState(
+      DeviceIndex dev, std::shared_ptr<cca::AllocatorState> pps) override {
+    auto st = std::dynamic_pointer_cast<Checkpoint>(pps);
+    TORCH_CHECK(st != nullptr, "gpu-arena: setCheckpointPoolState needs a state from "
+                "getCheckpointState of gpu-arena's allocator");
+    TORCH_CHECK(st->device == dev, "gpu-arena: checkpoint of device ", int(st->device),
+                " restored on device ", int(dev));
+    std::vector<PoolBlock> before = pool_blocks(dev, st->id);
+    check_rc(g_api.graph_pool_restore(dev, st->id.first, st->id.second, st->blocks.data(),
+                                      st->blocks.size()),
+             "gpu_arena_graph_pool_restore");
+    std::unordered_set<uint64_t> kept;
+    for (const PoolBlock& b : st->blocks) kept.insert(b.ptr);
+    cca::CheckpointDelta delta;
+    for (const PoolBlock& b : before) {
+      void* p = reinterpret_cast<void*>(b.ptr);
+      delta.ptrs_freed.push_back(p);
+      if (kept.count(b.ptr) != 0) continue;
+      if (shares_live_.load(std::memory_order_acquire) > 0) drop_share(p);
+      SizeTable::Entry e{};
+      if (table_mode_) table_.take(p, &e);
+    }
+    if (table_mode_) {
+      for (const PoolBlock& b : pool_blocks(dev, st->id)) {
+        table_.put(reinterpret_cast<void*>(b.ptr), b.requested, dev);
+      }
+    }
+    for (const PoolBlock& b : st->blocks) {
+      void* p = reinterpret_cast<void*>(b.ptr);
+      delta.dataptrs_allocd.emplace_back(p, p, &raw_delete_fn,
+                                         c10::Device(c10::DeviceType::CUDA, dev));
+    }
+    return delta;
+  }
+
+  // ---- stats ----
+  // DeviceStats from gpu_arena_stats, aggregate entries only ([0]; the small/large pool
+  // entries stay 0: gpu-arena has no such split). Honoured: allocated_bytes, reserved_bytes
+  // (current, peak), active_bytes (= allocated), requested_bytes (current, peak),
+  // allocation and active (current; allocated/freed = allocations served/freed ever),
+  // segment (current = arenas held; allocated/freed = arenas created/released ever),
+  // num_ooms, num_device_alloc, num_device_free. The peaks of counts are not tracked by
+  // gpu-arena: reported as the current value. Cumulative bytes (allocated/freed of the byte
+  // stats), inactive_split*, oversize*, num_alloc_retries, num_sync_all_streams and
+  // max_split_size are 0.
+  cca::DeviceStats getDeviceStats(DeviceIndex dev) override {
+    const Stats s = stats(dev);
+    cca::DeviceStats d;
+    auto set = [](auto& stat, uint64_t current, uint64_t peak, uint64_t allocated = 0,
+                  uint64_t freed = 0) {
+      stat[0].current = static_cast<int64_t>(current);
+      stat[0].peak = static_cast<int64_t>(peak);
+      stat[0].allocated = static_cast<int64_t>(allocated);
+      stat[0].freed = static_cast<int64_t>(freed);
+    };
+    set(d.allocated_bytes, s.allocated_bytes, s.peak_allocated_bytes);
+    set(d.active_bytes, s.allocated_bytes, s.peak_allocated_bytes);
+    set(d.reserved_bytes, s.reserved_bytes, s.peak_reserved_bytes);
+    set(d.requested_bytes, s.requested_bytes, s.peak_requested_bytes);
+    set(d.allocation, s.allocations, s.allocations, s.alloc_count, s.free_count);
+    set(d.active, s.allocations, s.allocations, s.alloc_count, s.free_count);
+    set(d.segment, s.arenas, s.arenas, s.backend_creates, s.backend_destroys);
+    d.num_ooms = static_cast<int64_t>(s.oom_count);
+    d.num_device_alloc = static_cast<int64_t>(s.backend_creates);
+    d.num_device_free = static_cast<int64_t>(s.backend_destroys);
+    return d;
+  }
+  void resetAccumulatedStats(DeviceIndex dev) override {
+    check_rc(g_api.reset_accumulated_stats(dev), "gpu_arena_reset_accumulated_stats");
+  }
+  void resetPeakStats(DeviceIndex dev) override {
+    check_rc(g_api.reset_peak_stats(dev), "gpu_arena_reset_peak_stats");
+  }
+#if GA_TORCH_AT_LEAST(2, 10)
+  std::pair<size_t, size_t> getMemoryInfo(DeviceIndex dev) override { return mem_info(dev); }
+  std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(DeviceIndex) override {
+    return {};
+  }
+#endif
+  // Kept and returned; not enforced (see the top of this file).
+  double getMemoryFraction(DeviceIndex dev) override {
+    check_device(dev);
+    return fraction_[dev].load();
+  }
+  void setMemoryFraction(double fraction, DeviceIndex dev) override {
+    check_device(dev);
+    TORCH_CHECK(fraction >= 0 && fraction <= 1, "invalid fraction: ", fraction);
+    fraction_[dev].store(fraction);
+  }
+  // The largest cached block is unknown: as CUDACachingAllocator's first guess when the
+  // caller passes 0, the device's free memory.
+  void cacheInfo(DeviceIndex dev, size_t* largest) override {
+    if (*largest == 0) *largest = mem_info(dev).first;
+  }
+  void emptyCache(MempoolId_t id) override {
+    if (id.first == 0 && id.second == 0) {
+      check_rc(g_api.empty_cache(-1), "gpu_arena_empty_cache");
+      return;
+    }
+    // MemPool's destructor calls this for its pool without a device: every device (those
+    // where the pool is unknown refuse, which is no error here).
+    const int n = g_api.device_count();
+    for (int dev = 0; dev < n; ++dev) g_api.graph_pool_empty_cache(dev, id.first, id.second);
+  }
+#if GA_TORCH_AT_LEAST(2, 11)
+  cca::SnapshotInfo snapshot(MempoolId_t, bool) override { return empty_snapshot(); }
+#else
+  cca::SnapshotInfo snapshot(MempoolId_t) override { return empty_snapshot(); }
+#endif
+
+  // ---- history and observers ----
+  // torch's history (stacks, trace entries) is not recorded; gpu-arena's own history is
+  // switched on and off with it (gpu_arena.torch.memory_snapshot() shows it).
+#if GA_TORCH_AT_LEAST(2, 11)
+  void recordHistory(bool enabled, cca::CreateContextFn, size_t max_entries, cca::RecordContext,
+                     bool, const std::vector<std::string>&) override {
+    g_api.record_history(enabled ? 1 : 0, max_entries);
+  }
+#else
+  void recordHistory(bool enabled, cca::CreateContextFn, size_t max_entries, cca::RecordContext,
+                     bool) override {
+    g_api.record_history(enabled ? 1 : 0, max_entries);
+  }
+#endif
+  bool isHistoryEnabled() override { return false; }
+  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> g(observers_mu_);
+    oom_observers_.push_back(std::move(observer));
+  }
+  // Trace entries are not produced (see recordHistory): kept, never called.
+  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
+    std::lock_guard<std::mutex> g(observers_mu_);
+    trace_trackers_.push_back(std::move(tracker));
+  }
+#if GA_TORCH_AT_LEAST(2, 12)
+  // gpu-arena rejects nothing preemptively: kept, never called.
+  void attachOomRejectionObserver(cca::OomRejectionObserver observer) override {
+    std::lock_guard<std::mutex> g(observers_mu_);
+    oom_rejection_observers_.push_back(std::move(observer));
+  }
+#endif
+
+  // ---- streams, copies, peers ----
+  using cca::CUDAAllocator::recordStream;
+  void recordStream(const DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+    // As CUDACachingAllocator: nothing for an empty storage, nor for memory this allocator
+    // does not own (an imported CUDA IPC tensor, or a storage torch wrapped after sharing).
+    if (ptr.get() == nullptr || ptr.get_deleter() != &raw_delete_fn) return;
+    check_rc(g_api.record_stream_checked(ptr.get(), stream.stream()),
+             "gpu_arena_record_stream");
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+  }
+  // gpu-arena's memory is cuMemMap'ed (as expandable segments are): across devices without
+  // P2P only cudaMemcpyPeerAsync handles it.
+  cudaError_t memcpyAsync(void* dst, int dst_dev, const void* src, int src_dev, size_t count,
+                          cudaStream_t stream, bool p2p_enabled) override {
+    if (p2p_enabled || dst_dev == src_dev) {
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    }
+    return cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, count, stream);
+  }
+  // gpu-arena maps its arenas for every device that can access them (cuMemSetAccess);
+  // this enables legacy peer access for memory of other allocators, as torch's does.
+  void enablePeerAccess(DeviceIndex dev, DeviceIndex dev_to_access) override {
+    c10::cuda::CUDAGuard guard(dev);
+    cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+    } else {
+      C10_CUDA_CHECK(err);
+    }
+  }
+  // The gpu-arena allocation containing ptr, and its requested size (CUDACachingAllocator
+  // gives its whole segment; gpu-arena's arenas are not torch segments).
+  void* getBaseAllocation(void* ptr, size_t* size) override {
+    int dev = 0;
+    void* base = find_allocation(ptr, size, &dev);
+    return base;
+  }
+
+  // ---- torch.multiprocessing (CUDA IPC) ----
+  // One gpu-arena share per allocation, made on its first send and reused (identical bytes
+  // for the same block, as torch's reductions cache expects); it is unshared when the
+  // allocation is freed (torch frees it once every consumer is done).
+  cca::ShareableHandle shareIpcHandle(void* ptr) override {
+    size_t len = 0;
+    int dev = 0;
+    void* base = find_allocation(ptr, &len, &dev);
+    std::string handle(kHandleMagic, kHandleMagicLen);
+    std::lock_guard<std::mutex> g(shares_mu_);
+    auto it = shares_.find(base);
+    if (it == shares_.end()) {
+      Share s{};
+      check_rc(g_api.share(base, std::max<size_t>(len, 1), &s), "gpu_arena_share");
+      it = shares_.emplace(base, s).first;
+      shares_live_.fetch_add(1, std::memory_order_release);
+    }
+    handle.append(reinterpret_cast<const char*>(it->second.bytes), kShareBytes);
+    return cca::ShareableHandle{static_cast<char*>(ptr) - static_cast<char*>(base), handle};
+  }
+  // One import per handle in this process, shared by every storage torch rebuilds from it;
+  // closed when the last one dies.
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    TORCH_CHECK(handle.size() == kHandleMagicLen + kShareBytes &&
+                    handle.compare(0, kHandleMagicLen, kHandleMagic) == 0,
+                "gpu-arena: a CUDA IPC handle not made by gpu-arena's torch allocator (",
+                handle.size(), " bytes): install gpu-arena's native allocator in the "
+                "producer too, or in neither process");
+    std::lock_guard<std::mutex> g(imports_mu_);
+    auto it = imports_.find(handle);
+    if (it != imports_.end()) {
+      if (auto live = it->second.lock()) return live;
+    }
+    Share s{};
+    std::memcpy(s.bytes, handle.data() + kHandleMagicLen, kShareBytes);
+    void* p = nullptr;
+    check_rc(g_api.import(&s, &p), "gpu_arena_import");
+    std::shared_ptr<void> sp(p, [this, handle](void* q) { close_import(handle, q); });
+    imports_[handle] = sp;
+    return sp;
+  }
+
+  // ---- lifecycle ----
+  void init(int device_count) override {
+    g_api.init(device_count);
+    initialized_.store(true);
+  }
+  bool initialized() override { return initialized_.load(); }
+  // Kept for isEnabled(); gpu-arena always serves (torch's "uncached" mode is not mirrored).
+  void enable(bool value) override { enabled_.store(value); }
+  bool isEnabled() const override { return enabled_.load(); }
+  std::string name() override { return "gpu_arena"; }
+
+ private:
+  struct Route {
+    MempoolId_t id;
+    std::function<bool(cudaStream_t)> filter;
+  };
+
+  void* alloc(size_t n, DeviceIndex dev, cudaStream_t stream) {
+    void* p = malloc_routed(n, dev, stream);
+    if (C10_UNLIKELY(p == nullptr)) return alloc_failed(n, dev, stream);
+    if (C10_UNLIKELY(table_mode_)) table_.put(p, n, dev);
+    return p;
+  }
+  void* malloc_routed(size_t n, DeviceIndex dev, cudaStream_t stream) {
+    if (C10_LIKELY(dev >= kMaxDevices || open_[dev].load(std::memory_order_acquire) == 0)) {
+      return g_api.malloc(static_cast<ssize_t>(n), dev, stream);
+    }
+    bool routed = false;
+    MempoolId_t id{0, 0};
+    {
+      // As CUDACachingAllocator: the most recent route whose filter takes the stream.
+      std::lock_guard<std::mutex> g(routes_mu_);
+      const auto& v = routes_[dev];
+      for (auto it = v.rbegin(); it != v.rend() && !routed; ++it) {
+        if (it->filter(stream)) {
+          routed = true;
+          id = it->id;
+        }
+      }
+    }
+    if (!routed) return g_api.malloc(static_cast<ssize_t>(n), dev, stream);
+    return g_api.graph_pool_malloc(dev, id.first, id.second, n, stream);
+  }
+  C10_NOINLINE void* alloc_failed(size_t n, DeviceIndex dev, cudaStream_t stream) {
+    // The code and message first: the callbacks may call gpu-arena (its last error changes).
+    int code = g_api.last_error_code();
+    std::string cause = take_string(g_api.alloc_error_message(static_cast<ssize_t>(n), dev));
+    if (code == kErrOutOfMemory && run_free_memory_callbacks()) {
+      if (void* p = malloc_routed(n, dev, stream)) {
+        if (table_mode_) table_.put(p, n, dev);
+        return p;
+      }
+      code = g_api.last_error_code();
+      cause = take_string(g_api.alloc_error_message(static_cast<ssize_t>(n), dev));
+    }
+    TORCH_CHECK(code == kErrOutOfMemory, cause);
+    const std::string prefix = "CUDA out of memory. ";
+    if (cause.compare(0, prefix.size(), prefix) == 0) cause.erase(0, prefix.size());
+    size_t free_bytes = 0, total = 0;
+    try {
+      std::tie(free_bytes, total) = mem_info(dev);
+    } catch (const std::exception&) {
+    }
+    StatsBuffer buf{};
+    const bool have_stats = g_api.stats(dev, &buf) == 0;
+    const Stats& s = buf.s;
+    std::vector<cca::OutOfMemoryObserver> observers;
+    {
+      std::lock_guard<std::mutex> g(observers_mu_);
+      observers = oom_observers_;
+    }
+    for (const auto& obs : observers) obs(dev, s.allocated_bytes, total, free_bytes);
+    std::string held;
+    if (have_stats) {
+      held = "Of the allocated memory " + format_size(s.allocated_bytes) +
+             " is allocated by gpu-arena, and " +
+             format_size(s.reserved_bytes - std::min(s.reserved_bytes, s.allocated_bytes)) +
+             " is reserved by gpu-arena but unallocated. ";
+    }
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ",
+                     format_size(n), ". GPU ", int(dev), " has a total capacity of ",
+                     format_size(total), " of which ", format_size(free_bytes), " is free. ",
+                     held, "gpu-arena: ", cause);
+    return nullptr;  // not reached
+  }
+  // As CUDACachingAllocator before it gives up: torch's registered callbacks (the CUDA IPC
+  // limbo collector); true when one freed something (then the allocation is retried once).
+  static bool run_free_memory_callbacks() {
+    bool freed = false;
+    for (const auto& name : c10::FreeCudaMemoryCallbacksRegistry()->Keys()) {
+      freed |= c10::FreeCudaMemoryCallbacksRegistry()->Create(name)->Execute();
+    }
+    return freed;
+  }
+
+  Stats stats(DeviceIndex dev) {
+    StatsBuffer buf{};
+    check_rc(g_api.stats(dev, &buf), "gpu_arena_stats");
+    return buf.s;
+  }
+  static std::vector<PoolBlock> pool_blocks(DeviceIndex dev, MempoolId_t id) {
+    std::vector<PoolBlock> out;
+    for (;;) {
+      ssize_t n = g_api.graph_pool_blocks(dev, id.first, id.second, out.data(), out.size());
+      check_rc(n, "gpu_arena_graph_pool_blocks");
+      if (static_cast<size_t>(n) <= out.size()) {
+        out.resize(static_cast<size_t>(n));
+        return out;
+      }
+      out.resize(static_cast<size_t>(n));
+    }
+  }
+  void* find_allocation(void* ptr, size_t* size, int* dev) {
+    if (!table_mode_) {
+      void* base = nullptr;
+      size_t requested = 0;
+      check_rc(g_api.allocation_of(ptr, &base, &requested, dev), "gpu_arena_allocation_of");
+      if (size != nullptr) *size = requested;
+      return base;
+    }
+    SizeTable::Entry e{};
+    TORCH_CHECK(table_.find(ptr, &e), "gpu-arena: ", ptr, " is not the start of an allocation "
+                "of gpu-arena's torch allocator (this libgpu_arena has no "
+                "gpu_arena_allocation_of to find interior pointers)");
+    if (size != nullptr) *size = e.requested;
+    *dev = e.device;
+    return ptr;
+  }
+  void drop_share(void* ptr) {
+    Share s{};
+    {
+      std::lock_guard<std::mutex> g(shares_mu_);
+      auto it = shares_.find(ptr);
+      if (it == shares_.end()) return;
+      s = it->second;
+      shares_.erase(it);
+      shares_live_.fetch_sub(1, std::memory_order_release);
+    }
+    if (g_api.unshare(&s) < 0) TORCH_WARN("gpu-arena: unshare of ", ptr, ": ", last_error());
+  }
+  void close_import(const std::string& handle, void* p) {
+    if (g_api.close(p) < 0) TORCH_WARN("gpu-arena: closing import ", p, ": ", last_error());
+    std::lock_guard<std::mutex> g(imports_mu_);
+    auto it = imports_.find(handle);
+    if (it != imports_.end() && it->second.expired()) imports_.erase(it);
+  }
+  static cca::SnapshotInfo empty_snapshot() {
+    cca::SnapshotInfo info{};
+    const int n = g_api.device_count();
+    info.device_traces.resize(n > 0 ? static_cast<size_t>(n) : 0);
+    return info;
+  }
+  static void warn_use_on_oom() {
+    TORCH_WARN_ONCE("gpu-arena: MemPool use_on_oom has no effect (gpu-arena's general pool "
+                    "never borrows a private pool's memory)");
+  }
+
+  bool table_mode_ = false;
+  SizeTable table_;
+  std::array<std::atomic<int>, kMaxDevices> open_{};  // routes open per device
+  std::mutex routes_mu_;
+  std::array<std::vector<Route>, kMaxDevices> routes_;
+  std::array<std::atomic<double>, kMaxDevices> fraction_;
+  std::atomic<int64_t> shares_live_{0};
+  std::mutex shares_mu_;
+  std::unordered_map<void*, Share> shares_;  // allocation start -> its share
+  std::mutex imports_mu_;
+  std::unordered_map<std::string, std::weak_ptr<void>> imports_;
+  std::mutex observers_mu_;
+  std::vector<cca::OutOfMemoryObserver> oom_observers_;
+  std::vector<cca::AllocatorTraceTracker> trace_trackers_;
+#if GA_TORCH_AT_LEAST(2, 12)
+  std::vector<cca::OomRejectionObserver> oom_rejection_observers_;
+#endif
+  std::atomic<bool> initialized_{false};
+  std::atomic<bool> enabled_{true};
+};
+
+void raw_delete_fn(void* ptr) { g_self->release(ptr, /*throw_on_error=*/false); }
+
+void set_error(char* err, size_t err_len, const std::string& msg) {
+  if (err != nullptr && err_len > 0) std::snprintf(err, err_len, "%s", msg.c_str());
+}
+
+}  // namespace
+}  // namespace gpu_arena_native
+
+// Install gpu-arena as torch's CUDA allocator: bind the functions of the libgpu_arena at
+// `libgpu_arena_path` (the instance already loaded), then changeCurrentAllocator. Returns 0
+// (also when already installed from the same library), or -1 with the reason in `err`
+// (NUL-terminated, cut to err_len): a missing symbol, a different library already bound,
+// or torch refusing (CUDA already initialized with its own allocator). Call it before
+// torch initializes CUDA; it throws nothing.
+#define GA_EXPORT extern "C" __attribute__((visibility("default")))
+GA_EXPORT int gpu_arena_torch_install_native(const char* libgpu_arena_path, char* err,
+                                             size_t err_len) {
+  using namespace gpu_arena_native;
+  try {
+    static std::mutex mu;
+    std::lock_guard<std::mutex> g(mu);
+    if (libgpu_arena_path == nullptr) {
+      set_error(err, err_len, "libgpu_arena_path is NULL");
+      return -1;
+    }
+    if (g_self != nullptr) {
+      if (g_api.path != libgpu_arena_path) {
+        set_error(err, err_len, "already installed over " + g_api.path + ", not " +
+                                    libgpu_arena_path);
+        return -1;
+      }
+      if (cca::get() != g_self) {
+        set_error(err, err_len, "installed before, but torch's current allocator is now " +
+                                    cca::get()->name());
+        return -1;
+      }
+      return 0;
+    }
+    std::string why = bind_api(g_api, libgpu_arena_path);
+    if (!why.empty()) {
+      set_error(err, err_len, why);
+      return -1;
+    }
+    // Never destroyed: DataPtrs made by it may be freed during interpreter teardown.
+    auto* keep = new std::shared_ptr<Allocator>(std::make_shared<Allocator>());
+    try {
+      torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(*keep);
+    } catch (...) {
+      delete keep;
+      throw;
+    }
+    g_self = keep->get();
+    return 0;
+  } catch (const c10::Error& e) {
+    set_error(err, err_len, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    set_error(err, err_len, e.what());
+  } catch (...) {
+    set_error(err, err_len, "unknown C++ exception");
+  }
+  return -1;
+}
+
+// What the installed allocator runs on: 1 when it keeps its side table of allocations (the
+// library lacks gpu_arena_free_unsized / gpu_arena_allocation_of: a mutex and a map on
+// every allocation and free), 0 when not, -1 when not installed.
+GA_EXPORT int gpu_arena_torch_native_table_mode(void) {
+  using namespace gpu_arena_native;
+  return g_self == nullptr ? -1 : (g_self->table_mode() ? 1 : 0);
+}
