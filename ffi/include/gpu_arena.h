@@ -316,6 +316,89 @@ typedef struct gpu_arena_arena_info_t {
  */
 typedef int (*gpu_arena_arena_fn)(const struct gpu_arena_arena_info_t *arena, void *user);
 
+/**
+ * A live block of a graph pool (`gpu_arena_graph_pool_blocks`,
+ * `gpu_arena_graph_pool_restore`). Sizes in bytes.
+ */
+typedef struct gpu_arena_pool_block_t {
+    /**
+     * Device address of the block.
+     */
+    uint64_t ptr;
+    /**
+     * Bytes asked for.
+     */
+    uint64_t requested;
+    /**
+     * Bytes the block serves (the request rounded up; ignored by restore).
+     */
+    uint64_t bytes;
+    /**
+     * The stream it was allocated on.
+     */
+    void *stream;
+} gpu_arena_pool_block_t;
+
+/**
+ * One arena as a segment of PyTorch's snapshot (`gpu_arena_segments`). Sizes in bytes.
+ */
+typedef struct gpu_arena_segment_t {
+    /**
+     * Device address of its first byte.
+     */
+    uint64_t address;
+    /**
+     * Bytes.
+     */
+    uint64_t bytes;
+    /**
+     * The graph pool holding it (`in_graph_pool`), else 0, 0.
+     */
+    uint64_t pool_id0;
+    /**
+     * Second half of the graph pool's id.
+     */
+    uint64_t pool_id1;
+    /**
+     * Index of its first block in the blocks array.
+     */
+    uint64_t first_block;
+    /**
+     * Number of its blocks.
+     */
+    uint64_t block_count;
+    /**
+     * 1 when it holds small blocks (PyTorch's small pool).
+     */
+    uint8_t small;
+    /**
+     * 1 when it belongs to a graph pool.
+     */
+    uint8_t in_graph_pool;
+} gpu_arena_segment_t;
+
+/**
+ * A range of a segment (`gpu_arena_segments`). Sizes in bytes.
+ */
+typedef struct gpu_arena_segment_block_t {
+    /**
+     * Device address of its first byte.
+     */
+    uint64_t address;
+    /**
+     * Bytes.
+     */
+    uint64_t bytes;
+    /**
+     * Bytes asked for (0 for a free range).
+     */
+    uint64_t requested;
+    /**
+     * 1 when allocated.
+     */
+    uint8_t allocated;
+} gpu_arena_segment_block_t;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -671,6 +754,109 @@ int gpu_arena_sleep_release_host(int device);
  * allocated before the old memory is freed) leaves that arena whole and is logged.
  */
 int gpu_arena_trim(int device, uint64_t *released_bytes);
+
+/**
+ * Create graph pool `(id0, id1)` on `device` or add a use of it (PyTorch's
+ * `createOrIncrefPool`). Returns the use count after (>= 1), or a negative error code
+ * (`(0, 0)`, torch's default pool, is refused).
+ */
+int gpu_arena_graph_pool_retain(int device, uint64_t id0, uint64_t id1);
+
+/**
+ * Take a use of graph pool `(id0, id1)` (PyTorch's `releasePool`). Returns the use count
+ * after (>= 0; at 0 its arenas holding no live block go at the next empty_cache), or a
+ * negative error code (an unknown pool, or more releases than uses).
+ */
+int gpu_arena_graph_pool_release(int device, uint64_t id0, uint64_t id1);
+
+/**
+ * The use count of graph pool `(id0, id1)`: 0 for a pool that does not exist.
+ */
+int gpu_arena_graph_pool_use_count(int device, uint64_t id0, uint64_t id1);
+
+/**
+ * Open a routing context for graph pool `(id0, id1)` (PyTorch's `beginAllocateToPool`):
+ * creates the pool or adds a use; until the matching `gpu_arena_graph_pool_end`, gpu-arena
+ * records and queries no event on `device` and refuses empty_cache, trim and sleep there
+ * (a capture may be under way). Returns the use count after, or a negative error code.
+ */
+int gpu_arena_graph_pool_begin(int device, uint64_t id0, uint64_t id1);
+
+/**
+ * Close a routing context of graph pool `(id0, id1)` (PyTorch's `endAllocateToPool`; the
+ * use stays until `gpu_arena_graph_pool_release`). 0 or a negative error code.
+ */
+int gpu_arena_graph_pool_end(int device, uint64_t id0, uint64_t id1);
+
+/**
+ * Allocate `size` bytes on `device` for `stream` from graph pool `(id0, id1)`: the pool's
+ * own memory, never the general pool's. Free it with `gpu_arena_free` like any block: it
+ * goes back to its pool. NULL on failure (`gpu_arena_last_error_code()`:
+ * `GPU_ARENA_ERR_OUT_OF_MEMORY` for lack of memory); `size == 0` returns NULL, no error.
+ */
+void *gpu_arena_graph_pool_malloc(int device,
+                                  uint64_t id0,
+                                  uint64_t id1,
+                                  size_t size,
+                                  void *stream);
+
+/**
+ * The live blocks of graph pool `(id0, id1)`, sorted by address: returns their number `n`
+ * (also when above `cap`) and writes the first `min(n, cap)` to `out` (NULL when `cap` is
+ * 0). A negative error code for an unknown pool.
+ */
+ssize_t gpu_arena_graph_pool_blocks(int device,
+                                    uint64_t id0,
+                                    uint64_t id1,
+                                    struct gpu_arena_pool_block_t *out,
+                                    size_t cap);
+
+/**
+ * Make graph pool `(id0, id1)`'s live blocks exactly the `n` blocks at `blocks` (by address
+ * and size; PyTorch's `setCheckpointPoolState`): live blocks not listed are freed, listed
+ * blocks not live are allocated again at their own addresses. All or nothing: on an error
+ * nothing changed. 0 or a negative error code.
+ */
+int gpu_arena_graph_pool_restore(int device,
+                                 uint64_t id0,
+                                 uint64_t id1,
+                                 const struct gpu_arena_pool_block_t *blocks,
+                                 size_t n);
+
+/**
+ * Release graph pool `(id0, id1)`'s arenas that hold no live block if its use count is 0
+ * (PyTorch's `emptyCache(mempool_id)`); like `gpu_arena_empty_cache` it synchronizes the
+ * device and releases the general pool's empty arenas too. 0 or a negative error code.
+ */
+int gpu_arena_graph_pool_empty_cache(int device, uint64_t id0, uint64_t id1);
+
+/**
+ * Set the peaks of `device`'s counters (reserved, allocated, requested bytes) to their
+ * current values (PyTorch's `reset_peak_memory_stats`). 0 or a negative error code.
+ */
+int gpu_arena_reset_peak_stats(int device);
+
+/**
+ * Zero `device`'s counts of events: allocations and frees served, arenas created and
+ * destroyed, out-of-memory failures, exports made (PyTorch's
+ * `reset_accumulated_memory_stats`). 0 or a negative error code.
+ */
+int gpu_arena_reset_accumulated_stats(int device);
+
+/**
+ * Every arena of `device` as a segment with its ranges, in address order (PyTorch's
+ * snapshot): returns the number of segments (also when above `seg_cap`), writes the first
+ * `min(n, seg_cap)` to `segs`, the total number of blocks to `*n_blocks`, and the blocks to
+ * `blocks` while they fit `block_cap` (a segment's `first_block` and `block_count` index
+ * them). Call again with larger arrays when either count is above its capacity. A negative
+ * error code on failure.
+ */
+ssize_t gpu_arena_segments(int device,
+                           struct gpu_arena_segment_t *segs,
+                           size_t seg_cap,
+                           struct gpu_arena_segment_block_t *blocks,
+                           size_t block_cap,
+                           size_t *n_blocks);
 
 /**
  * Set the level of gpu-arena's stderr log: `"off"`, `"error"`, `"warn"`, `"info"`,

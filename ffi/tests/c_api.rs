@@ -153,6 +153,8 @@ struct Built {
     lifecycle_exe: PathBuf,
     /// `tests/c/observers_test.c` (arena observers), compiled the same way.
     observers_exe: PathBuf,
+    /// `tests/c/graph_pool_test.c` (graph pools, stats resets, segments).
+    graph_pool_exe: PathBuf,
     lib: PathBuf,
 }
 
@@ -175,10 +177,12 @@ fn built() -> &'static Built {
         let exe = compile(&lib_dir, &out_dir, "api_test");
         let lifecycle_exe = compile(&lib_dir, &out_dir, "lifecycle_test");
         let observers_exe = compile(&lib_dir, &out_dir, "observers_test");
+        let graph_pool_exe = compile(&lib_dir, &out_dir, "graph_pool_test");
         Built {
             exe,
             lifecycle_exe,
             observers_exe,
+            graph_pool_exe,
             lib,
         }
     })
@@ -396,6 +400,13 @@ fn c_program_bad_backend() {
 #[test]
 fn c_program_observers() {
     run_program(&built().observers_exe, "observers", &[]);
+}
+
+/// Graph pools from C (`tests/c/graph_pool_test.c`): a capture's routing, checkpoints,
+/// segments, uses and release, bad calls, the stats resets.
+#[test]
+fn c_program_graph_pools() {
+    run_program(&built().graph_pool_exe, "graph-pools", &[]);
 }
 
 /// The header is valid C++ too (`extern "C"`, no C-only constructs), and declares what a
