@@ -859,6 +859,21 @@ ssize_t gpu_arena_segments(int device,
                            size_t *n_blocks);
 
 /**
+ * Free `ptr` without its size or device (PyTorch's deleters know only the pointer): the
+ * checks of `gpu_arena_free_checked` but the size's. Freeing NULL does nothing. 0 or a
+ * negative error code (an unknown pointer or a double free changes nothing).
+ */
+int gpu_arena_free_unsized(void *ptr);
+
+/**
+ * The live allocation containing `ptr` (its first byte or any byte inside): its start in
+ * `*base`, the bytes asked for in `*requested` and its device in `*device` (each out
+ * pointer may be NULL). 0, or a negative error code (`GPU_ARENA_ERR_UNKNOWN_POINTER` when
+ * no live allocation contains it).
+ */
+int gpu_arena_allocation_of(const void *ptr, void **base, size_t *requested, int *device);
+
+/**
  * Set the level of gpu-arena's stderr log: `"off"`, `"error"`, `"warn"`, `"info"`,
  * `"debug"` or `"trace"` (`GPU_ARENA_LOG` sets the first one). Fails with
  * `GPU_ARENA_ERR_INVALID_STATE` when the process installed its own `tracing` subscriber

@@ -6,7 +6,7 @@ use std::ffi::{c_int, c_void};
 
 use gpu_arena::{Error, GraphPoolId, PoolBlock, StreamId};
 
-use crate::{existing_pool, fail, guard, pool, with_pool, GPU_ARENA_OK};
+use crate::{existing_pool, fail, guard, pool, status, with_pool, GPU_ARENA_OK};
 
 /// A live block of a graph pool (`gpu_arena_graph_pool_blocks`,
 /// `gpu_arena_graph_pool_restore`). Sizes in bytes.
@@ -349,4 +349,54 @@ pub extern "C" fn gpu_arena_segments(
     } else {
         n
     }
+}
+
+/// Free `ptr` without its size or device (PyTorch's deleters know only the pointer): the
+/// checks of `gpu_arena_free_checked` but the size's. Freeing NULL does nothing. 0 or a
+/// negative error code (an unknown pointer or a double free changes nothing).
+#[no_mangle]
+pub extern "C" fn gpu_arena_free_unsized(ptr: *mut c_void) -> c_int {
+    const CALL: &str = "gpu_arena_free_unsized";
+    guard(CALL, || {
+        if ptr.is_null() {
+            return Ok(GPU_ARENA_OK);
+        }
+        status(
+            || format!("{CALL}(ptr={ptr:p})"),
+            existing_pool(CALL)?.free(ptr as u64),
+        )
+    })
+}
+
+/// The live allocation containing `ptr` (its first byte or any byte inside): its start in
+/// `*base`, the bytes asked for in `*requested` and its device in `*device` (each out
+/// pointer may be NULL). 0, or a negative error code (`GPU_ARENA_ERR_UNKNOWN_POINTER` when
+/// no live allocation contains it).
+#[no_mangle]
+pub extern "C" fn gpu_arena_allocation_of(
+    ptr: *const c_void,
+    base: *mut *mut c_void,
+    requested: *mut usize,
+    device: *mut c_int,
+) -> c_int {
+    const CALL: &str = "gpu_arena_allocation_of";
+    guard(CALL, || {
+        let (start, req, dev) = existing_pool(CALL)?
+            .allocation_containing(ptr as u64)
+            .map_err(|e| fail(&format!("{CALL}(ptr={ptr:p})"), e))?;
+        // SAFETY: each out pointer is NULL or a writable object of its type (the header's
+        // contract); NULL ones are skipped.
+        unsafe {
+            if !base.is_null() {
+                base.write(start as *mut c_void);
+            }
+            if !requested.is_null() {
+                requested.write(req as usize);
+            }
+            if !device.is_null() {
+                device.write(dev);
+            }
+        }
+        Ok(GPU_ARENA_OK)
+    })
 }

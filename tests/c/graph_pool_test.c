@@ -111,6 +111,20 @@ int main(int argc, char **argv) {
     CHECK(gpu_arena_graph_pool_blocks(0, 0, 1, NULL, 0) == GPU_ARENA_ERR_INVALID_ARGUMENT,
           "blocks of a forgotten pool");
 
+    /* The allocation containing a pointer; a free without the size. */
+    char *q = gpu_arena_malloc(3 * MiB, 0, OTHER);
+    void *base = NULL;
+    size_t req = 0;
+    int dev = -1;
+    CHECK_CODE(gpu_arena_allocation_of(q + 12345, &base, &req, &dev), GPU_ARENA_OK, "allocation_of");
+    CHECK(base == q && req == (size_t)(3 * MiB) && dev == 0, "its start, size and device");
+    CHECK_CODE(gpu_arena_allocation_of(q, NULL, NULL, NULL), GPU_ARENA_OK, "NULL outs");
+    CHECK_CODE(gpu_arena_free_unsized(q), GPU_ARENA_OK, "free_unsized");
+    CHECK_CODE(gpu_arena_free_unsized(q), GPU_ARENA_ERR_UNKNOWN_POINTER, "double free");
+    CHECK_CODE(gpu_arena_allocation_of(q, &base, &req, &dev), GPU_ARENA_ERR_UNKNOWN_POINTER,
+               "allocation_of a freed block");
+    CHECK_CODE(gpu_arena_free_unsized(NULL), GPU_ARENA_OK, "free_unsized(NULL)");
+
     /* Stats resets. */
     gpu_arena_stats_t s;
     CHECK_CODE(gpu_arena_stats(0, &s), GPU_ARENA_OK, "stats");

@@ -122,3 +122,32 @@ impl Pool {
         Ok(out)
     }
 }
+
+impl Pool {
+    /// The live allocation containing `ptr` (its start or any byte inside): its start,
+    /// requested bytes and device (PyTorch's `getBaseAllocation`, and the block a tensor view
+    /// shares). An error when no live allocation contains it.
+    pub fn allocation_containing(
+        &self,
+        ptr: u64,
+    ) -> crate::error::Result<(u64, u64, crate::backend::DeviceId)> {
+        for dp in &self.devices {
+            let mut st = dp.state.lock();
+            if st.arena_of(ptr).is_none() {
+                continue;
+            }
+            let start = st.ranges_of(ptr).and_then(|r| r.allocated_containing(ptr));
+            if let Some((start, _)) = start {
+                st.promote(start);
+                if let Ok(live) = st.check_live(start, dp.device) {
+                    return Ok((start, live.requested, dp.device));
+                }
+            }
+            break;
+        }
+        Err(crate::error::Error::UnknownPointer {
+            ptr,
+            why: "not inside a live allocation of gpu-arena".into(),
+        })
+    }
+}
