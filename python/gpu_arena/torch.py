@@ -73,6 +73,7 @@ __all__ = [
     "install",
     "installed",
     "oom_route",
+    "route_in_use",
     "mem_pool",
     "empty_cache",
     "use_tag",
@@ -110,8 +111,10 @@ _pluggable: Any = None
 _pluggable_global: Any = None
 _installed = False
 _oom_route: Optional[str] = None  # "torch" | "runtime" once installed
+_route: Optional[str] = None  # "native" | "pluggable" once installed
 
 OOM_ROUTES = ("auto", "torch", "runtime")
+ROUTES = ("auto", "native", "pluggable")
 
 _HOOKS = (
     ("set_init_fn", "gpu_arena_init"),
@@ -231,8 +234,34 @@ def _make_pluggable(torch, path: str, malloc_name: str, free_name: str):
     return alloc
 
 
-def install(conf: Optional[str] = None, *, allow_sim: bool = False, oom: str = "auto"):
+def install(
+    conf: Optional[str] = None,
+    *,
+    allow_sim: bool = False,
+    oom: str = "auto",
+    route: str = "auto",
+):
     """Make gpu-arena PyTorch's CUDA allocator for this process.
+
+    ``route`` picks how gpu-arena reaches PyTorch:
+
+    * ``"native"``: gpu-arena's own subclass of PyTorch's ``CUDAAllocator``
+      (``gpu_arena/native/allocator.cpp``, built against the installed torch at the first
+      install and cached, ``gpu_arena/torch_native.py``). Every ``torch.cuda`` memory API
+      works as with PyTorch's own allocator: CUDA graphs and their private pools (a graph's
+      memory is never handed to a tensor allocated after its capture),
+      ``torch.compile(mode="reduce-overhead")``, ``memory_stats`` / ``memory_snapshot`` /
+      ``reset_peak_memory_stats``, ``empty_cache``, ``record_stream``, CUDA tensors through
+      ``torch.multiprocessing`` (over gpu-arena's own share handles). ``TorchIntegrationError``
+      when it cannot be built or installed.
+    * ``"pluggable"``: ``torch.cuda.memory.CUDAPluggableAllocator`` (the route of earlier
+      releases). PyTorch refuses its memory APIs, ``torch.multiprocessing`` of CUDA tensors
+      and ``reduce-overhead``, and a CUDA graph's pool is not kept apart: use it only where
+      the native route cannot be built and no CUDA graph is captured.
+    * ``"auto"`` (default): native; when it cannot be built (no C++ compiler, no torch or
+      CUDA headers, a torch older than 2.8), pluggable, with a warning naming what is lost.
+
+    :func:`route_in_use` says which one is installed.
 
     ``oom`` picks what an allocation gpu-arena cannot serve raises (module docs):
     ``"auto"`` (``torch.OutOfMemoryError`` when the shim can be built, else
@@ -249,11 +278,15 @@ def install(conf: Optional[str] = None, *, allow_sim: bool = False, oom: str = "
     or gpu-arena fell back to its sim backend (``allow_sim=True`` skips that check: only for
     tests that never touch the memory).
 
-    Returns the ``torch.cuda.memory.CUDAPluggableAllocator``.
+    Returns the ``torch.cuda.memory.CUDAPluggableAllocator`` of the pluggable route, or
+    ``None`` on the native route (``torch.cuda.memory._get_current_allocator()`` is then
+    torch's handle on it).
     """
-    global _installed, _pluggable_global, _oom_route
+    global _installed, _pluggable_global, _oom_route, _route
     torch = _import_torch()
     api = _api()
+    if route not in ROUTES:
+        raise ValueError(f"route={route!r}: expected one of {', '.join(ROUTES)}")
     with _lock:
         if _installed:
             if conf is not None:
@@ -270,15 +303,54 @@ def install(conf: Optional[str] = None, *, allow_sim: bool = False, oom: str = "
             api.configure(conf)
         # torch.cuda.device_count() does not initialize CUDA in PyTorch.
         _init_backend(allow_sim, torch.cuda.device_count())
-        alloc, route = _global_allocator(torch, oom)
+        if route in ("auto", "native") and _install_native(torch, route):
+            _pluggable_global, _oom_route, _route, _installed = None, "torch", "native", True
+            return None
+        alloc, oom_route_used = _global_allocator(torch, oom)
         try:
             torch.cuda.memory.change_current_allocator(alloc)
         except RuntimeError as e:
             if "initialized" in str(e).lower():
                 raise AlreadyInitializedError(_already_initialized_message(torch)) from e
             raise
-        _pluggable_global, _oom_route, _installed = alloc, route, True
+        _pluggable_global, _oom_route, _route, _installed = alloc, oom_route_used, "pluggable", True
         return alloc
+
+
+def _install_native(torch, route: str) -> bool:
+    """Install the native allocator; on ``route="auto"``, False (and a warning naming what
+    the pluggable route loses) when it cannot be built, else raise."""
+    from . import torch_native
+
+    try:
+        torch_native.install_native(_lib.lib_path())
+        return True
+    except torch_native.NativeBuildError as e:
+        if route == "native":
+            raise TorchIntegrationError(
+                f"gpu_arena.torch.install(route='native'): the native allocator cannot be "
+                f"built: {e}"
+            ) from e
+        warnings.warn(
+            "gpu_arena.torch.install(): gpu-arena's native torch allocator cannot be built "
+            f"({e}); falling back to torch's CUDAPluggableAllocator, which loses: CUDA graph "
+            "pools (a graph's memory may be reused by tensors allocated after its capture), "
+            "torch.compile(mode='reduce-overhead'), torch.cuda.memory_stats / "
+            "memory_snapshot, and CUDA tensors through torch.multiprocessing",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    except torch_native.NativeInstallError as e:
+        if "initialized" in str(e).lower():
+            raise AlreadyInitializedError(_already_initialized_message(torch)) from e
+        raise TorchIntegrationError(str(e)) from e
+
+
+def route_in_use() -> Optional[str]:
+    """How :func:`install` reached PyTorch: ``"native"`` (gpu-arena's own ``CUDAAllocator``),
+    ``"pluggable"`` (``CUDAPluggableAllocator``), or ``None`` before install()."""
+    return _route
 
 
 def oom_route() -> Optional[str]:
@@ -319,6 +391,9 @@ def mem_pool(*, allow_sim: bool = False, **kwargs):
         raise TorchIntegrationError(
             "gpu_arena.torch.mem_pool(): torch.cuda.is_available() is False"
         )
+    if _route == "native":
+        # gpu-arena is torch's allocator: a plain MemPool is one of its graph pools.
+        return MemPool(**kwargs)
     with _lock:
         dc = torch.cuda.device_count()
         _init_backend(allow_sim, dc)
