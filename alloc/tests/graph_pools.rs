@@ -169,7 +169,11 @@ fn a_pool_s_arenas_stay_while_in_use_and_go_after_its_last_release() {
     pool.free(temp.ptr).unwrap();
     pool.graph_pool_end(0, G1).unwrap();
     let held = sim.ledger(0).held_bytes;
-    assert_eq!(held, 40 * MIB + 32 * MIB, "a 32 MiB pool arena and one of its own");
+    assert_eq!(
+        held,
+        40 * MIB + 32 * MIB,
+        "a 32 MiB pool arena and one of its own"
+    );
     pool.empty_cache(Some(0)).unwrap();
     pool.trim(Some(0)).unwrap();
     assert_eq!(sim.ledger(0).held_bytes, held, "a pool in use lost memory");
