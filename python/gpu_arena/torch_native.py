@@ -56,7 +56,6 @@ NATIVE_DIR = Path(__file__).resolve().parent / "native"
 SOURCE = NATIVE_DIR / "allocator.cpp"
 HEADERS = (NATIVE_DIR / "gpu_arena_api.h",)
 INSTALL_FN = "gpu_arena_torch_install_native"
-TABLE_MODE_FN = "gpu_arena_torch_native_table_mode"
 # The oldest torch whose CUDAAllocator the source bridges (allocator.cpp refuses older).
 MIN_TORCH = (2, 8)
 WARNINGS = ("-Wall", "-Wextra", "-Werror")
@@ -396,22 +395,7 @@ def install_native(lib_path: Optional[str] = None) -> Path:
             f"gpu-arena's native torch allocator was not installed: "
             f"{err.value.decode(errors='replace') or 'no reason given'}"
         )
-    if table_mode(path):
-        log.warning(
-            "gpu_arena: %s lacks gpu_arena_free_unsized / gpu_arena_allocation_of: the native "
-            "torch allocator keeps a table of its allocations (a lock and a map on every "
-            "allocation and free)", lib_path)
     return path
-
-
-def table_mode(path: Path) -> Optional[bool]:
-    """Whether the installed allocator of the object at ``path`` keeps its side table of
-    allocations (None when it is not installed)."""
-    fn = getattr(ctypes.CDLL(str(path)), TABLE_MODE_FN)
-    fn.restype = ctypes.c_int
-    fn.argtypes = []
-    rc = fn()
-    return None if rc < 0 else bool(rc)
 
 
 # --------------------------------------------------------------------------------------

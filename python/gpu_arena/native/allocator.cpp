@@ -11,9 +11,9 @@
 // adding an overload torch never calls. TORCH_VERSION_MAJOR/MINOR bridge the changes of
 // 2.8, 2.10, 2.11 and 2.12 (shared/design/TORCH-ALLOCATOR.md §7).
 //
-// What is not gpu-arena's own (each also said where it is implemented):
-// - snapshot(): segments are not reported yet (empty SnapshotInfo; gpu_arena's own
-//   gpu_arena.torch.memory_snapshot() has them); history is gpu-arena's, not torch's traces.
+// What torch's own allocator does and this one does not (each also noted at its method):
+// - snapshot(): segments and blocks (gpu_arena_segments), no traces and no stacks: torch's
+//   history is not recorded (gpu-arena's own history follows recordHistory's switch).
 // - setMemoryFraction: kept and returned, not enforced (gpu-arena's cap, max_reserved, is set
 //   only before first use: gpu_arena.configure).
 // - setUseOnOOM / setNoSplit: accepted, no effect (warned once).
@@ -61,6 +61,14 @@ GA_SAME_FIELD(reserved_bytes)
 GA_SAME_FIELD(oom_count)
 GA_SAME_FIELD(peak_requested_bytes)
 static_assert(sizeof(gpu_arena_native::Share) == sizeof(gpu_arena_share_t), "share size");
+static_assert(sizeof(gpu_arena_native::PoolBlock) == sizeof(gpu_arena_pool_block_t), "block");
+static_assert(offsetof(gpu_arena_native::Segment, in_graph_pool) ==
+                  offsetof(gpu_arena_segment_t, in_graph_pool) &&
+              sizeof(gpu_arena_native::Segment) == sizeof(gpu_arena_segment_t), "segment");
+static_assert(offsetof(gpu_arena_native::SegmentBlock, allocated) ==
+                  offsetof(gpu_arena_segment_block_t, allocated) &&
+              sizeof(gpu_arena_native::SegmentBlock) == sizeof(gpu_arena_segment_block_t),
+              "segment block");
 static_assert(sizeof(gpu_arena_native::StatsBuffer) >= sizeof(gpu_arena_stats_t), "room");
 #endif
 
@@ -132,50 +140,6 @@ void check_device(DeviceIndex dev) {
               " out of range");
 }
 
-// Pointer -> (requested size, device) of every live allocation, kept only when the library
-// lacks gpu_arena_free_unsized / gpu_arena_allocation_of (see gpu_arena_api.h): sharded, one
-// mutex per shard.
-class SizeTable {
- public:
-  struct Entry {
-    size_t requested;
-    int device;
-  };
-  void put(void* p, size_t requested, int device) {
-    Shard& s = shard(p);
-    std::lock_guard<std::mutex> g(s.mu);
-    s.map[p] = Entry{requested, device};
-  }
-  bool take(void* p, Entry* out) {
-    Shard& s = shard(p);
-    std::lock_guard<std::mutex> g(s.mu);
-    auto it = s.map.find(p);
-    if (it == s.map.end()) return false;
-    *out = it->second;
-    s.map.erase(it);
-    return true;
-  }
-  bool find(void* p, Entry* out) {
-    Shard& s = shard(p);
-    std::lock_guard<std::mutex> g(s.mu);
-    auto it = s.map.find(p);
-    if (it == s.map.end()) return false;
-    *out = it->second;
-    return true;
-  }
-
- private:
-  struct Shard {
-    std::mutex mu;
-    std::unordered_map<void*, Entry> map;
-  };
-  Shard& shard(void* p) {
-    uint64_t h = (reinterpret_cast<uintptr_t>(p) >> 9) * 0x9E3779B97F4A7C15ULL;
-    return shards_[h >> 58];
-  }
-  std::array<Shard, 64> shards_;
-};
-
 // What getCheckpointState hands torch: the pool's live blocks at that time.
 struct Checkpoint : cca::AllocatorState {
   DeviceIndex device = 0;
@@ -186,10 +150,8 @@ struct Checkpoint : cca::AllocatorState {
 class Allocator final : public cca::CUDAAllocator {
  public:
   Allocator() {
-    table_mode_ = g_api.free_unsized == nullptr || g_api.allocation_of == nullptr;
     for (auto& f : fraction_) f.store(1.0);
   }
-  bool table_mode() const { return table_mode_; }
 
   // ---- allocation (hot path: one atomic load when no pool route is open) ----
   DataPtr allocate(size_t n) override {
@@ -214,20 +176,10 @@ class Allocator final : public cca::CUDAAllocator {
   void release(void* ptr, bool throw_on_error) {
     if (ptr == nullptr) return;
     if (C10_UNLIKELY(shares_live_.load(std::memory_order_acquire) > 0)) drop_share(ptr);
-    int rc;
-    if (C10_LIKELY(!table_mode_)) {
-      rc = g_api.free_unsized(ptr);
-    } else {
-      SizeTable::Entry e{};
-      rc = table_.take(ptr, &e)
-               ? g_api.free_checked(ptr, static_cast<ssize_t>(e.requested), e.device)
-               : -3;  // GPU_ARENA_ERR_UNKNOWN_POINTER
-    }
-    if (C10_UNLIKELY(rc < 0)) {
-      std::string why = table_mode_ && rc == -3 ? "not allocated by gpu-arena's torch allocator"
-                                                : last_error();
-      if (throw_on_error) TORCH_CHECK(false, "gpu-arena: free of ", ptr, " failed: ", why);
-      TORCH_WARN("gpu-arena: free of ", ptr, " failed: ", why);
+    if (C10_UNLIKELY(g_api.free_unsized(ptr) < 0)) {
+      // A deleter must not throw (it runs in destructors): raw_delete does, a deleter warns.
+      if (throw_on_error) TORCH_CHECK(false, "gpu-arena: ", last_error());
+      TORCH_WARN("gpu-arena: ", last_error());
     }
   }
 
@@ -261,7 +213,7 @@ class Allocator final : public cca::CUDAAllocator {
     TORCH_CHECK(other == nullptr || other == this,
                 "gpu-arena's native torch allocator does not serve a MemPool with another "
                 "allocator (", other->name(), "); create torch.cuda.MemPool() without one, "
-                "or use gpu_arena.torch.install(native=False) for pluggable mem pools");
+                "or install gpu-arena with route='pluggable' for pluggable mem pools");
     check_rc(g_api.graph_pool_retain(dev, id.first, id.second), "gpu_arena_graph_pool_retain");
   }
   int getPoolUseCount(DeviceIndex dev, MempoolId_t id) override {
@@ -320,14 +272,8 @@ class Allocator final : public cca::CUDAAllocator {
     for (const PoolBlock& b : before) {
       void* p = reinterpret_cast<void*>(b.ptr);
       delta.ptrs_freed.push_back(p);
-      if (kept.count(b.ptr) != 0) continue;
-      if (shares_live_.load(std::memory_order_acquire) > 0) drop_share(p);
-      SizeTable::Entry e{};
-      if (table_mode_) table_.take(p, &e);
-    }
-    if (table_mode_) {
-      for (const PoolBlock& b : pool_blocks(dev, st->id)) {
-        table_.put(reinterpret_cast<void*>(b.ptr), b.requested, dev);
+      if (kept.count(b.ptr) == 0 && shares_live_.load(std::memory_order_acquire) > 0) {
+        drop_share(p);
       }
     }
     for (const PoolBlock& b : st->blocks) {
@@ -407,10 +353,11 @@ class Allocator final : public cca::CUDAAllocator {
     const int n = g_api.device_count();
     for (int dev = 0; dev < n; ++dev) g_api.graph_pool_empty_cache(dev, id.first, id.second);
   }
+  // Segments (gpu-arena's arenas) and their blocks, from gpu_arena_segments; no traces.
 #if GA_TORCH_AT_LEAST(2, 11)
-  cca::SnapshotInfo snapshot(MempoolId_t, bool) override { return empty_snapshot(); }
+  cca::SnapshotInfo snapshot(MempoolId_t id, bool) override { return snapshot_of(id); }
 #else
-  cca::SnapshotInfo snapshot(MempoolId_t) override { return empty_snapshot(); }
+  cca::SnapshotInfo snapshot(MempoolId_t id) override { return snapshot_of(id); }
 #endif
 
   // ---- history and observers ----
@@ -547,7 +494,6 @@ class Allocator final : public cca::CUDAAllocator {
   void* alloc(size_t n, DeviceIndex dev, cudaStream_t stream) {
     void* p = malloc_routed(n, dev, stream);
     if (C10_UNLIKELY(p == nullptr)) return alloc_failed(n, dev, stream);
-    if (C10_UNLIKELY(table_mode_)) table_.put(p, n, dev);
     return p;
   }
   void* malloc_routed(size_t n, DeviceIndex dev, cudaStream_t stream) {
@@ -575,10 +521,7 @@ class Allocator final : public cca::CUDAAllocator {
     int code = g_api.last_error_code();
     std::string cause = take_string(g_api.alloc_error_message(static_cast<ssize_t>(n), dev));
     if (code == kErrOutOfMemory && run_free_memory_callbacks()) {
-      if (void* p = malloc_routed(n, dev, stream)) {
-        if (table_mode_) table_.put(p, n, dev);
-        return p;
-      }
+      if (void* p = malloc_routed(n, dev, stream)) return p;
       code = g_api.last_error_code();
       cause = take_string(g_api.alloc_error_message(static_cast<ssize_t>(n), dev));
     }
@@ -639,21 +582,12 @@ class Allocator final : public cca::CUDAAllocator {
       out.resize(static_cast<size_t>(n));
     }
   }
-  void* find_allocation(void* ptr, size_t* size, int* dev) {
-    if (!table_mode_) {
-      void* base = nullptr;
-      size_t requested = 0;
-      check_rc(g_api.allocation_of(ptr, &base, &requested, dev), "gpu_arena_allocation_of");
-      if (size != nullptr) *size = requested;
-      return base;
-    }
-    SizeTable::Entry e{};
-    TORCH_CHECK(table_.find(ptr, &e), "gpu-arena: ", ptr, " is not the start of an allocation "
-                "of gpu-arena's torch allocator (this libgpu_arena has no "
-                "gpu_arena_allocation_of to find interior pointers)");
-    if (size != nullptr) *size = e.requested;
-    *dev = e.device;
-    return ptr;
+  static void* find_allocation(void* ptr, size_t* size, int* dev) {
+    void* base = nullptr;
+    size_t requested = 0;
+    check_rc(g_api.allocation_of(ptr, &base, &requested, dev), "gpu_arena_allocation_of");
+    if (size != nullptr) *size = requested;
+    return base;
   }
   void drop_share(void* ptr) {
     Share s{};
@@ -673,10 +607,55 @@ class Allocator final : public cca::CUDAAllocator {
     auto it = imports_.find(handle);
     if (it != imports_.end() && it->second.expired()) imports_.erase(it);
   }
-  static cca::SnapshotInfo empty_snapshot() {
+  // As CUDACachingAllocator's: every segment, or only those of pool `id` when it is not
+  // {0, 0}; sorted by address. An arena is one segment (is_large: not a small-block arena).
+  static cca::SnapshotInfo snapshot_of(MempoolId_t id) {
     cca::SnapshotInfo info{};
-    const int n = g_api.device_count();
-    info.device_traces.resize(n > 0 ? static_cast<size_t>(n) : 0);
+    const int n = std::max(g_api.device_count(), 0);
+    info.device_traces.resize(static_cast<size_t>(n));
+    const bool all = id.first == 0 && id.second == 0;
+    for (int dev = 0; dev < n; ++dev) {
+      std::vector<Segment> segs;
+      std::vector<SegmentBlock> blocks;
+      size_t n_blocks = 0;
+      for (;;) {
+        ssize_t k = g_api.segments(dev, segs.data(), segs.size(), blocks.data(), blocks.size(),
+                                   &n_blocks);
+        check_rc(k, "gpu_arena_segments");
+        const bool fits = static_cast<size_t>(k) <= segs.size() && n_blocks <= blocks.size();
+        segs.resize(static_cast<size_t>(k));
+        blocks.resize(n_blocks);
+        if (fits) break;
+      }
+      for (const Segment& s : segs) {
+        const MempoolId_t owner = s.in_graph_pool ? MempoolId_t{s.pool_id0, s.pool_id1}
+                                                  : MempoolId_t{0, 0};
+        if (!all && owner != id) continue;
+        cca::SegmentInfo si;
+        si.device = static_cast<DeviceIndex>(dev);
+        si.address = s.address;
+        si.total_size = s.bytes;
+        si.is_large = s.small == 0;
+        si.owner_private_pool_id = owner;
+        for (uint64_t i = s.first_block; i < s.first_block + s.block_count; ++i) {
+          if (i >= blocks.size()) break;
+          const SegmentBlock& b = blocks[i];
+          cca::BlockInfo bi;
+          bi.size = b.bytes;
+          bi.requested_size = b.requested;
+          bi.allocated = bi.active = b.allocated != 0;
+          if (bi.allocated) {
+            si.allocated_size += b.bytes;
+            si.active_size += b.bytes;
+            si.requested_size += b.requested;
+          }
+          si.blocks.push_back(std::move(bi));
+        }
+        info.segments.push_back(std::move(si));
+      }
+    }
+    std::sort(info.segments.begin(), info.segments.end(),
+              [](const auto& a, const auto& b) { return a.address < b.address; });
     return info;
   }
   static void warn_use_on_oom() {
@@ -684,8 +663,6 @@ class Allocator final : public cca::CUDAAllocator {
                     "never borrows a private pool's memory)");
   }
 
-  bool table_mode_ = false;
-  SizeTable table_;
   std::array<std::atomic<int>, kMaxDevices> open_{};  // routes open per device
   std::mutex routes_mu_;
   std::array<std::vector<Route>, kMaxDevices> routes_;
@@ -767,12 +744,4 @@ GA_EXPORT int gpu_arena_torch_install_native(const char* libgpu_arena_path, char
     set_error(err, err_len, "unknown C++ exception");
   }
   return -1;
-}
-
-// What the installed allocator runs on: 1 when it keeps its side table of allocations (the
-// library lacks gpu_arena_free_unsized / gpu_arena_allocation_of: a mutex and a map on
-// every allocation and free), 0 when not, -1 when not installed.
-GA_EXPORT int gpu_arena_torch_native_table_mode(void) {
-  using namespace gpu_arena_native;
-  return g_self == nullptr ? -1 : (g_self->table_mode() ? 1 : 0);
 }

@@ -47,12 +47,22 @@ struct PoolBlock {
   void* stream;
 };
 
-// X(name, return type, parameter types...): gpu_arena_<name>. Required: install fails,
-// naming each one missing, when the library lacks any.
-#define GPU_ARENA_REQUIRED_FNS(X)                                                \
+// gpu_arena_segment_t: one arena as a segment of torch's snapshot.
+struct Segment {
+  uint64_t address, bytes, pool_id0, pool_id1, first_block, block_count;
+  uint8_t small, in_graph_pool;
+};
+// gpu_arena_segment_block_t: a range of a segment.
+struct SegmentBlock {
+  uint64_t address, bytes, requested;
+  uint8_t allocated;
+};
+
+// X(name, return type, parameter types...): gpu_arena_<name>. Install fails, naming each
+// one missing, when the library lacks any.
+#define GPU_ARENA_FNS(X)                                                               \
   X(init, void, int)                                                             \
   X(malloc, void*, ssize_t, int, void*)                                          \
-  X(free_checked, int, void*, ssize_t, int)                                      \
   X(record_stream_checked, int, void*, void*)                                    \
   X(empty_cache, int, int)                                                       \
   X(stats, int, int, StatsBuffer*)                                               \
@@ -76,22 +86,14 @@ struct PoolBlock {
   X(graph_pool_restore, int, int, uint64_t, uint64_t, const PoolBlock*, size_t)  \
   X(graph_pool_empty_cache, int, int, uint64_t, uint64_t)                        \
   X(reset_peak_stats, int, int)                                                  \
-  X(reset_accumulated_stats, int, int)
-
-// Optional. Without both, the allocator keeps a side table of its allocations (pointer ->
-// requested size and device): PyTorch's deleters get only the pointer, and
-// gpu_arena_free_checked needs the size and device.
-//   int gpu_arena_free_unsized(void* ptr): free a pointer without its size or device;
-//   int gpu_arena_allocation_of(const void* ptr, void** base, size_t* requested, int* device):
-//     the live allocation containing ptr (shareIpcHandle, getBaseAllocation).
-#define GPU_ARENA_OPTIONAL_FNS(X)         \
-  X(free_unsized, int, void*)             \
-  X(allocation_of, int, const void*, void**, size_t*, int*)
+  X(reset_accumulated_stats, int, int)                                           \
+  X(free_unsized, int, void*)                                                    \
+  X(allocation_of, int, const void*, void**, size_t*, int*)                      \
+  X(segments, ssize_t, int, Segment*, size_t, SegmentBlock*, size_t, size_t*)
 
 #define GPU_ARENA_FIELD(name, ret, ...) ret (*name)(__VA_ARGS__) = nullptr;
 struct Api {
-  GPU_ARENA_REQUIRED_FNS(GPU_ARENA_FIELD)
-  GPU_ARENA_OPTIONAL_FNS(GPU_ARENA_FIELD)
+  GPU_ARENA_FNS(GPU_ARENA_FIELD)
   bool bound = false;
   std::string path;
 };
@@ -107,14 +109,10 @@ inline std::string bind_api(Api& api, const char* path) {
   }
   Api out;
   std::string missing;
-#define GPU_ARENA_BIND(name, ret, ...)                                                  \
-  out.name = reinterpret_cast<ret (*)(__VA_ARGS__)>(dlsym(h, "gpu_arena_" #name));
-#define GPU_ARENA_BIND_REQUIRED(name, ret, ...) \
-  GPU_ARENA_BIND(name, ret, __VA_ARGS__)        \
+#define GPU_ARENA_BIND(name, ret, ...)                                            \
+  out.name = reinterpret_cast<ret (*)(__VA_ARGS__)>(dlsym(h, "gpu_arena_" #name)); \
   if (out.name == nullptr) missing += " gpu_arena_" #name;
-  GPU_ARENA_REQUIRED_FNS(GPU_ARENA_BIND_REQUIRED)
-  GPU_ARENA_OPTIONAL_FNS(GPU_ARENA_BIND)
-#undef GPU_ARENA_BIND_REQUIRED
+  GPU_ARENA_FNS(GPU_ARENA_BIND)
 #undef GPU_ARENA_BIND
   if (!missing.empty()) {
     return std::string(path) + " lacks" + missing +
