@@ -7,8 +7,6 @@ from __future__ import annotations
 import types
 from pathlib import Path
 
-import conftest  # noqa: F401 - puts python/ on the path unless the wheel is tested
-
 from gpu_arena import torch_native as tn
 
 
