@@ -20,30 +20,10 @@
 
 use std::sync::atomic::Ordering;
 
-use super::device::DeviceState;
+use super::device::{DeviceState, Peers};
 use super::{to_usize, warn_undo, Driver, DriverError, DriverResult, Failure, VmmBackend};
 use crate::error::{Error, Result};
 use crate::ids::DeviceId;
-
-/// The devices that can access a device's memory, besides itself: bit `p` for device `p`
-/// (devices 0..64; a device beyond that is never made a peer).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(super) struct Peers(u64);
-
-impl Peers {
-    /// The peers' ordinals, lowest first.
-    pub(super) fn iter(self) -> impl Iterator<Item = DeviceId> {
-        (0..64).filter(move |p| self.0 & (1u64 << p) != 0)
-    }
-
-    /// `device` first, then its peers: the devices a mapping on `device` is made accessible
-    /// from.
-    pub(super) fn access_list(self, device: DeviceId) -> Vec<DeviceId> {
-        std::iter::once(device)
-            .chain(self.iter().filter(|&p| p != device))
-            .collect()
-    }
-}
 
 /// Whether VMM arenas are created with FABRIC handles too (config key `fabric_handles`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -4,7 +4,6 @@
 
 use std::sync::atomic::Ordering;
 
-use super::access::Peers;
 use super::{to_usize, warn_undo, Driver, VmmBackend};
 use crate::error::{Error, Result};
 use crate::ids::DeviceId;
@@ -21,6 +20,27 @@ pub(super) struct DeviceState<Dev> {
     /// The other devices that can access this one's memory: every VMM mapping on this device
     /// is made accessible from them too (none on the legacy path).
     pub(super) peers: Peers,
+}
+
+/// The devices that can access a device's memory, besides itself: bit `p` for device `p`
+/// (devices 0..64; a device beyond that is never made a peer). Found by `find_peers`
+/// (access.rs) on the device's first use.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Peers(pub(super) u64);
+
+impl Peers {
+    /// The peers' ordinals, lowest first.
+    pub(super) fn iter(self) -> impl Iterator<Item = DeviceId> {
+        (0..64).filter(move |p| self.0 & (1u64 << p) != 0)
+    }
+
+    /// `device` first, then its peers: the devices a mapping on `device` is made accessible
+    /// from.
+    pub(super) fn access_list(self, device: DeviceId) -> Vec<DeviceId> {
+        std::iter::once(device)
+            .chain(self.iter().filter(|&p| p != device))
+            .collect()
+    }
 }
 
 impl<D: Driver> VmmBackend<D> {
