@@ -33,23 +33,9 @@ use crate::ipc::mailbox::{
     mailbox_enabled, next_inbound, warn_no_mailbox_once, Inbound, Mailbox, MAILBOX_BYTES,
     MAILBOX_MAGIC,
 };
+pub use crate::ipc::wire::default_spin;
 use crate::ipc::wire::{self, Batch, Op, Reply, Request};
 use crate::pool::Pool;
-
-/// The default [`BrokerConfig::spin`], and how long the importer polls for a reply before
-/// it sleeps: `GPU_ARENA_IPC_SPIN_US` microseconds (read once; 0 turns polling off),
-/// 50 by default. Polling pays off with a core free for each side (a GPU host); on a
-/// machine with fewer cores than busy threads it only takes the peer's time slice.
-pub fn default_spin() -> Duration {
-    static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
-    *SPIN.get_or_init(|| {
-        let us = std::env::var("GPU_ARENA_IPC_SPIN_US")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(50);
-        Duration::from_micros(us)
-    })
-}
 
 /// Broker settings.
 #[derive(Debug, Clone)]

@@ -21,7 +21,6 @@ use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 
 use crate::backend::DeviceId;
 use crate::error::{Error, Result};
-use crate::ipc::broker::default_spin;
 use crate::ipc::handle::ShareHandle;
 use crate::ipc::mailbox::{mailbox_enabled, spin_poll, warn_no_mailbox_once, Mailbox};
 use crate::ipc::wire::{self, Batch, Op, Received, Reply, Request};
@@ -170,7 +169,7 @@ fn hear(conn: &mut Connection, channel: Channel, block: bool) -> Result<Heard> {
             }
             loop {
                 let got = if block {
-                    wire::recv_spin(conn.sock.as_fd(), default_spin())?
+                    wire::recv_spin(conn.sock.as_fd(), wire::default_spin())?
                 } else {
                     wire::try_recv(conn.sock.as_fd())?
                 };
@@ -208,7 +207,7 @@ fn hear_mailbox(conn: &mut Connection, seq: u64, block: bool) -> Result<Heard> {
     let (sock, early) = (&conn.sock, &mut conn.early);
     let polled = spin_poll(
         Instant::now(),
-        default_spin(),
+        wire::default_spin(),
         SOCKET_LOOK_EVERY,
         || reply(mb).transpose(),
         || match wire::try_recv(sock.as_fd()) {

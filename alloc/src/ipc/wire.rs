@@ -355,6 +355,23 @@ pub(crate) fn recv(sock: BorrowedFd<'_>) -> Result<Received> {
     recv_flags(sock, RecvFlags::empty())
 }
 
+/// How long a side polls for the other's next packet before it sleeps ([`recv_spin`]): the
+/// broker's default `spin` setting (its wait for a connection's next request) and the
+/// importer's wait for a reply. `GPU_ARENA_IPC_SPIN_US` microseconds (read once; 0 turns
+/// polling off), 50 by default. Polling pays off with a core free for each side (a GPU host);
+/// on a machine with fewer cores than busy threads it only takes the peer's time slice. Here,
+/// beside the polling, since both sides use it (`ipc::broker` re-exports it).
+pub fn default_spin() -> std::time::Duration {
+    static SPIN: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| {
+        let us = std::env::var("GPU_ARENA_IPC_SPIN_US")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(50);
+        std::time::Duration::from_micros(us)
+    })
+}
+
 /// Like [`recv`], but poll without sleeping for up to `spin` first: a peer that answers
 /// within microseconds is heard without the two context switches of a sleep and a wake-up
 /// (most of a round trip's cost). Past `spin`, it blocks as [`recv`] does.
