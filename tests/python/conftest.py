@@ -5,7 +5,10 @@ By default the package is imported from this checkout (python/ goes first on sys
 install needed) with the newest cargo build. With ``GPU_ARENA_EXPECT_INSTALLED=1``
 (scripts/test.sh, which runs the suites in a fresh venv holding the wheel) the package is the
 installed one, with its packaged library: python/ is not put on the path, here or in child
-processes, and ``GPU_ARENA_LIB`` is left alone (test_install.py checks all that)."""
+processes, and ``GPU_ARENA_LIB`` is left alone (test_install.py checks all that).
+
+A child hands its result back on a channel of its own (result_channel.py: a result file, or a
+reply pipe), never on its stdout or stderr, which libraries write to as well."""
 
 from __future__ import annotations
 
@@ -16,9 +19,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+from result_channel import NO_RESULT, ResultFile
+
 # tests/python/conftest.py -> the repository root; the package lives in python/.
 REPO_DIR = Path(__file__).resolve().parents[2]
 PYTHON_DIR = REPO_DIR / "python"
+TESTS_DIR = Path(__file__).resolve().parent  # children import result_channel from here
 
 INSTALLED = os.environ.get("GPU_ARENA_EXPECT_INSTALLED") == "1"
 
@@ -44,37 +50,69 @@ _newest_build()
 
 def child_env(env: dict | None = None, drop=()) -> dict:
     """The environment of a child interpreter that imports the package under test: a copy of
-    os.environ, names in `drop` removed, `env` added, and (unless INSTALLED) this checkout's
-    python/ first on PYTHONPATH."""
+    os.environ, names in `drop` removed, `env` added, (unless INSTALLED) this checkout's
+    python/ first on PYTHONPATH and tests/python (result_channel) last."""
     e = dict(os.environ)
     for name in drop:
         e.pop(name, None)
     e.update(env or {})
+    path = [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p]
     if not INSTALLED:
-        e["PYTHONPATH"] = str(PYTHON_DIR) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+        path.insert(0, str(PYTHON_DIR))
+    e["PYTHONPATH"] = os.pathsep.join(path + [str(TESTS_DIR)])
     return e
 
 
-def run_python(code: str, env: dict | None = None, drop=(), timeout: float = 300):
-    """Run `code` in a fresh interpreter that imports the package under test.
+def start_python(code: str, args=(), env: dict | None = None, drop=(), **popen):
+    """Start `code` in a fresh interpreter that imports the package under test, with
+    `args` as sys.argv[1:], `env` and `drop` as for `child_env`, stdout and stderr piped
+    (text) and a `ResultFile` for its result: the snippet calls
+    ``result_channel.report(value)``. `popen`: more subprocess.Popen arguments (stdin,
+    pass_fds, ...). Wait for it with `finish`."""
+    results = ResultFile()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+            env=child_env({**(env or {}), **results.env}, drop),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            **popen,
+        )
+    except BaseException:
+        results.discard()
+        raise
+    proc.results = results
+    return proc
 
-    `env` and `drop` as for `child_env`. Returns the CompletedProcess; a snippet reports
-    results by printing one JSON line prefixed with ``RESULT=``, which `result_of` parses."""
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=child_env(env, drop),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+
+def finish(proc, input: str | None = None, timeout: float = 300):
+    """Wait for a `start_python` child (past `timeout` it is killed and TimeoutExpired
+    raised, as subprocess.run does). Returns its CompletedProcess, with `result`: the value
+    it reported, or NO_RESULT (`result_of` reads it)."""
+    try:
+        out, err = proc.communicate(input, timeout=timeout)
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        proc.results.discard()
+        raise
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    done.result = proc.results.take()
+    return done
 
 
-def result_of(proc) -> dict:
-    """The RESULT= JSON a snippet printed; fails the test with its output otherwise."""
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT="):
-            return json.loads(line[len("RESULT="):])
-    raise AssertionError(
-        f"subprocess exited {proc.returncode} without RESULT=\n"
-        f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
-    )
+def run_python(code: str, env: dict | None = None, drop=(), timeout: float = 300, args=()):
+    """Run `code` as `start_python` does and wait for it (`finish`): the CompletedProcess,
+    with the reported value in `result`."""
+    return finish(start_python(code, args, env, drop), timeout=timeout)
+
+
+def result_of(proc):
+    """The value a snippet reported (`finish`); fails the test with its output otherwise."""
+    if proc.result is NO_RESULT:
+        raise AssertionError(
+            f"subprocess exited {proc.returncode} without reporting a result\n"
+            f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+        )
+    return proc.result

@@ -1,9 +1,11 @@
-"""A gpu-arena process driven over stdin/stdout, for the cross-process IPC tests.
+"""A gpu-arena process driven over stdin and a reply pipe, for the cross-process IPC tests.
 
-Run as ``python ipc_worker.py [CONF]``: it configures gpu-arena (sim backend unless CONF
-says otherwise), initializes it, prints ``READY <pid> <gpu_arena.__file__>`` and then serves one JSON request per
-stdin line, answering one JSON line ``{"ok": ...}`` or ``{"error": code, "message": ...}``.
-Sim pointers are host memory, so reads and writes are plain memmoves.
+Run as ``python ipc_worker.py [CONF]`` with a reply pipe (result_channel.ReplyPipe): it
+configures gpu-arena (sim backend unless CONF says otherwise), initializes it, answers
+``READY <pid> <gpu_arena.__file__>`` and then serves one JSON request per stdin line,
+answering one JSON line ``{"ok": ...}`` or ``{"error": code, "message": ...}``. Answers go
+to the reply pipe only (stdout and stderr are a log). Sim pointers are host memory, so
+reads and writes are plain memmoves.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ if os.environ.get("GPU_ARENA_EXPECT_INSTALLED") != "1":
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 
 import gpu_arena  # noqa: E402
+from result_channel import reply_stream  # noqa: E402  (beside this file)
 
 
 def handle(req: dict):
@@ -79,13 +82,14 @@ def main() -> None:
     conf = sys.argv[1] if len(sys.argv) > 1 else "backend=sim,arena_size=64MiB"
     gpu_arena.configure(conf)
     gpu_arena.init()
-    print(f"READY {os.getpid()} {gpu_arena.__file__}", flush=True)
+    replies = reply_stream()  # line buffered: each answer is flushed
+    print(f"READY {os.getpid()} {gpu_arena.__file__}", file=replies)
     for line in sys.stdin:
         if not line.strip():
             continue
         req = json.loads(line)
         if req["op"] == "exit":
-            print(json.dumps({"ok": None}), flush=True)
+            print(json.dumps({"ok": None}), file=replies)
             break
         try:
             reply = {"ok": handle(req)}
@@ -93,7 +97,7 @@ def main() -> None:
             reply = {"error": e.code, "message": str(e)}
         except Exception as e:  # noqa: BLE001 - reported to the test
             reply = {"error": "python", "message": f"{type(e).__name__}: {e}"}
-        print(json.dumps(reply), flush=True)
+        print(json.dumps(reply), file=replies)
 
 
 if __name__ == "__main__":

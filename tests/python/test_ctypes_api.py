@@ -212,9 +212,10 @@ def test_gpu_arena_lib_env_loads_that_file(tmp_path):
     shutil.copy(gpu_arena.lib_path(), copy)
     proc = run_python(
         """
-        import json, gpu_arena
+        import gpu_arena
+        from result_channel import report
         gpu_arena.init()
-        print("RESULT=" + json.dumps([gpu_arena.lib_path(), gpu_arena.backend_name()]))
+        report([gpu_arena.lib_path(), gpu_arena.backend_name()])
         """,
         env={"GPU_ARENA_LIB": str(tmp_path)},  # a directory holding the .so works too
     )
@@ -224,11 +225,12 @@ def test_gpu_arena_lib_env_loads_that_file(tmp_path):
 def test_missing_lib_error_in_fresh_process(tmp_path):
     proc = run_python(
         """
-        import json, gpu_arena   # importing works without the library
+        import gpu_arena   # importing works without the library
+        from result_channel import report
         try:
             gpu_arena.stats()
         except gpu_arena.LibraryNotFoundError as e:
-            print("RESULT=" + json.dumps(str(e)))
+            report(str(e))
         """,
         env={"GPU_ARENA_LIB": str(tmp_path / "nope.so")},
     )
@@ -243,7 +245,8 @@ def test_missing_lib_error_in_fresh_process(tmp_path):
 def test_before_init_pointer_calls_refuse_and_initialize_nothing():
     proc = run_python(
         """
-        import json, gpu_arena
+        import gpu_arena
+        from result_channel import report
         out = {"initialized": gpu_arena.is_initialized(), "backend": gpu_arena.backend_name()}
         for name, call in [("free", lambda: gpu_arena.free(0x1000, 10)),
                            ("record_stream", lambda: gpu_arena.record_stream(0x1000, 7))]:
@@ -253,7 +256,7 @@ def test_before_init_pointer_calls_refuse_and_initialize_nothing():
             except gpu_arena.GpuArenaError as e:
                 out[name] = [type(e).__name__, e.code, e.message]
         out["still"] = gpu_arena.is_initialized()
-        print("RESULT=" + json.dumps(out))
+        report(out)
         """
     )
     r = result_of(proc)
@@ -270,7 +273,8 @@ def test_lazy_init_straight_after_import(first):
     """No init(): the first call that needs the pool initializes it from the environment."""
     proc = run_python(
         f"""
-        import json, gpu_arena
+        import gpu_arena
+        from result_channel import report
         first = {first!r}
         if first == "malloc":
             p = gpu_arena.malloc(1000)
@@ -278,8 +282,8 @@ def test_lazy_init_straight_after_import(first):
         else:
             getattr(gpu_arena, first)()
         s = gpu_arena.stats()
-        print("RESULT=" + json.dumps([gpu_arena.is_initialized(), gpu_arena.backend_name(),
-                                      s["reserved_bytes"], s["requested_bytes"]]))
+        report([gpu_arena.is_initialized(), gpu_arena.backend_name(),
+                s["reserved_bytes"], s["requested_bytes"]])
         """,
         env={"GPU_ARENA_BACKEND": "sim"},
         drop=["GPU_ARENA_CONF"],
@@ -293,9 +297,10 @@ def test_lazy_init_straight_after_import(first):
 def test_gpu_arena_log_shows_why_auto_passed_over_backends():
     proc = run_python(
         """
-        import json, gpu_arena
+        import gpu_arena
+        from result_channel import report
         gpu_arena.stats()
-        print("RESULT=" + json.dumps(gpu_arena.backend_name()))
+        report(gpu_arena.backend_name())
         """,
         env={"GPU_ARENA_BACKEND": "auto", "GPU_ARENA_LOG": "debug"},
         drop=["GPU_ARENA_CONF"],
@@ -310,7 +315,8 @@ def test_gpu_arena_log_shows_why_auto_passed_over_backends():
 def test_set_log_level():
     proc = run_python(
         """
-        import json, gpu_arena
+        import gpu_arena
+        from result_channel import report
         gpu_arena.set_log_level("info")
         gpu_arena.stats()
         try:
@@ -318,7 +324,7 @@ def test_set_log_level():
             bad = None
         except gpu_arena.InvalidArgumentError as e:
             bad = e.message
-        print("RESULT=" + json.dumps(bad))
+        report(bad)
         """,
         env={"GPU_ARENA_BACKEND": "sim"},
         drop=["GPU_ARENA_LOG", "GPU_ARENA_CONF"],
@@ -331,7 +337,8 @@ def test_set_log_level():
 def test_configure_then_init_applies():
     proc = run_python(
         """
-        import json, gpu_arena
+        import gpu_arena
+        from result_channel import report
         gpu_arena.configure("arena_size=8MiB")
         gpu_arena.configure("sim_devices=3")     # calls accumulate
         gpu_arena.init(device_count=3)
@@ -339,7 +346,7 @@ def test_configure_then_init_applies():
         p = gpu_arena.malloc(3 << 20, device=2)  # a large block: an arena_size arena
         s = gpu_arena.stats(2)
         gpu_arena.free(p, 3 << 20, device=2)
-        print("RESULT=" + json.dumps([gpu_arena.device_count(), s["reserved_bytes"], s["arenas"]]))
+        report([gpu_arena.device_count(), s["reserved_bytes"], s["arenas"]])
         """,
         env={"GPU_ARENA_BACKEND": "sim"},
     )
@@ -349,9 +356,10 @@ def test_configure_then_init_applies():
 def test_conf_env_is_read_at_init():
     proc = run_python(
         """
-        import json, gpu_arena
+        import gpu_arena
+        from result_channel import report
         gpu_arena.init()
-        print("RESULT=" + json.dumps([gpu_arena.device_count(), gpu_arena.backend_name()]))
+        report([gpu_arena.device_count(), gpu_arena.backend_name()])
         """,
         env={"GPU_ARENA_CONF": "backend=sim,sim_devices=4,arena_size=4MiB"},
         drop=["GPU_ARENA_BACKEND"],
@@ -362,7 +370,8 @@ def test_conf_env_is_read_at_init():
 def test_bad_configure_strings():
     proc = run_python(
         """
-        import json, gpu_arena
+        import gpu_arena
+        from result_channel import report
         out = []
         for conf in ["arena_size=12XB", "nokey=1", "arena_size", "backend=quantum",
                      "arena_size=0", "sim_devices=65"]:
@@ -373,7 +382,7 @@ def test_bad_configure_strings():
                 out.append([type(e).__name__, e.code, e.message])
         gpu_arena.configure("arena_size=2MiB")   # a rejected call changed nothing
         gpu_arena.init()
-        print("RESULT=" + json.dumps([out, gpu_arena.is_initialized()]))
+        report([out, gpu_arena.is_initialized()])
         """
     )
     out, ok = result_of(proc)
@@ -398,7 +407,8 @@ def failed_init(env: dict) -> dict:
     message of a malloc after the failed init."""
     proc = run_python(
         """
-        import json, gpu_arena
+        import gpu_arena
+        from result_channel import report
         out = {"error": None}
         try:
             gpu_arena.init()
@@ -410,7 +420,7 @@ def failed_init(env: dict) -> dict:
             gpu_arena.malloc(100)
         except gpu_arena.NotInitializedError as e:
             out["malloc"] = e.message
-        print("RESULT=" + json.dumps(out))
+        report(out)
         """,
         env=env,
     )
@@ -436,11 +446,11 @@ def test_init_failure_bad_conf_env():
 def test_raw_init_status_code_of_failed_init():
     proc = run_python(
         """
-        import json
+        from result_channel import report
         from gpu_arena import _lib
         lib = _lib.lib()
         lib.gpu_arena_init(-1)
-        print("RESULT=" + json.dumps([lib.gpu_arena_init_status(), _lib.last_error()]))
+        report([lib.gpu_arena_init_status(), _lib.last_error()])
         """,
         env={"GPU_ARENA_BACKEND": "hip"},
     )

@@ -42,8 +42,9 @@ def test_package_and_library_come_from_the_venv():
 def test_child_process_imports_the_installed_package():
     proc = run_python(
         """
-        import json, gpu_arena
-        print("RESULT=" + json.dumps([gpu_arena.__file__, gpu_arena.lib_path()]))
+        import gpu_arena
+        from result_channel import report
+        report([gpu_arena.__file__, gpu_arena.lib_path()])
         """,
         env={"GPU_ARENA_BACKEND": "sim"},
     )

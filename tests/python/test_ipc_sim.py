@@ -2,7 +2,8 @@
 no GPU: runs in CI).
 
 gpu-arena's init is process-global, so the producer and the consumer are each a fresh
-subprocess (tests/ipc_worker.py) driven over a pipe; share handles travel between them as
+subprocess (tests/python/ipc_worker.py) driven over stdin, answering on a reply pipe of its
+own (result_channel.py); share handles travel between them as
 hex text, as they would over any byte channel. Sim pointers are host memory, so the
 processes read and write them with ctypes.memmove.
 """
@@ -15,6 +16,7 @@ import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -22,6 +24,7 @@ os.environ["GPU_ARENA_BACKEND"] = "sim"  # the workers inherit it
 
 import pytest  # noqa: E402
 from conftest import INSTALLED, child_env  # noqa: E402
+from result_channel import ReplyPipe  # noqa: E402
 
 import gpu_arena  # noqa: E402
 from gpu_arena import _lib  # noqa: E402
@@ -54,16 +57,22 @@ class WorkerError(Exception):
 
 
 class Worker:
-    """A gpu-arena process answering JSON requests (tests/ipc_worker.py)."""
+    """A gpu-arena process answering JSON requests (tests/python/ipc_worker.py) on a reply
+    pipe; its stdout and stderr go to a log file, read for error messages."""
 
     def __init__(self, conf: str = CONF, timeout: float = 10.0):
-        env = child_env()
+        self.replies = ReplyPipe()
+        self.log = tempfile.TemporaryFile("w+")
         self.timeout = timeout
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), conf],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, bufsize=1, env=env,
-        )
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(WORKER), conf],
+                stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
+                text=True, bufsize=1, env=child_env(self.replies.env),
+                pass_fds=(self.replies.fd,),
+            )
+        finally:
+            self.replies.started()
         self.lines: "queue.Queue[str | None]" = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         first = self._line()
@@ -74,9 +83,13 @@ class Worker:
             assert Path(package).resolve().is_relative_to(Path(sys.prefix).resolve()), package
 
     def _pump(self):
-        for line in self.proc.stdout:
+        for line in self.replies.reader:
             self.lines.put(line)
         self.lines.put(None)
+
+    def _log(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
 
     def _line(self) -> str:
         try:
@@ -85,7 +98,7 @@ class Worker:
             self.kill()
             raise AssertionError(f"worker {self.proc.pid} did not answer within {self.timeout} s")
         if line is None:
-            err = self.proc.stderr.read() if self.proc.poll() is not None else ""
+            err = self._log() if self.proc.poll() is not None else ""
             raise AssertionError(f"worker {self.proc.pid} exited ({self.proc.poll()}): {err}")
         return line.strip()
 
@@ -117,7 +130,7 @@ class Worker:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.kill()
-        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+        for f in (self.proc.stdin, self.replies.reader, self.log):
             try:
                 f.close()
             except OSError:

@@ -5,13 +5,11 @@ the short regression test of the tensor-level API on the real backend."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import subprocess
-import sys
-import textwrap
 
 import pytest
-from conftest import child_env
+from conftest import finish, result_of, run_python, start_python
+from result_channel import ReplyPipe
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 if HAVE_TORCH:
@@ -24,13 +22,15 @@ else:
 pytestmark = pytest.mark.skipif(not HAVE_CUDA, reason="needs torch with a CUDA device")
 
 PRODUCER = r'''
-import gc, json, sys
+import gc, sys
 import gpu_arena, gpu_arena.torch
+from result_channel import report, reply_stream
 gpu_arena.torch.install("backend=cuda,arena_size=64MiB")
 import torch
 t = torch.arange(1 << 20, dtype=torch.float32, device="cuda").view(1024, 1024)
 s = gpu_arena.share(t[3:9, 10:20])
-print("SHARE " + s.to_base64(), flush=True)
+replies = reply_stream()          # line buffered
+print("SHARE " + s.to_base64(), file=replies)
 assert sys.stdin.readline().strip() == "done"
 out = {"written": t[3, 10].item(), "imports_live": gpu_arena.stats()["imports_live"]}
 s.close()
@@ -39,12 +39,13 @@ gc.collect()
 torch.cuda.empty_cache()
 st = gpu_arena.stats()
 out.update(reserved=st["reserved_bytes"], shares=st["shares_live"], exports=st["exports_live"])
-print("RESULT=" + json.dumps(out), flush=True)
+report(out)
 '''
 
 CONSUMER = r'''
-import gc, json, sys
+import gc, sys
 import gpu_arena, gpu_arena.torch
+from result_channel import report
 gpu_arena.torch.install("backend=cuda,arena_size=64MiB")
 import torch
 share = gpu_arena.Share.from_base64(sys.argv[1])
@@ -64,36 +65,32 @@ out["gc_closes"] = gpu_arena.imports_live()
 t = gpu_arena.open(share)
 t[0, 0] = -1.0
 out["explicit"] = [gpu_arena.close(t), gpu_arena.imports_live()]
-print("RESULT=" + json.dumps(out), flush=True)
+report(out)
 '''
 
 
-def _env():
-    return child_env(drop=("GPU_ARENA_BACKEND", "GPU_ARENA_CONF"))
-
-
-def _result(text: str) -> dict:
-    for line in text.splitlines():
-        if line.startswith("RESULT="):
-            return json.loads(line[len("RESULT="):])
-    raise AssertionError(f"no RESULT in:\n{text}")
+DROP = ("GPU_ARENA_BACKEND", "GPU_ARENA_CONF")
 
 
 def test_share_open_close_across_processes():
-    prod = subprocess.Popen([sys.executable, "-c", textwrap.dedent(PRODUCER)], env=_env(),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    replies = ReplyPipe()
     try:
-        line = prod.stdout.readline()
-        assert line.startswith("SHARE "), line + prod.stderr.read()
-        cons = subprocess.run([sys.executable, "-c", textwrap.dedent(CONSUMER), line.split()[1]],
-                              env=_env(), capture_output=True, text=True, timeout=300)
-        c = _result(cons.stdout + cons.stderr)
-        out, err = prod.communicate("done\n", timeout=300)
-        p = _result(out + err)
+        prod = start_python(PRODUCER, drop=DROP, env=replies.env, stdin=subprocess.PIPE,
+                            pass_fds=(replies.fd,))
     finally:
+        replies.started()
+    try:
+        line = replies.reader.readline()
+        if not line.startswith("SHARE "):
+            p = finish(prod, timeout=60)
+            raise AssertionError(f"no share from the producer ({line!r}):\n{p.stdout}{p.stderr}")
+        c = result_of(run_python(CONSUMER, drop=DROP, args=[line.split()[1]], timeout=300))
+        p = result_of(finish(prod, "done\n", timeout=300))
+    finally:
+        replies.close()
         if prod.poll() is None:
             prod.kill()
+            finish(prod)
     assert c["device"] == "cuda:0"
     assert c["equal"] is True
     assert c["meta"] == [[6, 10], [1024, 1], 3 * 1024 + 10]

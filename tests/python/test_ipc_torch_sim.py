@@ -22,6 +22,7 @@ PRELUDE = r'''
 import ctypes, gc, json, os, pickle, subprocess, sys
 import torch
 import gpu_arena
+from result_channel import report
 gpu_arena.configure("backend=sim,arena_size=64MiB")
 gpu_arena.init()
 
@@ -90,7 +91,7 @@ gpu_arena.free(p, nbytes)
 gpu_arena.empty_cache()
 st = gpu_arena.stats()
 out["end"] = [st["reserved_bytes"], st["shares_live"], st["exports_live"]]
-print("RESULT=" + json.dumps(out))
+report(out)
 ''')
     assert r["owner"] is True
     assert r["meta"] == ["float32", [4, 10], [512, 1], 3 * 512 + 100, 4 << 18]
@@ -153,7 +154,7 @@ except gpu_arena.InvalidArgumentError as e:      # refused by the library, befor
     out["bad_view"] = ["reaches outside" in str(e), gpu_arena.imports_live()]
 s.close(); del base; gpu_arena.free(p, nbytes); gpu_arena.empty_cache()
 out["reserved"] = gpu_arena.stats()["reserved_bytes"]
-print("RESULT=" + json.dumps(out))
+report(out)
 ''')
     for name in ("bfloat16", "float16", "int8", "int64", "bool", "complex64"):
         assert r[name] == [True, True], name
@@ -187,7 +188,7 @@ if __name__ == "__main__":
     proc.join(60)
     out["exitcode"] = proc.exitcode
     out["imports_live"] = gpu_arena.stats()["imports_live"]
-    print("RESULT=" + json.dumps(out))
+    report(out)
 ''')
     for how in ("close", "gc"):
         values, live_open, live_after, seen = r[how]
@@ -238,7 +239,7 @@ gc.collect()
 out["churn"] = [errors, gpu_arena.imports_live(), len(gpu_arena.ipc.open_imports())]
 s.close(); del base; gpu_arena.free(p, nbytes); gpu_arena.empty_cache()
 out["reserved"] = gpu_arena.stats()["reserved_bytes"]
-print("RESULT=" + json.dumps(out))
+report(out)
 ''')
     assert r["opened"] == 20
     assert r["after_thread_free"] == 0
@@ -305,7 +306,7 @@ except ValueError as e:
 s8.close(); del b8; gpu_arena.free(p8, n8)
 s.close(); del base; gpu_arena.free(p, nbytes); gpu_arena.empty_cache()
 out["reserved"] = gpu_arena.stats()["reserved_bytes"]
-print("RESULT=" + json.dumps(out))
+report(out)
 ''')
     n = 4 << 12
     assert r["whole"] == [True, [64, 1], 0, n, True]
@@ -376,7 +377,7 @@ th.join(); gc.collect()
 out["race"] = [closed <= 200] + state()
 s.close(); del base; gpu_arena.free(p, nbytes); gpu_arena.empty_cache()
 out["reserved"] = gpu_arena.stats()["reserved_bytes"]
-print("RESULT=" + json.dumps(out))
+report(out)
 ''')
     invalid, unknown = -1, -3
     for name in ("past_end", "offset_out", "flat_past_end", "negative_reach", "overflow",

@@ -6,13 +6,11 @@ transport checked, KV-cache sizes) is tests/gpu/gpu_nixl_kv.py."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from conftest import child_env, result_of, run_python
+from conftest import finish, result_of, run_python, start_python
 
 # scripts/test.sh installs NIXL and sets GPU_ARENA_REQUIRE_NIXL=1: there (and so in CI) a
 # missing NIXL fails; elsewhere (a GPU machine's torch run without NIXL) the module skips.
@@ -29,6 +27,7 @@ ENV = {"GPU_ARENA_BACKEND": "sim", "UCX_PROTO_INFO": "y"}
 PRELUDE = """
 import ctypes, json, os, sys, time
 import gpu_arena, gpu_arena.nixl as gn
+from result_channel import report
 gpu_arena.configure("backend=sim,arena_size=8MiB,sim_capacity=1GiB,validate=1")
 gpu_arena.init()
 nixl = gn.import_nixl()
@@ -63,11 +62,11 @@ for p in ptrs:
     gpu_arena.free(p, 2 * MiB)
 gpu_arena.empty_cache()
 s = gpu_arena.stats()
-print("RESULT=" + json.dumps(dict(
+report(dict(
     at_attach=at_attach, arenas=arenas, registrations=registrations, blocks=len(blocks),
     after_detach=after_detach, registered_total=reg.registered_total,
     deregistered_total=reg.deregistered_total, reserved_after=s["reserved_bytes"],
-    observer_errors=s["observer_errors"])))
+    observer_errors=s["observer_errors"]))
 """
 
 CONSUMER = PRELUDE + """
@@ -99,25 +98,21 @@ agent.remove_remote_agent(peer)
 open(os.path.join(work, "done"), "w").close()
 reg.detach()
 gpu_arena.free(dst, total)
-print("RESULT=" + json.dumps(dict(state=state, verified=got == expect, blocks=len(blocks),
-                                  refused=refused)))
+report(dict(state=state, verified=got == expect, blocks=len(blocks),
+            refused=refused))
 """
 
 
 def _run_pair(tmp_path):
-    producer = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(PRODUCER), str(tmp_path)],
-        env=child_env(ENV), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    producer = start_python(PRODUCER, [tmp_path], env=ENV)
     try:
-        consumer = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(CONSUMER), str(tmp_path)],
-            env=child_env(ENV), capture_output=True, text=True, timeout=120)
-        out, err = producer.communicate(timeout=120)
+        consumer = run_python(CONSUMER, env=ENV, timeout=120, args=[tmp_path])
+        prod = finish(producer, timeout=120)
     finally:
         if producer.poll() is None:
             producer.kill()
-    return result_of(subprocess.CompletedProcess([], producer.returncode, out, err)), \
-        result_of(consumer), consumer.stdout + consumer.stderr
+            finish(producer)
+    return result_of(prod), result_of(consumer), consumer.stdout + consumer.stderr
 
 
 def test_two_processes_read_kv_blocks_with_one_registration_per_arena(tmp_path):
@@ -163,9 +158,9 @@ def test_registration_follows_arenas_and_failures_are_counted():
             errors = gpu_arena.stats()["observer_errors"]
         except Exception as e:
             errors = repr(e)
-        print("RESULT=" + json.dumps(dict(first=first, second=second, third=third,
-                                          after=after, size=arena_of_big, errors=errors,
-                                          twice=twice, left=again.registrations)))
+        report(dict(first=first, second=second, third=third,
+                    after=after, size=arena_of_big, errors=errors,
+                    twice=twice, left=again.registrations))
     """), env=ENV))
     assert out["first"] == 1 and out["second"] == 2 and out["third"] == 1
     assert out["after"] == 0

@@ -8,8 +8,9 @@ from conftest import result_of, run_python
 
 ENV = {"GPU_ARENA_BACKEND": "sim"}
 PRELUDE = """
-import json, logging, threading
+import logging, threading
 import gpu_arena
+from result_channel import report
 gpu_arena.configure("backend=sim,arena_size=8MiB,sim_capacity=1GiB,validate=1")
 gpu_arena.init()
 MiB = 1 << 20
@@ -45,10 +46,10 @@ def test_ready_release_and_unobserve():
             second = "accepted"
         except gpu_arena.InvalidArgumentError as e:
             second = e.message
-        print("RESULT=" + json.dumps(dict(
+        report(dict(
             after_observe=after_observe, after_big=after_big, after_empty=after_empty,
             final=events, second=second, closed=h.closed,
-            errors=gpu_arena.stats()["observer_errors"])))
+            errors=gpu_arena.stats()["observer_errors"]))
     """.replace("\n        ", "\n"))
     assert out["after_observe"] == [["ready", 1, 0]], "the existing arena, from observe"
     assert out["after_big"] == [["ready", 1, 0], ["ready", 2, 0]]
@@ -83,9 +84,9 @@ def test_exceptions_are_caught_counted_and_refuse_the_arena():
             both_none = e.message
         gpu_arena.unobserve_arenas(refusing)
         gpu_arena.unobserve_arenas(raising.id)                  # by id
-        print("RESULT=" + json.dumps(dict(
+        report(dict(
             events=events, ok=ctypes_ok, inside=inside, closed=h.closed, both_none=both_none,
-            errors=gpu_arena.stats()["observer_errors"])))
+            errors=gpu_arena.stats()["observer_errors"]))
     """.replace("\n        ", "\n"))
     assert out["events"] == [], "no release after a refused ready; the last observer saw none"
     assert out["ok"], "the arena stayed usable"
@@ -129,8 +130,8 @@ def test_callbacks_call_back_and_race_with_threads():
         gpu_arena.unobserve_arenas(h)
         r = sorted(e[1] for e in events if e[0] == "ready")
         x = sorted(e[1] for e in events if e[0] == "release")
-        print("RESULT=" + json.dumps(dict(ready=r, release=x, rounds=rounds, calls=len(calls),
-                                          errors=gpu_arena.stats()["observer_errors"])))
+        report(dict(ready=r, release=x, rounds=rounds, calls=len(calls),
+                    errors=gpu_arena.stats()["observer_errors"]))
     """.replace("\n        ", "\n"))
     assert out["ready"] == out["release"], "one release per ready"
     assert out["calls"] == len(out["ready"])

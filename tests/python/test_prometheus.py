@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
-import textwrap
 import urllib.request
 
 import pytest
-from conftest import REPO_DIR, child_env, result_of, run_python
+from conftest import REPO_DIR, finish, result_of, run_python, start_python
+from result_channel import ReplyPipe
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -56,8 +55,9 @@ def test_every_stat_has_a_metric_and_names_follow_conventions():
 def test_prometheus_client_is_imported_only_by_gpu_arena_prometheus():
     proc = run_python(
         """
-        import json, sys, gpu_arena, gpu_arena.ipc
-        print("RESULT=" + json.dumps("prometheus_client" in sys.modules))
+        import sys, gpu_arena, gpu_arena.ipc
+        from result_channel import report
+        report("prometheus_client" in sys.modules)
         """
     )
     assert result_of(proc) is False
@@ -65,16 +65,18 @@ def test_prometheus_client_is_imported_only_by_gpu_arena_prometheus():
 
 SERVER = """
 import sys, gpu_arena, gpu_arena.prometheus as gp
+from result_channel import reply_stream
+replies = reply_stream()          # line buffered: each answer is flushed
 gpu_arena.configure("backend=sim,arena_size=64MiB,sim_devices=2,sim_capacity=1GiB")
 server, _ = gp.start_http_server(0)
-print("PORT=%d" % server.server_port, flush=True)
+print("PORT=%d" % server.server_port, file=replies)
 ptrs = []
 for line in sys.stdin:            # one command per line, one answer each
     if line.strip() == "init":
         gpu_arena.init()
     elif line.strip() == "alloc":
         ptrs.append(gpu_arena.malloc(4 << 20, device=1))
-    print("DONE", flush=True)
+    print("DONE", file=replies)
 for p in ptrs:
     gpu_arena.free(p, 4 << 20, device=1)
 server.shutdown()
@@ -92,20 +94,21 @@ def scrape(port: int) -> dict:
 
 
 def test_endpoint_on_localhost_moves_with_an_allocation():
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(SERVER)],
-        env=child_env(drop=("GPU_ARENA_CONF", "GPU_ARENA_BACKEND")),
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-    )
+    replies = ReplyPipe()
     try:
-        line = proc.stdout.readline()
+        proc = start_python(SERVER, env=replies.env, drop=("GPU_ARENA_CONF", "GPU_ARENA_BACKEND"),
+                            stdin=subprocess.PIPE, bufsize=1, pass_fds=(replies.fd,))
+    finally:
+        replies.started()
+    try:
+        line = replies.reader.readline()
         assert line.startswith("PORT="), line
         port = int(line[len("PORT="):])
 
         def command(c):
             proc.stdin.write(c + "\n")
             proc.stdin.flush()
-            assert proc.stdout.readline().strip() == "DONE"
+            assert replies.reader.readline().strip() == "DONE"
 
         before_init, families = scrape(port)
         assert before_init == {}, "no samples before init"
@@ -134,8 +137,9 @@ def test_endpoint_on_localhost_moves_with_an_allocation():
             k: v for k, v in before.items() if k[1] == "0"
         }, "device 0 did not move"
     finally:
-        out = proc.communicate(timeout=30)[0]  # closes stdin: the server frees and exits
-    assert proc.returncode == 0, out
+        done = finish(proc, timeout=30)  # closes stdin: the server frees and exits
+        replies.close()
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_register_once_per_registry():

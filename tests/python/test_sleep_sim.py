@@ -12,8 +12,9 @@ from conftest import result_of, run_python
 
 ENV = {"GPU_ARENA_BACKEND": "sim"}
 PRELUDE = """
-import ctypes, json
+import ctypes
 import gpu_arena
+from result_channel import report
 from gpu_arena import InvalidArgumentError, InvalidStateError, InvalidDeviceError
 gpu_arena.configure("backend=sim,arena_size=8MiB,sim_capacity=1GiB,validate=1")
 gpu_arena.init()
@@ -40,8 +41,8 @@ def test_bad_tags_and_devices_are_refused():
         devs = [raises(InvalidDeviceError, gpu_arena.sleep, device=5),
                 raises(InvalidDeviceError, gpu_arena.wake, device=-3)]
         badlist = raises(InvalidArgumentError, gpu_arena.sleep, "weights,bad tag")
-        print("RESULT=" + json.dumps(dict(bad=bad, ok=ok, devs=devs, badlist=badlist,
-              asleep=gpu_arena.stats()["sleeping_bytes"])))
+        report(dict(bad=bad, ok=ok, devs=devs, badlist=badlist,
+                    asleep=gpu_arena.stats()["sleeping_bytes"]))
     """)
     assert all(m and "tag" in m for m in out["bad"]), out
     assert out["ok"] is None
@@ -78,11 +79,11 @@ def test_sleep_offloads_weights_and_wakes_them_at_the_same_addresses():
         nothing = raises(InvalidStateError, gpu_arena.wake)
         after = gpu_arena.stats()
         gpu_arena.free(w, 3 * MiB); gpu_arena.free(kv, 2 * MiB)
-        print("RESULT=" + json.dumps(dict(
+        report(dict(
             before=before["reserved_bytes"], asleep_reserved=asleep["reserved_bytes"],
             asleep_sleeping=asleep["sleeping_bytes"], refused=refused, again=again,
             same=same, kept=kept, released=released, awake_twice=awake_twice, kv_after=list(kv_after), nothing=nothing,
-            after=after["reserved_bytes"], after_sleeping=after["sleeping_bytes"])))
+            after=after["reserved_bytes"], after_sleeping=after["sleeping_bytes"]))
     """)
     assert out["before"] == 16 << 20
     assert (out["asleep_reserved"], out["asleep_sleeping"]) == (0, 16 << 20)
@@ -117,8 +118,8 @@ def test_cumem_compat_facade_and_use_tag():
         a.wake_up()
         same = ctypes.string_at(w, 8) == b"\\x33" * 8
         gpu_arena.free(w, 2 * MiB); gpu_arena.free(kv, 2 * MiB)
-        print("RESULT=" + json.dumps(dict(inside=inside, outside=outside, restored=restored,
-              usage_asleep=usage_asleep, same=same, usage=a.get_current_usage())))
+        report(dict(inside=inside, outside=outside, restored=restored,
+                    usage_asleep=usage_asleep, same=same, usage=a.get_current_usage()))
     """)
     assert (out["inside"], out["outside"], out["restored"]) == ("weights", "default", "default")
     assert out["usage_asleep"] == 0
@@ -146,9 +147,9 @@ def test_sleep_one_tag_while_the_other_stays_awake():
         after = gpu_arena.stats()
         for p in (w, w2, kv):
             gpu_arena.free(p, 2 * MiB)
-        print("RESULT=" + json.dumps(dict(bad=bad, reserved=st["reserved_bytes"],
-              sleeping=st["sleeping_bytes"], twice=twice, same=same,
-              after=after["sleeping_bytes"])))
+        report(dict(bad=bad, reserved=st["reserved_bytes"],
+                    sleeping=st["sleeping_bytes"], twice=twice, same=same,
+                    after=after["sleeping_bytes"]))
     """)
     assert out["bad"] and "weights" in out["bad"], out
     assert (out["reserved"], out["sleeping"]) == (8 << 20, 8 << 20), out
@@ -175,8 +176,8 @@ def test_trim_cuts_arenas_down_to_their_survivors_pages():
         for p in keep:
             gpu_arena.free(p, 2 * MiB)
         gpu_arena.empty_cache()
-        print("RESULT=" + json.dumps(dict(before=before, after=after, released=released, same=same,
-              bad=bad, end=gpu_arena.stats()["reserved_bytes"])))
+        report(dict(before=before, after=after, released=released, same=same,
+                    bad=bad, end=gpu_arena.stats()["reserved_bytes"]))
     """)
     MiB = 1 << 20
     assert out["after"] == 4 * MiB, out

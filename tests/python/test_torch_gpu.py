@@ -97,7 +97,8 @@ def test_install_wiring_without_touching_the_device():
     a GPU: nothing here touches device memory (the sim backend is allowed for that reason)."""
     proc = run_python(
         """
-        import json, torch, gpu_arena, gpu_arena.torch as gt
+        import torch, gpu_arena, gpu_arena.torch as gt
+        from result_channel import report
         torch.cuda.is_available = lambda: True          # no CUDA call below
         real_is_init = torch.cuda.is_initialized
         torch.cuda.is_initialized = lambda: True
@@ -120,14 +121,14 @@ def test_install_wiring_without_touching_the_device():
         except gpu_arena.InvalidStateError as e:
             late_conf = e.code
         native = alloc.allocator()
-        print("RESULT=" + json.dumps({
+        report({
             "already": already, "sim_refused": sim_refused, "same": again is alloc,
             "late_conf": late_conf, "installed": gt.installed(),
             "current_is_ours": torch._C._cuda_getAllocator() is not None,
             "backend": gpu_arena.backend_name(),
             "hooks": [h for h in ("set_init_fn", "set_reset_fn", "set_record_stream_fn")
                       if hasattr(native, h)],
-        }))
+        })
         """,
         env={"GPU_ARENA_BACKEND": "sim"},
     )
@@ -142,7 +143,8 @@ def test_install_wiring_without_touching_the_device():
 def test_torch_module_imports_without_torch():
     proc = run_python(
         """
-        import json, sys
+        import sys
+        from result_channel import report
         sys.modules["torch"] = None          # make `import torch` fail
         import gpu_arena.torch as gt
         try:
@@ -150,7 +152,7 @@ def test_torch_module_imports_without_torch():
             r = None
         except ImportError as e:
             r = str(e)
-        print("RESULT=" + json.dumps(r))
+        report(r)
         """
     )
     assert "needs PyTorch" in result_of(proc)
@@ -162,9 +164,9 @@ def test_install_matches_default_allocator_and_returns_memory(tmp_path):
     ref = run_python(
         WORKLOAD
         + f"""
-import json
+from result_channel import report
 torch.save(workload(), {str(ref_file)!r})
-print("RESULT=" + json.dumps(torch.cuda.memory._get_current_allocator() is not None))
+report(torch.cuda.memory._get_current_allocator() is not None)
 """,
         drop=DROP,
     )
@@ -172,7 +174,8 @@ print("RESULT=" + json.dumps(torch.cuda.memory._get_current_allocator() is not N
 
     proc = run_python(
         """
-import json, gpu_arena, gpu_arena.torch as gt
+import gpu_arena, gpu_arena.torch as gt
+from result_channel import report
 gt.install("arena_size=256MiB")
 """
         + WORKLOAD
@@ -203,7 +206,7 @@ out["free_after"] = settle()
 out["stats_after"] = gpu_arena.stats(dev)
 out["base_free"], out["base_stats"] = base_free, base_stats
 gpu_arena.validate(dev)
-print("RESULT=" + json.dumps(out))
+report(out)
 """,
         drop=DROP,
     )
@@ -228,14 +231,15 @@ print("RESULT=" + json.dumps(out))
 def test_install_after_cuda_init_is_refused():
     proc = run_python(
         """
-        import json, torch, gpu_arena.torch as gt
+        import torch, gpu_arena.torch as gt
+        from result_channel import report
         x = torch.zeros(1, device="cuda")
         try:
             gt.install()
             r = None
         except gt.AlreadyInitializedError as e:
             r = str(e)
-        print("RESULT=" + json.dumps([r, gt.installed()]))
+        report([r, gt.installed()])
         """,
         drop=DROP,
     )
@@ -251,7 +255,8 @@ def test_mem_pool(tmp_path):
     proc = run_python(
         WORKLOAD
         + """
-import json, gpu_arena, gpu_arena.torch as gt
+import gpu_arena, gpu_arena.torch as gt
+from result_channel import report
 torch.cuda.init()
 dev = torch.cuda.current_device()
 workload()                                    # default allocator; warms kernels and cuBLAS
@@ -279,7 +284,7 @@ out["free_after"] = settle()
 out["after"] = gpu_arena.stats(dev)
 out["base_free"] = base_free
 gpu_arena.validate(dev)
-print("RESULT=" + json.dumps(out))
+report(out)
 """,
         drop=DROP,
     )

@@ -11,8 +11,9 @@ from conftest import result_of, run_python
 MiB = 1 << 20
 
 SETUP = """
-import json, pickle, pickletools, sys
+import pickle, pickletools, sys
 import gpu_arena, gpu_arena.torch as gt
+from result_channel import report
 from gpu_arena.torch_snapshot import check_snapshot
 gpu_arena.configure("backend=sim,arena_size=64MiB,max_reserved=512MiB,sim_capacity=1GiB")
 gpu_arena.init()
@@ -30,10 +31,10 @@ try:
 except gpu_arena.OutOfMemoryError:
     pass
 s = gt.memory_stats()
-print("RESULT=" + json.dumps({"stats": s, "keys": list(s), "raw": gpu_arena.stats(),
-      "alloc": gt.memory_allocated(), "res": gt.memory_reserved(),
-      "maxalloc": gt.max_memory_allocated(), "maxres": gt.max_memory_reserved(0),
-      "summary": gt.memory_summary(), "dev1": gt.memory_stats("cuda:0")["num_ooms"]}))
+report({"stats": s, "keys": list(s), "raw": gpu_arena.stats(),
+       "alloc": gt.memory_allocated(), "res": gt.memory_reserved(),
+       "maxalloc": gt.max_memory_allocated(), "maxres": gt.max_memory_reserved(0),
+       "summary": gt.memory_summary(), "dev1": gt.memory_stats("cuda:0")["num_ooms"]})
 """))
     s, raw = r["stats"], r["raw"]
     assert r["keys"] == sorted(r["keys"])
@@ -88,7 +89,7 @@ after = gpu_arena.malloc(512)             # stopped: no event, but the earlier o
 again = gt.memory_snapshot()
 data = open({str(out)!r}, "rb").read()
 proto = next(pickletools.genops(data))[1]
-print("RESULT=" + json.dumps({{"problems": check_snapshot(snap), "again": check_snapshot(again),
+report({{"problems": check_snapshot(snap), "again": check_snapshot(again),
     "proto": proto, "n": len(snap["device_traces"][0]), "n_again": len(again["device_traces"][0]),
     "actions": [t["action"] for t in snap["device_traces"][0]],
     "labels": sorted({{t["user_metadata"] for t in snap["device_traces"][0]}}),
@@ -96,7 +97,7 @@ print("RESULT=" + json.dumps({{"problems": check_snapshot(snap), "again": check_
     "segments": [(s["total_size"], [(b["state"], b["size"], b["requested_size"], bool(b["frames"]))
                   for b in s["blocks"]]) for s in snap["segments"]],
     "types": sorted({{(s["segment_type"], s["total_size"]) for s in snap["segments"]}}),
-    "keys": sorted(snap)}}, default=str))
+    "keys": sorted(snap)}}, default=str)
 """))
     assert r["problems"] == [] and r["again"] == []
     assert r["proto"] == 4
@@ -131,8 +132,8 @@ except ValueError as e:
     err = str(e)
 with gt.annotate("x") as cid:
     pass
-print("RESULT=" + json.dumps({"n": len(snap["device_traces"][0]), "err": err, "cid": cid,
-      "problems": check_snapshot(snap)}))
+report({"n": len(snap["device_traces"][0]), "err": err, "cid": cid,
+       "problems": check_snapshot(snap)})
 """))
     assert r["n"] == 0 and r["problems"] == []
     assert "stacks='cpp'" in r["err"]
@@ -141,7 +142,7 @@ print("RESULT=" + json.dumps({"n": len(snap["device_traces"][0]), "err": err, "c
 
 def test_check_snapshot_finds_what_breaks_the_viewer():
     r = result_of(run_python("""
-import json
+from result_channel import report
 from gpu_arena.torch_snapshot import check_snapshot
 B = 1 << 40
 seg = {"device": 0, "address": B, "total_size": 4096, "stream": 0, "blocks": [
@@ -149,7 +150,7 @@ seg = {"device": 0, "address": B, "total_size": 4096, "stream": 0, "blocks": [
     {"size": 1024, "requested_size": 0, "state": "weird", "frames": [{"name": 1}]}]}
 trace = [{"action": "free_requested", "addr": B, "size": 1, "stream": 0},
          {"action": "oom", "size": 1, "stream": 0}]
-print("RESULT=" + json.dumps(check_snapshot({"segments": [seg], "device_traces": [trace]})))
+report(check_snapshot({"segments": [seg], "device_traces": [trace]}))
 """))
     text = "\n".join(r)
     assert "state 'weird'" in text
