@@ -50,6 +50,9 @@ if os.path.isdir(PYDIR) and PYDIR not in sys.path:
 
 from naive_export import TOL, gb  # noqa: E402  (beside this file; one tolerance, one format)
 
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
+from result_channel import NO_RESULT, ReplyPipe, run_reporting  # noqa: E402  (tests/python)
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
@@ -146,11 +149,17 @@ class Worker:
         if conf:
             cmd += ["--conf", conf]
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=None, text=True, bufsize=1, env=env)
+        self.pipe = ReplyPipe()  # its answers; its stdout is a log, passed on to stderr
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=None, text=True, bufsize=1,
+                                         env={**env, **self.pipe.env}, pass_fds=(self.pipe.fd,))
+        finally:
+            self.pipe.started()
         Worker.live.append(self)
         self.replies: "queue.Queue[Optional[dict]]" = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
+        threading.Thread(target=self._pump_stdout, daemon=True).start()
         first = self._reply(start_timeout, "start-up")
         if "ready" not in first:
             self.kill()
@@ -163,15 +172,17 @@ class Worker:
         log(f"{role}: pid {self.pid} ready in {self.start_seconds:.1f} s")
 
     def _pump(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("@@"):
-                try:
-                    self.replies.put(json.loads(line[2:]))
-                except ValueError:
-                    sys.stderr.write(f"[{self.role}] bad reply: {line}")
-            elif line.strip():
-                sys.stderr.write(f"[{self.role} stdout] {line}")
+        for line in self.pipe.reader:
+            try:
+                self.replies.put(json.loads(line))
+            except ValueError:
+                sys.stderr.write(f"[{self.role}] bad reply: {line}")
         self.replies.put(None)
+
+    def _pump_stdout(self) -> None:
+        for line in self.proc.stdout:
+            if line.strip():
+                sys.stderr.write(f"[{self.role} stdout] {line}")
 
     def _reply(self, timeout: float, what: str) -> dict:
         try:
@@ -376,12 +387,8 @@ def section_a_naive(ctx: Ctx, rep: Report) -> None:
           "cuMemExportToShareableHandle, then cuMemUnmap + cuMemRelease + cuMemAddressFree, "
           "keeping the fd open; then close(fd).")
     cmd = [sys.executable, NAIVE, str(size)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    res = None
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT="):
-            res = json.loads(line[len("RESULT="):])
-    if p.returncode != 0 or res is None:
+    res, p = run_reporting(cmd, timeout=300)
+    if p.returncode != 0 or res is NO_RESULT:
         rep.code(p.stdout + p.stderr)
         rep.check("naive driver flow ran", False, f"status {p.returncode}")
         return

@@ -11,10 +11,10 @@ show up as memory drift later), and works on CUDA tensors with gpu_arena.share /
 written and read with ctypes, the same share/open plumbing through the low-level API. It
 exists to test the check's process plumbing anywhere.
 
-Protocol: after start-up the process prints ``@@{"ready": pid, ...}``. Then it reads one
-JSON request per stdin line, ``{"op": NAME, "args": {...}}``, and answers one line
-``@@{"ok": RESULT}`` or ``@@{"error": TEXT}``. Lines without the ``@@`` prefix are noise
-(library output) for the reader to ignore.
+Protocol: the answers go to the driver's reply pipe (tests/python/result_channel.py), one
+JSON line each; stdout and stderr are a log (libraries write there too). After start-up the
+process answers ``{"ready": pid, ...}``. Then it reads one JSON request per stdin line,
+``{"op": NAME, "args": {...}}``, and answers ``{"ok": RESULT}`` or ``{"error": TEXT}``.
 """
 
 from __future__ import annotations
@@ -37,12 +37,18 @@ if os.path.isdir(PYDIR) and PYDIR not in sys.path:
 
 import gpu_arena  # noqa: E402
 
-PREFIX = "@@"
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
+from result_channel import reply_stream  # noqa: E402  (tests/python)
+
+_replies = None
 
 
 def emit(obj) -> None:
-    sys.stdout.write(PREFIX + json.dumps(obj) + "\n")
-    sys.stdout.flush()
+    """One answer on the reply pipe (line buffered: written at once)."""
+    global _replies
+    if _replies is None:
+        _replies = reply_stream()
+    _replies.write(json.dumps(obj) + "\n")
 
 
 def now() -> float:

@@ -44,6 +44,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PYDIR = os.path.join(os.path.dirname(os.path.dirname(HERE)), "python")
 if os.path.isdir(PYDIR) and PYDIR not in sys.path:
     sys.path.insert(0, PYDIR)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
+from result_channel import ReplyPipe, reply_stream  # noqa: E402  (tests/python)
 
 MiB = 1 << 20
 BLOCK = 2 * MiB
@@ -67,7 +69,8 @@ def timed(fn, *args):
 
 
 class Peer:
-    """A child process of this script in `role`, spoken to with pickles over its pipes."""
+    """A child process of this script in `role`, spoken to with pickles: requests on its
+    stdin, answers on a reply pipe of its own (its stdout and stderr are the log)."""
 
     def __init__(self, role: str, args, env_extra=None):
         env = dict(os.environ)
@@ -75,12 +78,18 @@ class Peer:
         cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--n", str(args.n)]
         if args.sim:
             cmd.append("--sim")
-        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.replies = ReplyPipe(binary=True)
+        env.update(self.replies.env)
+        try:
+            self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=sys.stderr, env=env,
+                                      pass_fds=(self.replies.fd,))
+        finally:
+            self.replies.started()
 
     def call(self, op: str, **kw):
         pickle.dump((op, kw), self.p.stdin)
         self.p.stdin.flush()
-        ok, value = pickle.load(self.p.stdout)
+        ok, value = pickle.load(self.replies.reader)
         if not ok:
             raise RuntimeError(f"{op}: {value}")
         return value
@@ -93,8 +102,8 @@ class Peer:
 
 
 def serve(handler) -> None:
-    inp, out = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # prints go to stderr; stdout carries pickles only
+    inp, out = sys.stdin.buffer, reply_stream(binary=True)
+    sys.stdout = sys.stderr  # prints go to stderr, with the log
     while True:
         op, kw = pickle.load(inp)
         try:

@@ -28,12 +28,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "python"))
+from result_channel import NO_RESULT, report, run_reporting  # noqa: E402  (a child's own channel)
+
 KIB, MIB = 1 << 10, 1 << 20
 SIZES = [512, 4 * KIB, 64 * KIB, MIB, 2 * MIB, 4 * MIB, 16 * MIB, 64 * MIB,
          1000, 300_000, 3 * MIB + 7, 12345]
@@ -102,10 +104,9 @@ def run(alloc: str, a) -> dict:
     for k in ("GPU_ARENA_BACKEND", "GPU_ARENA_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         env.pop(k, None)
     cmd = [sys.executable, __file__, "--child", alloc, "--pairs", str(a.pairs), "--steps", str(a.steps)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT="):
-            return json.loads(line[7:])
+    res, p = run_reporting(cmd, env=env, timeout=600)
+    if res is not NO_RESULT:
+        return res
     raise RuntimeError(f"{alloc} child failed (rc={p.returncode}):\n{p.stderr[-3000:]}")
 
 
@@ -119,7 +120,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     if a.child:
-        print("RESULT=" + json.dumps(child(a.child, a.pairs, a.steps)), flush=True)
+        report(child(a.child, a.pairs, a.steps))
         return 0
     runs: dict = {"torch": [], "gpu-arena": []}
     for r in range(a.repeats):

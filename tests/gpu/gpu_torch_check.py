@@ -87,6 +87,8 @@ SCRIPT = Path(__file__).resolve()
 REPO = SCRIPT.parents[2]  # tests/gpu/ -> the repository root
 CHILD = SCRIPT.with_name("torch_children.py")  # the workloads, one fresh process each
 PYDIR = REPO / "python"
+sys.path.insert(0, str(REPO / "tests" / "python"))
+from result_channel import NO_RESULT, run_reporting  # noqa: E402  (a child's own channel)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DROP_ENV = ("GPU_ARENA_BACKEND", "GPU_ARENA_CONF", "PYTORCH_CUDA_ALLOC_CONF")
@@ -122,7 +124,7 @@ def run_child(name, params, timeout, label=None):
     log(f"start {label} (timeout {timeout}s)")
     t0 = time.time()
     try:
-        proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
+        res, proc = run_reporting(cmd, env=child_env(), timeout=timeout)
     except subprocess.TimeoutExpired as e:
         wall = time.time() - t0
         RUNS.append((label, wall, "timeout"))
@@ -132,11 +134,7 @@ def run_child(name, params, timeout, label=None):
     wall = time.time() - t0
     RUNS.append((label, wall, proc.returncode))
     log(f"done  {label}: rc={proc.returncode} in {wall:.1f}s")
-    res = None
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT="):
-            res = json.loads(line[len("RESULT="):])
-    if res is None:
+    if res is NO_RESULT:
         return None, (f"exited {proc.returncode} without a result\n--- stdout tail ---\n"
                       f"{proc.stdout[-2000:]}\n--- stderr tail ---\n{proc.stderr[-4000:]}")
     if "child_error" in res:

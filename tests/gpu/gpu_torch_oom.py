@@ -28,11 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "python"))
+from result_channel import NO_RESULT, report, run_reporting  # noqa: E402  (a child's own channel)
 CASES = ("install-auto", "install-torch", "install-runtime", "mempool", "use_on_oom")
 HUGE = 400 << 30
 
@@ -140,11 +141,9 @@ def run_case(case: str) -> dict:
     env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     for k in ("GPU_ARENA_BACKEND", "GPU_ARENA_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, __file__, "--child", case], env=env,
-                          capture_output=True, text=True, timeout=600)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT="):
-            return json.loads(line[7:])
+    r, proc = run_reporting([sys.executable, __file__, "--child", case], env=env, timeout=600)
+    if r is not NO_RESULT:
+        return r
     return {"case": case, "error": f"rc={proc.returncode}: {(proc.stderr or proc.stdout)[-800:]}"}
 
 
@@ -182,7 +181,7 @@ def main() -> int:
             import traceback
 
             r = {"case": a.child, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"}
-        print("RESULT=" + json.dumps(r, default=str), flush=True)
+        report(r, default=str)
         return 0
     results = []
     for case in a.cases.split(","):

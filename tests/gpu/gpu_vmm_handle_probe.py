@@ -32,7 +32,9 @@ CU_MEM_HANDLE_TYPE_FABRIC = 8
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 from naive_export import CUmemAccessDesc, CUmemAllocationProp, CUmemLocation  # noqa: E402  (one definition)
+import result_channel  # noqa: E402  (the consumer's result: a file of its own, not UCX's stdout)
 
 
 def _nixl_agent():
@@ -176,7 +178,7 @@ def consumer(workdir):
     agent.remove_remote_agent(peer)
     agent.deregister_memory(reg)
     open(os.path.join(workdir, "done"), "w").close()
-    print("RESULT " + json.dumps(result), flush=True)
+    result_channel.report(result)
 
 
 def run_kind(kind, logdir=None, tag=""):
@@ -185,11 +187,11 @@ def run_kind(kind, logdir=None, tag=""):
         p = subprocess.Popen([sys.executable, __file__, "--producer", kind, workdir], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
-            c = subprocess.run([sys.executable, __file__, "--consumer", workdir], env=env,
-                               capture_output=True, text=True, timeout=60)
+            got, c = result_channel.run_reporting([sys.executable, __file__, "--consumer", workdir],
+                                                  env=env, timeout=60)
             out, crc = c.stdout + c.stderr, c.returncode
         except subprocess.TimeoutExpired as e:
-            out, crc = f"consumer timed out: {(e.stdout or b'')[-3000:]!r}", "timeout"
+            got, out, crc = result_channel.NO_RESULT, f"consumer timed out: {(e.stdout or b'')[-3000:]!r}", "timeout"
         try:
             pout, _ = p.communicate(timeout=30)
         except subprocess.TimeoutExpired:
@@ -199,9 +201,8 @@ def run_kind(kind, logdir=None, tag=""):
     if logdir:
         open(os.path.join(logdir, f"{kind}{tag}.consumer.log"), "w").write(out)
         open(os.path.join(logdir, f"{kind}{tag}.producer.log"), "w").write(pout)
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            res.update(json.loads(line[7:]))
+    if got is not result_channel.NO_RESULT:
+        res.update(got)
     proto = [l.strip() for l in out.splitlines() if "cuda_ipc" in l or "cuda_copy" in l or "tcp" in l or "rndv" in l]
     res["cuda_ipc_seen"] = any("cuda_ipc" in l for l in proto)
     res["proto_lines"] = proto[:12]

@@ -4,13 +4,13 @@ without gpu-arena or torch: the naive CUDA VMM flow through ctypes on libcuda.so
 (cuMemCreate + map, cuMemExportToShareableHandle, then unmap + release with the fd left
 open: the memory stays held until close(fd)).
 
-    python3 tests/gpu/naive_export.py BYTES     # prints RESULT=<json> for gpu_ipc_check.py
+    python3 tests/gpu/naive_export.py BYTES     # reports its JSON to gpu_ipc_check.py
+                                                # (tests/python/result_channel.py)
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import sys
 import time
@@ -192,6 +192,9 @@ def naive_export_leak(nbytes: int, device: int = 0) -> dict:
 
 
 def main() -> int:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    from result_channel import report  # a file of its own, not stdout
+
     try:
         res = naive_export_leak(int(sys.argv[1]))
     except Exception as e:  # noqa: BLE001 - reported by the parent
@@ -199,7 +202,7 @@ def main() -> int:
         print(f"naive flow failed: {e}", file=sys.stderr)
         return 1
     print(res["text"], file=sys.stderr)
-    print("RESULT=" + json.dumps(res))
+    report(res)
     return 0
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The child side of gpu_torch_check.py: each check's workload, run by it in a fresh
 interpreter (``python3 tests/gpu/torch_children.py NAME JSON``), which imports torch
-(after ``gpu_arena.torch.install()`` where the check needs it) and prints one line
-``RESULT=<json>`` for the parent. The checks and what they prove: gpu_torch_check.py."""
+(after ``gpu_arena.torch.install()`` where the check needs it) and hands its result back
+to the parent with ``result_channel.report`` (a file of its own: stdout and stderr are a
+log). The checks and what they prove: gpu_torch_check.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ import random
 import sys
 import time
 import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from result_channel import report  # noqa: E402  (tests/python/result_channel.py)
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -460,7 +464,7 @@ def child_main(name: str, params: str) -> int:
         res = CHILDREN[name](json.loads(params))
     except BaseException:  # noqa: BLE001 - reported to the parent
         res = {"child_error": traceback.format_exc()}
-    print("RESULT=" + json.dumps(res), flush=True)
+    report(res)
     return 0
 
 
