@@ -69,7 +69,9 @@ from ._lib import (  # noqa: F401  (re-exported)
     lib_path,
 )
 
-from .ipc import (  # noqa: E402,F401  (re-exported; `open` shadows the builtin only here)
+# Re-exported. `open` and `close` are attributes (gpu_arena.open, gpu_arena.close) but not in
+# __all__: `from gpu_arena import *` must not shadow the builtins.
+from .ipc import (  # noqa: E402,F401
     Share,
     ShareHandle,
     close,
@@ -123,8 +125,6 @@ __all__ = [
     "ShareHandle",
     "Share",
     "share",
-    "open",
-    "close",
     "observe_arenas",
     "unobserve_arenas",
     "ArenaInfo",

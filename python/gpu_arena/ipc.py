@@ -11,6 +11,9 @@ Two levels.
     ...                                          gpu_arena.close_import(p)
     gpu_arena.unshare(h)
 
+The batch calls ``share_ptrs(ptrs, sizes)`` / ``import_handles(handles)`` /
+``close_imports(ptrs)`` do the same for many ranges in one call each.
+
 A :class:`ShareHandle` is 128 plain bytes (a ``bytes`` subclass): no pointer, no fd. It
 travels any way bytes travel (pickle, a pipe, HTTP). ``import_handle`` connects to the
 producer's broker (a Unix socket; only the producer's uid is accepted by default), receives
@@ -54,13 +57,23 @@ Where it lives: ``gpu_arena.handle`` (:class:`ShareHandle`), ``gpu_arena.pointer
 pointer level), ``gpu_arena.tensors`` (the tensor level; the library builds the DLPack
 tensors and keeps the open imports, ffi/src/dlpack_api.rs: ``_imports`` reaches them,
 ``_dlpack`` hands the tensors to torch). This module is the namespace that gathers them; every name
-is also on ``gpu_arena`` itself.
+but the batch calls is also on ``gpu_arena`` itself (``open`` and ``close`` outside its
+``__all__``, so that ``from gpu_arena import *`` keeps the builtins).
 """
 
 from __future__ import annotations
 
 from .handle import ShareHandle
-from .pointers import close_import, import_handle, imports_live, share_ptr, unshare
+from .pointers import (
+    close_import,
+    close_imports,
+    import_handle,
+    import_handles,
+    imports_live,
+    share_ptr,
+    share_ptrs,
+    unshare,
+)
 from .tensors import Share, close, open, open_imports, share
 
 __all__ = [
@@ -70,6 +83,9 @@ __all__ = [
     "import_handle",
     "close_import",
     "imports_live",
+    "share_ptrs",
+    "import_handles",
+    "close_imports",
     "Share",
     "share",
     "open",

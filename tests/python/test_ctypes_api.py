@@ -133,6 +133,17 @@ def test_every_function_declared():
     assert not missing, f"declared in the header but not in _lib.py: {missing}"
 
 
+def test_star_import_keeps_the_builtins_and_ipc_has_every_sharing_name():
+    names = {}
+    exec("from gpu_arena import *", names)
+    assert "open" not in names and "close" not in names  # the builtins stay
+    assert gpu_arena.open is gpu_arena.ipc.open and gpu_arena.close is gpu_arena.ipc.close
+    assert all(hasattr(gpu_arena, n) for n in gpu_arena.__all__)
+    sharing = set(gpu_arena.pointers.__all__) | set(gpu_arena.tensors.__all__) | {"ShareHandle"}
+    assert sharing <= set(gpu_arena.ipc.__all__)
+    assert all(hasattr(gpu_arena.ipc, n) for n in gpu_arena.ipc.__all__)
+
+
 # ----------------------------------------------------------------------------------------
 # Finding the library
 # ----------------------------------------------------------------------------------------
