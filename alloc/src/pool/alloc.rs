@@ -7,10 +7,10 @@
 use std::time::Instant;
 
 use super::classes::{self, Class, GENERAL};
-use super::thread_cache::FrontLive;
+use super::thread_records::FrontLive;
 use super::{
-    block_len, device, sleep, Allocation, DevicePool, DeviceState, Pool, ANY_STREAM, LIMBO_WAIT,
-    MAX_REQUEST_BYTES,
+    block_len, request_len, sleep, Allocation, DevicePool, DeviceState, Pool, ANY_STREAM,
+    LIMBO_WAIT,
 };
 use crate::backend::{DeviceId, StreamId};
 use crate::error::{Error, Result};
@@ -240,26 +240,5 @@ impl Pool {
             bytes: len,
             device: dp.device,
         }
-    }
-}
-
-/// The block length serving a request of `bytes` on `device`, or a clear error.
-pub(super) fn request_len(device: DeviceId, bytes: u64) -> Result<u64> {
-    if bytes == 0 || bytes > MAX_REQUEST_BYTES {
-        return Err(Error::invalid(format!(
-            "alloc of {bytes} bytes on device {device}: size must be between 1 and {MAX_REQUEST_BYTES}"
-        )));
-    }
-    block_len(bytes).ok_or_else(|| Error::invalid("size overflows"))
-}
-
-impl DeviceState {
-    /// A block of exactly `len` bytes freed on `stream` with tag `tag`, from the device's
-    /// exact-size cache: its address and arena key.
-    fn take_cached(&mut self, stream: u64, len: u64, tag: u8) -> Option<(u64, usize)> {
-        let key = (stream, device::cache_len(len, tag));
-        let (ptr, arena) = self.cache.get_mut(&key).and_then(Vec::pop)?;
-        self.cached_bytes -= len;
-        Some((ptr, arena))
     }
 }

@@ -6,30 +6,74 @@
 use rustc_hash::FxHashMap;
 use std::collections::HashMap;
 
+use super::cache_key::{cache_key_parts, cache_len};
 use super::classes::{Class, GENERAL};
-use super::thread_cache::FrontLive;
-use super::{DeviceState, Live, PendingFree, ANY_STREAM, FLUSH_FIRST_ABOVE, LIMBO_BASE};
+use super::records::ShareTables;
+use super::thread_cache::Front;
+use super::thread_records::FrontLive;
+use super::{Live, PendingFree, ANY_STREAM, FLUSH_FIRST_ABOVE, LIMBO_BASE};
+use crate::backend::Event;
 use crate::backend::{ArenaMem, Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
 use crate::history::Action;
+use crate::history::History;
 use crate::lifetime::{AllocHold, ArenaLifetime};
 use crate::pool::Arena;
 use crate::range::RangeAllocator;
 use crate::stats::{DeviceMetrics, PoolStats};
+use slab::Slab;
+use std::sync::Arc;
 
-/// The exact-size cache's key for a block of `len` bytes (a multiple of 512) of tag `tag`:
-/// the tag in the low bits, so a lookup stays one hash of two words.
-#[inline]
-pub(super) fn cache_len(len: u64, tag: u8) -> u64 {
-    len | u64::from(tag)
-}
-
-/// The length and tag index of a cache key made by [`cache_len`].
-pub(super) fn cache_key_parts(key: u64) -> (u64, usize) {
-    (key & !511, (key & 511) as usize)
+/// Everything behind one device's lock.
+#[derive(Debug, Default)]
+pub(crate) struct DeviceState {
+    /// One sub-allocator per tag and size class (`pool/classes.rs`, by `Class::index`):
+    /// arenas of different tags or classes never share free ranges.
+    pub(crate) ranges: Vec<RangeAllocator>,
+    /// Tags asleep on this device (bit = tag index): their allocations are refused.
+    pub(crate) asleep_tags: u64,
+    pub(crate) arenas: Slab<Arena>,
+    /// Arena address ranges -> arena key (with the last two answers remembered).
+    pub(crate) arena_at: super::arena_index::ArenaIndex,
+    pub(crate) allocs: FxHashMap<u64, Live>,
+    /// Freed blocks kept whole, by (stream, length): an exact-size reuse on the same stream
+    /// costs two hash operations. They stay allocated in `ranges` until flushed (on a miss
+    /// that would otherwise grow the pool, and before `empty_cache`).
+    cache: FxHashMap<(u64, u64), Vec<(u64, usize)>>,
+    pub(super) cached_bytes: u64,
+    pub(super) pending: Vec<PendingFree>,
+    /// Per stream: an event recorded on it, and the limbo tag its free ranges were moved
+    /// to when the event was recorded. Those ranges (and only those: later frees may have
+    /// later work) go to [`ANY_STREAM`] once the event completed.
+    stream_events: HashMap<u64, (Event, u64)>,
+    next_limbo: u64,
+    pub(crate) stats: PoolStats,
+    pub(crate) next_arena_id: u64,
+    /// Arenas out of the pool whose destroy failed: retried by `empty_cache` and teardown.
+    pub(crate) orphans: Vec<ArenaMem>,
+    /// Shares and leases (`records.rs`, `share.rs`).
+    pub(crate) shares: ShareTables,
+    /// The event ring (`crate::history`); off unless `record_history` turned it on.
+    pub(crate) history: History,
+    /// The thread front (`pool/thread_cache.rs`): thread caches and the plain allocations'
+    /// records, outside this lock (the same one as [`DevicePool::front`]).
+    pub(crate) front: Arc<Front>,
+    /// Host buffers kept for the next sleep's offload (`pool/offload.rs`).
+    pub(crate) host_buffers: Vec<crate::backend::HostBuffer>,
+    /// Graph pools, their use counts and the routing contexts open (`pool/graph_pools.rs`).
+    pub(crate) graph_pools: super::graph_pool_ids::GraphPools,
 }
 
 impl DeviceState {
+    /// A device's state with no arena, its thread front `front`.
+    pub(super) fn new(front: Arc<Front>) -> DeviceState {
+        DeviceState {
+            next_arena_id: 1,
+            front,
+            ..DeviceState::default()
+        }
+    }
+
     /// Find a range for `len` bytes usable on `stream`, without creating memory.
     pub(super) fn take_range(
         &mut self,
@@ -269,6 +313,15 @@ impl DeviceState {
             events,
             until_synchronize,
         });
+    }
+
+    /// A block of exactly `len` bytes freed on `stream` with tag `tag`, from the device's
+    /// exact-size cache: its address and arena key.
+    pub(super) fn take_cached(&mut self, stream: u64, len: u64, tag: u8) -> Option<(u64, usize)> {
+        let key = (stream, cache_len(len, tag));
+        let (ptr, arena) = self.cache.get_mut(&key).and_then(Vec::pop)?;
+        self.cached_bytes -= len;
+        Some((ptr, arena))
     }
 
     /// Put a freed allocation (no shares, no other streams; its record already removed)
@@ -541,7 +594,7 @@ impl DeviceState {
                 a.live_allocs == 0
                     && a.sleep.is_none()
                     && a.lifetime.destroyable()
-                    && !super::graph_pools::keeps_arenas(&self.graph_pools, a.graph_pool)
+                    && !super::graph_pool_ids::keeps_arenas(&self.graph_pools, a.graph_pool)
                     && !busy(a.mem.base)
             })
             .map(|(k, _)| k)

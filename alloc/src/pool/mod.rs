@@ -62,30 +62,27 @@
 //! and destruction (the slow driver calls) run with the device lock released; event
 //! record/query run under it, on the miss path only, never under a cache lock.
 
-use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use rustc_hash::FxHashMap;
-
 use parking_lot::Mutex;
-use slab::Slab;
 
 use crate::backend::{ArenaMem, Backend, DeviceId, Event, Export, StreamId};
 use crate::error::{Error, Result};
-use crate::history::History;
 use crate::lifetime::{AllocHold, ArenaLifetime};
-use crate::range::{self, RangeAllocator};
+use crate::range;
 use crate::stats::{DeviceMetrics, PoolStats};
-use records::ShareTables;
 use thread_cache::Front;
 
 mod addr_table;
 mod alloc;
 mod arena_index;
+mod cache_key;
 mod classes;
 mod device;
+pub(crate) use device::DeviceState;
 mod free;
+mod graph_pool_ids;
 mod graph_pools;
 mod limits;
 mod observers;
@@ -148,6 +145,16 @@ pub fn block_len(bytes: u64) -> Option<u64> {
     } else {
         Some(len)
     }
+}
+
+/// The block length serving a request of `bytes` on `device`, or a clear error.
+pub(crate) fn request_len(device: DeviceId, bytes: u64) -> Result<u64> {
+    if bytes == 0 || bytes > MAX_REQUEST_BYTES {
+        return Err(Error::invalid(format!(
+            "alloc of {bytes} bytes on device {device}: size must be between 1 and {MAX_REQUEST_BYTES}"
+        )));
+    }
+    block_len(bytes).ok_or_else(|| Error::invalid("size overflows"))
 }
 
 /// Requests up to this many bytes round to 512 only; between it and [`LARGE_MIN`] they
@@ -287,46 +294,6 @@ struct PendingFree {
     until_synchronize: bool,
 }
 
-/// Everything behind one device's lock.
-#[derive(Debug, Default)]
-pub(crate) struct DeviceState {
-    /// One sub-allocator per tag and size class (`pool/classes.rs`, by `Class::index`):
-    /// arenas of different tags or classes never share free ranges.
-    pub(crate) ranges: Vec<RangeAllocator>,
-    /// Tags asleep on this device (bit = tag index): their allocations are refused.
-    pub(crate) asleep_tags: u64,
-    pub(crate) arenas: Slab<Arena>,
-    /// Arena address ranges -> arena key (with the last two answers remembered).
-    pub(crate) arena_at: arena_index::ArenaIndex,
-    pub(crate) allocs: FxHashMap<u64, Live>,
-    /// Freed blocks kept whole, by (stream, length): an exact-size reuse on the same stream
-    /// costs two hash operations. They stay allocated in `ranges` until flushed (on a miss
-    /// that would otherwise grow the pool, and before `empty_cache`).
-    cache: FxHashMap<(u64, u64), Vec<(u64, usize)>>,
-    cached_bytes: u64,
-    pending: Vec<PendingFree>,
-    /// Per stream: an event recorded on it, and the limbo tag its free ranges were moved
-    /// to when the event was recorded. Those ranges (and only those: later frees may have
-    /// later work) go to [`ANY_STREAM`] once the event completed.
-    stream_events: HashMap<u64, (Event, u64)>,
-    next_limbo: u64,
-    pub(crate) stats: PoolStats,
-    pub(crate) next_arena_id: u64,
-    /// Arenas out of the pool whose destroy failed: retried by `empty_cache` and teardown.
-    pub(crate) orphans: Vec<ArenaMem>,
-    /// Shares and leases (`records.rs`, `share.rs`).
-    pub(crate) shares: ShareTables,
-    /// The event ring (`crate::history`); off unless `record_history` turned it on.
-    pub(crate) history: History,
-    /// The thread front (`pool/thread_cache.rs`): thread caches and the plain allocations'
-    /// records, outside this lock (the same one as [`DevicePool::front`]).
-    pub(crate) front: Arc<Front>,
-    /// Host buffers kept for the next sleep's offload (`pool/offload.rs`).
-    pub(crate) host_buffers: Vec<crate::backend::HostBuffer>,
-    /// Graph pools, their use counts and the routing contexts open (`pool/graph_pools.rs`).
-    pub(crate) graph_pools: graph_pools::GraphPools,
-}
-
 /// One device's pool. `repr(C)` on a line of its own: what a fast allocation or free reads
 /// (the front, the allocated and requested gauges) is its first cache line.
 #[derive(Debug)]
@@ -367,11 +334,7 @@ impl Pool {
                 DevicePool {
                     device,
                     limits: OnceLock::new(),
-                    state: Mutex::new(DeviceState {
-                        next_arena_id: 1,
-                        front: Arc::clone(&front),
-                        ..DeviceState::default()
-                    }),
+                    state: Mutex::new(DeviceState::new(Arc::clone(&front))),
                     front,
                     export_probe: Mutex::new(None),
                     metrics: DeviceMetrics::new(device),

@@ -62,7 +62,7 @@ use parking_lot::Mutex;
 
 use super::classes::Class;
 use super::spin::{SpinGuard, SpinLock};
-use super::thread_records::{FreeOutcome, ThreadRecords};
+use super::thread_records::{FreeOutcome, FrontLive, ThreadRecords};
 use super::{block_len, CACHE_MAX_BLOCK};
 
 /// A byte count as one thread sees it (the base plus its cache's changes), which is below
@@ -93,17 +93,6 @@ impl<T> Deref for Padded<T> {
     fn deref(&self) -> &T {
         &self.0
     }
-}
-
-/// A plain live allocation recorded in a thread cache: no share, no extra stream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct FrontLive {
-    /// Arena key (slab index) of its arena.
-    pub(crate) arena: usize,
-    pub(crate) requested: u64,
-    pub(crate) stream: u64,
-    /// Tag index of its arena.
-    pub(crate) tag: u8,
 }
 
 /// Allocation and free counts kept by a thread cache (added to the device's by `stats`).

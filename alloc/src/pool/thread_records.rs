@@ -21,9 +21,8 @@
 use rustc_hash::FxHashMap;
 
 use super::addr_table::{AddrTable, NO_KEY};
+use super::cache_key::{cache_key_parts, cache_len};
 use super::classes::Class;
-use super::device::{cache_key_parts, cache_len};
-use super::thread_cache::FrontLive;
 
 /// A record's list before its block was first freed into the cache.
 const NO_LIST: u16 = u16::MAX;
@@ -31,6 +30,17 @@ const NO_LIST: u16 = u16::MAX;
 /// More lists than this after a drain: the empty ones are removed (a process that keeps
 /// making streams would otherwise keep one empty list per stream and size).
 const MAX_LISTS: usize = 256;
+
+/// A plain live allocation recorded in a thread cache: no share, no extra stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FrontLive {
+    /// Arena key (slab index) of its arena.
+    pub(crate) arena: usize,
+    pub(crate) requested: u64,
+    pub(crate) stream: u64,
+    /// Tag index of its arena.
+    pub(crate) tag: u8,
+}
 
 /// A [`FrontLive`] and its cache state, packed in 24 bytes (a slot of the records' table
 /// is 32). A block whose arena key does not fit `u32` is not recorded here (the device's

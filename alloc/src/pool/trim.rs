@@ -207,7 +207,7 @@ impl Pool {
             // A graph pool in use: its free ranges hold what its graphs write on replay.
             if a.sleep.is_some()
                 || !self.backend.can_split(&a.mem)
-                || super::graph_pools::keeps_arenas(&st.graph_pools, a.graph_pool)
+                || super::graph_pool_ids::keeps_arenas(&st.graph_pools, a.graph_pool)
             {
                 report.kept_other_bytes += a.mem.bytes;
                 continue;
