@@ -228,6 +228,48 @@ fn max_reserved_fraction_is_resolved_against_the_device() {
     drop(blocks);
 }
 
+/// PyTorch's `set_per_process_memory_fraction`: a cap set at run time holds from the next
+/// growth, overrides the configuration's, and can be lifted; bad caps change nothing.
+#[test]
+fn a_cap_set_at_run_time_holds_from_the_next_growth() {
+    let sim = SimConfig {
+        capacity: GIB,
+        ..SimConfig::default()
+    };
+    let (_sim, pool) = pool_with(sim, 64 * MIB);
+    let a = pool.alloc(0, 64 * MIB, S1).unwrap();
+    assert_eq!(pool.max_reserved(0).unwrap(), None);
+    pool.set_max_reserved(0, Some(MaxReserved::Fraction(0.125)))
+        .unwrap();
+    assert_eq!(
+        pool.max_reserved(0).unwrap(),
+        Some(MaxReserved::Fraction(0.125))
+    );
+    let b = pool.alloc(0, 64 * MIB, S1).unwrap();
+    let m = pool.alloc(0, 64 * MIB, S1).unwrap_err().to_string();
+    assert!(
+        m.contains("max_reserved=0.125 (128 MiB of 1 GiB) cap"),
+        "{m}"
+    );
+    for bad in [
+        MaxReserved::Fraction(0.0),
+        MaxReserved::Fraction(1.5),
+        MaxReserved::Bytes(0),
+    ] {
+        assert!(pool.set_max_reserved(0, Some(bad)).is_err());
+    }
+    assert!(pool.set_max_reserved(9, None).is_err(), "bad device");
+    assert_eq!(
+        pool.max_reserved(0).unwrap(),
+        Some(MaxReserved::Fraction(0.125))
+    );
+    pool.set_max_reserved(0, None).unwrap();
+    let c = pool.alloc(0, 64 * MIB, S1).unwrap();
+    for x in [a, b, c] {
+        pool.free(x.ptr).unwrap();
+    }
+}
+
 #[test]
 fn arena_larger_than_the_device_names_arena_size() {
     let sim = SimConfig {

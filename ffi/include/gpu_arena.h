@@ -874,6 +874,14 @@ int gpu_arena_free_unsized(void *ptr);
 int gpu_arena_allocation_of(const void *ptr, void **base, size_t *requested, int *device);
 
 /**
+ * Cap `device`'s reserved bytes at `fraction` of its memory from now on (PyTorch's
+ * `set_per_process_memory_fraction`): a growth past it fails as out of memory. `fraction`
+ * in (0, 1]; 1 lifts the configuration's cap too. Memory reserved already stays. 0 or a
+ * negative error code (a bad fraction changes nothing).
+ */
+int gpu_arena_set_memory_fraction(int device, double fraction);
+
+/**
  * Set the level of gpu-arena's stderr log: `"off"`, `"error"`, `"warn"`, `"info"`,
  * `"debug"` or `"trace"` (`GPU_ARENA_LOG` sets the first one). Fails with
  * `GPU_ARENA_ERR_INVALID_STATE` when the process installed its own `tracing` subscriber

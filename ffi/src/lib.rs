@@ -57,9 +57,9 @@ pub use observers::*;
 mod sleep_api;
 #[allow(unused_imports)]
 pub use sleep_api::*;
-mod graph_pool_api;
+mod torch_allocator_api;
 #[allow(unused_imports)]
-pub use graph_pool_api::*;
+pub use torch_allocator_api::*;
 
 /// Success.
 pub const GPU_ARENA_OK: c_int = 0;

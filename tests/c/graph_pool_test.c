@@ -1,7 +1,8 @@
 /*
- * graph_pool_test.c: graph pools from C (PyTorch's private pools for CUDA graphs, the calls
- * the torch allocator in python/gpu_arena/native/ makes), the stats resets and the segments
- * view, on the sim backend.
+ * graph_pool_test.c: what gpu-arena's PyTorch allocator (python/gpu_arena/native/) calls, from
+ * C: graph pools (PyTorch's private pools for CUDA graphs), checkpoints, the segments view,
+ * the allocation containing a pointer, a free by pointer, the memory fraction and the stats
+ * resets, on the sim backend.
  *
  * Built and run by ffi/tests/c_api.rs (`cargo test`), like api_test.c:
  *   cc -std=c11 -Wall -Wextra -Werror -pedantic -pthread -I ffi/include \
@@ -124,6 +125,17 @@ int main(int argc, char **argv) {
     CHECK_CODE(gpu_arena_allocation_of(q, &base, &req, &dev), GPU_ARENA_ERR_UNKNOWN_POINTER,
                "allocation_of a freed block");
     CHECK_CODE(gpu_arena_free_unsized(NULL), GPU_ARENA_OK, "free_unsized(NULL)");
+
+    /* The memory fraction (a 2 GiB sim device): a growth past it fails, 1 lifts it. */
+    CHECK_CODE(gpu_arena_set_memory_fraction(0, 0.25), GPU_ARENA_OK, "fraction 0.25");
+    CHECK(gpu_arena_malloc(1 * GiB, 0, OTHER) == NULL, "1 GiB past a 512 MiB cap");
+    CHECK_CODE(gpu_arena_last_error_code(), GPU_ARENA_ERR_OUT_OF_MEMORY, "as out of memory");
+    CHECK_ERROR_NAMES("max_reserved=0.25");
+    CHECK_CODE(gpu_arena_set_memory_fraction(0, 1.5), GPU_ARENA_ERR_INVALID_ARGUMENT, "fraction 1.5");
+    CHECK_CODE(gpu_arena_set_memory_fraction(0, 1.0), GPU_ARENA_OK, "fraction 1");
+    void *big = gpu_arena_malloc(1 * GiB, 0, OTHER);
+    CHECK(big != NULL, "1 GiB once the cap is lifted");
+    gpu_arena_free(big, 1 * GiB, 0, OTHER);
 
     /* Stats resets. */
     gpu_arena_stats_t s;

@@ -92,7 +92,7 @@ impl Pool {
         class: Class,
     ) -> Result<Allocation> {
         let device = dp.device;
-        let limits = self.limits(dp)?;
+        let (limits, cap_setting) = self.limits_now(dp)?;
         let arena_bytes =
             classes::arena_bytes_for(class, len, limits.arena_bytes, limits.granularity)
                 .ok_or_else(|| Error::invalid("size overflows"))?;
@@ -158,7 +158,7 @@ impl Pool {
                     dp.metrics.ooms.increment(1);
                     let free = self.backend.mem_info(device).map(|m| m.free).unwrap_or(0);
                     let stats = st.stats_now();
-                    let cause = limits.oom_cause(&self.config, arena_bytes, capped, &stats, free);
+                    let cause = limits.oom_cause(cap_setting, arena_bytes, capped, &stats, free);
                     if st.history.recording {
                         st.history
                             .record(Action::Oom, free, len, requested, stream.0);

@@ -40,6 +40,29 @@ impl std::fmt::Display for MaxReserved {
     }
 }
 
+impl MaxReserved {
+    /// Refuse a cap no pool can work with: zero bytes, a fraction outside (0, 1].
+    pub fn check(self) -> Result<()> {
+        match self {
+            MaxReserved::Bytes(0) => Err(Error::invalid(
+                "max_reserved=0: the cap must be above 0 (use none for no cap)",
+            )),
+            MaxReserved::Fraction(f) if !(f > 0.0 && f <= 1.0) => Err(Error::invalid(format!(
+                "max_reserved={f}: a fraction of the device must be above 0 and at most 1"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// The cap in bytes on a device of `total` bytes.
+    pub fn bytes_of(self, total: u64) -> u64 {
+        match self {
+            MaxReserved::Bytes(b) => b,
+            MaxReserved::Fraction(f) => (total as f64 * f) as u64,
+        }
+    }
+}
+
 impl PoolConfig {
     /// Refuse settings no pool can work with: an `arena_size` below [`MIN_ARENA_SIZE`] or
     /// above the largest request, a zero cap, a fraction outside (0, 1].
@@ -53,15 +76,7 @@ impl PoolConfig {
                 format_size(super::MAX_REQUEST_BYTES)
             )));
         }
-        match self.max_reserved {
-            Some(MaxReserved::Bytes(0)) => Err(Error::invalid(
-                "max_reserved=0: the cap must be above 0 (use none for no cap)",
-            )),
-            Some(MaxReserved::Fraction(f)) if !(f > 0.0 && f <= 1.0) => Err(Error::invalid(
-                format!("max_reserved={f}: a fraction of the device must be above 0 and at most 1"),
-            )),
-            _ => Ok(()),
-        }
+        self.max_reserved.map_or(Ok(()), MaxReserved::check)
     }
 }
 
@@ -102,10 +117,7 @@ impl Pool {
                 "arena_size rounded up to the device's granularity"
             );
         }
-        let cap = self.config.max_reserved.map(|m| match m {
-            MaxReserved::Bytes(b) => b,
-            MaxReserved::Fraction(f) => (total as f64 * f) as u64,
-        });
+        let cap = self.config.max_reserved.map(|m| m.bytes_of(total));
         if arena_bytes > total {
             tracing::warn!(
                 device,
@@ -122,6 +134,46 @@ impl Pool {
         };
         Ok(*dp.limits.get_or_init(|| limits))
     }
+
+    /// `dp`'s limits with the cap in force now: [`Pool::set_max_reserved`]'s, else the
+    /// configuration's. Also that setting, for the out-of-memory message.
+    pub(super) fn limits_now(
+        &self,
+        dp: &DevicePool,
+    ) -> Result<(DeviceLimits, Option<MaxReserved>)> {
+        let mut limits = self.limits(dp)?;
+        let setting = match *dp.max_reserved.lock() {
+            Some(set) => set,
+            None => self.config.max_reserved,
+        };
+        limits.cap = setting.map(|m| m.bytes_of(limits.total));
+        Ok((limits, setting))
+    }
+
+    /// Set `device`'s cap on reserved bytes from now on (PyTorch's
+    /// `set_per_process_memory_fraction`; `None`: no cap): a growth that would pass it fails
+    /// as out of memory (after the cached arenas are released and the growth retried). Memory
+    /// reserved already stays. Overrides the configuration's `max_reserved` for `device`.
+    pub fn set_max_reserved(
+        &self,
+        device: crate::DeviceId,
+        cap: Option<MaxReserved>,
+    ) -> Result<()> {
+        if let Some(c) = cap {
+            c.check()?;
+        }
+        let dp = self.dev(device)?;
+        *dp.max_reserved.lock() = Some(cap);
+        Ok(())
+    }
+
+    /// `device`'s cap on reserved bytes in force ([`Self::set_max_reserved`]'s, else the
+    /// configuration's).
+    pub fn max_reserved(&self, device: crate::DeviceId) -> Result<Option<MaxReserved>> {
+        let dp = self.dev(device)?;
+        let set = *dp.max_reserved.lock();
+        Ok(set.unwrap_or(self.config.max_reserved))
+    }
 }
 
 impl DeviceLimits {
@@ -136,7 +188,7 @@ impl DeviceLimits {
     /// memory: the cap (`capped`), an arena larger than the device, or a full device.
     pub(super) fn oom_cause(
         &self,
-        config: &PoolConfig,
+        setting: Option<MaxReserved>,
         needed: u64,
         capped: bool,
         stats: &PoolStats,
@@ -145,7 +197,7 @@ impl DeviceLimits {
         let regular_arena = needed == self.arena_bytes;
         match (capped, self.cap) {
             (true, Some(cap)) => OomCause::MaxReserved {
-                setting: match config.max_reserved {
+                setting: match setting {
                     Some(MaxReserved::Fraction(f)) => {
                         format!("{f} ({} of {})", format_size(cap), format_size(self.total))
                     }

@@ -307,6 +307,8 @@ pub(crate) struct DevicePool {
     pub(crate) state: Mutex<DeviceState>,
     /// Serialises the export self-test (`pool/share.rs`), run with the device lock released.
     pub(crate) export_probe: Mutex<Option<crate::backend::ExportKind>>,
+    /// The cap set at run time (`Pool::set_max_reserved`; `None`: the configuration's).
+    pub(crate) max_reserved: Mutex<Option<Option<MaxReserved>>>,
 }
 
 /// A pool allocator over one backend, for every device it has. `Sync`: share it by
@@ -337,6 +339,7 @@ impl Pool {
                     state: Mutex::new(DeviceState::new(Arc::clone(&front))),
                     front,
                     export_probe: Mutex::new(None),
+                    max_reserved: Mutex::new(None),
                     metrics: DeviceMetrics::new(device),
                 }
             })

@@ -1,9 +1,11 @@
-//! The C API's graph pools (PyTorch's private pools for CUDA graphs and `MemPool`,
-//! `alloc/src/pool/graph_pools.rs`), the stats resets and the segments view that the
-//! PyTorch allocator (`python/gpu_arena/native/`) maps torch's calls onto.
+//! The C API that gpu-arena's PyTorch allocator (`python/gpu_arena/native/`) maps torch's
+//! calls onto: graph pools (PyTorch's private pools for CUDA graphs and `MemPool`,
+//! `alloc/src/pool/graph_pools.rs`), the stats resets, the segments view for snapshots, the
+//! memory fraction, a free by pointer alone and the allocation containing a pointer.
 
 use std::ffi::{c_int, c_void};
 
+use gpu_arena::pool::MaxReserved;
 use gpu_arena::{Error, GraphPoolId, PoolBlock, StreamId};
 
 use crate::{existing_pool, fail, guard, pool, status, with_pool, GPU_ARENA_OK};
@@ -398,5 +400,20 @@ pub extern "C" fn gpu_arena_allocation_of(
             }
         }
         Ok(GPU_ARENA_OK)
+    })
+}
+
+/// Cap `device`'s reserved bytes at `fraction` of its memory from now on (PyTorch's
+/// `set_per_process_memory_fraction`): a growth past it fails as out of memory. `fraction`
+/// in (0, 1]; 1 lifts the configuration's cap too. Memory reserved already stays. 0 or a
+/// negative error code (a bad fraction changes nothing).
+#[no_mangle]
+pub extern "C" fn gpu_arena_set_memory_fraction(device: c_int, fraction: f64) -> c_int {
+    const CALL: &str = "gpu_arena_set_memory_fraction";
+    with_pool(CALL, |p| {
+        let cap = (fraction != 1.0).then_some(MaxReserved::Fraction(fraction));
+        p.set_max_reserved(device, cap)
+            .map(|()| GPU_ARENA_OK)
+            .map_err(|e| fail(&format!("{CALL}(device={device}, fraction={fraction})"), e))
     })
 }
