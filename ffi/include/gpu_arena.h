@@ -876,8 +876,8 @@ int gpu_arena_allocation_of(const void *ptr, void **base, size_t *requested, int
 /**
  * Cap `device`'s reserved bytes at `fraction` of its memory from now on (PyTorch's
  * `set_per_process_memory_fraction`): a growth past it fails as out of memory. `fraction`
- * in (0, 1]; 1 lifts the configuration's cap too. Memory reserved already stays. 0 or a
- * negative error code (a bad fraction changes nothing).
+ * in [0, 1]; 1 lifts the configuration's cap too, 0 allows no growth. Memory reserved
+ * already stays. 0 or a negative error code (a bad fraction changes nothing).
  */
 int gpu_arena_set_memory_fraction(int device, double fraction);
 

@@ -405,13 +405,19 @@ pub extern "C" fn gpu_arena_allocation_of(
 
 /// Cap `device`'s reserved bytes at `fraction` of its memory from now on (PyTorch's
 /// `set_per_process_memory_fraction`): a growth past it fails as out of memory. `fraction`
-/// in (0, 1]; 1 lifts the configuration's cap too. Memory reserved already stays. 0 or a
-/// negative error code (a bad fraction changes nothing).
+/// in [0, 1]; 1 lifts the configuration's cap too, 0 allows no growth. Memory reserved
+/// already stays. 0 or a negative error code (a bad fraction changes nothing).
 #[no_mangle]
 pub extern "C" fn gpu_arena_set_memory_fraction(device: c_int, fraction: f64) -> c_int {
     const CALL: &str = "gpu_arena_set_memory_fraction";
     with_pool(CALL, |p| {
-        let cap = (fraction != 1.0).then_some(MaxReserved::Fraction(fraction));
+        // 0 (PyTorch allows it): no growth at all; a cap of 0 bytes is refused as a setting.
+        let f = if fraction == 0.0 {
+            f64::MIN_POSITIVE
+        } else {
+            fraction
+        };
+        let cap = (f != 1.0).then_some(MaxReserved::Fraction(f));
         p.set_max_reserved(device, cap)
             .map(|()| GPU_ARENA_OK)
             .map_err(|e| fail(&format!("{CALL}(device={device}, fraction={fraction})"), e))

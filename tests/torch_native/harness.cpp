@@ -298,6 +298,27 @@ int main(int argc, char** argv) {
     EXPECT(b.get() != nullptr && g_callback_runs == runs_before + 1 && hostage.get() == nullptr);
     g_hostage = nullptr;
   }
+  // The memory fraction is enforced by gpu-arena: a growth past it is an OOM; 1 lifts it
+  // (and the configuration's max_reserved with it).
+  {
+    a->emptyCache({0, 0});
+    a->setMemoryFraction(0.0, 0);
+    EXPECT(a->getMemoryFraction(0) == 0.0);
+    bool oom = false;
+    try {
+      c10::DataPtr p = a->allocate(64ull << 20);
+    } catch (const c10::OutOfMemoryError& e) {
+      oom = std::string(e.what()).find("max_reserved") != std::string::npos;
+    }
+    EXPECT(oom);
+    bool bad = false;
+    try { a->setMemoryFraction(1.5, 0); } catch (const c10::Error&) { bad = true; }
+    EXPECT(bad && a->getMemoryFraction(0) == 0.0);
+    a->setMemoryFraction(1.0, 0);
+    c10::DataPtr big = a->allocate(512ull << 20);  // past the configured 256 MiB cap
+    EXPECT(big.get() != nullptr);
+  }
+  a->emptyCache({0, 0});
   auto st2 = a->getDeviceStats(0);
   EXPECT(st2.allocation[0].current == 0);
   std::printf("%d passed, %d failed\n", passes, failures);

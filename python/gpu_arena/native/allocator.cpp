@@ -14,8 +14,6 @@
 // What torch's own allocator does and this one does not (each also noted at its method):
 // - snapshot(): segments and blocks (gpu_arena_segments), no traces and no stacks: torch's
 //   history is not recorded (gpu-arena's own history follows recordHistory's switch).
-// - setMemoryFraction: kept and returned, not enforced (gpu-arena's cap, max_reserved, is set
-//   only before first use: gpu_arena.configure).
 // - setUseOnOOM / setNoSplit: accepted, no effect (warned once).
 // - cacheInfo: the largest cached block is unknown; the device's free memory stands for it.
 #include <torch/version.h>
@@ -328,7 +326,8 @@ class Allocator final : public cca::CUDAAllocator {
     return {};
   }
 #endif
-  // Kept and returned; not enforced (see the top of this file).
+  // Enforced by gpu-arena: a growth past fraction x the device's memory fails as out of
+  // memory (gpu_arena_set_memory_fraction; 1 lifts the cap, gpu-arena's max_reserved too).
   double getMemoryFraction(DeviceIndex dev) override {
     check_device(dev);
     return fraction_[dev].load();
@@ -336,6 +335,7 @@ class Allocator final : public cca::CUDAAllocator {
   void setMemoryFraction(double fraction, DeviceIndex dev) override {
     check_device(dev);
     TORCH_CHECK(fraction >= 0 && fraction <= 1, "invalid fraction: ", fraction);
+    check_rc(g_api.set_memory_fraction(dev, fraction), "set_memory_fraction");
     fraction_[dev].store(fraction);
   }
   // The largest cached block is unknown: as CUDACachingAllocator's first guess when the

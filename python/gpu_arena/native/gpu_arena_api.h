@@ -87,6 +87,7 @@ struct SegmentBlock {
   X(graph_pool_empty_cache, int, int, uint64_t, uint64_t)                        \
   X(reset_peak_stats, int, int)                                                  \
   X(reset_accumulated_stats, int, int)                                           \
+  X(set_memory_fraction, int, int, double)                                       \
   X(free_unsized, int, void*)                                                    \
   X(allocation_of, int, const void*, void**, size_t*, int*)                      \
   X(segments, ssize_t, int, Segment*, size_t, SegmentBlock*, size_t, size_t*)
