@@ -2,13 +2,24 @@
 
 Two ways in:
 
-* :func:`install` makes gpu-arena the allocator of every CUDA tensor of the process
-  (``torch.cuda.memory.CUDAPluggableAllocator`` + ``change_current_allocator``). It must run
-  before PyTorch initializes CUDA, i.e. before the first CUDA tensor::
+* :func:`install` makes gpu-arena the allocator of every CUDA tensor of the process. It must
+  run before PyTorch initializes CUDA, i.e. before the first CUDA tensor::
 
       import gpu_arena.torch
       gpu_arena.torch.install("arena_size=1GiB")
       x = torch.empty(1 << 20, device="cuda")      # served by gpu-arena
+
+  By default (``route="native"``, or ``"auto"``) gpu-arena becomes PyTorch's own allocator:
+  a C++ subclass of torch's ``CUDAAllocator`` (``gpu_arena/native/allocator.cpp``, built at
+  the first install against the installed torch and cached: ``gpu_arena/torch_native.py``).
+  CUDA graphs and their private pools, ``torch.compile(mode="reduce-overhead")``,
+  ``torch.cuda.memory_stats`` / ``memory._snapshot`` / ``reset_peak_memory_stats`` /
+  ``set_per_process_memory_fraction``, ``empty_cache``, ``record_stream`` and CUDA tensors
+  through ``torch.multiprocessing`` then work as with PyTorch's caching allocator.
+  ``route="pluggable"`` uses ``torch.cuda.memory.CUDAPluggableAllocator`` +
+  ``change_current_allocator`` instead (torch refuses its memory APIs and CUDA IPC there,
+  and does not keep a CUDA graph's pool apart); ``"auto"`` falls back to it, with a
+  warning, only when the native allocator cannot be built.
 
 * :func:`mem_pool` returns a ``torch.cuda.MemPool`` backed by gpu-arena, for
   ``torch.cuda.use_mem_pool`` (vLLM's way in); it works after CUDA is initialized::
@@ -17,17 +28,18 @@ Two ways in:
       with torch.cuda.use_mem_pool(pool):
           kv = torch.empty(..., device="cuda")     # served by gpu-arena
 
-The hooks ``set_init_fn`` (``gpu_arena_init``), ``set_reset_fn`` (``gpu_arena_reset``, run by
-``torch.cuda.empty_cache()``) and ``set_record_stream_fn`` (``gpu_arena_record_stream``) are
-wired. PyTorch's own ``memory_stats``, ``memory_snapshot`` and CUDA IPC do not work with a
-pluggable allocator (they raise): use this module's PyTorch-shaped :func:`memory_stats`,
+On the pluggable route the hooks ``set_init_fn`` (``gpu_arena_init``), ``set_reset_fn``
+(``gpu_arena_reset``, run by ``torch.cuda.empty_cache()``) and ``set_record_stream_fn``
+(``gpu_arena_record_stream``) are wired, and PyTorch's own ``memory_stats``,
+``memory_snapshot`` and CUDA IPC raise: this module's PyTorch-shaped :func:`memory_stats`,
 :func:`memory_summary`, :func:`memory_allocated`, :func:`memory_reserved`,
 :func:`max_memory_allocated`, :func:`record_memory_history`, :func:`annotate`,
 :func:`memory_snapshot` and :func:`dump_snapshot` (``gpu_arena/torch_stats.py``,
-``gpu_arena/torch_snapshot.py``).
+``gpu_arena/torch_snapshot.py``) work on both routes.
 
-**Out of memory.** PyTorch's pluggable allocator does not check for NULL, so the two routes
-use two allocation functions (two ``CUDAPluggableAllocator`` objects):
+**Out of memory.** The native route raises ``torch.OutOfMemoryError`` with PyTorch's first
+line and gpu-arena's cause. PyTorch's pluggable allocator does not check for NULL, so the
+pluggable route uses two allocation functions (two ``CUDAPluggableAllocator`` objects):
 
 * :func:`install` hands PyTorch a function that *throws* when gpu-arena has no memory (after
   gpu-arena released its cached arenas and retried once). ``oom="auto"`` (default): a shim
@@ -40,9 +52,9 @@ use two allocation functions (two ``CUDAPluggableAllocator`` objects):
   caching allocator then raises ``torch.OutOfMemoryError`` itself and counts ``num_ooms``
   (and a pool made with ``use_on_oom=True`` serves other allocations that ran out).
 
-PyTorch is imported lazily: this module imports without it. Targets torch 2.11; older
-versions get a clear error for what they lack (CUDAPluggableAllocator needs >= 2.0, MemPool
-with an allocator >= 2.6).
+PyTorch is imported lazily: this module imports without it. Targets torch 2.11 (the native
+allocator builds for 2.8 to 2.15); older versions get a clear error for what they lack
+(CUDAPluggableAllocator needs >= 2.0, MemPool with an allocator >= 2.6).
 """
 
 from __future__ import annotations
