@@ -391,11 +391,27 @@ fn bad_handles_and_bad_shares_get_clear_errors() {
     // Import after unshare; unshare twice.
     broker.unshare(&h).unwrap();
     let e = importer.import(&h).unwrap_err();
+    assert!(e.to_string().contains("was unshared"), "{e}");
+    assert!(broker
+        .unshare(&h)
+        .unwrap_err()
+        .to_string()
+        .contains("already unshared"));
+    // Its slot taken by a new share, the old handle is still refused as unshared (the true
+    // cause), and a forged token learns nothing.
+    let h2 = broker.share(a.ptr, 512).unwrap();
+    assert_eq!(h2.info.share_key, h.info.share_key, "the slot is reused");
+    let e = importer.import(&h).unwrap_err();
+    assert!(e.to_string().contains("was unshared"), "{e}");
+    let mut forged = h.clone();
+    forged.info.token[0] ^= 1;
+    let e = importer.import(&forged).unwrap_err();
     assert!(
-        e.to_string().contains("no such share") || e.to_string().contains("unshared"),
+        e.to_string()
+            .contains("no such share (unknown key or wrong token)"),
         "{e}"
     );
-    assert!(broker.unshare(&h).is_err());
+    broker.unshare(&h2).unwrap();
     assert_eq!(pool.stats(0).unwrap().exports_live, 0);
     pool.free(a.ptr).unwrap();
     pool.validate(0).unwrap();

@@ -35,7 +35,10 @@ fn handles_of_an_earlier_export_or_a_released_arena_are_refused_and_change_nothi
     let before = pool.stats(0).unwrap();
     let e = importer.import(&h1).unwrap_err().to_string();
     assert!(
-        e.contains("stale") && e.contains("generation 1") && e.contains("generation 2"),
+        e.contains("was unshared")
+            && e.contains("stale")
+            && e.contains("generation 1")
+            && e.contains("generation 2"),
         "{e}"
     );
     // A handle naming the live share but an older generation (built in code).
@@ -66,7 +69,10 @@ fn handles_of_an_earlier_export_or_a_released_arena_are_refused_and_change_nothi
     assert_ne!(h3.info.arena_id, h2.info.arena_id);
     let before = pool.stats(0).unwrap();
     let e = importer.import(&h2).unwrap_err().to_string();
-    assert!(e.contains("stale") && e.contains("was released"), "{e}");
+    assert!(
+        e.contains("was unshared") && e.contains("stale") && e.contains("was released"),
+        "{e}"
+    );
     assert_eq!(
         pool.stats(0).unwrap(),
         before,

@@ -64,11 +64,43 @@ pub(crate) struct LeaseRecord {
     pub(crate) share_key: u32,
 }
 
+/// How many ended shares (unshared, then their last lease closed) are remembered, so that
+/// an open of one is refused as unshared rather than as an unknown key (its slot may hold
+/// another share by then).
+pub(crate) const UNSHARED_REMEMBERED: usize = 4096;
+
 /// Share and lease tables of one device.
 #[derive(Debug, Default)]
 pub(crate) struct ShareTables {
     pub(crate) shares: Slab<ShareRecord>,
     pub(crate) leases: Slab<LeaseRecord>,
+    /// Key and token of the latest shares that ended after an unshare, oldest first (at most
+    /// [`UNSHARED_REMEMBERED`]): an open presenting one exactly is told it was unshared.
+    /// Only a caller who knows the token learns anything: a wrong token gets the same answer
+    /// as an unknown key.
+    pub(crate) unshared: std::collections::VecDeque<(u32, [u8; 16])>,
     /// Self-test result: does closing an export release memory on this device?
     pub(crate) probed_kind: OnceLock<ExportKind>,
+}
+
+impl ShareTables {
+    /// Remove the record of share `key`; remember it when it ended by an unshare.
+    pub(crate) fn remove_share(&mut self, key: u32) {
+        if let Some(rec) = self.shares.try_remove(key as usize) {
+            if rec.hold.revoked() {
+                if self.unshared.len() == UNSHARED_REMEMBERED {
+                    self.unshared.pop_front();
+                }
+                self.unshared.push_back((key, rec.info.token));
+            }
+        }
+    }
+
+    /// Whether share `key` with this exact `token` was unshared (and has ended since).
+    pub(crate) fn was_unshared(&self, key: u32, token: &[u8; 16]) -> bool {
+        self.unshared
+            .iter()
+            .rev()
+            .any(|(k, t)| *k == key && t == token)
+    }
 }

@@ -141,7 +141,7 @@ impl DeviceState {
         device: DeviceId,
     ) -> ToClose {
         if let (true, Some(key)) = (ended.remove_share, share_key) {
-            self.shares.shares.try_remove(key as usize);
+            self.shares.remove_share(key);
         }
         if ended.release_freed {
             self.release_deferred(ptr, backend, device);
@@ -154,6 +154,7 @@ impl DeviceState {
     fn share_record(&self, key: u32, token: &[u8; 16]) -> Result<&ShareRecord> {
         match self.shares.shares.get(key as usize) {
             Some(r) if &r.info.token == token => Ok(r),
+            _ if self.shares.was_unshared(key, token) => Err(unshared(key)),
             _ => Err(Error::Ipc(format!(
                 "share {key}: no such share (unknown key or wrong token)"
             ))),
@@ -423,9 +424,13 @@ impl Pool {
         let dp = self.dev(device)?;
         let mut guard = dp.state.lock();
         let st = &mut *guard;
+        let already = || Error::Ipc(format!("share {share_key} already unshared"));
+        if st.shares.was_unshared(share_key, token) {
+            return Err(already());
+        }
         let rec = st.share_record(share_key, token)?;
         if rec.hold.revoked() {
-            return Err(Error::Ipc(format!("share {share_key} already unshared")));
+            return Err(already());
         }
         let (arena, ptr) = (rec.arena, rec.alloc_ptr);
         let (lt, hold) = holds(&mut st.arenas, &mut st.allocs, arena, ptr)?;
@@ -479,6 +484,8 @@ impl Pool {
         let st = &mut *guard;
         let rec = match st.share_record(share_key, token) {
             Ok(rec) => rec,
+            // The true cause first ("was unshared" when the holder of the token was told
+            // so), then what became of the arena since.
             Err(Error::Ipc(why)) => {
                 let stale = named.and_then(|(id, generation)| st.staleness(id, generation));
                 return Err(Error::Ipc(match stale {
@@ -488,6 +495,11 @@ impl Pool {
             }
             Err(e) => return Err(e),
         };
+        // Unshared comes first: a handle of an unshared share is refused as such, whatever
+        // its arena and generation (a consumer racing an unshare learns the true cause).
+        if rec.hold.revoked() {
+            return Err(unshared(share_key));
+        }
         if let Some((id, generation)) = named {
             if rec.info.arena_id != id {
                 return Err(Error::Ipc(
@@ -501,11 +513,6 @@ impl Pool {
                     "share {share_key}: stale handle: {stale}"
                 )));
             }
-        }
-        if rec.hold.revoked() {
-            return Err(Error::Ipc(format!(
-                "share {share_key} was unshared: no new imports"
-            )));
         }
         let (arena, ptr, info) = (rec.arena, rec.alloc_ptr, rec.info);
         let a = st
@@ -649,4 +656,10 @@ impl Pool {
             }
         }
     }
+}
+
+/// The refusal of an open of share `key`, which its producer unshared (the same words
+/// whether its record is still there, waiting for leases, or ended since).
+fn unshared(key: u32) -> Error {
+    Error::Ipc(format!("share {key} was unshared: no new imports"))
 }
