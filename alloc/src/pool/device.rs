@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use super::cache_key::{cache_key_parts, cache_len};
 use super::classes::{Class, GENERAL};
-use super::records::ShareTables;
+use super::share_tables::ShareTables;
 use super::thread_cache::Front;
 use super::thread_records::FrontLive;
 use super::{Live, PendingFree, ANY_STREAM, FLUSH_FIRST_ABOVE, LIMBO_BASE};
@@ -51,7 +51,7 @@ pub(crate) struct DeviceState {
     pub(crate) next_arena_id: u64,
     /// Arenas out of the pool whose destroy failed: retried by `empty_cache` and teardown.
     pub(crate) orphans: Vec<ArenaMem>,
-    /// Shares and leases (`records.rs`, `share.rs`).
+    /// Shares and leases (`share_tables.rs`, `share.rs`).
     pub(crate) shares: ShareTables,
     /// The event ring (`crate::history`); off unless `record_history` turned it on.
     pub(crate) history: History,

@@ -87,8 +87,8 @@ mod graph_pools;
 mod limits;
 mod observers;
 mod offload;
-mod records;
 mod share;
+mod share_tables;
 mod sleep;
 mod snapshot;
 mod spin;
@@ -105,7 +105,7 @@ pub use observers::{
     ArenaInfo, ArenaObserver, ObserverError, ObserverId, ARENA_EXPORTED, ARENA_PINNED,
     MAX_NESTED_ARENAS,
 };
-pub use records::{LeaseGrant, ShareInfo};
+pub use share_tables::{LeaseGrant, ShareInfo};
 pub use sleep::SleepReport;
 pub use snapshot::{BlockInfo, SegmentInfo};
 pub use trace::DEFAULT_HISTORY_ENTRIES;

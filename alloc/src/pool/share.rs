@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use rustc_hash::FxHashMap;
 use slab::Slab;
 
-use super::records::{LeaseGrant, LeaseRecord, ShareInfo, ShareRecord};
+use super::share_tables::{LeaseEntry, LeaseGrant, ShareEntry, ShareInfo};
 use super::{Arena, DevicePool, DeviceState, Live, Pool};
 use crate::backend::{ArenaMem, Backend, DeviceId, Export, ExportKind, ExportPayload};
 use crate::error::{Error, Result};
@@ -151,7 +151,7 @@ impl DeviceState {
         Some((self.arenas.get(arena)?.mem.clone(), export))
     }
 
-    fn share_record(&self, key: u32, token: &[u8; 16]) -> Result<&ShareRecord> {
+    fn share_record(&self, key: u32, token: &[u8; 16]) -> Result<&ShareEntry> {
         match self.shares.shares.get(key as usize) {
             Some(r) if &r.info.token == token => Ok(r),
             _ if self.shares.was_unshared(key, token) => Err(unshared(key)),
@@ -267,7 +267,7 @@ impl Pool {
         let entry = st.shares.shares.vacant_entry();
         info.share_key = u32::try_from(entry.key())
             .map_err(|_| Error::Internal("share table overflow".into()))?;
-        entry.insert(ShareRecord {
+        entry.insert(ShareEntry {
             info,
             arena,
             alloc_ptr: start,
@@ -548,7 +548,7 @@ impl Pool {
         let rec = &mut st.shares.shares[share_key as usize];
         lt.open_lease(&mut rec.hold, hold)
             .map_err(|e| refused("open_lease", e))?;
-        entry.insert(LeaseRecord { share_key });
+        entry.insert(LeaseEntry { share_key });
         st.stats.imports_live += 1;
         Ok(LeaseGrant {
             lease_key,

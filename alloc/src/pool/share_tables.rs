@@ -46,9 +46,10 @@ pub struct LeaseGrant {
     pub kind: ExportKind,
 }
 
-/// A share in the producer's table.
+/// A share in the producer's table ("record" in `pool/` means an allocation's record:
+/// `Live` in the device's map, `FrontLive` in a thread cache's).
 #[derive(Debug)]
-pub(crate) struct ShareRecord {
+pub(crate) struct ShareEntry {
     pub(crate) info: ShareInfo,
     /// Arena key (slab index) of the share's arena.
     pub(crate) arena: usize,
@@ -60,7 +61,7 @@ pub(crate) struct ShareRecord {
 
 /// A consumer's lease on a share.
 #[derive(Debug)]
-pub(crate) struct LeaseRecord {
+pub(crate) struct LeaseEntry {
     pub(crate) share_key: u32,
 }
 
@@ -72,8 +73,8 @@ pub(crate) const UNSHARED_REMEMBERED: usize = 4096;
 /// Share and lease tables of one device.
 #[derive(Debug, Default)]
 pub(crate) struct ShareTables {
-    pub(crate) shares: Slab<ShareRecord>,
-    pub(crate) leases: Slab<LeaseRecord>,
+    pub(crate) shares: Slab<ShareEntry>,
+    pub(crate) leases: Slab<LeaseEntry>,
     /// Key and token of the latest shares that ended after an unshare, oldest first (at most
     /// [`UNSHARED_REMEMBERED`]): an open presenting one exactly is told it was unshared.
     /// Only a caller who knows the token learns anything: a wrong token gets the same answer
