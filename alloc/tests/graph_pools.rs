@@ -375,3 +375,28 @@ proptest! {
         pool.validate(0).unwrap();
     }
 }
+
+#[test]
+fn a_pool_sleeps_and_wakes_with_the_default_tag() {
+    let (sim, pool) = pool();
+    pool.graph_pool_begin(0, G1).unwrap();
+    let a = pool.graph_pool_alloc(0, G1, 4 * MIB, CAPTURE).unwrap();
+    pool.graph_pool_end(0, G1).unwrap();
+    // SAFETY: sim device pointers are host addresses of live mappings of `bytes` bytes.
+    unsafe { std::ptr::write_bytes(a.ptr as *mut u8, 0x5A, a.bytes as usize) };
+    pool.sleep(Some(0), &[0]).unwrap();
+    assert_eq!(
+        sim.ledger(0).held_bytes,
+        0,
+        "the pool's memory went with the default tag"
+    );
+    let e = pool.graph_pool_alloc(0, G1, 512, CAPTURE).unwrap_err();
+    assert!(e.to_string().contains("asleep"), "{e}");
+    pool.wake(Some(0), None).unwrap();
+    // SAFETY: as above; woken at the same address with its contents.
+    assert_eq!(unsafe { *((a.ptr + a.bytes - 1) as *const u8) }, 0x5A);
+    let b = pool.graph_pool_alloc(0, G1, 512, CAPTURE).unwrap();
+    pool.free(b.ptr).unwrap();
+    pool.free(a.ptr).unwrap();
+    pool.validate(0).unwrap();
+}

@@ -197,6 +197,10 @@ impl Pool {
             let mut st = dp.state.lock();
             let slot = st.pool_slot(id)?;
             let class = Class::in_graph_pool(slot, len);
+            // A pool's blocks carry tag 0: they sleep with the default tag.
+            if st.asleep_tags & (1 << class.tag) != 0 {
+                return Err(super::sleep::asleep_error(device, class.tag, bytes));
+            }
             if let Some(ptr) = st.take_range(len, stream, class, self.backend.as_ref(), device) {
                 return Ok(self.finish_alloc(dp, &mut st, ptr, len, bytes, stream));
             }
