@@ -46,6 +46,7 @@ import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import observers as _observers
+from .runtime import backend_name
 
 log = logging.getLogger("gpu_arena.nixl")
 
@@ -72,9 +73,7 @@ def import_nixl():
 
 def default_mem_type() -> str:
     """``DRAM`` on the sim backend (its arenas are host memory), ``VRAM`` otherwise."""
-    import gpu_arena
-
-    return "DRAM" if gpu_arena.backend_name() == "sim" else "VRAM"
+    return "DRAM" if backend_name() == "sim" else "VRAM"
 
 
 class NixlRegistrar:

@@ -28,7 +28,7 @@ from prometheus_client import start_http_server as _start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from . import device_count, is_initialized, stats
+from .runtime import device_count, is_initialized, stats
 
 
 class MetricDef(NamedTuple):

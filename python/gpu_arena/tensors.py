@@ -17,6 +17,7 @@ from . import _dlpack, _imports, _lib
 from ._lib import SHARE_BYTES, as_int
 from .handle import ShareHandle, _device_of, as_handle
 from .pointers import _ipc_fn, unshare
+from .runtime import backend_name, init, is_initialized
 
 __all__ = ["Share", "share", "open", "close", "open_imports"]
 
@@ -42,8 +43,6 @@ def _backend() -> str:
     global _backend_name
     if _backend_name:
         return _backend_name
-    from . import backend_name
-
     _backend_name = name = backend_name()
     return name
 
@@ -256,8 +255,6 @@ def _import_kind() -> str:
     global _kind
     if _kind:
         return _kind
-    from . import init, is_initialized
-
     if not is_initialized():
         init()
     _kind = {"sim": "cpu", "hip": "hip"}.get(_backend(), "cuda")
