@@ -88,6 +88,7 @@ __all__ = [
     "route_in_use",
     "mem_pool",
     "empty_cache",
+    "trim",
     "use_tag",
     "sleep",
     "wake",
