@@ -35,6 +35,25 @@ use crate::error::{Error, Result};
 use crate::pool::{MaxReserved, Pool, PoolConfig};
 use crate::units::{parse_fraction, SIZE_FORMS};
 
+/// Every configuration key, as [`Config::apply`] accepts them (the table above lists the
+/// same keys; README.md's Configuration table, python/README.md and the Python
+/// `gpu_arena.configure` docstring are checked against this list by `alloc/tests/config_keys.rs`).
+pub const KEYS: &[&str] = &[
+    "backend",
+    "arena_size",
+    "max_reserved",
+    "validate",
+    "sim_devices",
+    "sim_capacity",
+    "sim_granularity",
+    "legacy_pin",
+    "legacy_ipc",
+    "fabric_handles",
+    "allowed_uids",
+    "unsafe_ignore_streams",
+    "trim_on_empty_cache",
+];
+
 /// Which backend to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum BackendChoice {
@@ -168,7 +187,9 @@ impl Config {
                 "unsafe_ignore_streams" => {
                     next.pool.unsafe_ignore_streams = parse_bool(key, value)?;
                     if next.pool.unsafe_ignore_streams {
-                        tracing::warn!("unsafe_ignore_streams=1: cross-stream reuse races are NOT prevented");
+                        tracing::warn!(
+                            "unsafe_ignore_streams=1: cross-stream reuse races are NOT prevented"
+                        );
                     }
                 }
                 "sim_devices" => {
@@ -176,7 +197,9 @@ impl Config {
                         .parse()
                         .ok()
                         .filter(|n| (1..=64).contains(n))
-                        .ok_or_else(|| Error::invalid(format!("sim_devices=`{value}`: expected 1..64")))?
+                        .ok_or_else(|| {
+                            Error::invalid(format!("sim_devices=`{value}`: expected 1..64"))
+                        })?
                 }
                 "sim_capacity" => next.sim.capacity = size_of(key, value)?,
                 "sim_granularity" => next.sim.granularity = size_of(key, value)?,
@@ -196,7 +219,8 @@ impl Config {
                 }
                 _ => {
                     return Err(Error::invalid(format!(
-                        "unknown key `{key}` (known: backend, arena_size, max_reserved, validate, sim_devices, sim_capacity, sim_granularity, legacy_pin, legacy_ipc, fabric_handles, allowed_uids, unsafe_ignore_streams, trim_on_empty_cache)"
+                        "unknown key `{key}` (known: {})",
+                        KEYS.join(", ")
                     )))
                 }
             }
@@ -351,6 +375,64 @@ mod tests {
             Config::parse("arena_size=2MiB").unwrap().pool.arena_size,
             2 << 20
         );
+    }
+
+    /// A valid value for every key (each also changes the configuration from the default).
+    fn sample(key: &str) -> &'static str {
+        match key {
+            "backend" => "sim",
+            "arena_size" | "sim_capacity" | "sim_granularity" => "4MiB",
+            "max_reserved" => "0.5",
+            "sim_devices" => "2",
+            "fabric_handles" => "0",
+            "allowed_uids" => "1000:1001",
+            "validate" => {
+                if cfg!(debug_assertions) {
+                    "0"
+                } else {
+                    "1"
+                }
+            }
+            _ => "1",
+        }
+    }
+
+    #[test]
+    fn keys_are_the_ones_apply_accepts_and_the_table_lists() {
+        for key in KEYS {
+            let c = Config::parse(&format!("{key}={}", sample(key)))
+                .unwrap_or_else(|e| panic!("{key}: {e}"));
+            assert_ne!(c, Config::default(), "{key} changes nothing");
+        }
+        let e = Config::parse("color=blue").unwrap_err().to_string();
+        assert!(
+            KEYS.iter().all(|k| e.contains(k)),
+            "the refusal names every key: {e}"
+        );
+        // The keys `apply` matches on, read from this file's source, and the module table's.
+        let source = include_str!("config.rs");
+        let body = &source[source.find("match key {").unwrap()..];
+        let body = &body[..body.find("_ => {").unwrap()];
+        let sorted = |mut v: Vec<&'static str>| {
+            v.sort_unstable();
+            v
+        };
+        let matched = body
+            .lines()
+            .filter_map(|l| {
+                l.trim()
+                    .strip_prefix('"')?
+                    .split_once("\" =>")
+                    .map(|(k, _)| k)
+            })
+            .collect();
+        let keys = sorted(KEYS.to_vec());
+        assert_eq!(sorted(matched), keys, "apply's match arms");
+        let table = source
+            .lines()
+            .filter_map(|l| l.strip_prefix("//! | `")?.split_once('`').map(|(k, _)| k))
+            .collect();
+        assert_eq!(sorted(table), keys, "the module docs' table");
     }
 
     #[test]
