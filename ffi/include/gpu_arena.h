@@ -226,6 +226,73 @@ typedef struct gpu_arena_share_t {
 } gpu_arena_share_t;
 
 /**
+ * One field of a share handle's bytes (`gpu_arena_share_layout`).
+ */
+typedef struct gpu_arena_share_field_t {
+    /**
+     * The field's name, NUL-terminated: `magic`, `version`, `reserved0`, `device`,
+     * `producer_pid`, `share_key`, `arena_id`, `generation`, `reserved1`, `offset`, `len`,
+     * `arena_bytes`, `token`, `socket_name`.
+     */
+    char name[16];
+    /**
+     * Its first byte in `gpu_arena_share_t.bytes`.
+     */
+    uint32_t offset;
+    /**
+     * Its length in bytes (integers are little-endian).
+     */
+    uint32_t len;
+} gpu_arena_share_field_t;
+
+/**
+ * A share handle's fields, as gpu-arena decodes and validates it
+ * (`gpu_arena_share_fields`).
+ */
+typedef struct gpu_arena_share_fields_t {
+    /**
+     * The producer's device.
+     */
+    int32_t device;
+    /**
+     * The producer's process id.
+     */
+    uint32_t producer_pid;
+    /**
+     * The share's key in the producer's pool.
+     */
+    uint32_t share_key;
+    /**
+     * The arena's export generation.
+     */
+    uint32_t generation;
+    /**
+     * The arena's id in the producer's pool.
+     */
+    uint64_t arena_id;
+    /**
+     * The shared range's offset in its arena, bytes.
+     */
+    uint64_t offset;
+    /**
+     * The shared range's length, bytes.
+     */
+    uint64_t len;
+    /**
+     * The arena's size, bytes.
+     */
+    uint64_t arena_bytes;
+    /**
+     * The random token the producer's broker checks.
+     */
+    uint8_t token[16];
+    /**
+     * The producer broker's socket name (abstract namespace), NUL-terminated.
+     */
+    char socket_name[64];
+} gpu_arena_share_fields_t;
+
+/**
  * What `gpu_arena_import_dlpack` hands back.
  */
 typedef struct gpu_arena_dlpack_t {
@@ -567,6 +634,20 @@ int gpu_arena_close_many(void *const *imported_ptrs, size_t n);
  * Imports live in this process (as a consumer).
  */
 int gpu_arena_imports_live(void);
+
+/**
+ * The layout of a share handle's `GPU_ARENA_SHARE_BYTES` bytes: every field in byte order,
+ * reserved bytes included (together they cover the handle). The first `min(cap, n)` fields
+ * go to `out` (NULL when `cap` is 0); returns `n`, the number of fields. Needs no init.
+ */
+int gpu_arena_share_layout(struct gpu_arena_share_field_t *out, size_t cap);
+
+/**
+ * Decode and validate `share` as an import would, without reaching its producer: its fields
+ * go to `*out`. `GPU_ARENA_ERR_IPC` for a malformed handle. Needs no init.
+ */
+int gpu_arena_share_fields(const struct gpu_arena_share_t *share,
+                           struct gpu_arena_share_fields_t *out);
 
 /**
  * Import `share` (as `gpu_arena_import`) and build a DLPack tensor over it: `out->managed`

@@ -3,7 +3,7 @@
 //! The broker starts on the first `gpu_arena_share` of the process; the importer on the
 //! first `gpu_arena_import`. A share handle is 128 plain bytes: copy it anywhere.
 
-use std::ffi::{c_int, c_void};
+use std::ffi::{c_char, c_int, c_void};
 use std::sync::OnceLock;
 
 use gpu_arena::ipc::{Broker, BrokerConfig, Importer, ShareHandle};
@@ -274,6 +274,122 @@ pub extern "C" fn gpu_arena_imports_live() -> c_int {
         Ok(IMPORTER.get().map_or(0, |i| {
             c_int::try_from(i.stats().imports_live).unwrap_or(c_int::MAX)
         }))
+    })
+}
+
+/// One field of a share handle's bytes (`gpu_arena_share_layout`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct gpu_arena_share_field_t {
+    /// The field's name, NUL-terminated: `magic`, `version`, `reserved0`, `device`,
+    /// `producer_pid`, `share_key`, `arena_id`, `generation`, `reserved1`, `offset`, `len`,
+    /// `arena_bytes`, `token`, `socket_name`.
+    pub name: [c_char; 16],
+    /// Its first byte in `gpu_arena_share_t.bytes`.
+    pub offset: u32,
+    /// Its length in bytes (integers are little-endian).
+    pub len: u32,
+}
+
+/// A share handle's fields, as gpu-arena decodes and validates it
+/// (`gpu_arena_share_fields`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct gpu_arena_share_fields_t {
+    /// The producer's device.
+    pub device: i32,
+    /// The producer's process id.
+    pub producer_pid: u32,
+    /// The share's key in the producer's pool.
+    pub share_key: u32,
+    /// The arena's export generation.
+    pub generation: u32,
+    /// The arena's id in the producer's pool.
+    pub arena_id: u64,
+    /// The shared range's offset in its arena, bytes.
+    pub offset: u64,
+    /// The shared range's length, bytes.
+    pub len: u64,
+    /// The arena's size, bytes.
+    pub arena_bytes: u64,
+    /// The random token the producer's broker checks.
+    pub token: [u8; 16],
+    /// The producer broker's socket name (abstract namespace), NUL-terminated.
+    pub socket_name: [c_char; 64],
+}
+
+/// The layout of a share handle's `GPU_ARENA_SHARE_BYTES` bytes: every field in byte order,
+/// reserved bytes included (together they cover the handle). The first `min(cap, n)` fields
+/// go to `out` (NULL when `cap` is 0); returns `n`, the number of fields. Needs no init.
+#[no_mangle]
+pub extern "C" fn gpu_arena_share_layout(out: *mut gpu_arena_share_field_t, cap: usize) -> c_int {
+    const CALL: &str = "gpu_arena_share_layout";
+    // Every field name fits in gpu_arena_share_field_t, the longest socket name in
+    // gpu_arena_share_fields_t, each with its NUL.
+    const _: () = {
+        let fields = &gpu_arena::ipc::handle::layout::FIELDS;
+        let mut i = 0;
+        while i < fields.len() {
+            assert!(fields[i].name.len() < 16);
+            i += 1;
+        }
+        assert!(gpu_arena::ipc::handle::MAX_SOCKET_NAME < 64);
+    };
+    guard(CALL, || {
+        let fields = &gpu_arena::ipc::handle::layout::FIELDS;
+        if cap > 0 && out.is_null() {
+            return Err(fail(CALL, Error::invalid("out is NULL with cap > 0")));
+        }
+        for (i, f) in fields.iter().take(cap).enumerate() {
+            let mut name = [0 as c_char; 16];
+            for (d, &c) in name.iter_mut().zip(f.name.as_bytes()) {
+                *d = c as c_char;
+            }
+            let field = gpu_arena_share_field_t {
+                name,
+                offset: f.offset as u32,
+                len: f.len as u32,
+            };
+            // SAFETY: `out` is non-null (cap > 0) and points to `cap` writable fields; i < cap.
+            unsafe { out.add(i).write(field) };
+        }
+        Ok(fields.len() as c_int)
+    })
+}
+
+/// Decode and validate `share` as an import would, without reaching its producer: its fields
+/// go to `*out`. `GPU_ARENA_ERR_IPC` for a malformed handle. Needs no init.
+#[no_mangle]
+pub extern "C" fn gpu_arena_share_fields(
+    share: *const gpu_arena_share_t,
+    out: *mut gpu_arena_share_fields_t,
+) -> c_int {
+    const CALL: &str = "gpu_arena_share_fields";
+    guard(CALL, || {
+        if out.is_null() {
+            return Err(fail(CALL, Error::invalid("out is NULL")));
+        }
+        let h = read_handle(CALL, share)?;
+        let mut socket_name = [0 as c_char; 64];
+        for (d, &c) in socket_name.iter_mut().zip(h.socket_name.as_bytes()) {
+            *d = c as c_char;
+        }
+        let i = &h.info;
+        let fields = gpu_arena_share_fields_t {
+            device: i.device,
+            producer_pid: h.producer_pid,
+            share_key: i.share_key,
+            generation: i.generation,
+            arena_id: i.arena_id,
+            offset: i.offset,
+            len: i.len,
+            arena_bytes: i.arena_bytes,
+            token: i.token,
+            socket_name,
+        };
+        // SAFETY: `out` is non-null and points to a writable gpu_arena_share_fields_t.
+        unsafe { out.write(fields) };
+        Ok(GPU_ARENA_OK)
     })
 }
 

@@ -2,6 +2,7 @@
 //! re-encodes to the same 128 bytes and decodes to the same value.
 #![no_main]
 
+use gpu_arena::ipc::handle::{layout, HANDLE_MAGIC, HANDLE_VERSION};
 use gpu_arena::ipc::{ShareHandle, HANDLE_BYTES};
 use libfuzzer_sys::fuzz_target;
 
@@ -9,12 +10,13 @@ fuzz_target!(|data: &[u8]| {
     check(data);
     // Most random inputs fail the length or magic check; also try the input laid over a
     // valid prefix so the fuzzer reaches the field checks quickly.
-    if data.len() >= 10 {
+    let head = layout::VERSION.range().end;
+    if data.len() >= head {
         let mut b = [0u8; HANDLE_BYTES];
-        b[..8].copy_from_slice(b"GPUARENA");
-        b[8] = 1;
-        let n = (data.len() - 10).min(HANDLE_BYTES - 10);
-        b[10..10 + n].copy_from_slice(&data[10..10 + n]);
+        b[layout::MAGIC.range()].copy_from_slice(HANDLE_MAGIC);
+        b[layout::VERSION.range()].copy_from_slice(&HANDLE_VERSION.to_le_bytes());
+        let n = (data.len() - head).min(HANDLE_BYTES - head);
+        b[head..head + n].copy_from_slice(&data[head..head + n]);
         check(&b);
     }
 });

@@ -221,6 +221,31 @@ class GpuArenaShare(ctypes.Structure):
     _fields_ = [("bytes", ctypes.c_uint8 * SHARE_BYTES)]
 
 
+class GpuArenaShareField(ctypes.Structure):
+    """``gpu_arena_share_field_t``: one field of a share handle (``gpu_arena_share_layout``)."""
+
+    _fields_ = [("name", ctypes.c_char * 16), ("offset", ctypes.c_uint32),
+                ("len", ctypes.c_uint32)]
+
+
+class GpuArenaShareFields(ctypes.Structure):
+    """``gpu_arena_share_fields_t``: a share handle as the library decodes it
+    (``gpu_arena_share_fields``)."""
+
+    _fields_ = [
+        ("device", ctypes.c_int32),
+        ("producer_pid", ctypes.c_uint32),
+        ("share_key", ctypes.c_uint32),
+        ("generation", ctypes.c_uint32),
+        ("arena_id", ctypes.c_uint64),
+        ("offset", ctypes.c_uint64),
+        ("len", ctypes.c_uint64),
+        ("arena_bytes", ctypes.c_uint64),
+        ("token", ctypes.c_uint8 * 16),
+        ("socket_name", ctypes.c_char * 64),
+    ]
+
+
 class GpuArenaDlpack(ctypes.Structure):
     """``gpu_arena_dlpack_t``: what ``gpu_arena_import_dlpack`` hands back."""
 
@@ -388,6 +413,9 @@ _IPC_SIGNATURES = {
     "gpu_arena_import_many": (c_int, [ctypes.POINTER(GpuArenaShare), ctypes.c_size_t, ctypes.POINTER(c_void_p)]),
     "gpu_arena_close_many": (c_int, [ctypes.POINTER(c_void_p), ctypes.c_size_t]),
     "gpu_arena_imports_live": (c_int, []),
+    "gpu_arena_share_layout": (c_int, [ctypes.POINTER(GpuArenaShareField), ctypes.c_size_t]),
+    "gpu_arena_share_fields": (c_int, [ctypes.POINTER(GpuArenaShare),
+                                       ctypes.POINTER(GpuArenaShareFields)]),
     # ffi/src/dlpack_api.rs. The share and the view go as bytes (c_char_p: no copy).
     "gpu_arena_import_dlpack": (c_int, [c_char_p, c_char_p, ctypes.c_size_t,
                                         ctypes.POINTER(GpuArenaDlpack)]),

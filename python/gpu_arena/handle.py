@@ -12,9 +12,32 @@ from ._lib import SHARE_BYTES, GpuArenaShare
 __all__ = ["ShareHandle", "as_handle"]
 
 _MAGIC = b"GPUARENA"
-# The producer's device, an int32 at byte 12: `_device_of(handle, 0)[0]` (tensors.share()
-# reads it per call without the property).
-_device_of = struct.Struct("<12xi").unpack_from
+
+# The layout: field -> (first byte, length); integers little-endian. Its definition is
+# Rust's (alloc/src/ipc/handle.rs, `layout::FIELDS`), which the library hands out
+# (``gpu_arena_share_layout``); tests/python/test_handle_layout.py checks this copy against
+# it and every field of a handle the library made.
+_LAYOUT = {
+    "magic": (0, 8),
+    "version": (8, 2),
+    "reserved0": (10, 2),
+    "device": (12, 4),
+    "producer_pid": (16, 4),
+    "share_key": (20, 4),
+    "arena_id": (24, 8),
+    "generation": (32, 4),
+    "reserved1": (36, 4),
+    "offset": (40, 8),
+    "len": (48, 8),
+    "arena_bytes": (56, 8),
+    "token": (64, 16),
+    "socket_name": (80, 48),
+}
+# The unsigned integer of each length; the device is signed.
+_UINT = {2: "H", 4: "I", 8: "Q"}
+# The producer's device, an int32: `_device_of(handle, 0)[0]` (tensors.share() reads it per
+# call without the property).
+_device_of = struct.Struct("<%dxi" % _LAYOUT["device"][0]).unpack_from
 
 
 class ShareHandle(bytes):
@@ -52,17 +75,23 @@ class ShareHandle(bytes):
         ctypes.memmove(ctypes.addressof(s), bytes(self), SHARE_BYTES)
         return s
 
-    def _u(self, fmt: str, at: int) -> int:
-        return struct.unpack_from("<" + fmt, self, at)[0]
+    def _field(self, name: str) -> bytes:
+        """The raw bytes of field ``name`` (a key of the layout)."""
+        at, n = _LAYOUT[name]
+        return bytes(self[at:at + n])
+
+    def _u(self, name: str) -> int:
+        at, n = _LAYOUT[name]
+        return struct.unpack_from("<" + _UINT[n], self, at)[0]
 
     @property
     def is_gpu_arena(self) -> bool:
         """Whether it starts with gpu-arena's magic."""
-        return self[:8] == _MAGIC
+        return self._field("magic") == _MAGIC
 
     @property
     def version(self) -> int:
-        return self._u("H", 8)
+        return self._u("version")
 
     @property
     def device(self) -> int:
@@ -71,37 +100,37 @@ class ShareHandle(bytes):
 
     @property
     def producer_pid(self) -> int:
-        return self._u("I", 16)
+        return self._u("producer_pid")
 
     @property
     def share_key(self) -> int:
-        return self._u("I", 20)
+        return self._u("share_key")
 
     @property
     def arena_id(self) -> int:
-        return self._u("Q", 24)
+        return self._u("arena_id")
 
     @property
     def generation(self) -> int:
-        return self._u("I", 32)
+        return self._u("generation")
 
     @property
     def offset(self) -> int:
         """Offset of the shared range in its arena, in bytes."""
-        return self._u("Q", 40)
+        return self._u("offset")
 
     @property
     def length(self) -> int:
         """Length of the shared range, in bytes."""
-        return self._u("Q", 48)
+        return self._u("len")
 
     @property
     def arena_bytes(self) -> int:
-        return self._u("Q", 56)
+        return self._u("arena_bytes")
 
     @property
     def socket_name(self) -> str:
-        return bytes(self[80:128]).split(b"\0", 1)[0].decode("ascii", "replace")
+        return self._field("socket_name").split(b"\0", 1)[0].decode("ascii", "replace")
 
     def __repr__(self) -> str:
         if not self.is_gpu_arena:

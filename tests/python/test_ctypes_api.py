@@ -58,6 +58,7 @@ def _header_text() -> str:
 # The C types of the header, as ctypes.
 _CTYPES = {"uint64_t": ctypes.c_uint64, "uint8_t": ctypes.c_uint8, "int32_t": ctypes.c_int32,
            "uint32_t": ctypes.c_uint32, "size_t": ctypes.c_size_t, "void*": ctypes.c_void_p,
+           "char": ctypes.c_char,
            # A struct of the header inside another (checked on its own below).
            "gpu_arena_share_t": _lib.GpuArenaShare}
 
@@ -92,6 +93,8 @@ def _same_type(a, b) -> bool:
 @pytest.mark.parametrize("c_name, py_struct", [
     ("gpu_arena_stats_t", gpu_arena.GpuArenaStats),
     ("gpu_arena_share_t", _lib.GpuArenaShare),
+    ("gpu_arena_share_field_t", _lib.GpuArenaShareField),
+    ("gpu_arena_share_fields_t", _lib.GpuArenaShareFields),
     ("gpu_arena_arena_info_t", _lib.GpuArenaArenaInfo),
     ("gpu_arena_dlpack_t", _lib.GpuArenaDlpack),
     ("gpu_arena_dlpack_import_t", _lib.GpuArenaDlpackImport),

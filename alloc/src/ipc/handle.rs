@@ -3,24 +3,26 @@
 //! It travels as 128 bytes (pickle, HTTP, a pipe) and carries everything a consumer needs to
 //! reach the producer's broker and ask for the memory: the producer's pid and socket name,
 //! the arena (id and export generation), the range (offset and length), the device, and a
-//! 128-bit random token the broker checks. Layout (little-endian):
+//! 128-bit random token the broker checks. Layout (little-endian; [`layout::FIELDS`] is the
+//! definition, checked against this table by a test; the C API hands it out as
+//! `gpu_arena_share_layout`, which the Python package's decoder is tested against):
 //!
-//! | bytes | field |
-//! |---|---|
-//! | 0..8 | magic `b"GPUARENA"` |
-//! | 8..10 | version (1) |
-//! | 10..12 | reserved, 0 |
-//! | 12..16 | device (i32) |
-//! | 16..20 | producer pid |
-//! | 20..24 | share key |
-//! | 24..32 | arena id |
-//! | 32..36 | export generation |
-//! | 36..40 | reserved, 0 |
-//! | 40..48 | offset in the arena, bytes |
-//! | 48..56 | length, bytes |
-//! | 56..64 | arena size, bytes |
-//! | 64..80 | token |
-//! | 80..128 | socket name (abstract namespace), NUL-padded |
+//! | bytes | field | |
+//! |---|---|---|
+//! | 0..8 | `magic` | `b"GPUARENA"` |
+//! | 8..10 | `version` | 1 |
+//! | 10..12 | `reserved0` | 0 |
+//! | 12..16 | `device` | i32 |
+//! | 16..20 | `producer_pid` | u32 |
+//! | 20..24 | `share_key` | u32 |
+//! | 24..32 | `arena_id` | u64 |
+//! | 32..36 | `generation` | u32, the arena's export generation |
+//! | 36..40 | `reserved1` | 0 |
+//! | 40..48 | `offset` | u64, the range's offset in the arena, bytes |
+//! | 48..56 | `len` | u64, the range's length, bytes |
+//! | 56..64 | `arena_bytes` | u64, the arena's size |
+//! | 64..80 | `token` | 16 random bytes |
+//! | 80..128 | `socket_name` | the broker's socket (abstract namespace), NUL-padded |
 
 use std::sync::Arc;
 
@@ -32,9 +34,104 @@ use crate::pool::ShareInfo;
 pub const HANDLE_BYTES: usize = 128;
 /// The handle format version this build writes and accepts.
 pub const HANDLE_VERSION: u16 = 1;
-const MAGIC: &[u8; 8] = b"GPUARENA";
+/// The first bytes of every handle.
+pub const HANDLE_MAGIC: &[u8; 8] = b"GPUARENA";
 /// Longest socket name a handle carries.
-pub const MAX_SOCKET_NAME: usize = 48;
+pub const MAX_SOCKET_NAME: usize = layout::SOCKET_NAME.len;
+
+/// The encoded handle's fields: name, first byte and length of each, in byte order, reserved
+/// bytes included. The one definition of the layout: the encoder and decoder below use it,
+/// the C API hands it out (`gpu_arena_share_layout`), and the module docs' table and the
+/// Python decoder are tested against it.
+pub mod layout {
+    use std::ops::Range;
+
+    /// One field of an encoded handle.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Field {
+        /// Its name (that of the decoded value where there is one: `len`, `arena_bytes`...).
+        pub name: &'static str,
+        /// Its first byte.
+        pub offset: usize,
+        /// Its length in bytes.
+        pub len: usize,
+    }
+
+    impl Field {
+        const fn new(name: &'static str, offset: usize, len: usize) -> Field {
+            Field { name, offset, len }
+        }
+
+        /// Its bytes' range in the handle.
+        pub const fn range(&self) -> Range<usize> {
+            self.offset..self.offset + self.len
+        }
+    }
+
+    /// [`super::HANDLE_MAGIC`].
+    pub const MAGIC: Field = Field::new("magic", 0, 8);
+    /// [`super::HANDLE_VERSION`], u16.
+    pub const VERSION: Field = Field::new("version", 8, 2);
+    /// Zero.
+    pub const RESERVED0: Field = Field::new("reserved0", 10, 2);
+    /// The producer's device, i32.
+    pub const DEVICE: Field = Field::new("device", 12, 4);
+    /// The producer's process id, u32.
+    pub const PRODUCER_PID: Field = Field::new("producer_pid", 16, 4);
+    /// The share's key in the producer's pool, u32.
+    pub const SHARE_KEY: Field = Field::new("share_key", 20, 4);
+    /// The arena's id, u64.
+    pub const ARENA_ID: Field = Field::new("arena_id", 24, 8);
+    /// The arena's export generation, u32.
+    pub const GENERATION: Field = Field::new("generation", 32, 4);
+    /// Zero.
+    pub const RESERVED1: Field = Field::new("reserved1", 36, 4);
+    /// The range's offset in its arena, u64.
+    pub const OFFSET: Field = Field::new("offset", 40, 8);
+    /// The range's length, u64.
+    pub const LEN: Field = Field::new("len", 48, 8);
+    /// The arena's size, u64.
+    pub const ARENA_BYTES: Field = Field::new("arena_bytes", 56, 8);
+    /// The random token the broker checks.
+    pub const TOKEN: Field = Field::new("token", 64, 16);
+    /// The broker's socket name, NUL-padded.
+    pub const SOCKET_NAME: Field = Field::new("socket_name", 80, 48);
+
+    /// Every field, in byte order.
+    pub const FIELDS: [Field; 14] = [
+        MAGIC,
+        VERSION,
+        RESERVED0,
+        DEVICE,
+        PRODUCER_PID,
+        SHARE_KEY,
+        ARENA_ID,
+        GENERATION,
+        RESERVED1,
+        OFFSET,
+        LEN,
+        ARENA_BYTES,
+        TOKEN,
+        SOCKET_NAME,
+    ];
+
+    // The fields follow each other and cover the handle exactly.
+    const _: () = {
+        let mut at = 0;
+        let mut i = 0;
+        while i < FIELDS.len() {
+            assert!(FIELDS[i].offset == at);
+            at += FIELDS[i].len;
+            i += 1;
+        }
+        assert!(at == super::HANDLE_BYTES);
+    };
+}
+
+use layout::{
+    ARENA_BYTES, ARENA_ID, DEVICE, GENERATION, LEN, MAGIC, OFFSET, PRODUCER_PID, RESERVED0,
+    RESERVED1, SHARE_KEY, SOCKET_NAME, TOKEN, VERSION,
+};
 
 /// A decoded share handle. See the module docs for the byte layout.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,15 +162,15 @@ pub(crate) fn check_range(info: &ShareInfo) -> Result<()> {
     }
 }
 
-fn u32_at(b: &[u8], at: usize) -> u32 {
+fn u32_at(b: &[u8], field: layout::Field) -> u32 {
     let mut x = [0u8; 4];
-    x.copy_from_slice(&b[at..at + 4]);
+    x.copy_from_slice(&b[field.range()]);
     u32::from_le_bytes(x)
 }
 
-fn u64_at(b: &[u8], at: usize) -> u64 {
+fn u64_at(b: &[u8], field: layout::Field) -> u64 {
     let mut x = [0u8; 8];
-    x.copy_from_slice(&b[at..at + 8]);
+    x.copy_from_slice(&b[field.range()]);
     u64::from_le_bytes(x)
 }
 
@@ -82,20 +179,20 @@ impl ShareHandle {
     pub fn to_bytes(&self) -> [u8; HANDLE_BYTES] {
         let mut b = [0u8; HANDLE_BYTES];
         let i = &self.info;
-        b[0..8].copy_from_slice(MAGIC);
-        b[8..10].copy_from_slice(&HANDLE_VERSION.to_le_bytes());
-        b[12..16].copy_from_slice(&i.device.to_le_bytes());
-        b[16..20].copy_from_slice(&self.producer_pid.to_le_bytes());
-        b[20..24].copy_from_slice(&i.share_key.to_le_bytes());
-        b[24..32].copy_from_slice(&i.arena_id.to_le_bytes());
-        b[32..36].copy_from_slice(&i.generation.to_le_bytes());
-        b[40..48].copy_from_slice(&i.offset.to_le_bytes());
-        b[48..56].copy_from_slice(&i.len.to_le_bytes());
-        b[56..64].copy_from_slice(&i.arena_bytes.to_le_bytes());
-        b[64..80].copy_from_slice(&i.token);
+        b[MAGIC.range()].copy_from_slice(HANDLE_MAGIC);
+        b[VERSION.range()].copy_from_slice(&HANDLE_VERSION.to_le_bytes());
+        b[DEVICE.range()].copy_from_slice(&i.device.to_le_bytes());
+        b[PRODUCER_PID.range()].copy_from_slice(&self.producer_pid.to_le_bytes());
+        b[SHARE_KEY.range()].copy_from_slice(&i.share_key.to_le_bytes());
+        b[ARENA_ID.range()].copy_from_slice(&i.arena_id.to_le_bytes());
+        b[GENERATION.range()].copy_from_slice(&i.generation.to_le_bytes());
+        b[OFFSET.range()].copy_from_slice(&i.offset.to_le_bytes());
+        b[LEN.range()].copy_from_slice(&i.len.to_le_bytes());
+        b[ARENA_BYTES.range()].copy_from_slice(&i.arena_bytes.to_le_bytes());
+        b[TOKEN.range()].copy_from_slice(&i.token);
         let name = self.socket_name.as_bytes();
         let n = name.len().min(MAX_SOCKET_NAME);
-        b[80..80 + n].copy_from_slice(&name[..n]);
+        b[SOCKET_NAME.offset..SOCKET_NAME.offset + n].copy_from_slice(&name[..n]);
         b
     }
 
@@ -108,34 +205,36 @@ impl ShareHandle {
                 bytes.len()
             )));
         }
-        if &bytes[0..8] != MAGIC {
+        if &bytes[MAGIC.range()] != HANDLE_MAGIC {
             return Err(Error::Ipc(
                 "not a gpu-arena share handle (bad magic)".into(),
             ));
         }
-        let version = u16::from_le_bytes([bytes[8], bytes[9]]);
+        let version = u16::from_le_bytes([bytes[VERSION.offset], bytes[VERSION.offset + 1]]);
         if version != HANDLE_VERSION {
             return Err(Error::Ipc(format!(
                 "share handle version {version}, this gpu-arena speaks version {HANDLE_VERSION}"
             )));
         }
-        if bytes[10..12] != [0, 0] || bytes[36..40] != [0; 4] {
+        if bytes[RESERVED0.range()].iter().any(|&c| c != 0)
+            || bytes[RESERVED1.range()].iter().any(|&c| c != 0)
+        {
             return Err(Error::Ipc(
                 "share handle has non-zero reserved bytes".into(),
             ));
         }
-        let device = u32_at(bytes, 12) as DeviceId;
-        let producer_pid = u32_at(bytes, 16);
+        let device = u32_at(bytes, DEVICE) as DeviceId;
+        let producer_pid = u32_at(bytes, PRODUCER_PID);
         let mut token = [0u8; 16];
-        token.copy_from_slice(&bytes[64..80]);
+        token.copy_from_slice(&bytes[TOKEN.range()]);
         let info = ShareInfo {
             device,
-            share_key: u32_at(bytes, 20),
-            arena_id: u64_at(bytes, 24),
-            generation: u32_at(bytes, 32),
-            offset: u64_at(bytes, 40),
-            len: u64_at(bytes, 48),
-            arena_bytes: u64_at(bytes, 56),
+            share_key: u32_at(bytes, SHARE_KEY),
+            arena_id: u64_at(bytes, ARENA_ID),
+            generation: u32_at(bytes, GENERATION),
+            offset: u64_at(bytes, OFFSET),
+            len: u64_at(bytes, LEN),
+            arena_bytes: u64_at(bytes, ARENA_BYTES),
             token,
         };
         if device < 0 {
@@ -145,7 +244,7 @@ impl ShareHandle {
             return Err(Error::Ipc("share handle names no producer".into()));
         }
         check_range(&info)?;
-        let raw_name = &bytes[80..128];
+        let raw_name = &bytes[SOCKET_NAME.range()];
         let end = raw_name
             .iter()
             .position(|&c| c == 0)
@@ -194,6 +293,48 @@ mod tests {
     fn round_trip() {
         let h = sample();
         assert_eq!(ShareHandle::from_bytes(&h.to_bytes()).unwrap(), h);
+    }
+
+    #[test]
+    fn the_module_docs_table_is_the_layout() {
+        let source = include_str!("handle.rs");
+        let rows: Vec<(usize, usize, &str)> = source
+            .lines()
+            .filter_map(|l| {
+                let mut cells = l.strip_prefix("//! | ")?.split(" | ");
+                let (from, to) = cells.next()?.split_once("..")?;
+                let name = cells.next()?.trim_matches('`');
+                Some((from.parse().ok()?, to.parse().ok()?, name))
+            })
+            .collect();
+        let fields: Vec<(usize, usize, &str)> = layout::FIELDS
+            .iter()
+            .map(|f| (f.offset, f.offset + f.len, f.name))
+            .collect();
+        assert_eq!(rows, fields);
+    }
+
+    #[test]
+    fn every_field_is_where_the_layout_says() {
+        let h = sample();
+        let b = h.to_bytes();
+        let at = |f: layout::Field| &b[f.range()];
+        let i = &h.info;
+        assert_eq!(at(MAGIC), HANDLE_MAGIC);
+        assert_eq!(at(VERSION), HANDLE_VERSION.to_le_bytes());
+        assert_eq!(at(DEVICE), i.device.to_le_bytes());
+        assert_eq!(at(PRODUCER_PID), h.producer_pid.to_le_bytes());
+        assert_eq!(at(SHARE_KEY), i.share_key.to_le_bytes());
+        assert_eq!(at(ARENA_ID), i.arena_id.to_le_bytes());
+        assert_eq!(at(GENERATION), i.generation.to_le_bytes());
+        assert_eq!(at(OFFSET), i.offset.to_le_bytes());
+        assert_eq!(at(LEN), i.len.to_le_bytes());
+        assert_eq!(at(ARENA_BYTES), i.arena_bytes.to_le_bytes());
+        assert_eq!(at(TOKEN), i.token);
+        assert!(at(RESERVED0).iter().chain(at(RESERVED1)).all(|&c| c == 0));
+        let name = at(SOCKET_NAME);
+        assert_eq!(&name[..h.socket_name.len()], h.socket_name.as_bytes());
+        assert!(name[h.socket_name.len()..].iter().all(|&c| c == 0));
     }
 
     #[test]
