@@ -12,8 +12,8 @@
 // 2.8, 2.10, 2.11 and 2.12 (shared/design/TORCH-ALLOCATOR.md §7).
 //
 // What torch's own allocator does and this one does not (each also noted at its method):
-// - snapshot(): segments and blocks (gpu_arena_segments), no traces and no stacks: torch's
-//   history is not recorded (gpu-arena's own history follows recordHistory's switch).
+// - Memory history (recordHistory, snapshot()'s traces and stacks): history.h, which says
+//   what is approximate there (gpu-arena's own history follows recordHistory's switch too).
 // - setUseOnOOM / setNoSplit: accepted, no effect (warned once).
 // - cacheInfo: the largest cached block is unknown; the device's free memory stands for it.
 #include <torch/version.h>
@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "gpu_arena_api.h"
+#include "history.h"
 
 #ifdef GPU_ARENA_CHECK_LAYOUT  // torch_native.check_headers(gpu_arena_header=...)
 #include <gpu_arena.h>
@@ -68,6 +69,9 @@ static_assert(offsetof(gpu_arena_native::SegmentBlock, allocated) ==
               sizeof(gpu_arena_native::SegmentBlock) == sizeof(gpu_arena_segment_block_t),
               "segment block");
 static_assert(sizeof(gpu_arena_native::StatsBuffer) >= sizeof(gpu_arena_stats_t), "room");
+static_assert(offsetof(gpu_arena_native::ArenaInfo, base) ==
+                  offsetof(gpu_arena_arena_info_t, base) &&
+              sizeof(gpu_arena_native::ArenaInfo) == sizeof(gpu_arena_arena_info_t), "arena");
 #endif
 
 namespace gpu_arena_native {
@@ -173,6 +177,7 @@ class Allocator final : public cca::CUDAAllocator {
   // The deleter of every DataPtr this allocator makes (raw_deleter()).
   void release(void* ptr, bool throw_on_error) {
     if (ptr == nullptr) return;
+    if (C10_UNLIKELY(history_.active())) history_.free_traced(ptr, throw_on_error);
     if (C10_UNLIKELY(shares_live_.load(std::memory_order_acquire) > 0)) drop_share(ptr);
     if (C10_UNLIKELY(g_api.free_unsized(ptr) < 0)) {
       // A deleter must not throw (it runs in destructors): raw_delete does, a deleter warns.
@@ -266,6 +271,7 @@ class Allocator final : public cca::CUDAAllocator {
              "gpu_arena_graph_pool_restore");
     std::unordered_set<uint64_t> kept;
     for (const PoolBlock& b : st->blocks) kept.insert(b.ptr);
+    if (history_.active()) history_.restore_event(dev, st->id, before, st->blocks, kept);
     cca::CheckpointDelta delta;
     for (const PoolBlock& b : before) {
       void* p = reinterpret_cast<void*>(b.ptr);
@@ -344,6 +350,9 @@ class Allocator final : public cca::CUDAAllocator {
     if (*largest == 0) *largest = mem_info(dev).first;
   }
   void emptyCache(MempoolId_t id) override {
+    Pending pending;  // segment_free entries take its context (RecordContext::ALL)
+    if (history_.active()) pending.ctx = history_.gather(cca::RecordContext::ALL);
+    PendingScope scope(&pending);
     if (id.first == 0 && id.second == 0) {
       check_rc(g_api.empty_cache(-1), "gpu_arena_empty_cache");
       return;
@@ -353,36 +362,59 @@ class Allocator final : public cca::CUDAAllocator {
     const int n = g_api.device_count();
     for (int dev = 0; dev < n; ++dev) g_api.graph_pool_empty_cache(dev, id.first, id.second);
   }
-  // Segments (gpu-arena's arenas) and their blocks, from gpu_arena_segments; no traces.
+  // Segments (gpu-arena's arenas) and their blocks, from gpu_arena_segments, with the
+  // contexts and traces of torch's memory history (history.h).
 #if GA_TORCH_AT_LEAST(2, 11)
-  cca::SnapshotInfo snapshot(MempoolId_t id, bool) override { return snapshot_of(id); }
+  cca::SnapshotInfo snapshot(MempoolId_t id, bool include_traces) override {
+    return snapshot_of(id, include_traces);
+  }
 #else
-  cca::SnapshotInfo snapshot(MempoolId_t id) override { return snapshot_of(id); }
+  cca::SnapshotInfo snapshot(MempoolId_t id) override { return snapshot_of(id, true); }
 #endif
 
   // ---- history and observers ----
-  // torch's history (stacks, trace entries) is not recorded; gpu-arena's own history is
-  // switched on and off with it (gpu_arena.torch.memory_snapshot() shows it).
+  // torch's memory history (history.h); gpu-arena's own history is switched with it
+  // (gpu_arena.torch.memory_snapshot() shows it).
 #if GA_TORCH_AT_LEAST(2, 11)
-  void recordHistory(bool enabled, cca::CreateContextFn, size_t max_entries, cca::RecordContext,
-                     bool, const std::vector<std::string>&) override {
+  void recordHistory(bool enabled, cca::CreateContextFn recorder, size_t max_entries,
+                     cca::RecordContext when, bool clear,
+                     const std::vector<std::string>& skip_actions) override {
+    history_.set(enabled, recorder, max_entries, when, clear, skip_actions);
     g_api.record_history(enabled ? 1 : 0, max_entries);
   }
 #else
-  void recordHistory(bool enabled, cca::CreateContextFn, size_t max_entries, cca::RecordContext,
-                     bool) override {
+  void recordHistory(bool enabled, cca::CreateContextFn recorder, size_t max_entries,
+                     cca::RecordContext when, bool clear) override {
+    history_.set(enabled, recorder, max_entries, when, clear, {});
     g_api.record_history(enabled ? 1 : 0, max_entries);
   }
 #endif
-  bool isHistoryEnabled() override { return false; }
+  bool isHistoryEnabled() override { return history_.enabled(); }
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
+    if (history_.enabled()) history_.annotate(c10::cuda::current_device(), md);
+  }
+  void pushCompileContext(std::string& md) override { history_.push_compile_context(md); }
+  void popCompileContext() override { history_.pop_compile_context(); }
+#if GA_TORCH_AT_LEAST(2, 10)
+  void setUserMetadata(const std::string& md) override { history_.set_user_metadata(md); }
+  std::string getUserMetadata() override { return history_.user_metadata(); }
+#endif
+#if GA_TORCH_AT_LEAST(2, 14)
+  bool supportsUserMetadata() override { return true; }
+#endif
+#if GA_TORCH_AT_LEAST(2, 12)
+  // Known while history (or a tracker) is on, for blocks allocated since.
+  std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* ptr) override {
+    return history_.active() ? history_.context_of(ptr) : nullptr;
+  }
+#endif
   void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
     std::lock_guard<std::mutex> g(observers_mu_);
     oom_observers_.push_back(std::move(observer));
   }
-  // Trace entries are not produced (see recordHistory): kept, never called.
+  // Every trace entry from now on, history on or not (history.h).
   void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
-    std::lock_guard<std::mutex> g(observers_mu_);
-    trace_trackers_.push_back(std::move(tracker));
+    history_.add_tracker(std::move(tracker));
   }
 #if GA_TORCH_AT_LEAST(2, 12)
   // gpu-arena rejects nothing preemptively: kept, never called.
@@ -484,6 +516,9 @@ class Allocator final : public cca::CUDAAllocator {
   void enable(bool value) override { enabled_.store(value); }
   bool isEnabled() const override { return enabled_.load(); }
   std::string name() override { return "gpu_arena"; }
+  void bind_history(const std::string& lib_path) {
+    history_.bind(lib_path, g_api.allocation_of);
+  }
 
  private:
   struct Route {
@@ -492,11 +527,27 @@ class Allocator final : public cca::CUDAAllocator {
   };
 
   void* alloc(size_t n, DeviceIndex dev, cudaStream_t stream) {
+    if (C10_UNLIKELY(history_.active())) return alloc_traced(n, dev, stream);
     void* p = malloc_routed(n, dev, stream);
     if (C10_UNLIKELY(p == nullptr)) return alloc_failed(n, dev, stream);
     return p;
   }
-  void* malloc_routed(size_t n, DeviceIndex dev, cudaStream_t stream) {
+  // alloc while history or a tracker is on: the context (gathered first, outside any lock),
+  // segment entries from the arena observer on this thread (t_pending), then the alloc
+  // entry; an OOM entry instead when it fails.
+  C10_NOINLINE void* alloc_traced(size_t n, DeviceIndex dev, cudaStream_t stream) {
+    Pending pending;
+    pending.stream = stream;
+    pending.ctx = history_.gather(cca::RecordContext::STATE);
+    PendingScope scope(&pending);
+    void* p = malloc_routed(n, dev, stream, &pending.pool);
+    if (p == nullptr) p = alloc_failed(n, dev, stream, &pending);
+    history_.alloc_event(p, n, dev, pending);
+    return p;
+  }
+  // `pool`: where the id of the graph pool it was routed to goes (set before allocating).
+  void* malloc_routed(size_t n, DeviceIndex dev, cudaStream_t stream,
+                      MempoolId_t* pool = nullptr) {
     if (C10_LIKELY(dev >= kMaxDevices || open_[dev].load(std::memory_order_acquire) == 0)) {
       return g_api.malloc(static_cast<ssize_t>(n), dev, stream);
     }
@@ -514,14 +565,17 @@ class Allocator final : public cca::CUDAAllocator {
       }
     }
     if (!routed) return g_api.malloc(static_cast<ssize_t>(n), dev, stream);
+    if (pool != nullptr) *pool = id;
     return g_api.graph_pool_malloc(dev, id.first, id.second, n, stream);
   }
-  C10_NOINLINE void* alloc_failed(size_t n, DeviceIndex dev, cudaStream_t stream) {
+  // `traced`: alloc_traced's (then an OOM entry is recorded).
+  C10_NOINLINE void* alloc_failed(size_t n, DeviceIndex dev, cudaStream_t stream,
+                                  Pending* traced = nullptr) {
     // The code and message first: the callbacks may call gpu-arena (its last error changes).
     int code = g_api.last_error_code();
     std::string cause = take_string(g_api.alloc_error_message(static_cast<ssize_t>(n), dev));
     if (code == kErrOutOfMemory && run_free_memory_callbacks()) {
-      if (void* p = malloc_routed(n, dev, stream)) return p;
+      if (void* p = malloc_routed(n, dev, stream, traced ? &traced->pool : nullptr)) return p;
       code = g_api.last_error_code();
       cause = take_string(g_api.alloc_error_message(static_cast<ssize_t>(n), dev));
     }
@@ -533,6 +587,7 @@ class Allocator final : public cca::CUDAAllocator {
       std::tie(free_bytes, total) = mem_info(dev);
     } catch (const std::exception&) {
     }
+    if (traced != nullptr) history_.oom_event(dev, free_bytes, n, *traced);
     StatsBuffer buf{};
     const bool have_stats = g_api.stats(dev, &buf) == 0;
     const Stats& s = buf.s;
@@ -541,7 +596,11 @@ class Allocator final : public cca::CUDAAllocator {
       std::lock_guard<std::mutex> g(observers_mu_);
       observers = oom_observers_;
     }
-    for (const auto& obs : observers) obs(dev, s.allocated_bytes, total, free_bytes);
+    // As CUDACachingAllocator: the size asked for, the memory allowed (the fraction's share
+    // of the device), the device's free bytes. No lock held: they may take a snapshot.
+    const double fraction = dev < kMaxDevices ? fraction_[dev].load() : 1.0;
+    const size_t allowed = fraction < 1.0 ? static_cast<size_t>(fraction * total) : total;
+    for (const auto& obs : observers) obs(dev, n, allowed, free_bytes);
     std::string held;
     if (have_stats) {
       held = "Of the allocated memory " + format_size(s.allocated_bytes) +
@@ -609,11 +668,13 @@ class Allocator final : public cca::CUDAAllocator {
   }
   // As CUDACachingAllocator's: every segment, or only those of pool `id` when it is not
   // {0, 0}; sorted by address. An arena is one segment (is_large: not a small-block arena).
-  static cca::SnapshotInfo snapshot_of(MempoolId_t id) {
+  // With history on: each block's and segment's context, the traces (include_traces).
+  cca::SnapshotInfo snapshot_of(MempoolId_t id, bool include_traces) {
     cca::SnapshotInfo info{};
     const int n = std::max(g_api.device_count(), 0);
-    info.device_traces.resize(static_cast<size_t>(n));
     const bool all = id.first == 0 && id.second == 0;
+    std::vector<size_t> active_bytes(static_cast<size_t>(n), 0);
+    auto lock = history_.lock();  // no allocation is traced while this is built
     for (int dev = 0; dev < n; ++dev) {
       std::vector<Segment> segs;
       std::vector<SegmentBlock> blocks;
@@ -637,25 +698,31 @@ class Allocator final : public cca::CUDAAllocator {
         si.total_size = s.bytes;
         si.is_large = s.small == 0;
         si.owner_private_pool_id = owner;
+        si.context_when_allocated = history_.segment_context(s.address);
         for (uint64_t i = s.first_block; i < s.first_block + s.block_count; ++i) {
           if (i >= blocks.size()) break;
           const SegmentBlock& b = blocks[i];
           cca::BlockInfo bi;
           bi.size = b.bytes;
           bi.requested_size = b.requested;
-          bi.allocated = bi.active = b.allocated != 0;
+          // A range gpu-arena holds after its free (its per-thread cache, or waiting for
+          // shares or streams) has requested 0: inactive, as a cached block of torch's.
+          bi.allocated = bi.active = b.allocated != 0 && b.requested != 0;
           if (bi.allocated) {
             si.allocated_size += b.bytes;
             si.active_size += b.bytes;
             si.requested_size += b.requested;
+            bi.context_when_allocated = history_.block_context(b.address);
           }
           si.blocks.push_back(std::move(bi));
         }
+        active_bytes[static_cast<size_t>(dev)] += si.active_size;
         info.segments.push_back(std::move(si));
       }
     }
     std::sort(info.segments.begin(), info.segments.end(),
               [](const auto& a, const auto& b) { return a.address < b.address; });
+    history_.fill(info, n, include_traces, active_bytes);
     return info;
   }
   static void warn_use_on_oom() {
@@ -674,12 +741,12 @@ class Allocator final : public cca::CUDAAllocator {
   std::unordered_map<std::string, std::weak_ptr<void>> imports_;
   std::mutex observers_mu_;
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
-  std::vector<cca::AllocatorTraceTracker> trace_trackers_;
 #if GA_TORCH_AT_LEAST(2, 12)
   std::vector<cca::OomRejectionObserver> oom_rejection_observers_;
 #endif
   std::atomic<bool> initialized_{false};
   std::atomic<bool> enabled_{true};
+  History history_;  // torch's memory history (history.h)
 };
 
 void raw_delete_fn(void* ptr) { g_self->release(ptr, /*throw_on_error=*/false); }
@@ -735,6 +802,7 @@ GA_EXPORT int gpu_arena_torch_install_native(const char* libgpu_arena_path, char
       throw;
     }
     g_self = keep->get();
+    g_self->bind_history(g_api.path);
     return 0;
   } catch (const c10::Error& e) {
     set_error(err, err_len, e.what_without_backtrace());
