@@ -246,6 +246,29 @@ class GpuArenaShareFields(ctypes.Structure):
     ]
 
 
+class GpuArenaPoolBlock(ctypes.Structure):
+    """``gpu_arena_pool_block_t``: a live block of a graph pool."""
+
+    _fields_ = [("ptr", ctypes.c_uint64), ("requested", ctypes.c_uint64),
+                ("bytes", ctypes.c_uint64), ("stream", ctypes.c_void_p)]
+
+
+class GpuArenaSegment(ctypes.Structure):
+    """``gpu_arena_segment_t``: an arena as a segment of PyTorch's snapshot."""
+
+    _fields_ = [("address", ctypes.c_uint64), ("bytes", ctypes.c_uint64),
+                ("pool_id0", ctypes.c_uint64), ("pool_id1", ctypes.c_uint64),
+                ("first_block", ctypes.c_uint64), ("block_count", ctypes.c_uint64),
+                ("small", ctypes.c_uint8), ("in_graph_pool", ctypes.c_uint8)]
+
+
+class GpuArenaSegmentBlock(ctypes.Structure):
+    """``gpu_arena_segment_block_t``: a range of a segment."""
+
+    _fields_ = [("address", ctypes.c_uint64), ("bytes", ctypes.c_uint64),
+                ("requested", ctypes.c_uint64), ("allocated", ctypes.c_uint8)]
+
+
 class GpuArenaDlpack(ctypes.Structure):
     """``gpu_arena_dlpack_t``: what ``gpu_arena_import_dlpack`` hands back."""
 
@@ -397,6 +420,26 @@ _SIGNATURES = {
     "gpu_arena_wake": (c_int, [c_int, c_char_p]),
     "gpu_arena_sleep_release_host": (c_int, [c_int]),
     "gpu_arena_trim": (c_int, [c_int, ctypes.POINTER(ctypes.c_uint64)]),
+    # What the native torch allocator maps torch's calls onto (ffi/src/torch_allocator_api.rs).
+    **{f"gpu_arena_graph_pool_{n}": (c_int, [c_int, ctypes.c_uint64, ctypes.c_uint64])
+       for n in ("retain", "release", "use_count", "begin", "end", "empty_cache")},
+    "gpu_arena_graph_pool_malloc": (c_void_p, [c_int, ctypes.c_uint64, ctypes.c_uint64,
+                                               ctypes.c_size_t, c_void_p]),
+    "gpu_arena_graph_pool_blocks": (c_ssize_t, [c_int, ctypes.c_uint64, ctypes.c_uint64,
+                                                ctypes.POINTER(GpuArenaPoolBlock),
+                                                ctypes.c_size_t]),
+    "gpu_arena_graph_pool_restore": (c_int, [c_int, ctypes.c_uint64, ctypes.c_uint64,
+                                             ctypes.POINTER(GpuArenaPoolBlock), ctypes.c_size_t]),
+    "gpu_arena_reset_peak_stats": (c_int, [c_int]),
+    "gpu_arena_reset_accumulated_stats": (c_int, [c_int]),
+    "gpu_arena_set_memory_fraction": (c_int, [c_int, ctypes.c_double]),
+    "gpu_arena_segments": (c_ssize_t, [c_int, ctypes.POINTER(GpuArenaSegment), ctypes.c_size_t,
+                                       ctypes.POINTER(GpuArenaSegmentBlock), ctypes.c_size_t,
+                                       ctypes.POINTER(ctypes.c_size_t)]),
+    "gpu_arena_free_unsized": (c_int, [c_void_p]),
+    "gpu_arena_allocation_of": (c_int, [c_void_p, ctypes.POINTER(c_void_p),
+                                        ctypes.POINTER(ctypes.c_size_t),
+                                        ctypes.POINTER(c_int)]),
 }
 
 # The IPC part (ffi/src/ipc_api.rs), declared when the library has it (has_ipc() says
