@@ -48,13 +48,13 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple
 
-from . import _lib
+from . import _cxx, _lib
 
 log = logging.getLogger("gpu_arena")
 
 NATIVE_DIR = Path(__file__).resolve().parent / "native"
 SOURCE = NATIVE_DIR / "allocator.cpp"
-HEADERS = (NATIVE_DIR / "gpu_arena_api.h",)
+HEADERS = (NATIVE_DIR / "gpu_arena_api.h", NATIVE_DIR / "history.h")
 INSTALL_FN = "gpu_arena_torch_install_native"
 # The oldest torch whose CUDAAllocator the source bridges (allocator.cpp refuses older).
 MIN_TORCH = (2, 8)
@@ -81,8 +81,8 @@ def cache_dir() -> Path:
 
 
 def compiler() -> Optional[str]:
-    """``$CXX`` (default ``c++``) on PATH, or None."""
-    return shutil.which(os.environ.get("CXX", "c++"))
+    """The C++ compiler (``gpu_arena/_cxx.py``: one whose C++ runtime is torch's), or None."""
+    return _cxx.compiler()
 
 
 def torch_version(torch) -> Tuple[int, int]:
@@ -302,17 +302,30 @@ def _build(torch) -> Path:
     cuda_inc, why = find_cuda_includes(torch)
     if not cuda_inc:
         raise NativeBuildError(why)
-    cxx = compiler()
-    if cxx is None:
-        raise NativeBuildError(f"no C++ compiler ({os.environ.get('CXX', 'c++')} not on PATH; "
-                               "set CXX)")
+    compilers = _cxx.ordered()
+    if not compilers:
+        raise NativeBuildError(f"no C++ compiler ({_cxx.describe()})")
     flags = ["-O2", *compile_flags(inc, cuda_inc, cxx_std(version), abi_flag(torch))]
     link = ["-shared", "-L", str(libdir), "-lc10", "-lc10_cuda", "-ltorch_cuda", "-ltorch_cpu",
             "-ldl", f"-Wl,-rpath,{libdir}"]
-    out = cache_dir() / f"torch_native-{cache_key(torch, cxx, flags, link)}.so"
-    if out.is_file():
-        return out
-    log.info("gpu_arena: building the native torch allocator into %s", out)
+    refused = []
+    for cxx in compilers:
+        out = cache_dir() / f"torch_native-{cache_key(torch, cxx, flags, link)}.so"
+        if not out.is_file():
+            _compile(cxx, flags, link, out)
+        private = _cxx.private_runtime(str(out))
+        if private is None:
+            return out
+        # Two C++ runtimes in one process: the first exception thrown into torch crashes.
+        refused.append(f"{cxx} (its object defines {private})")
+        out.unlink(missing_ok=True)
+    raise NativeBuildError("every C++ compiler links a private C++ runtime into the object: "
+                           + "; ".join(refused) + " (set GPU_ARENA_CXX to one that does not)")
+
+
+def _compile(cxx: str, flags: Sequence[str], link: Sequence[str], out: Path) -> None:
+    """Compile the allocator with ``cxx`` into ``out`` (a temporary file renamed into place)."""
+    log.info("gpu_arena: building the native torch allocator into %s with %s", out, cxx)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
     os.close(fd)
@@ -325,7 +338,6 @@ def _build(torch) -> Path:
         os.replace(tmp, out)  # atomic: a concurrent install sees the old file or the new
     finally:
         Path(tmp).unlink(missing_ok=True)
-    return out
 
 
 def check_headers(torch_includes: Sequence[Path], cuda_includes: Sequence[Path] = (), *,

@@ -26,13 +26,12 @@ import ctypes
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Optional
 
-from . import _lib
+from . import _cxx, _lib
 
 log = logging.getLogger("gpu_arena")
 
@@ -115,7 +114,8 @@ def cache_dir() -> Path:
 
 
 def _compiler() -> Optional[str]:
-    return shutil.which(os.environ.get("CXX", "c++"))
+    """The C++ compiler (``gpu_arena/_cxx.py``: one whose C++ runtime is torch's)."""
+    return _cxx.compiler()
 
 
 def _torch_dirs(torch) -> "tuple[Path, Path]":
@@ -169,14 +169,23 @@ def build(torch) -> Path:
         raise ShimBuildError(f"no PyTorch C++ headers at {include} (c10/util/Exception.h)")
     if not any(libdir.glob("libc10.*")):
         raise ShimBuildError(f"no libc10 in {libdir}")
-    cxx = _compiler()
-    if cxx is None:
-        raise ShimBuildError(f"no C++ compiler ({os.environ.get('CXX', 'c++')} not on PATH; set CXX)")
-    out = cache_dir() / f"oom_shim_c10-{cache_key(torch, cxx)}.so"
-    if not out.is_file():
-        log.info("gpu_arena: building the torch.OutOfMemoryError shim into %s", out)
-        _compile(torch, cxx, out)
-    return out
+    compilers = _cxx.ordered()
+    if not compilers:
+        raise ShimBuildError(f"no C++ compiler ({_cxx.describe()})")
+    refused = []
+    for cxx in compilers:
+        out = cache_dir() / f"oom_shim_c10-{cache_key(torch, cxx)}.so"
+        if not out.is_file():
+            log.info("gpu_arena: building the torch.OutOfMemoryError shim into %s", out)
+            _compile(torch, cxx, out)
+        # A private C++ runtime in the shim crashes the first exception it throws.
+        private = _cxx.private_runtime(str(out))
+        if private is None:
+            return out
+        refused.append(f"{cxx} (its object defines {private})")
+        out.unlink(missing_ok=True)
+    raise ShimBuildError("every C++ compiler links a private C++ runtime into the shim: "
+                         + "; ".join(refused) + " (set GPU_ARENA_CXX to one that does not)")
 
 
 def bind(path: Path) -> None:

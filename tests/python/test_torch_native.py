@@ -65,3 +65,58 @@ def test_build_refuses_old_or_cpu_only_torch():
     assert path is None and "older than 2.8" in why
     path, why = tn.build(_torch(cuda=None))
     assert path is None and "without CUDA" in why
+
+
+def _fake_compiler(d: Path, name: str, runtime: Path) -> Path:
+    exe = d / name
+    exe.write_text(f"#!/bin/sh\necho {runtime}\n")
+    exe.chmod(0o755)
+    return exe
+
+
+def test_the_compiler_whose_cxx_runtime_torch_loaded_is_chosen(tmp_path, monkeypatch):
+    from gpu_arena import _cxx
+
+    ours, theirs = tmp_path / "libstdc++.so.6", tmp_path / "opt-libstdc++.so.6"
+    ours.write_text("")
+    theirs.write_text("")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    newer = _fake_compiler(bindir, "opt-g++", theirs)
+    system = _fake_compiler(bindir, "c++", ours)
+    monkeypatch.setenv("PATH", str(bindir))
+    monkeypatch.setenv("CXX", str(newer))
+    monkeypatch.delenv("GPU_ARENA_CXX", raising=False)
+    monkeypatch.setattr(_cxx, "loaded_libstdcxx", lambda: str(ours))
+    # $CXX links another C++ runtime than the process's: the system compiler is taken.
+    assert _cxx.compiler() == str(system)
+    # No runtime loaded yet (a headers-only check): $CXX first.
+    monkeypatch.setattr(_cxx, "loaded_libstdcxx", lambda: None)
+    assert _cxx.compiler() == str(newer)
+    # GPU_ARENA_CXX is used as it is.
+    monkeypatch.setenv("GPU_ARENA_CXX", str(newer))
+    monkeypatch.setattr(_cxx, "loaded_libstdcxx", lambda: str(ours))
+    assert _cxx.compiler() == str(newer)
+    assert tn.compiler() == str(newer)
+
+
+def test_an_object_with_a_private_cxx_runtime_is_found(tmp_path):
+    # What /opt/gcc on the H200 image did: -static-libstdc++ / -static-libgcc in the object.
+    import shutil
+    import subprocess
+
+    from gpu_arena import _cxx
+
+    cxx = shutil.which("c++")
+    if cxx is None or shutil.which("nm") is None:
+        import pytest
+
+        pytest.skip("no c++ or nm")
+    src = tmp_path / "t.cpp"
+    src.write_text('#include <stdexcept>\nextern "C" void f() { throw std::runtime_error("x"); }\n')
+    shared, static = tmp_path / "shared.so", tmp_path / "static.so"
+    subprocess.run([cxx, "-shared", "-fPIC", str(src), "-o", str(shared)], check=True)
+    subprocess.run([cxx, "-shared", "-fPIC", "-static-libstdc++", "-static-libgcc", str(src),
+                    "-o", str(static)], check=True)
+    assert _cxx.private_runtime(str(shared)) is None
+    assert _cxx.private_runtime(str(static)) in _cxx.RUNTIME_SYMBOLS

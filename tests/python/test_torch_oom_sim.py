@@ -122,12 +122,12 @@ sys.path.insert(0, os.environ["STUB_ROOT"])
 import torch
 from gpu_arena import torch_oom
 out = {}
-os.environ["CXX"] = "no-such-compiler-xyz"
+os.environ["GPU_ARENA_CXX"] = "no-such-compiler-xyz"
 try:
     torch_oom.build(torch)
 except torch_oom.ShimBuildError as e:
     out["nocxx"] = str(e)
-os.environ.pop("CXX")
+os.environ.pop("GPU_ARENA_CXX")
 os.remove(os.path.join(os.environ["STUB_ROOT"], "torch/include/c10/util/Exception.h"))
 try:
     torch_oom.build(torch)
@@ -137,5 +137,5 @@ report(out)
 """
     r = result_of(run_python(code, env={"GPU_ARENA_CACHE": str(tmp_path / "c"),
                                         "STUB_ROOT": str(tmp_path)}))
-    assert "no C++ compiler (no-such-compiler-xyz" in r["nocxx"]
+    assert "no C++ compiler (GPU_ARENA_CXX=no-such-compiler-xyz is not on PATH" in r["nocxx"]
     assert "no PyTorch C++ headers" in r["noheaders"] and str(pkg / "include") in r["noheaders"]
