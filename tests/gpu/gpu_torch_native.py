@@ -618,8 +618,8 @@ def write_report(out, args_text, prep, prep_err, checks, runner, total):
              f"- GPU: {info.get('gpu', '?')} ({fmt_bytes(info.get('total_bytes'))}); torch {info.get('torch', '?')} "
              f"(CUDA {info.get('cuda', '?')}); python {platform.python_version()}",
              f"- gpu-arena: `{info.get('lib', os.environ.get('GPU_ARENA_LIB', '?'))}`, backend "
-             f"{info.get('backend', '?')}; native allocator `{prep.get('native_so', '?')}` (table mode "
-             f"{prep.get('table_mode')}, install {prep.get('native_install_s', '?')} s); C++ pairs library: "
+             f"{info.get('backend', '?')}; native allocator `{prep.get('native_so', '?')}` (compiler "
+             f"{prep.get('cxx', '?')}, install {prep.get('native_install_s', '?')} s); C++ pairs library: "
              f"{'built' if prep.get('cxx_lib') else prep.get('cxx_error', 'not built')} ({prep.get('cxx_build_s', '?')} s)",
              f"- torch APIs present: {prep.get('apis', '?')}",
              f"- command: `python3 {SCRIPT.relative_to(REPO) if SCRIPT.is_relative_to(REPO) else SCRIPT} "

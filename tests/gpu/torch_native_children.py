@@ -666,7 +666,7 @@ def child_prep(p):
 
     path, why = tn.build(torch)
     out["native_so"], out["native_build_error"] = str(path), why
-    out["table_mode"] = tn.table_mode(path) if path else None
+    out["cxx"] = tn.compiler()
     t0 = time.perf_counter()
     try:
         out["cxx_lib"] = build_cxx(torch, p["cxx_out"])

@@ -93,8 +93,9 @@ def compare(reference: dict, got: dict):
 @needs_torch
 @pytest.mark.skipif(HAVE_TORCH and not HAVE_PLUGGABLE, reason="this torch build has no CUDA support")
 def test_install_wiring_without_touching_the_device():
-    """The hooks and the swap, checked against the installed torch's bindings. Runs without
-    a GPU: nothing here touches device memory (the sim backend is allowed for that reason)."""
+    """The pluggable route's hooks and swap, checked against the installed torch's bindings.
+    Runs without a GPU: nothing here touches device memory (the sim backend is allowed for
+    that reason). The native route: tests/gpu/gpu_torch_native.py."""
     proc = run_python(
         """
         import torch, gpu_arena, gpu_arena.torch as gt
@@ -103,20 +104,20 @@ def test_install_wiring_without_touching_the_device():
         real_is_init = torch.cuda.is_initialized
         torch.cuda.is_initialized = lambda: True
         try:
-            gt.install(allow_sim=True)
+            gt.install(allow_sim=True, route="pluggable")
             already = None
         except gt.AlreadyInitializedError as e:
             already = str(e)
         torch.cuda.is_initialized = real_is_init
         try:
-            gt.install()
+            gt.install(route="pluggable")
             sim_refused = None
         except gt.TorchIntegrationError as e:
             sim_refused = str(e)
-        alloc = gt.install(allow_sim=True)  # gpu-arena is initialized already (above)
-        again = gt.install(allow_sim=True)
+        alloc = gt.install(allow_sim=True, route="pluggable")  # gpu-arena is initialized already (above)
+        again = gt.install(allow_sim=True, route="pluggable")
         try:
-            gt.install("arena_size=8MiB", allow_sim=True)
+            gt.install("arena_size=8MiB", allow_sim=True, route="pluggable")
             late_conf = None
         except gpu_arena.InvalidStateError as e:
             late_conf = e.code
