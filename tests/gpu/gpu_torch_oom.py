@@ -8,7 +8,8 @@ catchable, and the GPU keeps working (issue #11 item 1). Run on the GPU machine:
 Each case runs in its own subprocess (install() must precede CUDA init; gpu-arena's init is
 process-global):
 
-* ``install-auto`` / ``install-torch`` / ``install-runtime``: ``gpu_arena.torch.install(oom=...)``,
+* ``install-auto``: ``gpu_arena.torch.install()`` (the native allocator); ``install-torch`` /
+  ``install-runtime``: ``gpu_arena.torch.install(oom=..., route="pluggable")``,
   then ``torch.empty(400 << 30, dtype=uint8, device="cuda").fill_(1)`` (the issue's repro);
 * ``mempool``: ``torch.cuda.use_mem_pool(gpu_arena.torch.mem_pool())`` around the same;
 * ``use_on_oom``: a gpu-arena MemPool made with ``use_on_oom=True`` holding a freed 8 GiB
@@ -73,8 +74,13 @@ def child(case: str) -> dict:
         oom = case.split("-", 1)[1]
         import torch
 
-        gt.install(oom=oom)
-        res["route"] = gt.oom_route()
+        # install-auto: the default (the native allocator); the oom= routes are the
+        # pluggable route's, so those cases name it.
+        if oom == "auto":
+            gt.install()
+        else:
+            gt.install(oom=oom, route="pluggable")
+        res["route"] = f"{gt.route_in_use()}/{gt.oom_route()}"
         res.update(_try_huge(torch))
         res.update(_after_ok(torch))
         res["num_ooms"] = gt.memory_stats()["num_ooms"]
@@ -132,8 +138,9 @@ def passed(r: dict) -> bool:
     if case in ("install-torch", "mempool"):
         return bool(r.get("torch_oom"))
     if case == "install-runtime":
-        return r.get("route") == "runtime"
-    return True  # install-auto: either exception type, as reported
+        return r.get("route") == "pluggable/runtime"
+    # install-auto: the native route raises torch.OutOfMemoryError.
+    return bool(r.get("torch_oom")) and r.get("route") == "native/torch"
 
 
 def run_case(case: str) -> dict:
