@@ -41,17 +41,13 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
+import gpu_common  # beside this file: python/ and tests/python/ on sys.path
+from naive_export import TOL, gb  # beside this file; one tolerance, one format
+from result_channel import NO_RESULT, ReplyPipe, run_reporting  # tests/python
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "gpu_ipc_consumer.py")
 NAIVE = os.path.join(HERE, "naive_export.py")  # section (a'), in a process of its own
-PYDIR = os.path.join(os.path.dirname(os.path.dirname(HERE)), "python")  # tests/gpu/ -> python/
-if os.path.isdir(PYDIR) and PYDIR not in sys.path:
-    sys.path.insert(0, PYDIR)
-
-from naive_export import TOL, gb  # noqa: E402  (beside this file; one tolerance, one format)
-
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
-from result_channel import NO_RESULT, ReplyPipe, run_reporting  # noqa: E402  (tests/python)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -140,10 +136,7 @@ class Worker:
 
     def __init__(self, role: str, mode: str, conf: Optional[str], start_timeout: float = 240):
         self.role = role
-        env = dict(os.environ)
-        if os.path.isdir(PYDIR):
-            env["PYTHONPATH"] = PYDIR + (os.pathsep + env["PYTHONPATH"]
-                                         if env.get("PYTHONPATH") else "")
+        env = gpu_common.child_env(drop=())
         env.setdefault("PYTHONUNBUFFERED", "1")
         cmd = [sys.executable, WORKER, "--mode", mode]
         if conf:

@@ -30,15 +30,10 @@ import sys
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PYDIR = os.path.join(os.path.dirname(os.path.dirname(HERE)), "python")  # tests/gpu/ -> python/
-if os.path.isdir(PYDIR) and PYDIR not in sys.path:
-    sys.path.insert(0, PYDIR)
+import gpu_common  # noqa: F401  (beside this file: python/ and tests/python/ on sys.path)
 
-import gpu_arena  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
-from result_channel import reply_stream  # noqa: E402  (tests/python)
+import gpu_arena
+from result_channel import reply_stream  # tests/python
 
 _replies = None
 

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from gpu_common import out_path  # beside this file
 
 
 def train(torch, gt, steps: int) -> list:
@@ -55,7 +56,7 @@ def train(torch, gt, steps: int) -> list:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "gpu-out"), "memviz"))
+    ap.add_argument("--out", default=out_path("memviz"))
     ap.add_argument("--steps", type=int, default=6)
     a = ap.parse_args()
     out = Path(a.out)

@@ -83,15 +83,13 @@ import time
 import traceback
 from pathlib import Path
 
+from gpu_common import DROP_ENV, PYDIR, ROOT as REPO, child_env as checkout_env  # beside this file
+from result_channel import NO_RESULT, run_reporting  # tests/python (gpu_common's path): a child's own channel
+
 SCRIPT = Path(__file__).resolve()
-REPO = SCRIPT.parents[2]  # tests/gpu/ -> the repository root
 CHILD = SCRIPT.with_name("torch_children.py")  # the workloads, one fresh process each
-PYDIR = REPO / "python"
-sys.path.insert(0, str(REPO / "tests" / "python"))
-from result_channel import NO_RESULT, run_reporting  # noqa: E402  (a child's own channel)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-DROP_ENV = ("GPU_ARENA_BACKEND", "GPU_ARENA_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 CUBLAS_WS = ":4096:8"
 TOL = 2 * MiB
 
@@ -105,10 +103,7 @@ def log(msg):
 
 
 def child_env():
-    env = dict(os.environ)
-    for k in DROP_ENV:
-        env.pop(k, None)
-    env["PYTHONPATH"] = str(PYDIR) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = checkout_env()
     env["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WS
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env

@@ -100,13 +100,12 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from gpu_common import ROOT as REPO, child_env  # beside this file
+
 SCRIPT = Path(__file__).resolve()
-REPO = SCRIPT.parents[2]
 CHILD = SCRIPT.with_name("torch_native_children.py")
-PYDIR = REPO / "python"
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 TOL = 2 * MiB
-DROP_ENV = ("GPU_ARENA_BACKEND", "GPU_ARENA_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 CHECKS = ("graphs", "compile", "stats", "mp", "perf", "behaviour")
 PERF_SIZES = (4 * KiB, MiB, 64 * MiB)
 PY_TARGET, CXX_TARGET = 1.05, 0.5
@@ -151,10 +150,7 @@ class Runner:
         self.logs = tmp / "logs"
         self.logs.mkdir()
         self.runs = []  # [label, wall seconds, rc]
-        env = dict(os.environ)
-        for k in DROP_ENV:
-            env.pop(k, None)
-        env["PYTHONPATH"] = str(PYDIR) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env = child_env()
         env["PYTHONUNBUFFERED"] = "1"
         self.env = env
 

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "python"))
-from result_channel import NO_RESULT, report, run_reporting  # noqa: E402  (a child's own channel)
+from gpu_common import child_env, out_path  # beside this file
+from result_channel import NO_RESULT, report, run_reporting  # tests/python (gpu_common's path): a child's own channel
+
 CASES = ("install-auto", "install-torch", "install-runtime", "mempool", "use_on_oom")
 HUGE = 400 << 30
 
@@ -144,11 +143,7 @@ def passed(r: dict) -> bool:
 
 
 def run_case(case: str) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    for k in ("GPU_ARENA_BACKEND", "GPU_ARENA_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
-        env.pop(k, None)
-    r, proc = run_reporting([sys.executable, __file__, "--child", case], env=env, timeout=600)
+    r, proc = run_reporting([sys.executable, __file__, "--child", case], env=child_env(), timeout=600)
     if r is not NO_RESULT:
         return r
     return {"case": case, "error": f"rc={proc.returncode}: {(proc.stderr or proc.stdout)[-800:]}"}
@@ -176,7 +171,7 @@ def table(results: list) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "gpu-out"), "torch_oom.md"),
+    ap.add_argument("--out", default=out_path("torch_oom.md"),
                     help="markdown result table (default $OUT/torch_oom.md, OUT defaulting to gpu-out)")
     ap.add_argument("--child")
     ap.add_argument("--cases", default=",".join(CASES))

@@ -31,10 +31,7 @@ import random
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PYDIR = os.path.join(os.path.dirname(os.path.dirname(HERE)), "python")
-if os.path.isdir(PYDIR) and PYDIR not in sys.path:
-    sys.path.insert(0, PYDIR)
+import gpu_common  # noqa: F401  (beside this file: python/ and tests/python/ on sys.path)
 
 GiB, MiB = 1 << 30, 1 << 20
 T0 = time.time()

@@ -192,7 +192,7 @@ def naive_export_leak(nbytes: int, device: int = 0) -> dict:
 
 
 def main() -> int:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    import gpu_common  # noqa: F401  (beside this file: tests/python/ on sys.path)
     from result_channel import report  # a file of its own, not stdout
 
     try:

@@ -1,6 +1,6 @@
-import faulthandler, sys, os
+import faulthandler, sys
 faulthandler.enable()
-sys.path.insert(0, os.path.join(os.getcwd(), "python"))
+import gpu_common  # noqa: F401,E402  (beside this file: python/ on sys.path)
 import gpu_arena.torch as gt
 gt.install(route=sys.argv[1] if len(sys.argv) > 1 else "native")
 import torch

@@ -19,8 +19,8 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from result_channel import report  # noqa: E402  (tests/python/result_channel.py)
+import gpu_common  # noqa: F401  (beside this file: python/ and tests/python/ on sys.path)
+from result_channel import report  # tests/python/result_channel.py
 
 MiB, GiB = 1 << 20, 1 << 30
 
