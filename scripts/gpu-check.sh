@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the repo root, after scripts/gpu-build.sh staged .gpu/. It runs
-# the GPU-only tests: the cuda backend's, tests/python with torch, and the tests/gpu/ scripts.
+# the GPU-only tests: the cuda backend's, tests/python with torch, the tests/gpu/ checks, and the
+# measurements (bench/gpu/: kv_bench, share_bench and the Python ones, e.g. `kv_repeat`).
 # Every step's full log goes to $OUT (or ./gpu-out); a short table is printed last.
 # Usage: bash scripts/gpu-check.sh [step ...]   (default: all steps)
 set -uo pipefail
@@ -29,6 +30,7 @@ for s in "${steps[@]}"; do case $s in
   share_bench) run share_bench bash bench/gpu/share_bench.sh --out "$OUT/share_bench.md" ;;
   wheel) run wheel bash -c 'rm -rf .gpu/site && python3 -m pip install -q --no-deps --target .gpu/site .gpu/gpu_arena-*.whl &&
     env -u GPU_ARENA_LIB PYTHONPATH=.gpu/site python3 tests/gpu/gpu_wheel_check.py' ;;
-  *) [ -f "tests/gpu/gpu_$s.py" ] && run "$s" python3 "tests/gpu/gpu_$s.py" ;;
+  *) if [ -f "tests/gpu/gpu_$s.py" ]; then run "$s" python3 "tests/gpu/gpu_$s.py"  # a check (trim, ...)
+     elif [ -f "bench/gpu/$s.py" ]; then run "$s" python3 "bench/gpu/$s.py"; fi ;;  # a measurement (kv_repeat, ...)
 esac; done
 echo; echo "step | status"; for k in "${!status[@]}"; do echo "$k | ${status[$k]}"; done | sort

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Per-call cost of the Python ``gpu_arena.share`` / ``open`` / ``close`` on the sim backend
-(one process: it shares and opens its own blocks), the way tests/gpu/gpu_share_latency.py
+(one process: it shares and opens its own blocks), the way bench/gpu/share_latency.py
 measures them on a GPU: ``--n`` anchors opened and held first, then ``--n`` fresh shares
 opened one by one (held), then closed. Needs torch (CPU is enough); ``--profile`` prints a
 cProfile of the open() loop.

@@ -17,7 +17,8 @@ stdout and stderr stay a log, captured for the error messages. Instead:
 `run_python` / `start_python` do the same for snippets of Python.
 
 Children import this module by name: conftest.child_env puts tests/python on their path,
-tests/python/ipc_worker.py sits beside it, and tests/gpu's scripts put it on their own.
+tests/python/ipc_worker.py sits beside it, and the GPU scripts (tests/gpu/, bench/gpu/) import
+tests/gpu/gpu_common.py, which puts it on their path.
 """
 
 from __future__ import annotations

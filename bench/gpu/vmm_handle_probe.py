@@ -12,7 +12,7 @@ staged copy); memory from cudaMalloc goes through legacy cudaIpc. This probe pri
    verified, the bandwidth reported, and the UCX protocol lines (UCX_PROTO_INFO=y) searched
    for cuda_ipc.
 
-Usage (on the GPU machine, NIXL installed): python3 tests/gpu/gpu_vmm_handle_probe.py [--out F]
+Usage (on the GPU machine, NIXL installed): python3 bench/gpu/vmm_handle_probe.py [--out F]
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 CU_MEM_HANDLE_TYPE_FABRIC = 8
 
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from naive_export import CUmemAccessDesc, CUmemAllocationProp, CUmemLocation  # noqa: E402  (one definition)
-import result_channel  # noqa: E402  (the consumer's result: a file of its own, not UCX's stdout)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "gpu"))
+import gpu_common  # noqa: E402,F401  (tests/gpu/gpu_common.py: python/ and tests/python/ on sys.path)
+from naive_export import CUmemAccessDesc, CUmemAllocationProp, CUmemLocation  # noqa: E402  (tests/gpu/: one definition)
+import result_channel  # noqa: E402  (tests/python: the consumer's result: a file of its own, not UCX's stdout)
 
 
 def _nixl_agent():

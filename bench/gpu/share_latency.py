@@ -3,8 +3,8 @@
 markdown table with the targets and PASS/FAIL.
 
     GPU_ARENA_LIB=.gpu/libgpu_arena.so PYTHONPATH=python \\
-        python3 tests/gpu/gpu_share_latency.py --out bench/results/h200-share-latency.md
-    python3 tests/gpu/gpu_share_latency.py --sim     # the sim backend (no GPU), see --sim
+        python3 bench/gpu/share_latency.py --out bench/results/h200-share-latency.md
+    python3 bench/gpu/share_latency.py --sim     # the sim backend (no GPU), see --sim
 
 N blocks (default 2048) of 2 MiB. Every arena is exported and mapped by the consumer
 before timing starts (an anchor share of each block is made and imported first), so the
@@ -40,11 +40,8 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PYDIR = os.path.join(os.path.dirname(os.path.dirname(HERE)), "python")
-if os.path.isdir(PYDIR) and PYDIR not in sys.path:
-    sys.path.insert(0, PYDIR)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "gpu"))
+import gpu_common  # noqa: E402,F401  (tests/gpu/gpu_common.py: python/ and tests/python/ on sys.path)
 from result_channel import ReplyPipe, reply_stream  # noqa: E402  (tests/python)
 
 MiB = 1 << 20
@@ -52,7 +49,7 @@ BLOCK = 2 * MiB
 
 
 def log(msg: str) -> None:
-    print(f"[gpu_share_latency {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    print(f"[share_latency {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def med_us(ns) -> float:

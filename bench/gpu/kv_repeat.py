@@ -11,7 +11,7 @@ both allocators in one loop, taking turns every N ops (`--interleave N`, kv_benc
 interleaved replay): the machine's speed changes within a second, and there a change slows
 both alike.
 
-    python3 tests/gpu/gpu_kv_repeat.py [--runs 7] [--cpu 2] [--trace .gpu/kv_trace.bin] [--interleave 4096]
+    python3 bench/gpu/kv_repeat.py [--runs 7] [--cpu 2] [--trace .gpu/kv_trace.bin] [--interleave 4096]
 
 Builds .gpu/kv_bench with bench/gpu/build.sh when missing; needs .gpu/libgpu_arena.so. Writes the report
 to stdout and, when OUT is set, to $OUT/kv_repeat.md with each run's kv_bench report beside
@@ -29,7 +29,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # tests/gpu/ -> the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
+from gpu_common import ROOT, out_path  # noqa: E402  (tests/gpu/gpu_common.py)
+
 ROWS = {"gpu-arena": "gpu-arena (C API", "torch": "PyTorch CUDACachingAllocator"}
 
 
@@ -83,7 +85,7 @@ def main() -> int:
     ap.add_argument("--interleave", type=int, default=4096,
                     help="ops per turn of kv_bench's interleaved replay (0: not run)")
     args = ap.parse_args()
-    out_dir = Path(os.environ.get("OUT", "gpu-out"))
+    out_dir = Path(out_path())
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.setdefault("GPU_ARENA_LIB", str(ROOT / ".gpu/libgpu_arena.so"))

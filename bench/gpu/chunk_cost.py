@@ -10,7 +10,7 @@ mapping it. This measures those steps for the same bytes both ways, across two p
 (fds sent over a Unix socket with SCM_RIGHTS, 250 per message), with raw driver calls
 through ctypes (about 1 us of Python per call is included in every per-chunk figure):
 
-    python3 tests/gpu/gpu_chunk_cost.py [--gib 1] [--chunk-mib 2] [--out FILE]
+    python3 bench/gpu/chunk_cost.py [--gib 1] [--chunk-mib 2] [--out FILE]
 
 Producer: cuMemCreate + cuMemAddressReserve + cuMemMap + one cuMemSetAccess (create),
 cuMemExportToShareableHandle (export), and after the consumer is done cuMemUnmap +
@@ -36,8 +36,8 @@ POSIX_FD = 1
 FDS_PER_MESSAGE = 250
 
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from naive_export import CUmemAccessDesc, CUmemAllocationProp, CUmemLocation  # noqa: E402  (one definition)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "gpu"))
+from naive_export import CUmemAccessDesc, CUmemAllocationProp, CUmemLocation  # noqa: E402  (tests/gpu/: one definition)
 
 
 class Cuda:

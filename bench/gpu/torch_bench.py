@@ -3,7 +3,7 @@
 GPU machine:
 
     GPU_ARENA_LIB=$PWD/.gpu/libgpu_arena.so PYTHONPATH=$PWD/python \\
-        python3 tests/gpu/gpu_torch_bench.py --out gpu-out/torch_bench.md
+        python3 bench/gpu/torch_bench.py --out gpu-out/torch_bench.md
 
 Each run is a subprocess with one allocator (install() must precede CUDA init), alternating
 torch, gpu-arena, torch, ... ``--repeats`` times each (default 3); the table gives medians
@@ -25,16 +25,14 @@ torch, gpu-arena, torch, ... ``--repeats`` times each (default 3); the table giv
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "python"))
-from result_channel import NO_RESULT, report, run_reporting  # noqa: E402  (a child's own channel)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
+from gpu_common import child_env, out_path  # noqa: E402  (tests/gpu/gpu_common.py)
+from result_channel import NO_RESULT, report, run_reporting  # noqa: E402  (tests/python: a child's own channel)
 
 KIB, MIB = 1 << 10, 1 << 20
 SIZES = [512, 4 * KIB, 64 * KIB, MIB, 2 * MIB, 4 * MIB, 16 * MIB, 64 * MIB,
@@ -99,10 +97,7 @@ def child(alloc: str, pairs: int, steps: int) -> dict:
 
 
 def run(alloc: str, a) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    for k in ("GPU_ARENA_BACKEND", "GPU_ARENA_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
-        env.pop(k, None)
+    env = child_env()
     cmd = [sys.executable, __file__, "--child", alloc, "--pairs", str(a.pairs), "--steps", str(a.steps)]
     res, p = run_reporting(cmd, env=env, timeout=600)
     if res is not NO_RESULT:
@@ -112,7 +107,7 @@ def run(alloc: str, a) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "gpu-out"), "torch_bench.md"),
+    ap.add_argument("--out", default=out_path("torch_bench.md"),
                     help="markdown table (default $OUT/torch_bench.md, OUT defaulting to gpu-out)")
     ap.add_argument("--child")
     ap.add_argument("--pairs", type=int, default=200_000)
@@ -134,7 +129,7 @@ def main() -> int:
         return statistics.median(v), min(v), max(v)
 
     mib = lambda b: f"{b / MIB:.1f} MiB"  # noqa: E731
-    lines = ["# PyTorch-level benchmark: caching allocator vs gpu-arena (tests/gpu/gpu_torch_bench.py)",
+    lines = ["# PyTorch-level benchmark: caching allocator vs gpu-arena (bench/gpu/torch_bench.py)",
              "", f"{a.repeats} alternating runs per allocator, medians (min-max). pairs: {a.pairs} "
              f"torch.empty/del with 16 live, sizes {SIZES}; step: 2-layer encoder d1024 bf16, {a.steps} steps.",
              "", "| metric | torch caching allocator | gpu-arena | gpu-arena / torch |", "|---|---|---|---|"]
