@@ -258,9 +258,9 @@ class Ctx:
         # validate=0: a debug build checks every invariant after each operation by default,
         # which makes thousands of blocks quadratic; this check is about memory, not that.
         sim_conf = "backend=sim,sim_capacity=64GiB,sim_granularity=4KiB,validate=0"
-        self.producer_conf = (f"{sim_conf},arena_size=1MiB" if sim
+        self.producer_conf = (f"{sim_conf},arena_size=2MiB" if sim
                               else "backend=cuda,arena_size=1GiB,validate=0")
-        self.consumer_conf = (f"{sim_conf},arena_size=1MiB" if sim
+        self.consumer_conf = (f"{sim_conf},arena_size=2MiB" if sim
                               else "backend=cuda,arena_size=64MiB,validate=0")
         self.args = args
 
