@@ -54,7 +54,8 @@ log = logging.getLogger("gpu_arena")
 
 NATIVE_DIR = Path(__file__).resolve().parent / "native"
 SOURCE = NATIVE_DIR / "allocator.cpp"
-HEADERS = (NATIVE_DIR / "gpu_arena_api.h", NATIVE_DIR / "history.h")
+HEADERS = (NATIVE_DIR / "gpu_arena_api.h", NATIVE_DIR / "history.h",
+           NATIVE_DIR / "device_util.h")
 INSTALL_FN = "gpu_arena_torch_install_native"
 # The oldest torch whose CUDAAllocator the source bridges (allocator.cpp refuses older).
 MIN_TORCH = (2, 8)

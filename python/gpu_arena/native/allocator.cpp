@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "gpu_arena_api.h"
+#include "device_util.h"
 #include "history.h"
 
 #ifdef GPU_ARENA_CHECK_LAYOUT  // torch_native.check_headers(gpu_arena_header=...)
@@ -112,29 +113,6 @@ std::string take_string(char* s) {
   std::string out = s != nullptr ? s : "";
   g_api.string_free(s);
   return out;
-}
-
-// PyTorch's format_size (CUDACachingAllocator.cpp), for OOM messages shaped like its own.
-std::string format_size(uint64_t size) {
-  char buf[64];
-  if (size <= 1024) {
-    std::snprintf(buf, sizeof buf, "%llu bytes", static_cast<unsigned long long>(size));
-  } else if (size <= 1048576) {
-    std::snprintf(buf, sizeof buf, "%.2f KiB", size / 1024.0);
-  } else if (size <= 1073741824ULL) {
-    std::snprintf(buf, sizeof buf, "%.2f MiB", size / 1048576.0);
-  } else {
-    std::snprintf(buf, sizeof buf, "%.2f GiB", size / 1073741824.0);
-  }
-  return buf;
-}
-
-// cudaMemGetInfo on `dev`, the caller's current device restored.
-std::pair<size_t, size_t> mem_info(DeviceIndex dev) {
-  c10::cuda::CUDAGuard guard(dev);
-  size_t free_bytes = 0, total = 0;
-  C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
-  return {free_bytes, total};
 }
 
 void check_device(DeviceIndex dev) {
