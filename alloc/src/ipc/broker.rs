@@ -10,7 +10,7 @@
 //! - A connection that holds no lease and says nothing for [`BrokerConfig::idle_timeout`]
 //!   is closed, so a peer that connects and never speaks does not keep a thread forever.
 //! - Malformed requests get an error reply; they never take the broker down.
-//! - A consumer may ask for a shared-memory mailbox ([`crate::ipc::mailbox`]): then requests
+//! - A consumer may ask for a shared-memory mailbox (`ipc/mailbox.rs`): then requests
 //!   whose reply carries no fd come through it, decoded and checked exactly as socket
 //!   packets are, and the connection's thread polls the mailbox (and, every few
 //!   microseconds, the socket) for [`BrokerConfig::spin`] after each request before it
@@ -49,7 +49,7 @@ pub struct BrokerConfig {
     /// Most connections served at once.
     pub max_connections: usize,
     /// After each reply, how long a connection's thread polls for the consumer's next
-    /// request before it sleeps (see [`wire::recv_spin`]): requests in a burst are served
+    /// request before it sleeps (see `wire::recv_spin`): requests in a burst are served
     /// without a wake-up each. Costs up to this much CPU per burst; zero turns it off.
     pub spin: Duration,
     /// Whether consumers get a shared-memory mailbox for their requests when they ask

@@ -355,7 +355,7 @@ pub(crate) fn recv(sock: BorrowedFd<'_>) -> Result<Received> {
     recv_flags(sock, RecvFlags::empty())
 }
 
-/// How long a side polls for the other's next packet before it sleeps ([`recv_spin`]): the
+/// How long a side polls for the other's next packet before it sleeps (`recv_spin`): the
 /// broker's default `spin` setting (its wait for a connection's next request) and the
 /// importer's wait for a reply. `GPU_ARENA_IPC_SPIN_US` microseconds (read once; 0 turns
 /// polling off), 50 by default. Polling pays off with a core free for each side (a GPU host);

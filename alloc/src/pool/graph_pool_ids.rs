@@ -24,7 +24,7 @@ impl std::fmt::Display for GraphPoolId {
 pub struct PoolBlock {
     /// Device address of its first byte.
     pub ptr: u64,
-    /// Bytes asked for (the block serves [`block_len`] of it).
+    /// Bytes asked for (the block serves [`block_len`](crate::pool::block_len) of it).
     pub requested: u64,
     /// The stream it was allocated on.
     pub stream: StreamId,

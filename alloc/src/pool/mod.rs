@@ -1,7 +1,7 @@
 //! The per-device pool: arenas, size rounding, stream-ordered reuse, trim, OOM retry.
 //!
 //! One [`Pool`] serves every device of one backend; each device has its own lock, its own
-//! arenas and its own [`RangeAllocator`] whose regions are the arenas, placed at their
+//! arenas and its own [`RangeAllocator`](crate::range::RangeAllocator) whose regions are the arenas, placed at their
 //! device addresses (so an allocation's offset *is* its pointer).
 //!
 //! **Sizes** ([`block_len`]). Requests round up to 512 bytes; from 4 KiB to 1 MiB to
