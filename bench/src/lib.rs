@@ -1,7 +1,7 @@
 //! KV-cache allocation benchmarks for gpu-arena.
 //!
 //! - [`trace`]: a seeded, deterministic, vLLM-like KV-cache allocation trace.
-//! - [`replay`]: replaying a trace through any [`replay::TraceAllocator`], and the two
+//! - [`replay`](mod@replay): replaying a trace through any [`replay::TraceAllocator`], and the two
 //!   baselines a user would otherwise write over a [`gpu_arena::Backend`]: one arena per
 //!   allocation ([`replay::PerAllocationBackend`]) and one big first-fit arena
 //!   ([`replay::FirstFitArena`]).
