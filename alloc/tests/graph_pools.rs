@@ -400,3 +400,23 @@ fn a_pool_sleeps_and_wakes_with_the_default_tag() {
     pool.free(a.ptr).unwrap();
     pool.validate(0).unwrap();
 }
+
+/// A pool released down to 0 while its capture is still open (torch ends before it
+/// releases, but a caller may not): the pool stays known until the context ends, so the end
+/// is accepted and the device leaves its no-event state.
+#[test]
+fn a_pool_released_during_its_capture_stays_until_the_capture_ends() {
+    let (sim, pool) = pool();
+    pool.graph_pool_begin(0, G1).unwrap();
+    assert_eq!(pool.graph_pool_release(0, G1).unwrap(), 0);
+    assert_eq!(pool.graph_pool_use_count(0, G1).unwrap(), 0);
+    assert!(pool.empty_cache(Some(0)).is_err(), "still routing");
+    pool.graph_pool_end(0, G1).unwrap();
+    assert!(pool.graph_pool_end(0, G1).is_err(), "one end per begin");
+    pool.empty_cache(Some(0)).unwrap();
+    assert!(
+        pool.graph_pool_blocks(0, G1).is_err(),
+        "forgotten once nothing holds it"
+    );
+    assert_eq!(sim.ledger(0).held_bytes, 0);
+}

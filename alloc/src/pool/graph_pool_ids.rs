@@ -35,19 +35,21 @@ pub struct PoolBlock {
 #[derive(Debug, Default)]
 pub(crate) struct GraphPools {
     /// Slot `i + 1` (slot 0 is the general pool, `classes::GENERAL`).
-    pub(super) slots: Vec<Option<Slot>>,
+    slots: Vec<Option<Slot>>,
     by_id: FxHashMap<GraphPoolId, u16>,
     /// Routing contexts open (captures or `use_mem_pool` blocks): no events while above 0.
-    pub(super) routing: u32,
+    routing: u32,
     /// Frees made while routing whose blocks have `record_stream` streams: their events
     /// are recorded when the last context closes.
     pub(super) deferred: Vec<u64>,
 }
 
 #[derive(Debug)]
-pub(super) struct Slot {
-    pub(super) id: GraphPoolId,
-    pub(super) use_count: u32,
+struct Slot {
+    id: GraphPoolId,
+    use_count: u32,
+    /// Its routing contexts open (begun, not ended): the pool stays known while any is.
+    open: u32,
 }
 
 /// Most graph pools alive at once on one device.
@@ -86,6 +88,13 @@ impl GraphPools {
             .is_some_and(|s| s.use_count > 0)
     }
 
+    /// The use count of pool `id` (0 when it does not exist).
+    pub(super) fn use_count(&self, id: GraphPoolId) -> u32 {
+        self.slot(id)
+            .and_then(|slot| self.slots.get(usize::from(slot) - 1)?.as_ref())
+            .map_or(0, |s| s.use_count)
+    }
+
     /// Create pool `id` (use count 1) or add a use. Returns the use count after.
     pub(super) fn retain(&mut self, id: GraphPoolId) -> Result<u32> {
         if id == GraphPoolId(0, 0) {
@@ -111,7 +120,11 @@ impl GraphPools {
                 )))
             }
         };
-        self.slots[i] = Some(Slot { id, use_count: 1 });
+        self.slots[i] = Some(Slot {
+            id,
+            use_count: 1,
+            open: 0,
+        });
         // i < MAX_GRAPH_POOLS = u16::MAX, so the slot fits.
         let slot = u16::try_from(i + 1).map_err(|_| lost(id))?;
         self.by_id.insert(id, slot);
@@ -132,11 +145,35 @@ impl GraphPools {
         Ok(s.use_count)
     }
 
+    /// Open a routing context of pool `id` (created, or a use added): the use count after.
+    pub(super) fn begin(&mut self, id: GraphPoolId) -> Result<u32> {
+        let count = self.retain(id)?;
+        let slot = self.slot(id).ok_or_else(|| lost(id))?;
+        self.slot_mut(slot).ok_or_else(|| lost(id))?.open += 1;
+        self.routing += 1;
+        Ok(count)
+    }
+
+    /// Close a routing context of pool `id`. Returns whether it was the device's last.
+    pub(super) fn end(&mut self, id: GraphPoolId) -> Result<bool> {
+        let slot = self.slot(id).ok_or_else(|| unknown(id))?;
+        let s = self.slot_mut(slot).ok_or_else(|| lost(id))?;
+        if s.open == 0 {
+            return Err(Error::InvalidState(format!(
+                "graph pool {id}: end without a matching begin"
+            )));
+        }
+        s.open -= 1;
+        self.routing -= 1;
+        Ok(self.routing == 0)
+    }
+
     /// Forget the pools with no use whose slots `has_arena` says hold no arena.
     pub(crate) fn forget_unused(&mut self, has_arena: impl Fn(u16) -> bool) {
         for i in 0..self.slots.len() {
             let slot = (i + 1) as u16;
-            let done = matches!(&self.slots[i], Some(s) if s.use_count == 0) && !has_arena(slot);
+            let done = matches!(&self.slots[i], Some(s) if s.use_count == 0 && s.open == 0)
+                && !has_arena(slot);
             if let Some(s) = self.slots[i].take_if(|_| done) {
                 self.by_id.remove(&s.id);
             }

@@ -144,22 +144,14 @@ impl Pool {
 
     /// The use count of graph pool `id` (0 for a pool that does not exist).
     pub fn graph_pool_use_count(&self, device: DeviceId, id: GraphPoolId) -> Result<u32> {
-        let st = self.dev(device)?.state.lock();
-        Ok(st
-            .graph_pools
-            .slot(id)
-            .and_then(|slot| st.graph_pools.slots[usize::from(slot) - 1].as_ref())
-            .map_or(0, |s| s.use_count))
+        Ok(self.dev(device)?.state.lock().graph_pools.use_count(id))
     }
 
     /// Open a routing context for pool `id` (PyTorch's `beginAllocateToPool`): the pool is
     /// created or gets a use, and until [`Self::graph_pool_end`] the device records and
     /// queries no events (module docs, rule 4).
     pub fn graph_pool_begin(&self, device: DeviceId, id: GraphPoolId) -> Result<u32> {
-        let mut st = self.dev(device)?.state.lock();
-        let count = st.graph_pools.retain(id)?;
-        st.graph_pools.routing += 1;
-        Ok(count)
+        self.dev(device)?.state.lock().graph_pools.begin(id)
     }
 
     /// Close a routing context of pool `id` (PyTorch's `endAllocateToPool`; the use stays
@@ -168,16 +160,14 @@ impl Pool {
     pub fn graph_pool_end(&self, device: DeviceId, id: GraphPoolId) -> Result<()> {
         let dp = self.dev(device)?;
         let mut st = dp.state.lock();
-        st.pool_slot(id)?;
-        if st.graph_pools.routing == 0 {
-            return Err(Error::InvalidState(format!(
-                "graph pool {id}: end without a matching begin on device {device}"
-            )));
-        }
-        st.graph_pools.routing -= 1;
-        if st.graph_pools.routing == 0 {
+        if st.graph_pools.end(id)? {
             st.end_deferred(self.backend.as_ref(), device);
         }
+        // Released during its capture: forgotten now, if it holds no arena.
+        let st = &mut *st;
+        let arenas = &st.arenas;
+        st.graph_pools
+            .forget_unused(|slot| arenas.iter().any(|(_, a)| a.graph_pool == slot));
         Ok(())
     }
 
