@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from typing import List, Optional
+from pathlib import Path
+from typing import Callable, List, Optional, Type
 
 
 def loaded_libstdcxx() -> Optional[str]:
@@ -117,3 +118,27 @@ def describe() -> str:
         return f"GPU_ARENA_CXX={forced} is not on PATH"
     return ("$GPU_ARENA_CXX, else $CXX, c++ or g++ on PATH (one whose libstdc++ is the one "
             "torch loaded is preferred)")
+
+
+def build_object(what: str, out_for: Callable[[str], Path], compile_one: Callable[[str, Path], None],
+                 error: Type[Exception]) -> Path:
+    """Build ``what`` (the native allocator, the OOM shim) with the first compiler of
+    ``ordered()`` whose object carries no private C++ runtime: ``out_for(cxx)`` is its cached
+    path (built by ``compile_one(cxx, path)`` when missing). Raises ``error`` when there is
+    no compiler, or when every one links a private runtime in (two C++ runtimes in one
+    process: the first exception thrown across them crashes)."""
+    compilers = ordered()
+    if not compilers:
+        raise error(f"no C++ compiler ({describe()})")
+    refused = []
+    for cxx in compilers:
+        out = out_for(cxx)
+        if not out.is_file():
+            compile_one(cxx, out)
+        private = private_runtime(str(out))
+        if private is None:
+            return out
+        refused.append(f"{cxx} (its object defines {private})")
+        out.unlink(missing_ok=True)
+    raise error(f"every C++ compiler links a private C++ runtime into the {what}: "
+                + "; ".join(refused) + " (set GPU_ARENA_CXX to one that does not)")

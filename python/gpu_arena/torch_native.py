@@ -303,25 +303,14 @@ def _build(torch) -> Path:
     cuda_inc, why = find_cuda_includes(torch)
     if not cuda_inc:
         raise NativeBuildError(why)
-    compilers = _cxx.ordered()
-    if not compilers:
-        raise NativeBuildError(f"no C++ compiler ({_cxx.describe()})")
     flags = ["-O2", *compile_flags(inc, cuda_inc, cxx_std(version), abi_flag(torch))]
     link = ["-shared", "-L", str(libdir), "-lc10", "-lc10_cuda", "-ltorch_cuda", "-ltorch_cpu",
             "-ldl", f"-Wl,-rpath,{libdir}"]
-    refused = []
-    for cxx in compilers:
-        out = cache_dir() / f"torch_native-{cache_key(torch, cxx, flags, link)}.so"
-        if not out.is_file():
-            _compile(cxx, flags, link, out)
-        private = _cxx.private_runtime(str(out))
-        if private is None:
-            return out
-        # Two C++ runtimes in one process: the first exception thrown into torch crashes.
-        refused.append(f"{cxx} (its object defines {private})")
-        out.unlink(missing_ok=True)
-    raise NativeBuildError("every C++ compiler links a private C++ runtime into the object: "
-                           + "; ".join(refused) + " (set GPU_ARENA_CXX to one that does not)")
+    return _cxx.build_object(
+        "object",
+        lambda cxx: cache_dir() / f"torch_native-{cache_key(torch, cxx, flags, link)}.so",
+        lambda cxx, out: _compile(cxx, flags, link, out),
+        NativeBuildError)
 
 
 def _compile(cxx: str, flags: Sequence[str], link: Sequence[str], out: Path) -> None:

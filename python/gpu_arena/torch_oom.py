@@ -29,7 +29,6 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 from . import _cxx, _lib
 
@@ -113,11 +112,6 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "gpu_arena"
 
 
-def _compiler() -> Optional[str]:
-    """The C++ compiler (``gpu_arena/_cxx.py``: one whose C++ runtime is torch's)."""
-    return _cxx.compiler()
-
-
 def _torch_dirs(torch) -> "tuple[Path, Path]":
     root = Path(torch.__file__).resolve().parent
     return root / "include", root / "lib"
@@ -169,23 +163,13 @@ def build(torch) -> Path:
         raise ShimBuildError(f"no PyTorch C++ headers at {include} (c10/util/Exception.h)")
     if not any(libdir.glob("libc10.*")):
         raise ShimBuildError(f"no libc10 in {libdir}")
-    compilers = _cxx.ordered()
-    if not compilers:
-        raise ShimBuildError(f"no C++ compiler ({_cxx.describe()})")
-    refused = []
-    for cxx in compilers:
-        out = cache_dir() / f"oom_shim_c10-{cache_key(torch, cxx)}.so"
-        if not out.is_file():
-            log.info("gpu_arena: building the torch.OutOfMemoryError shim into %s", out)
-            _compile(torch, cxx, out)
-        # A private C++ runtime in the shim crashes the first exception it throws.
-        private = _cxx.private_runtime(str(out))
-        if private is None:
-            return out
-        refused.append(f"{cxx} (its object defines {private})")
-        out.unlink(missing_ok=True)
-    raise ShimBuildError("every C++ compiler links a private C++ runtime into the shim: "
-                         + "; ".join(refused) + " (set GPU_ARENA_CXX to one that does not)")
+    def compile_one(cxx: str, out: Path) -> None:
+        log.info("gpu_arena: building the torch.OutOfMemoryError shim into %s", out)
+        _compile(torch, cxx, out)
+
+    return _cxx.build_object(
+        "shim", lambda cxx: cache_dir() / f"oom_shim_c10-{cache_key(torch, cxx)}.so",
+        compile_one, ShimBuildError)
 
 
 def bind(path: Path) -> None:

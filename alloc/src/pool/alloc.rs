@@ -9,8 +9,7 @@ use std::time::Instant;
 use super::classes::{self, Class, GENERAL};
 use super::thread_records::FrontLive;
 use super::{
-    block_len, request_len, sleep, Allocation, DevicePool, DeviceState, Pool, ANY_STREAM,
-    LIMBO_WAIT,
+    block_len, request_len, Allocation, DevicePool, DeviceState, Pool, ANY_STREAM, LIMBO_WAIT,
 };
 use crate::backend::{DeviceId, StreamId};
 use crate::error::{Error, Result};
@@ -66,9 +65,7 @@ impl Pool {
         let device = dp.device;
         {
             let mut st = dp.state.lock();
-            if st.asleep_tags & (1 << tag) != 0 {
-                return Err(sleep::asleep_error(device, tag, bytes));
-            }
+            st.check_awake(device, tag, bytes)?;
             st.reclaim_gone_caches();
             if let Some((ptr, arena)) = st.take_cached(stream.0, len, tag) {
                 return Ok(self.finish_alloc_in(dp, &mut st, ptr, arena, len, bytes, stream));
@@ -106,9 +103,7 @@ impl Pool {
             let deadline = Instant::now() + LIMBO_WAIT;
             let routing = loop {
                 let mut st = dp.state.lock();
-                if st.asleep_tags & (1 << class.tag) != 0 {
-                    return Err(sleep::asleep_error(device, class.tag, requested));
-                }
+                st.check_awake(device, class.tag, requested)?;
                 if let Some(ptr) = st.take_range(len, stream, class, self.backend.as_ref(), device)
                 {
                     return Ok(self.finish_alloc(dp, &mut st, ptr, len, requested, stream));

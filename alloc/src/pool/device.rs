@@ -295,6 +295,21 @@ impl DeviceState {
             self.defer_until_no_capture(ptr, bytes);
             return;
         }
+        self.stats.pending_free_bytes += bytes;
+        self.pend_on_streams(ptr, stream, extra, backend, device);
+    }
+
+    /// Queue a freed allocation (counted in `pending_free_bytes` already) until events
+    /// recorded now on each of its `record_stream` streams complete; one that cannot be
+    /// recorded makes it wait for a device synchronize instead.
+    pub(super) fn pend_on_streams(
+        &mut self,
+        ptr: u64,
+        stream: StreamId,
+        extra: Vec<StreamId>,
+        backend: &dyn Backend,
+        device: DeviceId,
+    ) {
         let mut events = Vec::with_capacity(extra.len());
         let mut until_synchronize = false;
         for s in extra {
@@ -306,7 +321,6 @@ impl DeviceState {
                 }
             }
         }
-        self.stats.pending_free_bytes += bytes;
         self.pending.push(PendingFree {
             ptr,
             stream,
@@ -617,9 +631,7 @@ impl DeviceState {
             out.push(a.mem);
         }
         // Released graph pools whose last arena went are forgotten.
-        let arenas = &self.arenas;
-        self.graph_pools
-            .forget_unused(|slot| arenas.iter().any(|(_, a)| a.graph_pool == slot));
+        self.forget_unused_pools();
         out
     }
 

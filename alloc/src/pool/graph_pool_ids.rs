@@ -168,6 +168,11 @@ impl GraphPools {
         Ok(self.routing == 0)
     }
 
+    /// Whether no graph pool is known.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+
     /// Forget the pools with no use whose slots `has_arena` says hold no arena.
     pub(crate) fn forget_unused(&mut self, has_arena: impl Fn(u16) -> bool) {
         for i in 0..self.slots.len() {

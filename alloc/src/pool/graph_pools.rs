@@ -39,7 +39,7 @@ use rustc_hash::FxHashMap;
 use super::classes::Class;
 use super::graph_pool_ids::unknown;
 pub use super::graph_pool_ids::{GraphPoolId, PoolBlock};
-use super::{block_len, request_len, Allocation, DevicePool, DeviceState, Live, PendingFree, Pool};
+use super::{block_len, request_len, Allocation, DevicePool, DeviceState, Live, Pool};
 use crate::backend::{Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
 use crate::history::Action;
@@ -64,6 +64,17 @@ impl DeviceState {
         Ok(())
     }
 
+    /// Forget the graph pools with no use, no open context and no arena left (one pass over
+    /// the arenas; nothing to do without pools).
+    pub(crate) fn forget_unused_pools(&mut self) {
+        if self.graph_pools.is_empty() {
+            return;
+        }
+        let held: rustc_hash::FxHashSet<u16> =
+            self.arenas.iter().map(|(_, a)| a.graph_pool).collect();
+        self.graph_pools.forget_unused(|slot| held.contains(&slot));
+    }
+
     /// A free of `ptr` whose block has `record_stream` streams, made while routing: its
     /// events wait for the last context to close. Its record stays (freed) meanwhile.
     pub(crate) fn defer_until_no_capture(&mut self, ptr: u64, bytes: u64) {
@@ -78,24 +89,8 @@ impl DeviceState {
                 continue;
             };
             let (stream, extra) = (live.stream, live.extra_streams().to_vec());
-            let mut events = Vec::with_capacity(extra.len());
-            let mut until_synchronize = false;
-            for s in extra {
-                match backend.record_event(device, s) {
-                    Ok(e) => events.push(e),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "record_event failed: the range waits for a synchronize");
-                        until_synchronize = true;
-                    }
-                }
-            }
             // Counted in pending_free_bytes since it was deferred.
-            self.pending.push(PendingFree {
-                ptr,
-                stream,
-                events,
-                until_synchronize,
-            });
+            self.pend_on_streams(ptr, stream, extra, backend, device);
         }
     }
 
@@ -134,10 +129,7 @@ impl Pool {
         let mut st = self.dev(device)?.state.lock();
         let count = st.graph_pools.release(id)?;
         if count == 0 {
-            let st = &mut *st;
-            let arenas = &st.arenas;
-            st.graph_pools
-                .forget_unused(|slot| arenas.iter().any(|(_, a)| a.graph_pool == slot));
+            st.forget_unused_pools();
         }
         Ok(count)
     }
@@ -164,10 +156,7 @@ impl Pool {
             st.end_deferred(self.backend.as_ref(), device);
         }
         // Released during its capture: forgotten now, if it holds no arena.
-        let st = &mut *st;
-        let arenas = &st.arenas;
-        st.graph_pools
-            .forget_unused(|slot| arenas.iter().any(|(_, a)| a.graph_pool == slot));
+        st.forget_unused_pools();
         Ok(())
     }
 
@@ -188,9 +177,7 @@ impl Pool {
             let slot = st.pool_slot(id)?;
             let class = Class::in_graph_pool(slot, len);
             // A pool's blocks carry tag 0: they sleep with the default tag.
-            if st.asleep_tags & (1 << class.tag) != 0 {
-                return Err(super::sleep::asleep_error(device, class.tag, bytes));
-            }
+            st.check_awake(device, class.tag, bytes)?;
             if let Some(ptr) = st.take_range(len, stream, class, self.backend.as_ref(), device) {
                 return Ok(self.finish_alloc(dp, &mut st, ptr, len, bytes, stream));
             }

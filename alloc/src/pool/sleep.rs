@@ -73,6 +73,17 @@ pub struct SleepReport {
 /// and the live bytes in them.
 type SleepWork = (usize, ArenaMem, Vec<(u64, u64)>, u64);
 
+impl DeviceState {
+    /// Refuse an allocation of `bytes` with tag `tag` while that tag sleeps.
+    #[inline]
+    pub(crate) fn check_awake(&self, device: DeviceId, tag: u8, bytes: u64) -> Result<()> {
+        if self.asleep_tags & (1 << tag) != 0 {
+            return Err(asleep_error(device, tag, bytes));
+        }
+        Ok(())
+    }
+}
+
 /// The error of an allocation with a tag that sleeps.
 pub(crate) fn asleep_error(device: DeviceId, tag: u8, bytes: u64) -> Error {
     Error::InvalidState(format!(
