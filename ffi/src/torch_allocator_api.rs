@@ -64,6 +64,11 @@ pub struct gpu_arena_segment_block_t {
     pub allocated: u8,
 }
 
+/// Record the failure of `call` on graph pool `(id0, id1)` of `device`; its error code.
+fn pool_fail(call: &str, device: c_int, id0: u64, id1: u64, e: Error) -> c_int {
+    fail(&format!("{call}(device={device}, pool=({id0}, {id1}))"), e)
+}
+
 /// A count or use count as the C `int` result.
 fn count(n: u32) -> c_int {
     c_int::try_from(n).unwrap_or(c_int::MAX)
@@ -78,7 +83,7 @@ pub extern "C" fn gpu_arena_graph_pool_retain(device: c_int, id0: u64, id1: u64)
     with_pool(CALL, |p| {
         p.graph_pool_retain(device, GraphPoolId(id0, id1))
             .map(count)
-            .map_err(|e| fail(&format!("{CALL}(device={device}, pool=({id0}, {id1}))"), e))
+            .map_err(|e| pool_fail(CALL, device, id0, id1, e))
     })
 }
 
@@ -91,7 +96,7 @@ pub extern "C" fn gpu_arena_graph_pool_release(device: c_int, id0: u64, id1: u64
     with_pool(CALL, |p| {
         p.graph_pool_release(device, GraphPoolId(id0, id1))
             .map(count)
-            .map_err(|e| fail(&format!("{CALL}(device={device}, pool=({id0}, {id1}))"), e))
+            .map_err(|e| pool_fail(CALL, device, id0, id1, e))
     })
 }
 
@@ -116,7 +121,7 @@ pub extern "C" fn gpu_arena_graph_pool_begin(device: c_int, id0: u64, id1: u64) 
     with_pool(CALL, |p| {
         p.graph_pool_begin(device, GraphPoolId(id0, id1))
             .map(count)
-            .map_err(|e| fail(&format!("{CALL}(device={device}, pool=({id0}, {id1}))"), e))
+            .map_err(|e| pool_fail(CALL, device, id0, id1, e))
     })
 }
 
@@ -128,7 +133,7 @@ pub extern "C" fn gpu_arena_graph_pool_end(device: c_int, id0: u64, id1: u64) ->
     with_pool(CALL, |p| {
         p.graph_pool_end(device, GraphPoolId(id0, id1))
             .map(|()| GPU_ARENA_OK)
-            .map_err(|e| fail(&format!("{CALL}(device={device}, pool=({id0}, {id1}))"), e))
+            .map_err(|e| pool_fail(CALL, device, id0, id1, e))
     })
 }
 
@@ -187,7 +192,7 @@ pub extern "C" fn gpu_arena_graph_pool_blocks(
         }
         let blocks = existing_pool(CALL)?
             .graph_pool_blocks(device, GraphPoolId(id0, id1))
-            .map_err(|e| fail(&format!("{CALL}(device={device}, pool=({id0}, {id1}))"), e))?;
+            .map_err(|e| pool_fail(CALL, device, id0, id1, e))?;
         for (i, b) in blocks.iter().take(cap).enumerate() {
             let c = gpu_arena_pool_block_t {
                 ptr: b.ptr,
@@ -241,7 +246,7 @@ pub extern "C" fn gpu_arena_graph_pool_restore(
         existing_pool(CALL)?
             .graph_pool_restore(device, GraphPoolId(id0, id1), &list)
             .map(|()| GPU_ARENA_OK)
-            .map_err(|e| fail(&format!("{CALL}(device={device}, pool=({id0}, {id1}))"), e))
+            .map_err(|e| pool_fail(CALL, device, id0, id1, e))
     })
 }
 
@@ -254,7 +259,7 @@ pub extern "C" fn gpu_arena_graph_pool_empty_cache(device: c_int, id0: u64, id1:
     with_pool(CALL, |p| {
         p.graph_pool_empty_cache(device, GraphPoolId(id0, id1))
             .map(|_| GPU_ARENA_OK)
-            .map_err(|e| fail(&format!("{CALL}(device={device}, pool=({id0}, {id1}))"), e))
+            .map_err(|e| pool_fail(CALL, device, id0, id1, e))
     })
 }
 
