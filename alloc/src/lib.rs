@@ -71,6 +71,7 @@ pub mod pool;
 pub mod range;
 pub mod stats;
 pub mod tags;
+pub mod transfer;
 pub mod units;
 
 pub use backend::Backend;

@@ -264,6 +264,47 @@ pub trait Backend: Send + Sync + fmt::Debug {
         }
     }
 
+    /// A new stream of `device` for transfers ([`Backend::copy_async`]): non-blocking, so its
+    /// copies run beside the default stream's work. Give it back with
+    /// [`Backend::destroy_stream`].
+    fn create_stream(&self, device: DeviceId) -> Result<StreamId> {
+        let _ = device;
+        Err(Error::Unavailable(format!(
+            "the {} backend has no transfer streams",
+            self.name()
+        )))
+    }
+
+    /// Destroy a stream from [`Backend::create_stream`] (copies queued on it still complete).
+    fn destroy_stream(&self, device: DeviceId, stream: StreamId) -> Result<()> {
+        let _ = (device, stream);
+        Err(Error::Unavailable(format!(
+            "the {} backend has no transfer streams",
+            self.name()
+        )))
+    }
+
+    /// Queue a copy of `bytes` bytes from `src` to `dst` on `stream` of `device` (one from
+    /// [`Backend::create_stream`]) and return; an event recorded on the stream afterwards
+    /// completes when the copy has. Each range must lie inside one live arena or import
+    /// mapping of this backend ([`Error::UnknownPointer`] otherwise, nothing queued), and
+    /// both must stay mapped until the copy completes: the caller waits for its event
+    /// before it unmaps or destroys either.
+    fn copy_async(
+        &self,
+        device: DeviceId,
+        stream: StreamId,
+        dst: u64,
+        src: u64,
+        bytes: u64,
+    ) -> Result<()> {
+        let _ = (device, stream, dst, src, bytes);
+        Err(Error::Unavailable(format!(
+            "the {} backend has no device-to-device copy",
+            self.name()
+        )))
+    }
+
     /// Copy `dst.len()` bytes from device address `src` (inside one live arena) to host
     /// memory, blocking.
     fn copy_to_host(&self, device: DeviceId, src: u64, dst: &mut [u8]) -> Result<()> {

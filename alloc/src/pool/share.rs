@@ -443,6 +443,19 @@ impl Pool {
         Ok(())
     }
 
+    /// Leases open on a share now: 0 once an unshared share's last lease closed (the share
+    /// has ended). A producer that revoked its consumers' imports waits for this to reach 0.
+    ///
+    /// # Errors
+    /// [`Error::Ipc`] for a share this device never had under that key and token.
+    pub fn share_leases(&self, device: DeviceId, share_key: u32, token: &[u8; 16]) -> Result<u64> {
+        let st = self.dev(device)?.state.lock();
+        if st.shares.was_unshared(share_key, token) {
+            return Ok(0);
+        }
+        Ok(st.share_record(share_key, token)?.hold.leases())
+    }
+
     /// Open a consumer's lease on a share (the broker calls this for an import request).
     pub fn open_lease(
         &self,

@@ -75,6 +75,9 @@ const SYMBOLS: &[&str] = &[
     "cuMemcpyDtoH_v2",
     "cuMemcpyDtoD_v2",
     "cuMemsetD8_v2",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuMemcpyDtoDAsync_v2",
     "cuMemHostAlloc",
     "cuMemFreeHost",
     "cuMemAlloc_v2",
@@ -729,6 +732,38 @@ impl Driver for CudaDriver {
         // SAFETY: the caller guarantees the destination range.
         check("cuMemsetD8", unsafe {
             sys::cuMemsetD8_v2(dst, value, bytes)
+        })
+    }
+
+    /// `cuStreamCreate(CU_STREAM_NON_BLOCKING)` in the current context.
+    fn stream_create(&self) -> DriverResult<u64> {
+        let mut stream: sys::CUstream = ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: the out-pointer is a valid local; the flag is a valid CUstream_flags value.
+        check("cuStreamCreate", unsafe {
+            sys::cuStreamCreate(&mut stream, flags)
+        })?;
+        Ok(stream as usize as u64)
+    }
+
+    unsafe fn stream_destroy(&self, stream: u64) -> DriverResult<()> {
+        // SAFETY: the caller destroys its own live stream, once.
+        check("cuStreamDestroy", unsafe {
+            sys::cuStreamDestroy_v2(stream as usize as sys::CUstream)
+        })
+    }
+
+    /// `cuMemcpyDtoDAsync` on `stream`.
+    unsafe fn memcpy_dtod_async(
+        &self,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+        stream: u64,
+    ) -> DriverResult<()> {
+        // SAFETY: the caller guarantees both device ranges and the stream.
+        check("cuMemcpyDtoDAsync", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream as usize as sys::CUstream)
         })
     }
 

@@ -533,6 +533,40 @@ impl Driver for HipDriver {
         check("hipMemsetD8", r)
     }
 
+    /// `hipStreamCreateWithFlags(hipStreamNonBlocking)` on the current device.
+    fn stream_create(&self) -> DriverResult<u64> {
+        let mut stream: sys::hipStream_t = ptr::null_mut();
+        // SAFETY: the out-pointer is a valid local; the flag is a valid stream flag.
+        let r = unsafe { sys::hipStreamCreateWithFlags(&mut stream, sys::hipStreamNonBlocking) };
+        check("hipStreamCreateWithFlags", r).map(|()| stream as usize as u64)
+    }
+
+    unsafe fn stream_destroy(&self, stream: u64) -> DriverResult<()> {
+        // SAFETY: the caller destroys its own live stream, once.
+        let r = unsafe { sys::hipStreamDestroy(stream as usize as sys::hipStream_t) };
+        check("hipStreamDestroy", r)
+    }
+
+    /// `hipMemcpyDtoDAsync` on `stream`.
+    unsafe fn memcpy_dtod_async(
+        &self,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+        stream: u64,
+    ) -> DriverResult<()> {
+        // SAFETY: the caller guarantees both device ranges and the stream.
+        let r = unsafe {
+            sys::hipMemcpyDtoDAsync(
+                dptr(dst),
+                dptr(src),
+                bytes,
+                stream as usize as sys::hipStream_t,
+            )
+        };
+        check("hipMemcpyDtoDAsync", r)
+    }
+
     /// `hipHostMalloc` (`hipHostMallocPortable`).
     fn host_alloc(&self, bytes: usize) -> DriverResult<u64> {
         let mut p: *mut c_void = ptr::null_mut();

@@ -94,6 +94,7 @@ mod sys;
 mod tests;
 #[cfg(test)]
 mod tests_faults;
+mod transfer;
 mod types;
 
 use state::{ArenaEntry, EventEntry, ImportEntry, Inner, Owner};
@@ -144,6 +145,7 @@ impl SimBackend {
                 next_id: 1,
                 faults: Default::default(),
                 host_buffers: 0,
+                streams: HashMap::new(),
             }),
         })
     }
@@ -674,6 +676,25 @@ impl Backend for SimBackend {
         inner.check_awake_range(device, dst, src.len() as u64)?;
         sys::write_at(dst, src);
         Ok(())
+    }
+
+    fn create_stream(&self, device: DeviceId) -> Result<StreamId> {
+        self.new_stream(device)
+    }
+
+    fn destroy_stream(&self, device: DeviceId, stream: StreamId) -> Result<()> {
+        self.end_stream(device, stream)
+    }
+
+    fn copy_async(
+        &self,
+        device: DeviceId,
+        stream: StreamId,
+        dst: u64,
+        src: u64,
+        bytes: u64,
+    ) -> Result<()> {
+        self.copy_now(device, stream, dst, src, bytes)
     }
 
     fn synchronize(&self, device: DeviceId) -> Result<()> {

@@ -103,6 +103,8 @@ pub(super) struct Inner {
     pub(super) faults: [FaultPlan; SimCall::ALL.len()],
     /// Host buffers from `alloc_host` not yet given back with `free_host`.
     pub(super) host_buffers: u64,
+    /// Live transfer streams (`create_stream`) and their device.
+    pub(super) streams: HashMap<u64, DeviceId>,
 }
 
 impl Inner {
@@ -193,6 +195,29 @@ impl Inner {
                 why: format!("{len} bytes from here are not inside a live, awake sim arena of device {device}"),
             })
         }
+    }
+
+    /// Whether `addr..addr + len` lies inside one live, awake arena of ours or one import
+    /// mapping (of any device): what a transfer copy may touch.
+    pub(super) fn check_mapped_range(&self, addr: u64, len: u64) -> Result<()> {
+        let inside = |base: u64, bytes: u64| {
+            addr >= base && addr.checked_add(len).is_some_and(|end| end <= base + bytes)
+        };
+        let in_arena = self
+            .arenas
+            .values()
+            .any(|a| a.owner.is_some() && !a.asleep() && inside(a.base, a.bytes));
+        let in_import = self
+            .imports
+            .values()
+            .any(|i| inside(i.region.base(), i.bytes));
+        if in_arena || in_import {
+            return Ok(());
+        }
+        Err(Error::UnknownPointer {
+            ptr: addr,
+            why: format!("{len} bytes from here are not inside a live sim arena or import"),
+        })
     }
 
     pub(super) fn ledger(&self, device: DeviceId) -> SimLedger {

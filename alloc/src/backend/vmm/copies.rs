@@ -1,11 +1,10 @@
 //! Memory the VMM core reaches on the host's behalf: the test/bench copies into live arenas
-//! and mappings (range-checked against the registry), and freeing pinned host buffers.
+//! and mappings (range-checked against the registry), the transfer streams and their
+//! asynchronous device-to-device copies, and freeing pinned host buffers.
 
 use super::{registry, to_usize, warn_undo, Driver, DriverResult, VmmBackend};
-#[cfg(doc)]
-use crate::error::Error;
-use crate::error::Result;
-use crate::ids::DeviceId;
+use crate::error::{Error, Result};
+use crate::ids::{DeviceId, StreamId};
 
 impl<D: Driver> VmmBackend<D> {
     /// Free pinned host memory `p`, just taken out of the `host` registry.
@@ -76,5 +75,66 @@ impl<D: Driver> VmmBackend<D> {
         let device = registry::range_device(&regions, D::NAME, addr, len)?;
         let (_state, _current) = self.make_current(device)?;
         call(&self.driver).map_err(|e| e.into_error(device, 0))
+    }
+
+    /// A new non-blocking stream of `device`, recorded as live.
+    pub(super) fn new_stream(&self, device: DeviceId) -> Result<StreamId> {
+        let (_state, _current) = self.make_current(device)?;
+        let raw = self
+            .driver
+            .stream_create()
+            .map_err(|e| e.into_error(device, 0))?;
+        self.streams.lock().insert(raw, device);
+        Ok(StreamId(raw))
+    }
+
+    /// Destroy a live stream of ours on `device`.
+    pub(super) fn end_stream(&self, device: DeviceId, stream: StreamId) -> Result<()> {
+        if self.streams.lock().remove(&stream.0) != Some(device) {
+            return Err(Error::invalid(format!(
+                "stream {:#x} is not a live transfer stream of device {device} of the {} backend (destroyed twice?)",
+                stream.0,
+                D::NAME
+            )));
+        }
+        let (_state, _current) = self.make_current(device)?;
+        // SAFETY: a live stream of ours, just taken out of the registry: destroyed once.
+        unsafe { self.driver.stream_destroy(stream.0) }.map_err(|e| e.into_error(device, 0))
+    }
+
+    /// Queue `src..+bytes` to `dst..+bytes` on a live stream of `device`, both ranges
+    /// checked against the registry.
+    pub(super) fn queue_copy(
+        &self,
+        device: DeviceId,
+        stream: StreamId,
+        dst: u64,
+        src: u64,
+        bytes: u64,
+    ) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let n = to_usize(bytes)?;
+        if src < dst.saturating_add(bytes) && dst < src.saturating_add(bytes) {
+            return Err(Error::invalid(format!(
+                "copy of {bytes} bytes from {src:#x} to {dst:#x}: the ranges overlap"
+            )));
+        }
+        if self.streams.lock().get(&stream.0) != Some(&device) {
+            return Err(Error::invalid(format!(
+                "stream {:#x} is not a live transfer stream of device {device}",
+                stream.0
+            )));
+        }
+        let regions = self.regions.read();
+        registry::range_device(&regions, D::NAME, src, bytes)?;
+        registry::range_device(&regions, D::NAME, dst, bytes)?;
+        let (_state, _current) = self.make_current(device)?;
+        // SAFETY: both ranges lie inside live arenas or mappings (checked above under the
+        // read lock) and do not overlap; the caller keeps them mapped until the copy's event
+        // completes (Backend::copy_async); the stream is live on this device (checked).
+        unsafe { self.driver.memcpy_dtod_async(dst, src, n, stream.0) }
+            .map_err(|e| e.into_error(device, bytes))
     }
 }

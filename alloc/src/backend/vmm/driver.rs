@@ -368,6 +368,37 @@ pub trait Driver: Send + Sync + fmt::Debug + Sized + 'static {
     /// concurrently (and not host memory that Rust code owns).
     unsafe fn memset_d8(&self, dst: u64, value: u8, bytes: usize) -> DriverResult<()>;
 
+    /// A new non-blocking stream of the current device, as an integer (transfers: copies that
+    /// run beside the default stream's work).
+    fn stream_create(&self) -> DriverResult<u64> {
+        Err(DriverError::not_supported(Self::NAME, "stream_create"))
+    }
+    /// Destroy a stream (work queued on it still completes).
+    ///
+    /// # Safety
+    /// `stream` came from [`Driver::stream_create`] and is destroyed once.
+    unsafe fn stream_destroy(&self, stream: u64) -> DriverResult<()> {
+        let _ = stream;
+        Err(DriverError::not_supported(Self::NAME, "stream_destroy"))
+    }
+    /// Queue a copy of `bytes` bytes from device address `src` to `dst` on `stream`; it
+    /// returns at once (an event recorded after it tells completion).
+    ///
+    /// # Safety
+    /// Both ranges are device memory mapped by this process, readable and writable from the
+    /// current device, not overlapping, and stay mapped until the copy completes; `stream`
+    /// is 0, a special stream, or a live stream of the current device.
+    unsafe fn memcpy_dtod_async(
+        &self,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+        stream: u64,
+    ) -> DriverResult<()> {
+        let _ = (dst, src, bytes, stream);
+        Err(DriverError::not_supported(Self::NAME, "memcpy_dtod_async"))
+    }
+
     /// `bytes` (> 0) bytes of pinned (page-locked) host memory, portable (fast copies with
     /// every device of the process), as an address. Call with a device made current.
     fn host_alloc(&self, bytes: usize) -> DriverResult<u64> {

@@ -154,6 +154,8 @@ pub struct VmmBackend<D: Driver> {
     events: RwLock<HashMap<u64, DeviceId>>,
     /// Live pinned host buffers (address, device they were allocated with).
     host: Mutex<HashMap<u64, DeviceId>>,
+    /// Live transfer streams (as integers) and their device.
+    streams: Mutex<HashMap<u64, DeviceId>>,
 }
 
 /// A `u64` byte count as the driver's `size_t`.
@@ -205,6 +207,7 @@ impl<D: Driver> VmmBackend<D> {
             splits: Mutex::new(BTreeMap::new()),
             events: RwLock::new(HashMap::new()),
             host: Mutex::new(HashMap::new()),
+            streams: Mutex::new(HashMap::new()),
         })
     }
 
@@ -683,6 +686,25 @@ impl<D: Driver> Backend for VmmBackend<D> {
 
     fn copy_from_host(&self, _device: DeviceId, dst: u64, src: &[u8]) -> Result<()> {
         self.memcpy_htod(dst, src)
+    }
+
+    fn create_stream(&self, device: DeviceId) -> Result<StreamId> {
+        self.new_stream(device)
+    }
+
+    fn destroy_stream(&self, device: DeviceId, stream: StreamId) -> Result<()> {
+        self.end_stream(device, stream)
+    }
+
+    fn copy_async(
+        &self,
+        device: DeviceId,
+        stream: StreamId,
+        dst: u64,
+        src: u64,
+        bytes: u64,
+    ) -> Result<()> {
+        self.queue_copy(device, stream, dst, src, bytes)
     }
 
     fn synchronize(&self, device: DeviceId) -> Result<()> {

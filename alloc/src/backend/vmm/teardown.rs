@@ -90,6 +90,17 @@ impl<D: Driver> Drop for VmmBackend<D> {
                 warn_undo(device, unsafe { self.driver.event_destroy(raw) });
             }
         }
+        for (raw, device) in self.streams.get_mut().drain().collect::<Vec<_>>() {
+            tracing::warn!(
+                backend = D::NAME,
+                device,
+                "backend dropped with a live transfer stream: destroying it"
+            );
+            if let Ok((_state, _current)) = self.make_current(device) {
+                // SAFETY: a live stream of ours, taken out of the registry, destroyed once.
+                warn_undo(device, unsafe { self.driver.stream_destroy(raw) });
+            }
+        }
         let mut synced = Vec::new();
         for (base, region) in regions {
             if !synced.contains(&region.device) {

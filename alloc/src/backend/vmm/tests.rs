@@ -426,6 +426,22 @@ impl Driver for Mock {
     unsafe fn memset_d8(&self, _dst: u64, _value: u8, _bytes: usize) -> DriverResult<()> {
         Ok(())
     }
+    fn stream_create(&self) -> DriverResult<u64> {
+        Ok(self.fresh())
+    }
+    unsafe fn stream_destroy(&self, _stream: u64) -> DriverResult<()> {
+        Ok(())
+    }
+    unsafe fn memcpy_dtod_async(
+        &self,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+        _stream: u64,
+    ) -> DriverResult<()> {
+        // SAFETY: the same contract as memcpy_dtod; the mock copies at once.
+        unsafe { self.memcpy_dtod(dst, src, bytes) }
+    }
 }
 
 /// A backend on the mock with `setup`.

@@ -1,0 +1,309 @@
+//! The transfer engine on the sim backend: a producer and a consumer, each with its own sim
+//! device, pool, broker and importer (the consumer's imports are foreign mappings, as in
+//! another process). READ and WRITE with bytes verified, notifications, bad descriptors,
+//! and revocation: the producer takes its memory back while the consumer lives.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+use common::{fill, read, wait_until};
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpu_arena::backend::sim::{SimBackend, SimConfig};
+use gpu_arena::ipc::{Broker, BrokerConfig, Importer};
+use gpu_arena::transfer::{Desc, EngineConfig, Op, TransferEngine, XferStatus};
+use gpu_arena::{Pool, StreamId};
+
+const MIB: u64 = 1 << 20;
+const S: StreamId = StreamId(0);
+
+struct Side {
+    sim: Arc<SimBackend>,
+    pool: Arc<Pool>,
+    engine: TransferEngine,
+}
+
+fn side(agent: &str) -> Side {
+    let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+    let pool = common::validating_pool(&sim, 64 * MIB);
+    let broker = Arc::new(Broker::start(pool.clone(), BrokerConfig::default()).unwrap());
+    let importer = Arc::new(Importer::new(sim.clone()));
+    let mut config = EngineConfig::new(agent);
+    config.revoke_timeout = Duration::from_secs(20);
+    let engine = TransferEngine::start(broker, importer, config).unwrap();
+    Side { sim, pool, engine }
+}
+
+/// Post and poll until done.
+fn run(e: &TransferEngine, req: u64, notif: Option<&[u8]>) {
+    let mut status = e.post(req, notif.map(<[u8]>::to_vec)).unwrap();
+    while status != XferStatus::Done {
+        std::thread::sleep(Duration::from_micros(100));
+        status = e.check(req).unwrap();
+    }
+}
+
+fn notifs_of(e: &TransferEngine, want: usize) -> Vec<(String, Vec<u8>)> {
+    let mut got = Vec::new();
+    wait_until("notifications", Duration::from_secs(10), || {
+        got.extend(e.take_notifs());
+        got.len() >= want
+    });
+    got
+}
+
+/// A producer with a 4 MiB registration full of a pattern, a consumer with a 4 MiB
+/// registration of its own that loaded the producer's.
+struct Pair {
+    p: Side,
+    c: Side,
+    p_ptr: u64,
+    c_ptr: u64,
+    p_md: u64,
+    c_md: u64,
+    remote_md: u64,
+}
+
+fn pair() -> Pair {
+    let p = side("prefill");
+    let c = side("decode");
+    let p_ptr = p.pool.alloc(0, 4 * MIB, S).unwrap().ptr;
+    let c_ptr = c.pool.alloc(0, 4 * MIB, S).unwrap().ptr;
+    fill(p_ptr, (4 * MIB) as usize, 3);
+    fill(c_ptr, (4 * MIB) as usize, 200);
+    let p_md = p.engine.register(p_ptr, 4 * MIB).unwrap();
+    let c_md = c.engine.register(c_ptr, 4 * MIB).unwrap();
+    c.engine
+        .load_conn_info("prefill", p.engine.conn_info())
+        .unwrap();
+    p.engine
+        .load_conn_info("decode", c.engine.conn_info())
+        .unwrap();
+    let public = p.engine.public_data(p_md).unwrap();
+    let remote_md = c.engine.load_remote("prefill", &public).unwrap();
+    Pair {
+        p,
+        c,
+        p_ptr,
+        c_ptr,
+        p_md,
+        c_md,
+        remote_md,
+    }
+}
+
+#[test]
+fn read_and_write_move_the_bytes_and_notify() {
+    let x = pair();
+    let (c, p) = (&x.c.engine, &x.p.engine);
+    // READ the producer's second MiB into the consumer's first, in 4 descriptors.
+    let local: Vec<Desc> = (0..4)
+        .map(|i| Desc {
+            addr: x.c_ptr + i * 256 * 1024,
+            len: 256 * 1024,
+            md: x.c_md,
+        })
+        .collect();
+    let remote: Vec<Desc> = (0..4)
+        .map(|i| Desc {
+            addr: x.p_ptr + MIB + i * 256 * 1024,
+            len: 256 * 1024,
+            md: x.remote_md,
+        })
+        .collect();
+    let req = c.prepare(Op::Read, &local, &remote, "prefill").unwrap();
+    run(c, req, Some(b"read-1"));
+    assert_eq!(
+        read(x.c_ptr, MIB as usize),
+        read(x.p_ptr + MIB, MIB as usize)
+    );
+    // WRITE the consumer's last MiB over the producer's first.
+    let local = [Desc {
+        addr: x.c_ptr + 3 * MIB,
+        len: MIB,
+        md: x.c_md,
+    }];
+    let remote = [Desc {
+        addr: x.p_ptr,
+        len: MIB,
+        md: x.remote_md,
+    }];
+    let w = c.prepare(Op::Write, &local, &remote, "prefill").unwrap();
+    run(c, w, Some(b"write-1"));
+    assert_eq!(
+        read(x.p_ptr, MIB as usize),
+        read(x.c_ptr + 3 * MIB, MIB as usize)
+    );
+    // A request posts again once done.
+    fill(x.c_ptr + 3 * MIB, MIB as usize, 77);
+    run(c, w, None);
+    assert_eq!(
+        read(x.p_ptr, MIB as usize),
+        read(x.c_ptr + 3 * MIB, MIB as usize)
+    );
+    c.notify("prefill", b"standalone").unwrap();
+    let got = notifs_of(p, 3);
+    let bodies: Vec<&[u8]> = got.iter().map(|(_, b)| b.as_slice()).collect();
+    assert_eq!(bodies, [&b"read-1"[..], b"write-1", b"standalone"]);
+    assert!(got.iter().all(|(a, _)| a == "decode"));
+    let s = c.stats();
+    assert_eq!((s.posted, s.copies, s.bytes), (3, 6, 3 * MIB));
+    for r in [req, w] {
+        c.release(r).unwrap();
+    }
+    assert!(c.release(w).is_err(), "released twice");
+}
+
+#[test]
+fn bad_descriptors_and_metadata_are_refused() {
+    let x = pair();
+    let c = &x.c.engine;
+    let local = [Desc {
+        addr: x.c_ptr,
+        len: MIB,
+        md: x.c_md,
+    }];
+    let past = [Desc {
+        addr: x.p_ptr + 3 * MIB + 1,
+        len: MIB,
+        md: x.remote_md,
+    }];
+    let e = c
+        .prepare(Op::Read, &local, &past, "prefill")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("descriptor 0 (remote)") && e.contains("outside its registration"),
+        "{e}"
+    );
+    let other_agent = c
+        .prepare(
+            Op::Read,
+            &local,
+            &[Desc {
+                addr: x.p_ptr,
+                len: MIB,
+                md: x.remote_md,
+            }],
+            "someone",
+        )
+        .unwrap_err();
+    assert!(
+        other_agent
+            .to_string()
+            .contains("not loaded from agent `someone`"),
+        "{other_agent}"
+    );
+    let not_local = [Desc {
+        addr: x.c_ptr,
+        len: MIB,
+        md: x.remote_md,
+    }];
+    assert!(c.prepare(Op::Read, &not_local, &past, "prefill").is_err());
+    // Memory gpu-arena did not allocate, and garbage metadata.
+    let host = vec![0u8; 4096];
+    let e = c
+        .register(host.as_ptr() as u64, 4096)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not gpu-arena memory"), "{e}");
+    assert!(c
+        .load_remote("prefill", "gpu-arena-xfer/1;x;1;2;3;00")
+        .is_err());
+    assert!(c
+        .load_remote("prefill", "hello")
+        .unwrap_err()
+        .to_string()
+        .contains("not a gpu-arena registration"));
+    assert!(c.load_conn_info("prefill", "tcp://1.2.3.4").is_err());
+    assert!(c.notify("nobody", b"x").is_err());
+    assert!(c.deregister(&[12345]).is_err());
+    assert!(c.unload(12345 | 1).is_err());
+    // Nothing changed: the good transfer still works.
+    let req = c
+        .prepare(
+            Op::Read,
+            &local,
+            &[Desc {
+                addr: x.p_ptr,
+                len: MIB,
+                md: x.remote_md,
+            }],
+            "prefill",
+        )
+        .unwrap();
+    run(c, req, None);
+    assert_eq!(read(x.c_ptr, MIB as usize), read(x.p_ptr, MIB as usize));
+}
+
+#[test]
+fn the_producer_takes_its_memory_back_while_the_consumer_lives() {
+    let x = pair();
+    let (c, p) = (&x.c.engine, &x.p.engine);
+    let local = [Desc {
+        addr: x.c_ptr,
+        len: MIB,
+        md: x.c_md,
+    }];
+    let remote = [Desc {
+        addr: x.p_ptr,
+        len: MIB,
+        md: x.remote_md,
+    }];
+    let req = c.prepare(Op::Read, &local, &remote, "prefill").unwrap();
+    run(c, req, None);
+    assert_eq!(x.c.sim.ledger(0).foreign_imports, 1);
+    let baseline_held = 0;
+    // The producer's shutdown: deregister (the consumer closes its import), free, empty.
+    p.deregister(&[x.p_md]).unwrap();
+    assert_eq!(c.stats().revoked, 1);
+    assert_eq!(p.stats().revoke_timeouts, 0);
+    assert_eq!(
+        x.c.sim.ledger(0).foreign_imports,
+        0,
+        "the consumer's mapping is gone"
+    );
+    x.p.pool.free(x.p_ptr).unwrap();
+    x.p.pool.empty_cache(None).unwrap();
+    assert_eq!(
+        x.p.sim.ledger(0).held_bytes,
+        baseline_held,
+        "the producer's memory is back"
+    );
+    // The consumer lives on; a transfer on the revoked registration fails clearly.
+    let e = c.post(req, None).unwrap_err().to_string();
+    assert!(e.contains("revoked"), "{e}");
+    let e = c
+        .prepare(Op::Read, &local, &remote, "prefill")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("revoked"), "{e}");
+    c.release(req).unwrap();
+    c.unload(x.remote_md).unwrap();
+    // Its own memory is its own.
+    c.deregister(&[x.c_md]).unwrap();
+    x.c.pool.free(x.c_ptr).unwrap();
+    x.c.pool.empty_cache(None).unwrap();
+    assert_eq!(x.c.sim.ledger(0).held_bytes, 0);
+}
+
+#[test]
+fn an_unload_closes_the_import_and_the_producer_forgets_the_consumer() {
+    let x = pair();
+    let (c, p) = (&x.c.engine, &x.p.engine);
+    c.unload(x.remote_md).unwrap();
+    assert_eq!(x.c.sim.ledger(0).foreign_imports, 0);
+    assert!(c.unload(x.remote_md).is_err(), "unloaded twice");
+    // Deregistering now waits for nobody.
+    wait_until("the lease closed", Duration::from_secs(10), || {
+        x.p.pool.stats(0).unwrap().imports_live == 0
+    });
+    let t = std::time::Instant::now();
+    p.deregister(&[x.p_md]).unwrap();
+    assert!(t.elapsed() < Duration::from_secs(5));
+    assert_eq!(p.stats().revoke_timeouts, 0);
+    x.p.pool.free(x.p_ptr).unwrap();
+    x.p.pool.empty_cache(None).unwrap();
+    assert_eq!(x.p.sim.ledger(0).held_bytes, 0);
+}
