@@ -101,6 +101,31 @@
 #define GPU_ARENA_ARENA_PINNED 2
 
 /**
+ * A transfer's direction: remote to local.
+ */
+#define GPU_ARENA_XFER_READ 0
+
+/**
+ * A transfer's direction: local to remote.
+ */
+#define GPU_ARENA_XFER_WRITE 1
+
+/**
+ * A request prepared (or completed and not posted again).
+ */
+#define GPU_ARENA_XFER_IDLE 0
+
+/**
+ * A request whose copies are not all complete.
+ */
+#define GPU_ARENA_XFER_IN_PROGRESS 1
+
+/**
+ * A request whose copies completed (its notification sent).
+ */
+#define GPU_ARENA_XFER_DONE 2
+
+/**
  * Counters of one device's pool. All sizes in bytes.
  *
  * The C API's `gpu_arena_stats_t` is this struct: `gpu_arena.h` is generated from this
@@ -465,6 +490,80 @@ typedef struct gpu_arena_segment_block_t {
      */
     uint8_t allocated;
 } gpu_arena_segment_block_t;
+
+/**
+ * One descriptor of a transfer: a range and the metadata id of the registration it lies in.
+ */
+typedef struct gpu_arena_xfer_desc_t {
+    /**
+     * First byte (a remote descriptor's address is the producer's).
+     */
+    uint64_t addr;
+    /**
+     * Length in bytes.
+     */
+    uint64_t len;
+    /**
+     * Metadata id (`gpu_arena_xfer_register`, `_load_remote`, `_load_local`).
+     */
+    uint64_t md;
+} gpu_arena_xfer_desc_t;
+
+/**
+ * Called once per notification by `gpu_arena_xfer_take_notifs`: the sending agent and the
+ * body, both as bytes with their lengths (valid during the call only).
+ */
+typedef void (*gpu_arena_xfer_notif_cb)(void *ctx,
+                                        const char *agent,
+                                        size_t agent_len,
+                                        const char *body,
+                                        size_t body_len);
+
+/**
+ * Counters of one engine (`gpu_arena_xfer_stats`).
+ */
+typedef struct gpu_arena_xfer_stats_t {
+    /**
+     * Local registrations now.
+     */
+    uint64_t registrations;
+    /**
+     * Remote registrations loaded (imported) now.
+     */
+    uint64_t remote_loaded;
+    /**
+     * Requests posted.
+     */
+    uint64_t posted;
+    /**
+     * Copies queued.
+     */
+    uint64_t copies;
+    /**
+     * Bytes queued.
+     */
+    uint64_t bytes;
+    /**
+     * Notifications sent.
+     */
+    uint64_t notifs_sent;
+    /**
+     * Notifications received.
+     */
+    uint64_t notifs_received;
+    /**
+     * Revocations sent (as a producer).
+     */
+    uint64_t revokes_sent;
+    /**
+     * Revocations carried out (as a consumer).
+     */
+    uint64_t revoked;
+    /**
+     * Deregistrations that stopped waiting for consumers.
+     */
+    uint64_t revoke_timeouts;
+} gpu_arena_xfer_stats_t;
 
 #ifdef __cplusplus
 extern "C" {
@@ -961,6 +1060,120 @@ int gpu_arena_allocation_of(const void *ptr, void **base, size_t *requested, int
  * already stays. 0 or a negative error code (a bad fraction changes nothing).
  */
 int gpu_arena_set_memory_fraction(int device, double fraction);
+
+/**
+ * Start a transfer engine for agent `agent` over this process's pool, broker and importer
+ * (initialized lazily). `*out` receives its id. Free it with `gpu_arena_xfer_engine_free`.
+ */
+int gpu_arena_xfer_engine_new(const char *agent, uint64_t *out);
+
+/**
+ * Stop an engine: waits for its requests in flight, closes its imports, ends its
+ * registrations (consumers told and waited for, bounded) and stops its thread.
+ */
+int gpu_arena_xfer_engine_free(uint64_t engine_id);
+
+/**
+ * The engine's connection info (its socket name) into `*out` (free with
+ * `gpu_arena_string_free`).
+ */
+int gpu_arena_xfer_conn_info(uint64_t engine_id, char **out);
+
+/**
+ * Remember how to reach `agent` (its connection info).
+ */
+int gpu_arena_xfer_load_conn_info(uint64_t engine_id, const char *agent, const char *info);
+
+/**
+ * Forget `agent`'s connection info.
+ */
+int gpu_arena_xfer_forget_agent(uint64_t engine_id, const char *agent);
+
+/**
+ * Register `len` bytes at `addr` (inside one live gpu-arena allocation); `*out_md`
+ * receives its metadata id.
+ */
+int gpu_arena_xfer_register(uint64_t engine_id, uint64_t addr, uint64_t len, uint64_t *out_md);
+
+/**
+ * End a registration: no new import, consumers told to close theirs, waited for (bounded).
+ */
+int gpu_arena_xfer_deregister(uint64_t engine_id, uint64_t md);
+
+/**
+ * A registration's public data (text) into `*out` (free with `gpu_arena_string_free`).
+ */
+int gpu_arena_xfer_public_data(uint64_t engine_id, uint64_t md, char **out);
+
+/**
+ * Load `agent`'s registration from its public data (`len` bytes): imports it; `*out_md`
+ * receives its metadata id here.
+ */
+int gpu_arena_xfer_load_remote(uint64_t engine_id,
+                               const char *agent,
+                               const char *data,
+                               size_t len,
+                               uint64_t *out_md);
+
+/**
+ * Check a local registration for transfers within the agent; `*out_md` receives its id.
+ */
+int gpu_arena_xfer_load_local(uint64_t engine_id, uint64_t md, uint64_t *out_md);
+
+/**
+ * Unload a remote registration (its import closed once its copies completed); a local id
+ * is accepted and changes nothing.
+ */
+int gpu_arena_xfer_unload(uint64_t engine_id, uint64_t md);
+
+/**
+ * Prepare a transfer of `count` descriptor pairs with `agent` (this agent's own name for a
+ * transfer within it); `op` is `GPU_ARENA_XFER_READ` or `_WRITE`. `*out_req` receives the
+ * request id. Every descriptor is checked now.
+ */
+int gpu_arena_xfer_prepare(uint64_t engine_id,
+                           int op,
+                           const struct gpu_arena_xfer_desc_t *local,
+                           const struct gpu_arena_xfer_desc_t *remote,
+                           size_t count,
+                           const char *agent,
+                           uint64_t *out_req);
+
+/**
+ * Post a prepared request; `notif` (`notif_len` bytes, may be NULL for none) goes to the
+ * peer when it completes. `*out_status` receives where it stands.
+ */
+int gpu_arena_xfer_post(uint64_t engine_id,
+                        uint64_t req,
+                        const char *notif,
+                        size_t notif_len,
+                        int *out_status);
+
+/**
+ * Where a request stands into `*out_status` (on completion its notification is sent).
+ */
+int gpu_arena_xfer_check(uint64_t engine_id, uint64_t req, int *out_status);
+
+/**
+ * Release a request (one in flight is waited for first).
+ */
+int gpu_arena_xfer_release(uint64_t engine_id, uint64_t req);
+
+/**
+ * Send `len` bytes at `msg` to `agent` as a notification.
+ */
+int gpu_arena_xfer_notify(uint64_t engine_id, const char *agent, const char *msg, size_t len);
+
+/**
+ * Hand each notification received since the last call to `cb` (oldest first); returns how
+ * many (>= 0) or an error code.
+ */
+int gpu_arena_xfer_take_notifs(uint64_t engine_id, gpu_arena_xfer_notif_cb cb, void *ctx);
+
+/**
+ * The engine's counters into `*out`.
+ */
+int gpu_arena_xfer_stats(uint64_t engine_id, struct gpu_arena_xfer_stats_t *out);
 
 /**
  * Set the level of gpu-arena's stderr log: `"off"`, `"error"`, `"warn"`, `"info"`,

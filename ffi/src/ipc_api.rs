@@ -4,7 +4,7 @@
 //! first `gpu_arena_import`. A share handle is 128 plain bytes: copy it anywhere.
 
 use std::ffi::{c_char, c_int, c_void};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use gpu_arena::ipc::{Broker, BrokerConfig, Importer, ShareHandle};
 use gpu_arena::Error;
@@ -22,10 +22,11 @@ pub struct gpu_arena_share_t {
     pub bytes: [u8; GPU_ARENA_SHARE_BYTES],
 }
 
-static BROKER: OnceLock<std::result::Result<Broker, Error>> = OnceLock::new();
-static IMPORTER: OnceLock<Importer> = OnceLock::new();
+static BROKER: OnceLock<std::result::Result<Arc<Broker>, Error>> = OnceLock::new();
+static IMPORTER: OnceLock<Arc<Importer>> = OnceLock::new();
 
-fn broker(call: &str) -> std::result::Result<&'static Broker, c_int> {
+/// The process's broker, started on first use.
+pub(crate) fn broker(call: &str) -> std::result::Result<&'static Arc<Broker>, c_int> {
     let p = pool(call)?;
     let b = BROKER.get_or_init(|| {
         let config = BrokerConfig {
@@ -35,14 +36,14 @@ fn broker(call: &str) -> std::result::Result<&'static Broker, c_int> {
                 .unwrap_or_default(),
             ..BrokerConfig::default()
         };
-        Broker::start(p.clone(), config)
+        Broker::start(p.clone(), config).map(Arc::new)
     });
     b.as_ref().map_err(|e| fail(call, e.clone()))
 }
 
-pub(crate) fn importer(call: &str) -> std::result::Result<&'static Importer, c_int> {
+pub(crate) fn importer(call: &str) -> std::result::Result<&'static Arc<Importer>, c_int> {
     let p = pool(call)?;
-    Ok(IMPORTER.get_or_init(|| Importer::new(p.backend().clone())))
+    Ok(IMPORTER.get_or_init(|| Arc::new(Importer::new(p.backend().clone()))))
 }
 
 pub(crate) fn read_handle(

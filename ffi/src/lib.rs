@@ -60,6 +60,9 @@ pub use sleep_api::*;
 mod torch_allocator_api;
 #[allow(unused_imports)]
 pub use torch_allocator_api::*;
+mod transfer_api;
+#[allow(unused_imports)]
+pub use transfer_api::*;
 
 /// Success.
 pub const GPU_ARENA_OK: c_int = 0;
