@@ -1,21 +1,23 @@
 //! The transfer engine: registrations, loaded remote registrations, requests, and the
 //! thread that hears other engines. See the module docs of [`crate::transfer`] for the rules.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::descs::{plan, Copy, Desc, Op, Span};
+use super::descs::{plan, Desc, Op};
 use super::socket::Endpoint;
+use super::state::{
+    is_remote, wait_events, Counters, LocalReg, RemoteReg, RemoteState, Request, State,
+};
 use super::wire::{Message, PublicData, MAX_NAME_BYTES, MAX_NOTIF_BYTES};
-use crate::backend::{Backend, Event};
+use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::ids::{DeviceId, StreamId};
-use crate::ipc::{Broker, Importer, ShareHandle};
+use crate::ipc::{Broker, Importer};
 
 /// How an engine is set up.
 #[derive(Debug, Clone)]
@@ -79,207 +81,15 @@ pub struct EngineStats {
     pub revoke_timeouts: u64,
 }
 
-#[derive(Debug, Default)]
-struct Counters {
-    posted: AtomicU64,
-    copies: AtomicU64,
-    bytes: AtomicU64,
-    notifs_sent: AtomicU64,
-    notifs_received: AtomicU64,
-    revokes_sent: AtomicU64,
-    revoked: AtomicU64,
-    revoke_timeouts: AtomicU64,
-}
-
-#[derive(Debug)]
-struct LocalReg {
-    addr: u64,
-    len: u64,
-    device: DeviceId,
-    share: ShareHandle,
-    /// Consumers that said they loaded it: (agent, socket).
-    loaded_by: Vec<(String, String)>,
-    /// Being deregistered: consumers that load it now are told to close at once.
-    revoking: bool,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum RemoteState {
-    Live,
-    /// Its import is being closed (revocation or unload); transfers are refused.
-    Closing,
-    /// The producer took it back; the import is closed. Kept so transfers fail clearly.
-    Revoked,
-}
-
-#[derive(Debug)]
-struct RemoteReg {
-    agent: String,
-    producer_socket: String,
-    key: u64,
-    addr: u64,
-    len: u64,
-    local: u64,
-    device: DeviceId,
-    state: RemoteState,
-}
-
-#[derive(Debug)]
-struct Request {
-    copies: Vec<Copy>,
-    remotes: Vec<u64>,
-    notify_to: Option<String>,
-    in_flight: Option<InFlight>,
-}
-
-#[derive(Debug)]
-struct InFlight {
-    events: Vec<Event>,
-    notif: Option<Vec<u8>>,
-}
-
-#[derive(Debug, Default)]
-struct State {
-    next_id: u64,
-    locals: HashMap<u64, LocalReg>,
-    remotes: HashMap<u64, RemoteReg>,
-    peers: HashMap<String, String>,
-    requests: HashMap<u64, Request>,
-    notifs: Vec<(String, Vec<u8>)>,
-    streams: HashMap<DeviceId, Vec<StreamId>>,
-    next_stream: usize,
-}
-
-/// Metadata ids: local registrations are even, loaded remote ones odd.
-fn is_remote(md: u64) -> bool {
-    md & 1 == 1
-}
-
-impl State {
-    fn take_id(&mut self, remote: bool) -> u64 {
-        self.next_id += 1;
-        (self.next_id << 1) | u64::from(remote)
-    }
-
-    fn local_span(&self, md: u64) -> Result<Span> {
-        let r = self.locals.get(&md).ok_or_else(|| {
-            Error::invalid(format!(
-                "metadata {md:#x} is not a registration of this agent"
-            ))
-        })?;
-        if r.revoking {
-            return Err(Error::InvalidState(
-                "its registration is being deregistered".into(),
-            ));
-        }
-        Ok(Span {
-            addr: r.addr,
-            len: r.len,
-            local: r.addr,
-            device: r.device,
-        })
-    }
-
-    fn remote_span(&self, md: u64, agent: &str) -> Result<Span> {
-        let r = self
-            .remotes
-            .get(&md)
-            .filter(|r| r.agent == agent)
-            .ok_or_else(|| {
-                Error::invalid(format!(
-                    "metadata {md:#x} is not loaded from agent `{agent}`"
-                ))
-            })?;
-        match r.state {
-            RemoteState::Live => Ok(Span {
-                addr: r.addr,
-                len: r.len,
-                local: r.local,
-                device: r.device,
-            }),
-            _ => Err(revoked(r)),
-        }
-    }
-
-    /// The streams of `device`, made on first use.
-    fn streams_of(
-        &mut self,
-        backend: &dyn Backend,
-        device: DeviceId,
-        n: usize,
-    ) -> Result<&[StreamId]> {
-        let list = self.streams.entry(device).or_default();
-        while list.len() < n.max(1) {
-            list.push(backend.create_stream(device)?);
-        }
-        Ok(list)
-    }
-
-    /// An event on every stream of the engine: complete when everything queued so far is.
-    fn fence(&self, backend: &dyn Backend) -> Result<Vec<Event>> {
-        let mut events = Vec::new();
-        for (&device, list) in &self.streams {
-            for &s in list {
-                match backend.record_event(device, s) {
-                    Ok(e) => events.push(e),
-                    Err(e) => {
-                        destroy_events(backend, events);
-                        return Err(e);
-                    }
-                }
-            }
-        }
-        Ok(events)
-    }
-}
-
-fn revoked(r: &RemoteReg) -> Error {
-    Error::InvalidState(format!(
-        "agent `{}` took back its registration {} ([{:#x}, +{})): the memory was revoked by its producer; load the agent's metadata again if it registers memory anew",
-        r.agent, r.key, r.addr, r.len
-    ))
-}
-
-fn destroy_events(backend: &dyn Backend, events: Vec<Event>) {
-    for e in events {
-        if let Err(err) = backend.destroy_event(e) {
-            tracing::warn!(error = %err, "destroying a transfer event failed");
-        }
-    }
-}
-
-/// Wait until every event completed, then destroy them.
-fn wait_events(backend: &dyn Backend, events: Vec<Event>) -> Result<()> {
-    let mut result = Ok(());
-    let mut pause = Duration::from_micros(10);
-    for e in &events {
-        loop {
-            match backend.event_done(e) {
-                Ok(true) => break,
-                Ok(false) => {
-                    std::thread::sleep(pause);
-                    pause = (pause * 2).min(Duration::from_millis(1));
-                }
-                Err(err) => {
-                    result = Err(err);
-                    break;
-                }
-            }
-        }
-    }
-    destroy_events(backend, events);
-    result
-}
-
-struct Inner {
-    config: EngineConfig,
-    broker: Arc<Broker>,
-    importer: Arc<Importer>,
-    endpoint: Endpoint,
-    state: Mutex<State>,
-    closed: Condvar,
-    stop: AtomicBool,
-    counters: Counters,
+pub(super) struct Inner {
+    pub(super) config: EngineConfig,
+    pub(super) broker: Arc<Broker>,
+    pub(super) importer: Arc<Importer>,
+    pub(super) endpoint: Endpoint,
+    pub(super) state: Mutex<State>,
+    pub(super) closed: Condvar,
+    pub(super) stop: AtomicBool,
+    pub(super) counters: Counters,
 }
 
 /// A transfer engine: one per NIXL agent and backend instance. See [`crate::transfer`].
@@ -658,18 +468,18 @@ impl Drop for TransferEngine {
 }
 
 impl Inner {
-    fn backend(&self) -> &dyn Backend {
+    pub(super) fn backend(&self) -> &dyn Backend {
         &**self.broker.pool().backend()
     }
 
     /// Send, logging a failure (the peer may have exited: nothing to do about it).
-    fn tell(&self, to: &str, msg: &Message) {
+    pub(super) fn tell(&self, to: &str, msg: &Message) {
         if let Err(e) = self.endpoint.send(to, msg) {
             tracing::debug!(error = %e, "transfer message not delivered");
         }
     }
 
-    fn send_notif(&self, to: &str, body: &[u8]) -> Result<()> {
+    pub(super) fn send_notif(&self, to: &str, body: &[u8]) -> Result<()> {
         if body.len() > MAX_NOTIF_BYTES {
             return Err(Error::invalid(format!(
                 "notification of {} bytes (at most {MAX_NOTIF_BYTES})",
@@ -683,294 +493,5 @@ impl Inner {
         self.endpoint.send(to, &msg)?;
         self.counters.notifs_sent.fetch_add(1, Ordering::Relaxed);
         Ok(())
-    }
-
-    fn post(&self, request: u64, notif: Option<Vec<u8>>) -> Result<XferStatus> {
-        if notif.as_ref().is_some_and(|b| b.len() > MAX_NOTIF_BYTES) {
-            return Err(Error::invalid(format!(
-                "notification longer than {MAX_NOTIF_BYTES} bytes"
-            )));
-        }
-        let backend = self.backend();
-        let mut guard = self.state.lock();
-        let st = &mut *guard;
-        let req = st
-            .requests
-            .get(&request)
-            .ok_or_else(|| Error::invalid(format!("transfer request {request:#x} is not live")))?;
-        if req.in_flight.is_some() {
-            return Err(Error::InvalidState(format!(
-                "transfer request {request:#x} is still in flight"
-            )));
-        }
-        for md in &req.remotes {
-            match st.remotes.get(md) {
-                Some(r) if r.state == RemoteState::Live => {}
-                Some(r) => return Err(revoked(r)),
-                None => return Err(Error::invalid(format!("metadata {md:#x} was unloaded"))),
-            }
-        }
-        let copies = req.copies.clone();
-        let mut used: Vec<(DeviceId, StreamId)> = Vec::new();
-        let n = self.config.streams_per_device;
-        let mut queued = Ok(());
-        for c in &copies {
-            let pick = st.next_stream;
-            st.next_stream = st.next_stream.wrapping_add(1);
-            let stream = match st.streams_of(backend, c.device, n) {
-                Ok(list) => list[pick % list.len()],
-                Err(e) => {
-                    queued = Err(e);
-                    break;
-                }
-            };
-            if let Err(e) = backend.copy_async(c.device, stream, c.dst, c.src, c.len) {
-                queued = Err(e);
-                break;
-            }
-            if !used.contains(&(c.device, stream)) {
-                used.push((c.device, stream));
-            }
-        }
-        let mut events = Vec::with_capacity(used.len());
-        for &(device, stream) in &used {
-            match backend.record_event(device, stream) {
-                Ok(e) => events.push(e),
-                Err(e) => {
-                    queued = queued.and(Err(e));
-                }
-            }
-        }
-        if let Err(e) = queued {
-            // What was queued still runs: wait for it before reporting the failure.
-            drop(guard);
-            let _ = wait_events(backend, events);
-            return Err(e);
-        }
-        self.counters.posted.fetch_add(1, Ordering::Relaxed);
-        self.counters
-            .copies
-            .fetch_add(copies.len() as u64, Ordering::Relaxed);
-        let bytes: u64 = copies.iter().map(|c| c.len).sum();
-        self.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
-        if let Some(req) = st.requests.get_mut(&request) {
-            req.in_flight = Some(InFlight { events, notif });
-        }
-        drop(guard);
-        self.check(request)
-    }
-
-    fn check(&self, request: u64) -> Result<XferStatus> {
-        let backend = self.backend();
-        let mut st = self.state.lock();
-        let req = st
-            .requests
-            .get_mut(&request)
-            .ok_or_else(|| Error::invalid(format!("transfer request {request:#x} is not live")))?;
-        let Some(f) = &req.in_flight else {
-            return Ok(XferStatus::Idle);
-        };
-        for e in &f.events {
-            if !backend.event_done(e)? {
-                return Ok(XferStatus::InProgress);
-            }
-        }
-        let Some(f) = req.in_flight.take() else {
-            return Ok(XferStatus::Idle);
-        };
-        let to = req.notify_to.clone();
-        drop(st);
-        destroy_events(backend, f.events);
-        if let Some(body) = f.notif {
-            let to = to.ok_or_else(|| {
-                Error::invalid("no peer to notify: load its connection info first")
-            })?;
-            self.send_notif(&to, &body)?;
-        }
-        Ok(XferStatus::Done)
-    }
-
-    fn deregister(&self, mds: &[u64]) -> Result<()> {
-        let mut revoking = Vec::new();
-        {
-            let mut st = self.state.lock();
-            if let Some(md) = mds.iter().find(|m| !st.locals.contains_key(m)) {
-                return Err(Error::invalid(format!(
-                    "metadata {md:#x} is not a registration of this agent (deregistered twice?)"
-                )));
-            }
-            for md in mds {
-                if let Some(r) = st.locals.get_mut(md) {
-                    r.revoking = true;
-                    revoking.push((*md, r.share.clone(), std::mem::take(&mut r.loaded_by)));
-                }
-            }
-        }
-        let pool = self.broker.pool();
-        for (md, share, loaded_by) in &revoking {
-            if let Err(e) = self.broker.unshare(share) {
-                tracing::warn!(error = %e, "unshare of a registration failed");
-            }
-            for (agent, socket) in loaded_by {
-                tracing::debug!(agent = %agent, key = md, "revoking a consumer's import");
-                self.tell(
-                    socket,
-                    &Message::Revoke {
-                        from: self.config.agent.clone(),
-                        key: *md,
-                    },
-                );
-                self.counters.revokes_sent.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        let start = Instant::now();
-        let mut pause = Duration::from_micros(50);
-        for (md, share, _) in &revoking {
-            let info = &share.info;
-            loop {
-                let leases = pool
-                    .share_leases(info.device, info.share_key, &info.token)
-                    .unwrap_or(0);
-                if leases == 0 {
-                    break;
-                }
-                if start.elapsed() >= self.config.revoke_timeout {
-                    self.counters
-                        .revoke_timeouts
-                        .fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(key = md, leases, "consumers did not close their imports in time: the memory comes back when they do or exit");
-                    break;
-                }
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(5));
-            }
-        }
-        let mut st = self.state.lock();
-        for (md, _, _) in &revoking {
-            st.locals.remove(md);
-        }
-        Ok(())
-    }
-
-    /// Close a remote registration's import once the copies queued so far completed.
-    /// `revoke`: the producer asked (the entry stays, revoked); else an unload (it goes).
-    fn close_remote(&self, md: u64, revoke: bool) -> Result<()> {
-        let backend = self.backend();
-        let (local, socket, key, fence) = {
-            let mut st = self.state.lock();
-            loop {
-                match st.remotes.get(&md).map(|r| r.state.clone()) {
-                    None => {
-                        return Err(Error::invalid(format!(
-                            "metadata {md:#x} is not loaded (unloaded twice?)"
-                        )))
-                    }
-                    Some(RemoteState::Closing) => self.closed.wait(&mut st),
-                    Some(RemoteState::Revoked) => {
-                        if !revoke {
-                            st.remotes.remove(&md);
-                        }
-                        return Ok(());
-                    }
-                    Some(RemoteState::Live) => break,
-                }
-            }
-            let fence = st.fence(backend)?;
-            let Some(r) = st.remotes.get_mut(&md) else {
-                return Err(Error::Internal(
-                    "remote registration vanished under the lock".into(),
-                ));
-            };
-            r.state = RemoteState::Closing;
-            (r.local, r.producer_socket.clone(), r.key, fence)
-        };
-        let waited = wait_events(backend, fence);
-        let closed = waited.and_then(|()| self.importer.close(local));
-        let mut st = self.state.lock();
-        if revoke {
-            if let Some(r) = st.remotes.get_mut(&md) {
-                r.state = RemoteState::Revoked;
-            }
-            self.counters.revoked.fetch_add(1, Ordering::Relaxed);
-        } else {
-            st.remotes.remove(&md);
-        }
-        drop(st);
-        self.closed.notify_all();
-        self.tell(
-            &socket,
-            &Message::Unloaded {
-                from: self.config.agent.clone(),
-                key,
-            },
-        );
-        closed
-    }
-
-    /// The thread that hears other engines.
-    fn listen(&self) {
-        while !self.stop.load(Ordering::SeqCst) {
-            let msg = match self.endpoint.recv() {
-                Ok(Some(m)) => m,
-                Ok(None) => continue,
-                Err(e) => {
-                    tracing::error!(error = %e, "transfer socket failed; the engine hears no peer any more");
-                    return;
-                }
-            };
-            match msg {
-                Message::Notif { from, body } => {
-                    self.counters
-                        .notifs_received
-                        .fetch_add(1, Ordering::Relaxed);
-                    self.state.lock().notifs.push((from, body));
-                }
-                Message::Loaded {
-                    from,
-                    reply_to,
-                    key,
-                } => {
-                    let mut st = self.state.lock();
-                    match st.locals.get_mut(&key) {
-                        Some(r) if !r.revoking => r.loaded_by.push((from, reply_to)),
-                        _ => {
-                            drop(st);
-                            self.counters.revokes_sent.fetch_add(1, Ordering::Relaxed);
-                            self.tell(
-                                &reply_to,
-                                &Message::Revoke {
-                                    from: self.config.agent.clone(),
-                                    key,
-                                },
-                            );
-                        }
-                    }
-                }
-                Message::Unloaded { from, key } => {
-                    if let Some(r) = self.state.lock().locals.get_mut(&key) {
-                        if let Some(i) = r.loaded_by.iter().position(|(a, _)| *a == from) {
-                            r.loaded_by.swap_remove(i);
-                        }
-                    }
-                }
-                Message::Revoke { from, key } => {
-                    let mds: Vec<u64> = self
-                        .state
-                        .lock()
-                        .remotes
-                        .iter()
-                        .filter(|(_, r)| {
-                            r.agent == from && r.key == key && r.state == RemoteState::Live
-                        })
-                        .map(|(&md, _)| md)
-                        .collect();
-                    for md in mds {
-                        if let Err(e) = self.close_remote(md, true) {
-                            tracing::warn!(error = %e, agent = %from, "closing a revoked import failed");
-                        }
-                    }
-                }
-            }
-        }
     }
 }

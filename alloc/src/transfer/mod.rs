@@ -36,7 +36,10 @@
 
 mod descs;
 mod engine;
+mod requests;
+mod revoke;
 mod socket;
+mod state;
 pub mod wire;
 
 pub use descs::{plan, Copy, Desc, Op, Span};

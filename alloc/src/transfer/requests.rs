@@ -1,0 +1,117 @@
+//! Posting and checking transfer requests: copies spread over the engine's streams, one
+//! event per stream used, the notification sent on completion.
+
+use std::sync::atomic::Ordering;
+
+use super::engine::{Inner, XferStatus};
+use super::state::{destroy_events, revoked, wait_events, InFlight, RemoteState};
+use super::wire::MAX_NOTIF_BYTES;
+use crate::error::{Error, Result};
+use crate::ids::{DeviceId, StreamId};
+
+impl Inner {
+    pub(super) fn post(&self, request: u64, notif: Option<Vec<u8>>) -> Result<XferStatus> {
+        if notif.as_ref().is_some_and(|b| b.len() > MAX_NOTIF_BYTES) {
+            return Err(Error::invalid(format!(
+                "notification longer than {MAX_NOTIF_BYTES} bytes"
+            )));
+        }
+        let backend = self.backend();
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let req = st
+            .requests
+            .get(&request)
+            .ok_or_else(|| Error::invalid(format!("transfer request {request:#x} is not live")))?;
+        if req.in_flight.is_some() {
+            return Err(Error::InvalidState(format!(
+                "transfer request {request:#x} is still in flight"
+            )));
+        }
+        for md in &req.remotes {
+            match st.remotes.get(md) {
+                Some(r) if r.state == RemoteState::Live => {}
+                Some(r) => return Err(revoked(r)),
+                None => return Err(Error::invalid(format!("metadata {md:#x} was unloaded"))),
+            }
+        }
+        let copies = req.copies.clone();
+        let mut used: Vec<(DeviceId, StreamId)> = Vec::new();
+        let n = self.config.streams_per_device;
+        let mut queued = Ok(());
+        for c in &copies {
+            let pick = st.next_stream;
+            st.next_stream = st.next_stream.wrapping_add(1);
+            let stream = match st.streams_of(backend, c.device, n) {
+                Ok(list) => list[pick % list.len()],
+                Err(e) => {
+                    queued = Err(e);
+                    break;
+                }
+            };
+            if let Err(e) = backend.copy_async(c.device, stream, c.dst, c.src, c.len) {
+                queued = Err(e);
+                break;
+            }
+            if !used.contains(&(c.device, stream)) {
+                used.push((c.device, stream));
+            }
+        }
+        let mut events = Vec::with_capacity(used.len());
+        for &(device, stream) in &used {
+            match backend.record_event(device, stream) {
+                Ok(e) => events.push(e),
+                Err(e) => {
+                    queued = queued.and(Err(e));
+                }
+            }
+        }
+        if let Err(e) = queued {
+            // What was queued still runs: wait for it before reporting the failure.
+            drop(guard);
+            let _ = wait_events(backend, events);
+            return Err(e);
+        }
+        self.counters.posted.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .copies
+            .fetch_add(copies.len() as u64, Ordering::Relaxed);
+        let bytes: u64 = copies.iter().map(|c| c.len).sum();
+        self.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
+        if let Some(req) = st.requests.get_mut(&request) {
+            req.in_flight = Some(InFlight { events, notif });
+        }
+        drop(guard);
+        self.check(request)
+    }
+
+    pub(super) fn check(&self, request: u64) -> Result<XferStatus> {
+        let backend = self.backend();
+        let mut st = self.state.lock();
+        let req = st
+            .requests
+            .get_mut(&request)
+            .ok_or_else(|| Error::invalid(format!("transfer request {request:#x} is not live")))?;
+        let Some(f) = &req.in_flight else {
+            return Ok(XferStatus::Idle);
+        };
+        for e in &f.events {
+            if !backend.event_done(e)? {
+                return Ok(XferStatus::InProgress);
+            }
+        }
+        let Some(f) = req.in_flight.take() else {
+            return Ok(XferStatus::Idle);
+        };
+        let to = req.notify_to.clone();
+        drop(st);
+        destroy_events(backend, f.events);
+        if let Some(body) = f.notif {
+            let to = to.ok_or_else(|| {
+                Error::invalid("no peer to notify: load its connection info first")
+            })?;
+            self.send_notif(&to, &body)?;
+        }
+        Ok(XferStatus::Done)
+    }
+}
