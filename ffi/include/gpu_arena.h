@@ -504,7 +504,7 @@ typedef struct gpu_arena_xfer_desc_t {
      */
     uint64_t len;
     /**
-     * Metadata id (`gpu_arena_xfer_register`, `_load_remote`, `_load_local`).
+     * Metadata id (`gpu_arena_xfer_register_mem`, `_load_remote`, `_load_local`).
      */
     uint64_t md;
 } gpu_arena_xfer_desc_t;
@@ -1093,12 +1093,12 @@ int gpu_arena_xfer_forget_agent(uint64_t engine_id, const char *agent);
  * Register `len` bytes at `addr` (inside one live gpu-arena allocation); `*out_md`
  * receives its metadata id.
  */
-int gpu_arena_xfer_register(uint64_t engine_id, uint64_t addr, uint64_t len, uint64_t *out_md);
+int gpu_arena_xfer_register_mem(uint64_t engine_id, uint64_t addr, uint64_t len, uint64_t *out_md);
 
 /**
  * End a registration: no new import, consumers told to close theirs, waited for (bounded).
  */
-int gpu_arena_xfer_deregister(uint64_t engine_id, uint64_t md);
+int gpu_arena_xfer_deregister_mem(uint64_t engine_id, uint64_t md);
 
 /**
  * A registration's public data (text) into `*out` (free with `gpu_arena_string_free`).

@@ -23,7 +23,7 @@ pub struct gpu_arena_xfer_desc_t {
     pub addr: u64,
     /// Length in bytes.
     pub len: u64,
-    /// Metadata id (`gpu_arena_xfer_register`, `_load_remote`, `_load_local`).
+    /// Metadata id (`gpu_arena_xfer_register_mem`, `_load_remote`, `_load_local`).
     pub md: u64,
 }
 
@@ -238,13 +238,13 @@ pub extern "C" fn gpu_arena_xfer_forget_agent(engine_id: u64, agent: *const c_ch
 /// Register `len` bytes at `addr` (inside one live gpu-arena allocation); `*out_md`
 /// receives its metadata id.
 #[no_mangle]
-pub extern "C" fn gpu_arena_xfer_register(
+pub extern "C" fn gpu_arena_xfer_register_mem(
     engine_id: u64,
     addr: u64,
     len: u64,
     out_md: *mut u64,
 ) -> c_int {
-    const CALL: &str = "gpu_arena_xfer_register";
+    const CALL: &str = "gpu_arena_xfer_register_mem";
     guard(CALL, || {
         let md = engine(CALL, engine_id)?
             .register(addr, len)
@@ -255,8 +255,8 @@ pub extern "C" fn gpu_arena_xfer_register(
 
 /// End a registration: no new import, consumers told to close theirs, waited for (bounded).
 #[no_mangle]
-pub extern "C" fn gpu_arena_xfer_deregister(engine_id: u64, md: u64) -> c_int {
-    const CALL: &str = "gpu_arena_xfer_deregister";
+pub extern "C" fn gpu_arena_xfer_deregister_mem(engine_id: u64, md: u64) -> c_int {
+    const CALL: &str = "gpu_arena_xfer_deregister_mem";
     guard(CALL, || {
         status(
             || format!("{CALL}({md:#x})"),
