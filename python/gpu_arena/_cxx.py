@@ -24,6 +24,13 @@ from pathlib import Path
 from typing import Callable, List, Optional, Type
 
 
+def cache_dir() -> Path:
+    """Where the install-time builds are cached: ``$GPU_ARENA_CACHE``, else
+    ``~/.cache/gpu_arena`` (the native allocator, the OOM shim, the NIXL backend)."""
+    env = os.environ.get("GPU_ARENA_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "gpu_arena"
+
+
 def loaded_libstdcxx() -> Optional[str]:
     """The real path of the libstdc++ this process has mapped, or None."""
     try:

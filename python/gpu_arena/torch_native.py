@@ -75,10 +75,7 @@ class NativeInstallError(RuntimeError):
 # --------------------------------------------------------------------------------------
 
 
-def cache_dir() -> Path:
-    """``$GPU_ARENA_CACHE``, else ``~/.cache/gpu_arena`` (shared with ``torch_oom``)."""
-    env = os.environ.get("GPU_ARENA_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "gpu_arena"
+cache_dir = _cxx.cache_dir
 
 
 def compiler() -> Optional[str]:

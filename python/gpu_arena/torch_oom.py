@@ -106,10 +106,7 @@ class ShimBuildError(RuntimeError):
     """The ``torch.OutOfMemoryError`` shim could not be built (``install(oom="torch")``)."""
 
 
-def cache_dir() -> Path:
-    """``$GPU_ARENA_CACHE``, else ``~/.cache/gpu_arena``."""
-    env = os.environ.get("GPU_ARENA_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "gpu_arena"
+cache_dir = _cxx.cache_dir
 
 
 def _torch_dirs(torch) -> "tuple[Path, Path]":

@@ -112,8 +112,13 @@ fn inside(span: &Span, d: &Desc) -> Result<u64> {
     Ok(span.local + (d.addr - span.addr))
 }
 
+/// `e` about descriptor `i`: the same kind (a revoked registration stays a state error).
 fn at(i: usize, side: &str, e: Error) -> Error {
-    Error::invalid(format!("transfer descriptor {i} ({side}): {e}"))
+    let words = format!("transfer descriptor {i} ({side}): {e}");
+    match e {
+        Error::InvalidState(_) => Error::InvalidState(words),
+        _ => Error::InvalidArgument(words),
+    }
 }
 
 #[cfg(test)]
