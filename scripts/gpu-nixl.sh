@@ -13,6 +13,9 @@
 #   peer       legacy, the consumer on GPU 1 (two GPUs)           (3 cycles)
 #   peer_nocache  peer with UCX_CUDA_IPC_CACHE=n                   (10 cycles)
 #   peer_kill  peer, the consumer SIGKILLed mid-transfer
+#   plugin     NIXL's backend GPU_ARENA on default (VMM) arenas, no UCX variable (10 cycles)
+#   plugin_kill          plugin, the consumer SIGKILLed mid-transfer
+#   plugin_killproducer  plugin, the producer SIGKILLed during the consumer's READs
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT/nixl"
 site=/tmp/nixl-site
@@ -34,5 +37,10 @@ for s in "${steps[@]}"; do case $s in
   peer_nocache) UCX_CUDA_IPC_CACHE=n kv --flow arena --conf legacy_ipc=1 --cycles 10 --consumer-device 1 --tag=-legacy-peer-nocache ;;
   peer_kill) kv --flow arena --conf legacy_ipc=1 --kill --consumer-device 1 --tag=-legacy-peer ;;
   peer_vmm) kv --flow arena --cycles 2 --blocks 128 --consumer-device 1 --tag=-vmm-peer ;;
+  plugin)
+    (unset UCX_CUDA_IPC_ENABLE_GET_ZCOPY; kv --flow plugin --cycles 10 --tag=-plugin) ;;
+  plugin_kill) kv --flow plugin --kill --tag=-plugin ;;
+  plugin_killproducer) kv --flow plugin --kill-producer --tag=-plugin ;;
+  peer_plugin) kv --flow plugin --cycles 3 --consumer-device 1 --tag=-plugin-peer ;;
   *) echo "unknown scenario $s" ;;
 esac; done

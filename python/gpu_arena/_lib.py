@@ -292,6 +292,33 @@ class GpuArenaDlpackImport(ctypes.Structure):
 GPU_ARENA_DLPACK_VIEW_HEAD = 8  # int64 entries of the view before its shape and strides
 
 
+# The transfer engine (ffi/src/transfer_api.rs): what NIXL's backend GPU_ARENA calls
+# (gpu_arena/native/nixl/); declared here so every exported function has its signature.
+GPU_ARENA_XFER_READ = 0
+GPU_ARENA_XFER_WRITE = 1
+GPU_ARENA_XFER_IDLE = 0
+GPU_ARENA_XFER_IN_PROGRESS = 1
+GPU_ARENA_XFER_DONE = 2
+
+
+class GpuArenaXferDesc(ctypes.Structure):
+    """``gpu_arena_xfer_desc_t``: a range and the metadata id of its registration."""
+
+    _fields_ = [("addr", ctypes.c_uint64), ("len", ctypes.c_uint64), ("md", ctypes.c_uint64)]
+
+
+class GpuArenaXferStats(ctypes.Structure):
+    """``gpu_arena_xfer_stats_t``: one engine's counters."""
+
+    _fields_ = [(n, ctypes.c_uint64) for n in (
+        "registrations", "remote_loaded", "posted", "copies", "bytes", "notifs_sent",
+        "notifs_received", "revokes_sent", "revoked", "revoke_timeouts")]
+
+
+XFER_NOTIF_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
+                                 ctypes.c_char_p, ctypes.c_size_t)
+
+
 # Arena observers (ffi/src/observers.rs; the Python API is gpu_arena.observers).
 GPU_ARENA_ARENA_EXPORTED = 1
 GPU_ARENA_ARENA_PINNED = 2
@@ -382,6 +409,25 @@ def find_library() -> Path:
 
 c_int, c_ssize_t, c_void_p, c_char_p = ctypes.c_int, ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_char_p
 
+def _xfer_signatures() -> dict:
+    u64, size = ctypes.c_uint64, ctypes.c_size_t
+    pu64, pint, pstr = ctypes.POINTER(u64), ctypes.POINTER(c_int), ctypes.POINTER(c_void_p)
+    desc = ctypes.POINTER(GpuArenaXferDesc)
+    sigs = {
+        "engine_new": [c_char_p, pu64], "engine_free": [u64], "conn_info": [u64, pstr],
+        "load_conn_info": [u64, c_char_p, c_char_p], "forget_agent": [u64, c_char_p],
+        "register_mem": [u64, u64, u64, pu64], "deregister_mem": [u64, u64],
+        "public_data": [u64, u64, pstr], "load_remote": [u64, c_char_p, c_char_p, size, pu64],
+        "load_local": [u64, u64, pu64], "unload": [u64, u64],
+        "prepare": [u64, c_int, desc, desc, size, c_char_p, pu64],
+        "post": [u64, u64, c_char_p, size, pint], "check": [u64, u64, pint],
+        "release": [u64, u64], "notify": [u64, c_char_p, c_char_p, size],
+        "take_notifs": [u64, XFER_NOTIF_FN, c_void_p],
+        "stats": [u64, ctypes.POINTER(GpuArenaXferStats)],
+    }
+    return {f"gpu_arena_xfer_{n}": (c_int, args) for n, args in sigs.items()}
+
+
 # name: (restype, argtypes). Every exported function of ffi/src/lib.rs.
 _SIGNATURES = {
     "gpu_arena_malloc": (c_void_p, [c_ssize_t, c_int, c_void_p]),
@@ -440,6 +486,8 @@ _SIGNATURES = {
     "gpu_arena_allocation_of": (c_int, [c_void_p, ctypes.POINTER(c_void_p),
                                         ctypes.POINTER(ctypes.c_size_t),
                                         ctypes.POINTER(c_int)]),
+    # The transfer engine (ffi/src/transfer_api.rs; strings out are freed with string_free).
+    **_xfer_signatures(),
 }
 
 # The IPC part (ffi/src/ipc_api.rs), declared when the library has it (has_ipc() says

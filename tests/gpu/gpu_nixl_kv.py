@@ -8,13 +8,19 @@ Producer flows (--flow):
           shutdown = detach, free, empty_cache.
   naive   PyTorch's allocator, each KV tensor registered with NIXL on its own; shutdown =
           deregister each, free, torch.cuda.empty_cache().
-The consumer uses PyTorch's allocator for its destination buffer in both flows.
+  plugin  gpu_arena.torch.install() and NIXL's backend GPU_ARENA (gpu_arena.nixl_backend) in
+          both processes, each KV tensor registered with it (one export per arena); the
+          consumer keeps the producer's metadata loaded through the shutdown (deregister
+          revokes its mappings), then checks that a READ is refused; no UCX variable matters.
+The consumer uses PyTorch's allocator for its destination buffer in the arena and naive flows.
 
 Each cycle reports: data verified, transfer bandwidth of 2 MiB blocks and of whole layers
 against a device-to-device copy measured in the same consumer (the copy ceiling; on another
 GPU, a peer copy), registrations and their time, which UCX transport moved the bytes (parsed
 from UCX_PROTO_INFO=y, not assumed), and "leaked" = baseline free - free after shutdown.
 --kill: the consumer is SIGKILLed in the middle of a transfer; the producer then shuts down.
+--kill-producer: the producer is SIGKILLed in the middle of the consumer's layer READ; the
+consumer finishes it, closes its mappings and measures free memory against the baseline.
 
 Usage (GPU machine, NIXL installed, GPU_ARENA_LIB / PYTHONPATH set as scripts/gpu-check.sh does):
   python3 tests/gpu/gpu_nixl_kv.py --flow arena --out DIR [--layers 32 --layer-gib 1.5]
@@ -75,10 +81,21 @@ def process_memory_mib():
         return {}
 
 
-def nixl_agent_class():
+def nixl_agent_class(flow="arena"):
+    """NIXL's agent class; for the plugin flow, agents made with the GPU_ARENA backend
+    (NIXL_PLUGIN_DIR set first: NIXL reads it once)."""
     from gpu_arena.nixl import import_nixl
 
-    return import_nixl().nixl_agent
+    if flow != "plugin":
+        return import_nixl().nixl_agent
+    import gpu_arena.nixl_backend as nb
+
+    nb.enable()
+    api = import_nixl()
+    return lambda name: api.nixl_agent(name, api.nixl_agent_config(backends=["GPU_ARENA"]))
+
+
+PLUGIN = ["GPU_ARENA"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -87,7 +104,7 @@ def nixl_agent_class():
 def producer(a):
     import torch
 
-    if a.flow == "arena":
+    if a.flow in ("arena", "plugin"):
         import gpu_arena
         import gpu_arena.nixl as gn
         import gpu_arena.torch as gt
@@ -98,7 +115,7 @@ def producer(a):
     torch.cuda.set_device(0)
     torch.empty(1, device="cuda")  # the context (and the allocator) before the baseline
     torch.cuda.synchronize()
-    Agent = nixl_agent_class()
+    Agent = nixl_agent_class(a.flow)
     work = a.work
     cycles = []
     publish(f"{work}/producer-up", {})
@@ -124,6 +141,13 @@ def producer(a):
             registrations = registrar.registrations
             reg_s = registrar.register_seconds
             ranges = [registrar.ranges(t)[0] for t in kv]
+        elif a.flow == "plugin":
+            t0 = now()
+            regs.append(agent.register_memory([(t.data_ptr(), layer_bytes, 0, "") for t in kv],
+                                              "VRAM", backends=PLUGIN))
+            reg_s = now() - t0
+            registrations = len(kv)
+            ranges = [(t.data_ptr(), layer_bytes, 0) for t in kv]
         else:
             for layer in range(len(kv)):
                 t0 = now()
@@ -136,15 +160,16 @@ def producer(a):
         peer = wait_file(f"{work}/pulled-{cycle}", a.timeout)
         # Engine shutdown, in-process.
         t0 = now()
+        exports = gpu_arena.stats(0)["exports_live"] if a.flow == "plugin" else None
         if a.flow == "arena":
             registrar.detach()
             left = registrar.registrations
         else:
             for r in regs:
-                agent.deregister_memory(r)
+                agent.deregister_memory(r, backends=PLUGIN) if a.flow == "plugin" else agent.deregister_memory(r)
             left = 0
         del kv
-        if a.flow == "arena":
+        if a.flow in ("arena", "plugin"):
             gt.empty_cache()
             stats = gpu_arena.stats(0)
         else:
@@ -163,7 +188,7 @@ def producer(a):
                    # What the device lost that is not the consumer's own growth (its UCX
                    # buffers) -- the producer's leak, as far as nvidia-smi can attribute it.
                    leaked_not_consumer_gib=round((baseline - free_after - consumer_growth) / GIB, 3), consumer_mib=consumer_mib,
-                   cycle=cycle, registrations=registrations,
+                   cycle=cycle, registrations=registrations, exports=exports,
                    reg_ms_total=round(reg_s * 1e3, 3),
                    reg_ms_each=round(reg_s * 1e3 / max(registrations, 1), 3),
                    registrations_left=left, reserved_after=stats["reserved_bytes"],
@@ -183,15 +208,28 @@ def consumer(a):
 
     import gpu_arena.nixl as gn
 
+    plugin = a.flow == "plugin"
     dev = a.consumer_device
     torch.cuda.set_device(dev)
-    Agent = nixl_agent_class()
+    if plugin:  # GPU_ARENA registers gpu-arena memory only: the consumer's too
+        import gpu_arena
+        import gpu_arena.torch as gt
+
+        gt.install()
+    Agent = nixl_agent_class(a.flow)
     layer_bytes = int(a.layer_gib * GIB)
     n_blocks = a.blocks
     dst_layers = torch.empty(2 * layer_bytes, dtype=torch.uint8, device=f"cuda:{dev}")
     dst_blocks = torch.empty(n_blocks * BLOCK, dtype=torch.uint8, device=f"cuda:{dev}")
     agent = Agent("consumer")
-    local_reg = agent.register_memory([dst_layers, dst_blocks])
+    if plugin:
+        local_reg = agent.register_memory(
+            [(t.data_ptr(), t.numel(), dev, "") for t in (dst_layers, dst_blocks)], "VRAM",
+            backends=PLUGIN)
+    else:
+        local_reg = agent.register_memory([dst_layers, dst_blocks])
+    opts = {"backends": PLUGIN} if plugin else {}
+    after = []  # per cycle (plugin): what a READ did after the producer's shutdown
     # The copy ceiling, same run: device-to-device on the consumer's GPU, and from GPU 0's
     # memory when the consumer is on another GPU (a peer copy).
     def copy_gbps(dst, src):
@@ -210,6 +248,8 @@ def consumer(a):
         ceiling["peer_copy_gbps"] = copy_gbps(first, src)
         del src
         torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    baseline_free = torch.cuda.mem_get_info()[0]
     publish(f"{a.work}/consumer-up", dict(ceiling, pid=os.getpid()))
     for cycle in range(a.cycles):
         meta = wait_file(f"{a.work}/meta-{cycle}", a.timeout)
@@ -220,13 +260,19 @@ def consumer(a):
         def read(local_list, remote_list, what):
             local = agent.get_xfer_descs(local_list, "VRAM")
             remote = gn.remote_descs(agent, remote_list, "VRAM")
-            h = agent.initialize_xfer("READ", local, remote, peer)
+            h = agent.initialize_xfer("READ", local, remote, peer, **opts)
             t0 = now()
             agent.transfer(h)
             if a.kill and cycle == 0 and what == "layers":
                 publish(f"{a.work}/transfer-started", {})
                 time.sleep(3600)  # SIGKILLed here
             gn.wait(agent, h, timeout=a.timeout)
+            if a.kill_producer and what == "layers":
+                # The producer is SIGKILLed while these READs repeat: each must complete.
+                publish(f"{a.work}/transfer-started", {})
+                for _ in range(400):
+                    agent.transfer(h)
+                    gn.wait(agent, h, timeout=a.timeout)
             dt = now() - t0
             agent.release_xfer_handle(h)
             return dt
@@ -256,6 +302,32 @@ def consumer(a):
         ok_layers = all(bool((dst_layers[i * layer_bytes:(i + 1) * layer_bytes] == (cycle * 37 + i) % 251).all().item())
                         for i in range(len(lay)))
         res["verified"] = ok_blocks and ok_layers
+        if a.kill_producer:
+            agent.remove_remote_agent(peer)  # unload: the dead producer's mappings close
+            agent.deregister_memory(local_reg, **opts)
+            del dst_layers, dst_blocks, first, second, view, want
+            if plugin:
+                gt.empty_cache()
+            torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+            time.sleep(0.2)
+            res["free_vs_baseline_gib"] = round((torch.cuda.mem_get_info()[0] - baseline_free) / GIB, 3)
+            publish(f"{a.work}/consumer-result", res)
+            return
+        if plugin:
+            # Keep the producer's metadata loaded through its shutdown: its deregistration
+            # must take the mappings back.
+            publish(f"{a.work}/pulled-{cycle}", res)
+            wait_file(f"{a.work}/released-{cycle}", a.timeout)
+            imports_left = gpu_arena.imports_live()
+            try:
+                read(local_blocks[:1], remote_blocks[:1], "after")
+                refused = "accepted"
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
+                refused = f"{type(e).__name__}: {e}: {gpu_arena._lib.last_error()}"
+            after.append({"cycle": cycle, "imports_left": imports_left, "read_after": refused})
+            agent.remove_remote_agent(peer)
+            continue
         agent.remove_remote_agent(peer)
         if a.fresh_agent:
             # Close this consumer's UCX context (and the IPC mappings it cached) before the
@@ -266,7 +338,8 @@ def consumer(a):
             local_reg = agent.register_memory([dst_layers, dst_blocks])
         publish(f"{a.work}/pulled-{cycle}", res)
         wait_file(f"{a.work}/released-{cycle}", a.timeout)
-    agent.deregister_memory(local_reg)
+    agent.deregister_memory(local_reg, **opts)
+    publish(f"{a.work}/consumer-result", {"after_shutdown": after})
 
 
 # ---------------------------------------------------------------------------------------
@@ -297,7 +370,7 @@ def proto_tables(text):
 
 def orchestrate(a):
     os.makedirs(a.out, exist_ok=True)
-    label = f"{a.flow}{'-kill' if a.kill else ''}{a.tag}"
+    label = f"{a.flow}{'-kill' if a.kill else ''}{'-killproducer' if a.kill_producer else ''}{a.tag}"
     work = os.path.join(a.out, f"work-{label}")
     os.makedirs(work, exist_ok=True)
     for f in os.listdir(work):
@@ -305,7 +378,7 @@ def orchestrate(a):
     env = dict(os.environ, UCX_PROTO_INFO="y", PYTHONUNBUFFERED="1")
     common = ["--work", work, "--flow", a.flow, "--layers", str(a.layers), "--layer-gib", str(a.layer_gib),
               "--cycles", str(a.cycles), "--blocks", str(a.blocks), "--timeout", str(a.timeout),
-              "--consumer-device", str(a.consumer_device)] + (["--conf", a.conf] if a.conf else []) + (["--kill"] if a.kill else []) + (["--fresh-agent"] if a.fresh_agent else [])
+              "--consumer-device", str(a.consumer_device)] + (["--conf", a.conf] if a.conf else []) + (["--kill"] if a.kill else []) + (["--kill-producer"] if a.kill_producer else []) + (["--fresh-agent"] if a.fresh_agent else [])
     plog = open(os.path.join(a.out, f"{label}.producer.log"), "w")
     clog_path = os.path.join(a.out, f"{label}.consumer.log")
     clog = open(clog_path, "w")
@@ -324,13 +397,29 @@ def orchestrate(a):
             report["consumer_killed"] = True
             # Nothing will say "pulled": tell the producer the consumer is gone.
             publish(f"{work}/pulled-0", {"consumer": "SIGKILLed mid-transfer"})
+        if a.kill_producer:
+            wait_file(f"{work}/transfer-started", a.timeout, cons)
+            time.sleep(0.05)
+            prod.send_signal(signal.SIGKILL)
+            prod.wait()
+            report["producer_killed"] = True
+            cons.wait(timeout=a.timeout)
+            report["consumer_exit"] = cons.returncode
+            res_path = f"{work}/consumer-result"
+            report["consumer"] = json.load(open(res_path)) if os.path.exists(res_path) else {"error": "no consumer result"}
         deadline = time.time() + a.timeout * (a.cycles + 2)
         while prod.poll() is None and time.time() < deadline:
             if not a.kill and cons.poll() not in (None, 0):
                 break
             time.sleep(0.1)
         res_path = f"{work}/producer-result"
-        report.update(json.load(open(res_path)) if os.path.exists(res_path) else {"error": "no producer result"})
+        if not a.kill_producer:
+            report.update(json.load(open(res_path)) if os.path.exists(res_path) else {"error": "no producer result"})
+        if cons.poll() is None and not a.kill:
+            cons.wait(timeout=a.timeout)
+        cres = f"{work}/consumer-result"
+        if a.flow == "plugin" and not a.kill_producer and os.path.exists(cres):
+            report.update(json.load(open(cres)))
     finally:
         for p in (prod, locals().get("cons")):
             if p is not None and p.poll() is None:
@@ -352,12 +441,19 @@ def orchestrate(a):
         reg_ms_each=cyc[0]["reg_ms_each"] if cyc else None,
         blocks_gbps=[c.get("blocks_gbps") for c in cyc], layers_gbps=[c.get("layers_gbps") for c in cyc],
         producer_mib=[c.get("producer_mib") for c in cyc], consumer_mib=[c.get("consumer_mib") for c in cyc],
-        copy_gbps=cyc[0].get("copy_gbps") if cyc else None, peer_copy_gbps=cyc[0].get("peer_copy_gbps") if cyc else None)
+        copy_gbps=cyc[0].get("copy_gbps") if cyc else None, peer_copy_gbps=cyc[0].get("peer_copy_gbps") if cyc else None,
+        exports=[c.get("exports") for c in cyc],
+        read_after_shutdown=[x["read_after"][:120] for x in report.get("after_shutdown", [])],
+        imports_left=[x["imports_left"] for x in report.get("after_shutdown", [])])
     name = f"nixl-{label}.json"
     with open(os.path.join(a.out, name), "w") as f:
         json.dump(report, f, indent=1)
     print(json.dumps({"flow": a.flow, "tag": a.tag, "cuda_ipc_used": report["cuda_ipc_used"],
                       "transports": report["transports"], **report["summary"]}))
+    if a.kill_producer:
+        c = report.get("consumer", {})
+        print(json.dumps({"flow": a.flow, "tag": a.tag, "producer_killed": True, **c}))
+        return 0 if c.get("verified") else 1
     ok = bool(cyc) and (a.kill or report["summary"]["verified"])
     return 0 if ok else 1
 
@@ -365,7 +461,7 @@ def orchestrate(a):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--role", choices=["producer", "consumer"])
-    ap.add_argument("--flow", choices=["arena", "naive"], default="arena")
+    ap.add_argument("--flow", choices=["arena", "naive", "plugin"], default="arena")
     ap.add_argument("--work")
     ap.add_argument("--out", default="gpu-out/nixl")
     ap.add_argument("--tag", default="")
@@ -377,10 +473,11 @@ def main():
     ap.add_argument("--consumer-device", type=int, default=0)
     ap.add_argument("--conf", default="")
     ap.add_argument("--kill", action="store_true")
+    ap.add_argument("--kill-producer", action="store_true")
     ap.add_argument("--fresh-agent", action="store_true",
                     help="the consumer replaces its NIXL agent after each cycle's pulls")
     a = ap.parse_args()
-    if a.kill:
+    if a.kill or a.kill_producer:
         a.cycles = 1
     if a.role == "producer":
         return producer(a)

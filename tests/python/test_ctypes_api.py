@@ -98,6 +98,8 @@ def _same_type(a, b) -> bool:
     ("gpu_arena_arena_info_t", _lib.GpuArenaArenaInfo),
     ("gpu_arena_dlpack_t", _lib.GpuArenaDlpack),
     ("gpu_arena_dlpack_import_t", _lib.GpuArenaDlpackImport),
+    ("gpu_arena_xfer_desc_t", _lib.GpuArenaXferDesc),
+    ("gpu_arena_xfer_stats_t", _lib.GpuArenaXferStats),
 ])
 @pytest.mark.skipif(not HEADER.exists(), reason="ffi/include/gpu_arena.h not in this checkout")
 def test_structs_match_the_header(c_name, py_struct):

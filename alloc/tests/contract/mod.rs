@@ -164,6 +164,7 @@ macro_rules! backend_contract_tests {
             write_and_read_through_an_arena,
             open_export_holds_memory_after_destroy_until_closed,
             in_process_import_sees_the_same_memory,
+            copies_on_a_transfer_stream_between_an_arena_and_an_import,
             importer_mapping_holds_memory_until_unmapped,
             events_complete_after_synchronize,
             caller_context_or_device_left_unchanged,
@@ -302,6 +303,84 @@ pub fn in_process_import_sees_the_same_memory<B: Subject>(b: &B) {
     b.close_export(&arena, export).expect("close");
     b.destroy_arena(arena).expect("destroy");
     assert_back(b, baseline, "after unmap, close and destroy");
+}
+
+/// A transfer stream's copies move bytes between an arena and an import of another arena
+/// (both directions, many queued), complete by an event, and ranges outside any live arena
+/// or mapping are refused with nothing queued.
+pub fn copies_on_a_transfer_stream_between_an_arena_and_an_import<B: Subject>(b: &B) {
+    let baseline = free(b);
+    let g = granule(b);
+    let bytes = 8 * g;
+    let (src, dst) = (
+        b.create_arena(0, bytes).expect("create"),
+        b.create_arena(0, bytes).expect("create"),
+    );
+    let export = b.export(&src).expect("export");
+    let mapping = b
+        .import(0, ImportSource::Fd(export.fd().expect("fd export")), bytes)
+        .expect("import");
+    let data = pattern(bytes as usize, 9);
+    b.write(src.base, &data).expect("htod");
+    b.synchronize(0).expect("synchronize");
+    let stream = b.create_stream(0).expect("create_stream");
+    // READ: the import into the local arena, in 8 copies on the stream.
+    for i in 0..8 {
+        b.copy_async(0, stream, dst.base + i * g, mapping.base + i * g, g)
+            .expect("copy_async");
+    }
+    let event = b.record_event(0, stream).expect("event");
+    while !b.event_done(&event).expect("event_done") {
+        std::thread::yield_now();
+    }
+    b.destroy_event(event).expect("destroy_event");
+    let mut back = vec![0u8; data.len()];
+    b.read(&mut back, dst.base).expect("dtoh");
+    assert!(back == data, "the copies did not move the import's bytes");
+    // WRITE: the local arena into the import: the owner sees it.
+    b.fill(dst.base, 0x3C, g).expect("memset");
+    b.synchronize(0).expect("synchronize");
+    b.copy_async(0, stream, mapping.base, dst.base, g)
+        .expect("copy_async back");
+    b.synchronize(0).expect("synchronize");
+    let mut part = vec![0u8; g as usize];
+    b.read(&mut part, src.base).expect("dtoh owner");
+    assert!(
+        part.iter().all(|&x| x == 0x3C),
+        "the owner does not see the write"
+    );
+    // Outside any live range, overlapping, or an unknown stream: refused.
+    let host = vec![0u8; 64];
+    for (dst_addr, src_addr) in [
+        (host.as_ptr() as u64, src.base),
+        (dst.base, host.as_ptr() as u64),
+    ] {
+        assert!(matches!(
+            b.copy_async(0, stream, dst_addr, src_addr, 64),
+            Err(Error::UnknownPointer { .. })
+        ));
+    }
+    assert!(
+        b.copy_async(0, stream, dst.base + bytes - 32, dst.base, 64)
+            .is_err(),
+        "past the end"
+    );
+    assert!(
+        b.copy_async(0, stream, dst.base + 16, dst.base, 64)
+            .is_err(),
+        "overlapping"
+    );
+    assert!(b
+        .copy_async(0, gpu_arena::StreamId(12345), dst.base, src.base, 64)
+        .is_err());
+    b.destroy_stream(0, stream).expect("destroy_stream");
+    assert!(b.destroy_stream(0, stream).is_err(), "destroyed twice");
+    b.synchronize(0).expect("synchronize");
+    b.unmap_import(mapping).expect("unmap");
+    b.close_export(&src, export).expect("close");
+    b.destroy_arena(src).expect("destroy");
+    b.destroy_arena(dst).expect("destroy");
+    assert_back(b, baseline, "after the transfer test");
 }
 
 /// The importer's mapping holds 1 GiB after the owner destroyed and closed, until unmapped.
