@@ -210,12 +210,12 @@ def consumer(a):
 
     plugin = a.flow == "plugin"
     dev = a.consumer_device
-    torch.cuda.set_device(dev)
     if plugin:  # GPU_ARENA registers gpu-arena memory only: the consumer's too
         import gpu_arena
         import gpu_arena.torch as gt
 
         gt.install()
+    torch.cuda.set_device(dev)
     Agent = nixl_agent_class(a.flow)
     layer_bytes = int(a.layer_gib * GIB)
     n_blocks = a.blocks
@@ -315,6 +315,11 @@ def consumer(a):
             publish(f"{a.work}/consumer-result", res)
             return
         if plugin:
+            # The checks' temporaries (1.5 GiB compares) go back, so that the device's free
+            # memory after the producer's shutdown says what the producer and the mappings
+            # left, not the consumer's own cache.
+            del view, want
+            gt.empty_cache()
             # Keep the producer's metadata loaded through its shutdown: its deregistration
             # must take the mappings back.
             publish(f"{a.work}/pulled-{cycle}", res)
