@@ -307,3 +307,125 @@ fn an_unload_closes_the_import_and_the_producer_forgets_the_consumer() {
     x.p.pool.empty_cache(None).unwrap();
     assert_eq!(x.p.sim.ledger(0).held_bytes, 0);
 }
+
+/// A producer whose 4 MiB registration lives under tag `xfer_kv` (so it can sleep alone).
+fn pair_with_tag() -> Pair {
+    let p = side("prefill");
+    let c = side("decode");
+    let p_ptr = common::alloc_with(&p.pool, "xfer_kv", 4 * MIB, S);
+    let c_ptr = c.pool.alloc(0, 4 * MIB, S).unwrap().ptr;
+    fill(p_ptr, (4 * MIB) as usize, 5);
+    let p_md = p.engine.register(p_ptr, 4 * MIB).unwrap();
+    let c_md = c.engine.register(c_ptr, 4 * MIB).unwrap();
+    c.engine
+        .load_conn_info("prefill", p.engine.conn_info())
+        .unwrap();
+    let public = p.engine.public_data(p_md).unwrap();
+    let remote_md = c.engine.load_remote("prefill", &public).unwrap();
+    Pair {
+        p,
+        c,
+        p_ptr,
+        c_ptr,
+        p_md,
+        c_md,
+        remote_md,
+    }
+}
+
+#[test]
+fn a_registered_kv_cache_sleeps_and_wakes_and_transfers_resume_without_new_metadata() {
+    let x = pair_with_tag();
+    let (c, p) = (&x.c.engine, &x.p.engine);
+    let kv = gpu_arena::tags::lookup("xfer_kv").unwrap();
+    let local = [Desc {
+        addr: x.c_ptr,
+        len: 4 * MIB,
+        md: x.c_md,
+    }];
+    let remote = [Desc {
+        addr: x.p_ptr,
+        len: 4 * MIB,
+        md: x.remote_md,
+    }];
+    let req = c.prepare(Op::Read, &local, &remote, "prefill").unwrap();
+    run(c, req, None);
+    let before = read(x.c_ptr, (4 * MIB) as usize);
+    assert_eq!(before, read(x.p_ptr, (4 * MIB) as usize));
+    // Sleep the tag with its contents offloaded: the registration's share ends first (the
+    // consumer closes its mapping), so the arena really sleeps.
+    let report = x.p.pool.sleep_tags(Some(0), Some(&[kv]), &[kv]).unwrap();
+    assert_eq!(
+        report.kept_shared_bytes, 0,
+        "a registration kept its arena awake"
+    );
+    assert!(report.arena_bytes >= 4 * MIB);
+    assert_eq!((p.stats().slept, c.stats().revoked), (1, 1));
+    assert_eq!(
+        x.c.sim.ledger(0).foreign_imports,
+        0,
+        "the consumer's mapping closed"
+    );
+    // A transfer while it sleeps fails clearly, and changes nothing.
+    let e = c.post(req, None).unwrap_err().to_string();
+    assert!(e.contains("asleep"), "{e}");
+    assert!(p
+        .public_data(x.p_md)
+        .unwrap_err()
+        .to_string()
+        .contains("asleep"));
+    // Wake: the same request works again, with no metadata exchanged.
+    x.p.pool.wake(Some(0), Some(&[kv])).unwrap();
+    fill(x.c_ptr, (4 * MIB) as usize, 0);
+    run(c, req, None);
+    assert_eq!(
+        read(x.c_ptr, (4 * MIB) as usize),
+        before,
+        "offloaded contents after the wake"
+    );
+    assert_eq!(c.stats().reloaded, 1);
+    // And a new request too; then the usual shutdown gives everything back.
+    let again = c.prepare(Op::Read, &local, &remote, "prefill").unwrap();
+    run(c, again, None);
+    for r in [req, again] {
+        c.release(r).unwrap();
+    }
+    p.deregister(&[x.p_md]).unwrap();
+    x.p.pool.free(x.p_ptr).unwrap();
+    x.p.pool.empty_cache(None).unwrap();
+    assert_eq!(x.p.sim.ledger(0).held_bytes, 0);
+}
+
+#[test]
+fn the_owners_free_and_empty_cache_take_a_registration_back() {
+    let x = pair();
+    let (c, p) = (&x.c.engine, &x.p.engine);
+    let local = [Desc {
+        addr: x.c_ptr,
+        len: MIB,
+        md: x.c_md,
+    }];
+    let remote = [Desc {
+        addr: x.p_ptr,
+        len: MIB,
+        md: x.remote_md,
+    }];
+    let req = c.prepare(Op::Read, &local, &remote, "prefill").unwrap();
+    run(c, req, None);
+    // The owner frees the registered memory without deregistering (deferred: shared), then
+    // empties the cache: the consumer is told, closes, and the memory goes back.
+    x.p.pool.free(x.p_ptr).unwrap();
+    assert!(x.p.pool.freed_while_shared(x.p_ptr));
+    x.p.pool.empty_cache(None).unwrap();
+    assert_eq!(c.stats().revoked, 1);
+    assert_eq!(
+        x.p.sim.ledger(0).held_bytes,
+        0,
+        "the producer's memory is back"
+    );
+    let e = c.post(req, None).unwrap_err().to_string();
+    assert!(e.contains("revoked"), "{e}");
+    // NIXL's deregistration afterwards only forgets it.
+    p.deregister(&[x.p_md]).unwrap();
+    assert!(p.deregister(&[x.p_md]).is_err());
+}

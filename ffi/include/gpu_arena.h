@@ -563,6 +563,14 @@ typedef struct gpu_arena_xfer_stats_t {
      * Deregistrations that stopped waiting for consumers.
      */
     uint64_t revoke_timeouts;
+    /**
+     * Registrations whose share a sleep of their tag ended (as a producer).
+     */
+    uint64_t slept;
+    /**
+     * Remote registrations imported again after their producer woke (as a consumer).
+     */
+    uint64_t reloaded;
 } gpu_arena_xfer_stats_t;
 
 #ifdef __cplusplus

@@ -62,6 +62,10 @@ pub struct gpu_arena_xfer_stats_t {
     pub revoked: u64,
     /// Deregistrations that stopped waiting for consumers.
     pub revoke_timeouts: u64,
+    /// Registrations whose share a sleep of their tag ended (as a producer).
+    pub slept: u64,
+    /// Remote registrations imported again after their producer woke (as a consumer).
+    pub reloaded: u64,
 }
 
 /// Called once per notification by `gpu_arena_xfer_take_notifs`: the sending agent and the
@@ -76,13 +80,20 @@ pub type gpu_arena_xfer_notif_cb = Option<
     ),
 >;
 
-static ENGINES: Mutex<Option<(u64, HashMap<u64, Arc<TransferEngine>>)>> = Mutex::new(None);
+/// The live engines by id, and the last id handed out.
+#[derive(Default)]
+struct Engines {
+    last_id: u64,
+    live: HashMap<u64, Arc<TransferEngine>>,
+}
+
+static ENGINES: Mutex<Option<Engines>> = Mutex::new(None);
 
 fn engine(call: &str, id: u64) -> Result<Arc<TransferEngine>, c_int> {
     let engines = ENGINES.lock();
     engines
         .as_ref()
-        .and_then(|(_, m)| m.get(&id).cloned())
+        .and_then(|e| e.live.get(&id).cloned())
         .ok_or_else(|| {
             fail(
                 call,
@@ -168,10 +179,10 @@ pub extern "C" fn gpu_arena_xfer_engine_new(agent: *const c_char, out: *mut u64)
         let e = TransferEngine::start(b, i, config)
             .map_err(|e| fail(&format!("{CALL}({agent})"), e))?;
         let mut engines = ENGINES.lock();
-        let (next, map) = engines.get_or_insert_with(|| (0, HashMap::new()));
-        *next += 1;
-        map.insert(*next, Arc::new(e));
-        out_u64(CALL, out, *next)
+        let engines = engines.get_or_insert_with(Engines::default);
+        engines.last_id += 1;
+        engines.live.insert(engines.last_id, Arc::new(e));
+        out_u64(CALL, out, engines.last_id)
     })
 }
 
@@ -184,7 +195,7 @@ pub extern "C" fn gpu_arena_xfer_engine_free(engine_id: u64) -> c_int {
         let e = ENGINES
             .lock()
             .as_mut()
-            .and_then(|(_, m)| m.remove(&engine_id));
+            .and_then(|e| e.live.remove(&engine_id));
         match e {
             Some(e) => {
                 drop(e);
@@ -500,6 +511,8 @@ pub extern "C" fn gpu_arena_xfer_stats(engine_id: u64, out: *mut gpu_arena_xfer_
             revokes_sent: s.revokes_sent,
             revoked: s.revoked,
             revoke_timeouts: s.revoke_timeouts,
+            slept: s.slept,
+            reloaded: s.reloaded,
         };
         // SAFETY: `out` is non-null and points to a writable gpu_arena_xfer_stats_t.
         unsafe { out.write(v) };

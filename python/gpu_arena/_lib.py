@@ -312,7 +312,7 @@ class GpuArenaXferStats(ctypes.Structure):
 
     _fields_ = [(n, ctypes.c_uint64) for n in (
         "registrations", "remote_loaded", "posted", "copies", "bytes", "notifs_sent",
-        "notifs_received", "revokes_sent", "revoked", "revoke_timeouts")]
+        "notifs_received", "revokes_sent", "revoked", "revoke_timeouts", "slept", "reloaded")]
 
 
 XFER_NOTIF_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,

@@ -84,6 +84,7 @@ pub(crate) use device::DeviceState;
 mod free;
 mod graph_pool_ids;
 mod graph_pools;
+mod hooks;
 mod limits;
 mod observers;
 mod offload;
@@ -100,6 +101,7 @@ mod wake;
 
 pub use classes::{GRAPH_POOL_ARENA, HUGE_MIN, SMALL_ARENA, SMALL_GROW_FREELY};
 pub use graph_pools::{GraphPoolId, PoolBlock};
+pub use hooks::PoolHook;
 pub use limits::{MaxReserved, MIN_ARENA_SIZE};
 pub use observers::{
     ArenaInfo, ArenaObserver, ObserverError, ObserverId, ARENA_EXPORTED, ARENA_PINNED,
@@ -322,6 +324,8 @@ pub struct Pool {
     pub(crate) observers: observers::Observers,
     /// Serialises sleeps and wakes (`pool/sleep.rs`).
     sleep_lock: Mutex<()>,
+    /// Told around sleep, wake and release of cached memory (`pool/hooks.rs`).
+    pub(crate) hooks: hooks::Hooks,
 }
 
 impl Pool {
@@ -350,6 +354,7 @@ impl Pool {
             devices,
             observers: observers::Observers::default(),
             sleep_lock: Mutex::new(()),
+            hooks: hooks::Hooks::default(),
         })
     }
 
@@ -385,6 +390,7 @@ impl Pool {
     /// Synchronize `device` (or every device for `None`) and destroy every arena with no live
     /// allocation and no share. Pinned arenas stay (recycled). Returns bytes released.
     pub fn empty_cache(&self, device: Option<DeviceId>) -> Result<u64> {
+        self.hooks_before_release(device);
         if self.config.trim_on_empty_cache {
             return self
                 .trim(device)

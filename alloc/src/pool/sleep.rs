@@ -188,6 +188,12 @@ impl Pool {
                 "sleep of every device: every tag to sleep is already asleep".into(),
             ));
         }
+        // Holders of shares end the ones in these tags first (pool/hooks.rs): a shared
+        // arena would stay awake.
+        for dp in &awake {
+            let asleep = dp.state.lock().asleep_tags;
+            self.hooks_before_sleep(dp.device, want & !asleep);
+        }
         let mut report = SleepReport::default();
         for dp in awake {
             let r = self.sleep_device(dp, want, offload_mask)?;

@@ -60,6 +60,10 @@ impl Pool {
     /// `device` (every device for `None`). See the module docs for the contract: the device
     /// must be idle (for gpu-arena memory) until this returns.
     pub fn trim(&self, device: Option<DeviceId>) -> Result<TrimReport> {
+        if !self.config.trim_on_empty_cache {
+            // (empty_cache told them already when it calls trim)
+            self.hooks_before_release(device);
+        }
         let _serial = self.sleep_lock.lock();
         let mut report = TrimReport::default();
         for dp in self.sleep_devices(device)? {

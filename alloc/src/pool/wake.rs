@@ -125,6 +125,10 @@ impl Pool {
                 }
             }
         }
+        // Holders of shares share these tags' memory again (pool/hooks.rs).
+        for &(dp, want) in &plan {
+            self.hooks_after_wake(dp.device, want);
+        }
         match first_err {
             Some(e) => Err(e),
             None => Ok(report),

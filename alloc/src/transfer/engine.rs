@@ -2,22 +2,24 @@
 //! thread that hears other engines. See the module docs of [`crate::transfer`] for the rules.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::descs::{plan, Desc, Op};
+use super::consumer::Close;
+use super::descs::{Desc, Op};
 use super::socket::Endpoint;
 use super::state::{
-    is_remote, wait_events, Counters, LocalReg, RemoteReg, RemoteState, Request, State,
+    is_remote, wait_events, Counters, LocalReg, LocalState, RemoteReg, RemoteState, Request, State,
 };
 use super::wire::{Message, PublicData, MAX_NAME_BYTES, MAX_NOTIF_BYTES};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::ids::{DeviceId, StreamId};
 use crate::ipc::{Broker, Importer};
+use crate::pool::PoolHook;
 
 /// How an engine is set up.
 #[derive(Debug, Clone)]
@@ -79,6 +81,10 @@ pub struct EngineStats {
     pub revoked: u64,
     /// Deregistrations that stopped waiting for consumers (`revoke_timeout`).
     pub revoke_timeouts: u64,
+    /// Registrations whose share a sleep of their tag ended (as a producer).
+    pub slept: u64,
+    /// Remote registrations imported again after their producer woke (as a consumer).
+    pub reloaded: u64,
 }
 
 pub(super) struct Inner {
@@ -96,6 +102,35 @@ pub(super) struct Inner {
 pub struct TransferEngine {
     inner: Arc<Inner>,
     listener: Option<JoinHandle<()>>,
+    /// What the pool tells around sleep, wake and `empty_cache` (held weakly there).
+    _hook: Arc<dyn PoolHook>,
+    hook_id: u64,
+}
+
+/// The engine as a pool hook: sleep ends the shares of a tag's registrations, wake shares
+/// them again, `empty_cache` ends those whose memory its owner freed.
+struct EngineHook {
+    inner: Weak<Inner>,
+}
+
+impl PoolHook for EngineHook {
+    fn before_sleep(&self, device: DeviceId, tags: u64) {
+        if let Some(i) = self.inner.upgrade() {
+            i.suspend(device, tags);
+        }
+    }
+
+    fn after_wake(&self, device: DeviceId, tags: u64) {
+        if let Some(i) = self.inner.upgrade() {
+            i.resume(device, tags);
+        }
+    }
+
+    fn before_release(&self, device: Option<DeviceId>) {
+        if let Some(i) = self.inner.upgrade() {
+            i.release_freed(device);
+        }
+    }
 }
 
 impl std::fmt::Debug for TransferEngine {
@@ -149,9 +184,15 @@ impl TransferEngine {
             .name("gpu-arena-xfer".into())
             .spawn(move || heard.listen())
             .map_err(|e| Error::Ipc(format!("spawning the transfer thread failed: {e}")))?;
+        let hook: Arc<dyn PoolHook> = Arc::new(EngineHook {
+            inner: Arc::downgrade(&inner),
+        });
+        let hook_id = inner.broker.pool().add_hook(Arc::downgrade(&hook));
         Ok(TransferEngine {
             inner,
             listener: Some(listener),
+            _hook: hook,
+            hook_id,
         })
     }
 
@@ -195,6 +236,7 @@ impl TransferEngine {
                 "register [{addr:#x}, +{len}): not gpu-arena memory ({e}); allocate it through gpu-arena (gpu_arena.torch.install(), gpu_arena_malloc)"
             ))
         })?;
+        let tag = pool.tag_of(addr).unwrap_or(0);
         let share = self.inner.broker.share(addr, len)?;
         let mut st = self.inner.state.lock();
         let md = st.take_id(false);
@@ -204,30 +246,27 @@ impl TransferEngine {
                 addr,
                 len,
                 device,
-                share,
+                tag,
+                share: Some(share),
                 loaded_by: Vec::new(),
-                revoking: false,
+                state: LocalState::Live,
             },
         );
         Ok(md)
     }
 
-    /// The public data of a registration (NIXL's `getPublicData`).
+    /// The public data of a registration (NIXL's `getPublicData`). Refused while its tag
+    /// sleeps (its share is renewed at the wake).
     pub fn public_data(&self, md: u64) -> Result<String> {
-        let st = self.inner.state.lock();
-        let r = st.locals.get(&md).ok_or_else(|| {
-            Error::invalid(format!(
-                "metadata {md:#x} is not a registration of this agent"
-            ))
-        })?;
-        Ok(PublicData {
-            socket: self.conn_info().to_owned(),
-            key: md,
-            addr: r.addr,
-            len: r.len,
-            share: r.share.clone(),
+        match self.inner.public_of(md) {
+            Some(p) if !p.is_empty() => Ok(p),
+            Some(_) => Err(Error::InvalidState(format!(
+                "registration {md:#x} is asleep (its tag sleeps): its public data exists again after the wake"
+            ))),
+            None => Err(Error::invalid(format!(
+                "metadata {md:#x} is not a live registration of this agent"
+            ))),
         }
-        .encode())
     }
 
     /// End registrations: no new import of them, every consumer that loaded one is told to
@@ -243,28 +282,7 @@ impl TransferEngine {
     pub fn load_remote(&self, agent: &str, public: &str) -> Result<u64> {
         check_name("agent name", agent)?;
         let pd = PublicData::decode(public)?;
-        let loaded = Message::Loaded {
-            from: self.agent().to_owned(),
-            reply_to: self.conn_info().to_owned(),
-            key: pd.key,
-        };
-        // Told first, so a deregistration that races with this import revokes it too.
-        self.inner.endpoint.send(&pd.socket, &loaded).map_err(|e| {
-            Error::Ipc(format!("agent `{agent}` does not answer at its transfer socket ({e}): is it still running?"))
-        })?;
-        let local = match self.inner.importer.import(&pd.share) {
-            Ok(p) => p,
-            Err(e) => {
-                self.inner.tell(
-                    &pd.socket,
-                    &Message::Unloaded {
-                        from: self.agent().to_owned(),
-                        key: pd.key,
-                    },
-                );
-                return Err(e);
-            }
-        };
+        let local = self.inner.import_share(agent, &pd)?;
         let mut st = self.inner.state.lock();
         let md = st.take_id(true);
         st.remotes.insert(
@@ -290,7 +308,7 @@ impl TransferEngine {
         if !is_remote(md) {
             return Ok(());
         }
-        self.inner.close_remote(md, false)
+        self.inner.close_remote(md, Close::Unload)
     }
 
     /// Check that `md` is a registration of this engine, for transfers within the agent
@@ -300,51 +318,10 @@ impl TransferEngine {
     }
 
     /// Prepare a transfer between `local` descriptors and `remote` ones of `agent` (this
-    /// agent's own name for a transfer within it). Every descriptor is checked now.
+    /// agent's own name for a transfer within it). Every descriptor is checked now (and
+    /// again at each post).
     pub fn prepare(&self, op: Op, local: &[Desc], remote: &[Desc], agent: &str) -> Result<u64> {
-        let mut st = self.inner.state.lock();
-        let own = agent == self.agent();
-        let copies = plan(
-            op,
-            local,
-            remote,
-            |md| st.local_span(md),
-            |md| {
-                if own {
-                    st.local_span(md)
-                } else {
-                    st.remote_span(md, agent)
-                }
-            },
-        )?;
-        let mut remotes: Vec<u64> = if own {
-            Vec::new()
-        } else {
-            remote.iter().map(|d| d.md).collect()
-        };
-        remotes.sort_unstable();
-        remotes.dedup();
-        let notify_to = if own {
-            Some(self.conn_info().to_owned())
-        } else {
-            st.peers.get(agent).cloned().or_else(|| {
-                remotes
-                    .first()
-                    .and_then(|m| st.remotes.get(m))
-                    .map(|r| r.producer_socket.clone())
-            })
-        };
-        let id = st.take_id(false);
-        st.requests.insert(
-            id,
-            Request {
-                copies,
-                remotes,
-                notify_to,
-                in_flight: None,
-            },
-        );
-        Ok(id)
+        self.inner.prepare(op, local, remote, agent)
     }
 
     /// Post a prepared request: queue its copies over the streams of their devices, and
@@ -420,6 +397,8 @@ impl TransferEngine {
             revokes_sent: n(&c.revokes_sent),
             revoked: n(&c.revoked),
             revoke_timeouts: n(&c.revoke_timeouts),
+            slept: n(&c.slept),
+            reloaded: n(&c.reloaded),
         }
     }
 }
@@ -429,6 +408,7 @@ impl Drop for TransferEngine {
     /// consumers), destroys the streams and stops the thread.
     fn drop(&mut self) {
         let inner = &self.inner;
+        inner.broker.pool().remove_hook(self.hook_id);
         let (requests, remotes, locals) = {
             let mut st = inner.state.lock();
             let requests: Vec<Request> = st.requests.drain().map(|(_, r)| r).collect();
@@ -444,7 +424,7 @@ impl Drop for TransferEngine {
             }
         }
         for md in remotes {
-            if let Err(e) = inner.close_remote(md, false) {
+            if let Err(e) = inner.close_remote(md, Close::Unload) {
                 tracing::warn!(error = %e, "closing an import at engine shutdown failed");
             }
         }

@@ -34,6 +34,7 @@
 //! - Messages between engines travel on abstract datagram sockets; senders are checked by
 //!   their kernel-attested uid.
 
+mod consumer;
 mod descs;
 mod engine;
 mod requests;

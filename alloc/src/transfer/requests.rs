@@ -3,13 +3,59 @@
 
 use std::sync::atomic::Ordering;
 
+use super::descs::{Desc, Op};
 use super::engine::{Inner, XferStatus};
-use super::state::{destroy_events, revoked, wait_events, InFlight, RemoteState};
+use super::state::{destroy_events, not_live, wait_events, InFlight, RemoteState, Request};
 use super::wire::MAX_NOTIF_BYTES;
 use crate::error::{Error, Result};
 use crate::ids::{DeviceId, StreamId};
 
 impl Inner {
+    /// Check a transfer's descriptors against their registrations (reloading those whose
+    /// producer slept and woke) and keep it as a request.
+    pub(super) fn prepare(
+        &self,
+        op: Op,
+        local: &[Desc],
+        remote: &[Desc],
+        agent: &str,
+    ) -> Result<u64> {
+        let own = agent == self.config.agent;
+        let mut remotes: Vec<u64> = if own {
+            Vec::new()
+        } else {
+            remote.iter().map(|d| d.md).collect()
+        };
+        remotes.sort_unstable();
+        remotes.dedup();
+        let suspended = self.state.lock().suspended(&remotes);
+        self.reload(&suspended)?;
+        let mut st = self.state.lock();
+        let req = Request {
+            op,
+            local: local.to_vec(),
+            remote: remote.to_vec(),
+            agent: agent.to_owned(),
+            notify_to: None,
+            remotes,
+            in_flight: None,
+        };
+        st.plan_request(&req, &self.config.agent)?;
+        let notify_to = if own {
+            Some(self.endpoint.name().to_owned())
+        } else {
+            st.peers.get(agent).cloned().or_else(|| {
+                req.remotes
+                    .first()
+                    .and_then(|m| st.remotes.get(m))
+                    .map(|r| r.producer_socket.clone())
+            })
+        };
+        let id = st.take_id(false);
+        st.requests.insert(id, Request { notify_to, ..req });
+        Ok(id)
+    }
+
     pub(super) fn post(&self, request: u64, notif: Option<Vec<u8>>) -> Result<XferStatus> {
         if notif.as_ref().is_some_and(|b| b.len() > MAX_NOTIF_BYTES) {
             return Err(Error::invalid(format!(
@@ -17,6 +63,15 @@ impl Inner {
             )));
         }
         let backend = self.backend();
+        let remotes = {
+            let st = self.state.lock();
+            let req = st.requests.get(&request).ok_or_else(|| {
+                Error::invalid(format!("transfer request {request:#x} is not live"))
+            })?;
+            st.suspended(&req.remotes)
+        };
+        // Registrations whose producer slept and woke are asked for again (no lock held).
+        self.reload(&remotes)?;
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let req = st
@@ -31,11 +86,11 @@ impl Inner {
         for md in &req.remotes {
             match st.remotes.get(md) {
                 Some(r) if r.state == RemoteState::Live => {}
-                Some(r) => return Err(revoked(r)),
+                Some(r) => return Err(not_live(r)),
                 None => return Err(Error::invalid(format!("metadata {md:#x} was unloaded"))),
             }
         }
-        let copies = req.copies.clone();
+        let copies = st.plan_request(req, &self.config.agent)?;
         let mut used: Vec<(DeviceId, StreamId)> = Vec::new();
         let n = self.config.streams_per_device;
         let mut queued = Ok(());

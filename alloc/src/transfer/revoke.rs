@@ -1,44 +1,71 @@
-//! Ending registrations and imports: the producer's revocation (unshare, tell each
-//! consumer, wait for their leases to end), the consumer's close after its queued copies,
-//! and the thread that hears other engines.
+//! The producer's side of ending shares: deregistration, the owner's free (at
+//! `empty_cache`), and sleep each end a registration's share and tell every consumer that
+//! loaded it (`Revoke`), then wait until their leases ended; a wake shares the slept ones
+//! again. The consumer's side is `consumer.rs`.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::engine::Inner;
-use super::state::{wait_events, RemoteState};
+use super::state::LocalState;
 use super::wire::Message;
 use crate::error::{Error, Result};
+use crate::ids::DeviceId;
+use crate::ipc::ShareHandle;
+
+/// A registration whose share is ending: its key, its share, who loaded it.
+type Ending = (u64, ShareHandle, Vec<(String, String)>);
 
 impl Inner {
+    /// NIXL's deregistration of `mds` (all or none: unknown ids are refused first).
     pub(super) fn deregister(&self, mds: &[u64]) -> Result<()> {
-        let mut revoking = Vec::new();
-        {
+        let ending = {
             let mut st = self.state.lock();
             if let Some(md) = mds.iter().find(|m| !st.locals.contains_key(m)) {
                 return Err(Error::invalid(format!(
                     "metadata {md:#x} is not a registration of this agent (deregistered twice?)"
                 )));
             }
-            for md in mds {
-                if let Some(r) = st.locals.get_mut(md) {
-                    r.revoking = true;
-                    revoking.push((*md, r.share.clone(), std::mem::take(&mut r.loaded_by)));
-                }
-            }
+            mds.iter()
+                .filter_map(|md| Self::start_ending(&mut st.locals, *md, LocalState::Revoking))
+                .collect::<Vec<_>>()
+        };
+        self.end_shares(&ending, false);
+        let mut st = self.state.lock();
+        for md in mds {
+            st.locals.remove(md);
         }
+        Ok(())
+    }
+
+    /// Mark `md` as `to` and take what ending its share needs (`None`: it has no share).
+    fn start_ending(
+        locals: &mut std::collections::HashMap<u64, super::state::LocalReg>,
+        md: u64,
+        to: LocalState,
+    ) -> Option<Ending> {
+        let r = locals.get_mut(&md)?;
+        r.state = to;
+        let share = r.share.take()?;
+        Some((md, share, std::mem::take(&mut r.loaded_by)))
+    }
+
+    /// Unshare, tell every consumer, and wait (at most `revoke_timeout`) until the leases
+    /// on the shares ended.
+    fn end_shares(&self, ending: &[Ending], asleep: bool) {
         let pool = self.broker.pool();
-        for (md, share, loaded_by) in &revoking {
+        for (md, share, loaded_by) in ending {
             if let Err(e) = self.broker.unshare(share) {
                 tracing::warn!(error = %e, "unshare of a registration failed");
             }
             for (agent, socket) in loaded_by {
-                tracing::debug!(agent = %agent, key = md, "revoking a consumer's import");
+                tracing::debug!(agent = %agent, key = md, asleep, "revoking a consumer's import");
                 self.tell(
                     socket,
                     &Message::Revoke {
                         from: self.config.agent.clone(),
                         key: *md,
+                        asleep,
                     },
                 );
                 self.counters.revokes_sent.fetch_add(1, Ordering::Relaxed);
@@ -46,7 +73,7 @@ impl Inner {
         }
         let start = Instant::now();
         let mut pause = Duration::from_micros(50);
-        for (md, share, _) in &revoking {
+        for (md, share, _) in ending {
             let info = &share.info;
             loop {
                 let leases = pool
@@ -66,132 +93,95 @@ impl Inner {
                 pause = (pause * 2).min(Duration::from_millis(5));
             }
         }
-        let mut st = self.state.lock();
-        for (md, _, _) in &revoking {
-            st.locals.remove(md);
-        }
-        Ok(())
     }
 
-    /// Close a remote registration's import once the copies queued so far completed.
-    /// `revoke`: the producer asked (the entry stays, revoked); else an unload (it goes).
-    pub(super) fn close_remote(&self, md: u64, revoke: bool) -> Result<()> {
-        let backend = self.backend();
-        let (local, socket, key, fence) = {
+    /// Before `tags` of `device` sleep: end the shares of the registrations in them (they
+    /// stay, asleep, and are shared again at the wake).
+    pub(super) fn suspend(&self, device: DeviceId, tags: u64) {
+        let ending = {
             let mut st = self.state.lock();
-            loop {
-                match st.remotes.get(&md).map(|r| r.state.clone()) {
-                    None => {
-                        return Err(Error::invalid(format!(
-                            "metadata {md:#x} is not loaded (unloaded twice?)"
-                        )))
-                    }
-                    Some(RemoteState::Closing) => self.closed.wait(&mut st),
-                    Some(RemoteState::Revoked) => {
-                        if !revoke {
-                            st.remotes.remove(&md);
-                        }
-                        return Ok(());
-                    }
-                    Some(RemoteState::Live) => break,
-                }
-            }
-            let fence = st.fence(backend)?;
-            let Some(r) = st.remotes.get_mut(&md) else {
-                return Err(Error::Internal(
-                    "remote registration vanished under the lock".into(),
-                ));
-            };
-            r.state = RemoteState::Closing;
-            (r.local, r.producer_socket.clone(), r.key, fence)
+            let mds: Vec<u64> = st
+                .locals
+                .iter()
+                .filter(|(_, r)| {
+                    r.state == LocalState::Live && r.device == device && tags & (1 << r.tag) != 0
+                })
+                .map(|(&md, _)| md)
+                .collect();
+            mds.into_iter()
+                .filter_map(|md| Self::start_ending(&mut st.locals, md, LocalState::Asleep))
+                .collect::<Vec<_>>()
         };
-        let waited = wait_events(backend, fence);
-        let closed = waited.and_then(|()| self.importer.close(local));
-        let mut st = self.state.lock();
-        if revoke {
-            if let Some(r) = st.remotes.get_mut(&md) {
-                r.state = RemoteState::Revoked;
-            }
-            self.counters.revoked.fetch_add(1, Ordering::Relaxed);
-        } else {
-            st.remotes.remove(&md);
+        if !ending.is_empty() {
+            self.counters
+                .slept
+                .fetch_add(ending.len() as u64, Ordering::Relaxed);
+            self.end_shares(&ending, true);
         }
-        drop(st);
-        self.closed.notify_all();
-        self.tell(
-            &socket,
-            &Message::Unloaded {
-                from: self.config.agent.clone(),
-                key,
-            },
-        );
-        closed
     }
 
-    /// The thread that hears other engines.
-    pub(super) fn listen(&self) {
-        while !self.stop.load(Ordering::SeqCst) {
-            let msg = match self.endpoint.recv() {
-                Ok(Some(m)) => m,
-                Ok(None) => continue,
-                Err(e) => {
-                    tracing::error!(error = %e, "transfer socket failed; the engine hears no peer any more");
-                    return;
-                }
-            };
-            match msg {
-                Message::Notif { from, body } => {
-                    self.counters
-                        .notifs_received
-                        .fetch_add(1, Ordering::Relaxed);
-                    self.state.lock().notifs.push((from, body));
-                }
-                Message::Loaded {
-                    from,
-                    reply_to,
-                    key,
-                } => {
+    /// After `tags` of `device` woke: share their registrations again. A consumer asks for
+    /// the new share on its next transfer (`Reload`).
+    pub(super) fn resume(&self, device: DeviceId, tags: u64) {
+        let asleep: Vec<(u64, u64, u64)> = self
+            .state
+            .lock()
+            .locals
+            .iter()
+            .filter(|(_, r)| {
+                r.state == LocalState::Asleep && r.device == device && tags & (1 << r.tag) != 0
+            })
+            .map(|(&md, r)| (md, r.addr, r.len))
+            .collect();
+        for (md, addr, len) in asleep {
+            match self.broker.share(addr, len) {
+                Ok(share) => {
                     let mut st = self.state.lock();
-                    match st.locals.get_mut(&key) {
-                        Some(r) if !r.revoking => r.loaded_by.push((from, reply_to)),
-                        _ => {
-                            drop(st);
-                            self.counters.revokes_sent.fetch_add(1, Ordering::Relaxed);
-                            self.tell(
-                                &reply_to,
-                                &Message::Revoke {
-                                    from: self.config.agent.clone(),
-                                    key,
-                                },
-                            );
+                    if let Some(r) = st.locals.get_mut(&md) {
+                        if r.state == LocalState::Asleep {
+                            r.state = LocalState::Live;
+                            r.share = Some(share);
+                            continue;
                         }
                     }
+                    drop(st);
+                    // Deregistered meanwhile: give the new share up.
+                    let _ = self.broker.unshare(&share);
                 }
-                Message::Unloaded { from, key } => {
-                    if let Some(r) = self.state.lock().locals.get_mut(&key) {
-                        if let Some(i) = r.loaded_by.iter().position(|(a, _)| *a == from) {
-                            r.loaded_by.swap_remove(i);
-                        }
-                    }
-                }
-                Message::Revoke { from, key } => {
-                    let mds: Vec<u64> = self
-                        .state
-                        .lock()
-                        .remotes
-                        .iter()
-                        .filter(|(_, r)| {
-                            r.agent == from && r.key == key && r.state == RemoteState::Live
-                        })
-                        .map(|(&md, _)| md)
-                        .collect();
-                    for md in mds {
-                        if let Err(e) = self.close_remote(md, true) {
-                            tracing::warn!(error = %e, agent = %from, "closing a revoked import failed");
-                        }
-                    }
+                Err(e) => {
+                    tracing::warn!(key = md, error = %e, "sharing a registration again after the wake failed: it stays asleep");
                 }
             }
         }
+    }
+
+    /// Before `empty_cache` / trim: end the shares of registrations whose owner freed their
+    /// memory, so it can go back (NIXL's deregistration then only forgets them).
+    pub(super) fn release_freed(&self, device: Option<DeviceId>) {
+        let pool = self.broker.pool();
+        let candidates: Vec<(u64, u64)> = self
+            .state
+            .lock()
+            .locals
+            .iter()
+            .filter(|(_, r)| r.state == LocalState::Live && device.is_none_or(|d| d == r.device))
+            .map(|(&md, r)| (md, r.addr))
+            .collect();
+        let freed: Vec<u64> = candidates
+            .into_iter()
+            .filter(|&(_, addr)| pool.freed_while_shared(addr))
+            .map(|(md, _)| md)
+            .collect();
+        if freed.is_empty() {
+            return;
+        }
+        let ending = {
+            let mut st = self.state.lock();
+            freed
+                .into_iter()
+                .filter_map(|md| Self::start_ending(&mut st.locals, md, LocalState::Ended))
+                .collect::<Vec<_>>()
+        };
+        self.end_shares(&ending, false);
     }
 }

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
-use super::descs::{Copy, Span};
+use super::descs::{plan, Copy, Desc, Op, Span};
 use crate::backend::{Backend, Event};
 use crate::error::{Error, Result};
 use crate::ids::{DeviceId, StreamId};
@@ -21,6 +21,21 @@ pub(super) struct Counters {
     pub(super) revokes_sent: AtomicU64,
     pub(super) revoked: AtomicU64,
     pub(super) revoke_timeouts: AtomicU64,
+    pub(super) slept: AtomicU64,
+    pub(super) reloaded: AtomicU64,
+}
+
+/// Where a local registration stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum LocalState {
+    /// Shared: consumers may load it.
+    Live,
+    /// Its tag sleeps (or is going to): not shared; shared again after the wake.
+    Asleep,
+    /// Ending (deregistration, or its owner freed it): consumers told to close.
+    Revoking,
+    /// Its owner freed it and `empty_cache` ended it; NIXL's deregistration removes it.
+    Ended,
 }
 
 #[derive(Debug)]
@@ -28,18 +43,24 @@ pub(super) struct LocalReg {
     pub(super) addr: u64,
     pub(super) len: u64,
     pub(super) device: DeviceId,
-    pub(super) share: ShareHandle,
+    /// The tag of its arena (sleep ends and wake renews the share of a tag's registrations).
+    pub(super) tag: u8,
+    /// Its share while `Live`.
+    pub(super) share: Option<ShareHandle>,
     /// Consumers that said they loaded it: (agent, socket).
     pub(super) loaded_by: Vec<(String, String)>,
-    /// Being deregistered: consumers that load it now are told to close at once.
-    pub(super) revoking: bool,
+    pub(super) state: LocalState,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum RemoteState {
     Live,
-    /// Its import is being closed (revocation or unload); transfers are refused.
+    /// Its import is being closed (revocation or unload), or opened again (a reload after
+    /// the producer's wake); transfers wait for the outcome.
     Closing,
+    /// The producer's memory sleeps: the import is closed; the next transfer asks the
+    /// producer for the registration again (`Reload`) and imports it anew.
+    Suspended,
     /// The producer took it back; the import is closed. Kept so transfers fail clearly.
     Revoked,
 }
@@ -56,9 +77,16 @@ pub(super) struct RemoteReg {
     pub(super) state: RemoteState,
 }
 
+/// A transfer request: its descriptors, planned into copies at each post (a remote
+/// registration reloaded after a wake is mapped at a new address).
 #[derive(Debug)]
 pub(super) struct Request {
-    pub(super) copies: Vec<Copy>,
+    pub(super) op: Op,
+    pub(super) local: Vec<Desc>,
+    pub(super) remote: Vec<Desc>,
+    /// The peer agent (this agent's own name for a transfer within it).
+    pub(super) agent: String,
+    /// The remote registrations it uses (none within the agent).
     pub(super) remotes: Vec<u64>,
     pub(super) notify_to: Option<String>,
     pub(super) in_flight: Option<InFlight>,
@@ -78,6 +106,8 @@ pub(super) struct State {
     pub(super) peers: HashMap<String, String>,
     pub(super) requests: HashMap<u64, Request>,
     pub(super) notifs: Vec<(String, Vec<u8>)>,
+    /// Answers to `Reload` by (producer agent, key): its public data, or "" while asleep.
+    pub(super) reloads: HashMap<(String, u64), String>,
     pub(super) streams: HashMap<DeviceId, Vec<StreamId>>,
     pub(super) next_stream: usize,
 }
@@ -99,10 +129,20 @@ impl State {
                 "metadata {md:#x} is not a registration of this agent"
             ))
         })?;
-        if r.revoking {
-            return Err(Error::InvalidState(
-                "its registration is being deregistered".into(),
-            ));
+        match r.state {
+            LocalState::Live => {}
+            LocalState::Asleep => {
+                return Err(Error::InvalidState(format!(
+                    "its registration [{:#x}, +{}) is asleep (its tag sleeps): wake it first",
+                    r.addr, r.len
+                )))
+            }
+            LocalState::Revoking | LocalState::Ended => {
+                return Err(Error::InvalidState(format!(
+                "its registration [{:#x}, +{}) is being ended (deregistered, or its memory freed)",
+                r.addr, r.len
+            )))
+            }
         }
         Ok(Span {
             addr: r.addr,
@@ -129,8 +169,39 @@ impl State {
                 local: r.local,
                 device: r.device,
             }),
-            _ => Err(revoked(r)),
+            _ => Err(not_live(r)),
         }
+    }
+
+    /// The copies of `req` now (its registrations looked up again: a reload maps anew).
+    pub(super) fn plan_request(&self, req: &Request, own_agent: &str) -> Result<Vec<Copy>> {
+        let own = req.agent == own_agent;
+        plan(
+            req.op,
+            &req.local,
+            &req.remote,
+            |md| self.local_span(md),
+            |md| {
+                if own {
+                    self.local_span(md)
+                } else {
+                    self.remote_span(md, &req.agent)
+                }
+            },
+        )
+    }
+
+    /// The remote registrations among `mds` whose producer's memory slept (they need a
+    /// reload before a transfer).
+    pub(super) fn suspended(&self, mds: &[u64]) -> Vec<u64> {
+        mds.iter()
+            .copied()
+            .filter(|m| {
+                self.remotes
+                    .get(m)
+                    .is_some_and(|r| r.state == RemoteState::Suspended)
+            })
+            .collect()
     }
 
     /// The streams of `device`, made on first use.
@@ -165,11 +236,21 @@ impl State {
     }
 }
 
-pub(super) fn revoked(r: &RemoteReg) -> Error {
-    Error::InvalidState(format!(
-        "agent `{}` took back its registration {} ([{:#x}, +{})): the memory was revoked by its producer; load the agent's metadata again if it registers memory anew",
+/// Why a remote registration cannot be used now, in words.
+pub(super) fn not_live(r: &RemoteReg) -> Error {
+    let what = format!(
+        "agent `{}`'s registration {} ([{:#x}, +{}))",
         r.agent, r.key, r.addr, r.len
-    ))
+    );
+    Error::InvalidState(match r.state {
+        RemoteState::Suspended => format!(
+            "{what} is asleep: its producer's memory sleeps (sleep mode); transfer after it wakes (no metadata to reload: it is asked for again)"
+        ),
+        RemoteState::Closing => format!("{what} is being closed or reloaded"),
+        _ => format!(
+            "{what} was revoked by its producer (it deregistered or freed it); load the agent's metadata again if it registers memory anew"
+        ),
+    })
 }
 
 pub(super) fn destroy_events(backend: &dyn Backend, events: Vec<Event>) {

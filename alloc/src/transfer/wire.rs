@@ -45,11 +45,32 @@ pub enum Message {
         key: u64,
     },
     /// The producer takes registration `key` back: finish what uses it, close the import.
+    /// `asleep`: only while its memory sleeps (ask for it again with `Reload` after).
     Revoke {
         /// The producer agent.
         from: String,
         /// The producer's registration key.
         key: u64,
+        /// The memory goes to sleep (not away).
+        asleep: bool,
+    },
+    /// A consumer asks for registration `key` again (after a sleep): answer at `reply_to`.
+    Reload {
+        /// The consumer agent.
+        from: String,
+        /// The consumer's socket name.
+        reply_to: String,
+        /// The producer's registration key.
+        key: u64,
+    },
+    /// The answer to `Reload`: the registration's public data, "" while it sleeps.
+    Reloaded {
+        /// The producer agent.
+        from: String,
+        /// The producer's registration key.
+        key: u64,
+        /// [`PublicData::encode`]'s text, or "" while asleep.
+        public: String,
     },
 }
 
@@ -57,6 +78,11 @@ const NOTIF: u8 = 1;
 const LOADED: u8 = 2;
 const UNLOADED: u8 = 3;
 const REVOKE: u8 = 4;
+const RELOAD: u8 = 5;
+const RELOADED: u8 = 6;
+
+/// The longest public data (bytes): a share handle in hex and a few numbers.
+const MAX_PUBLIC_BYTES: usize = 1024;
 
 impl Message {
     /// The bytes of this message.
@@ -83,10 +109,27 @@ impl Message {
                 put_bytes(&mut out, from.as_bytes());
                 out.extend_from_slice(&key.to_le_bytes());
             }
-            Message::Revoke { from, key } => {
+            Message::Revoke { from, key, asleep } => {
                 out.push(REVOKE);
                 put_bytes(&mut out, from.as_bytes());
                 out.extend_from_slice(&key.to_le_bytes());
+                out.push(u8::from(*asleep));
+            }
+            Message::Reload {
+                from,
+                reply_to,
+                key,
+            } => {
+                out.push(RELOAD);
+                put_bytes(&mut out, from.as_bytes());
+                put_bytes(&mut out, reply_to.as_bytes());
+                out.extend_from_slice(&key.to_le_bytes());
+            }
+            Message::Reloaded { from, key, public } => {
+                out.push(RELOADED);
+                put_bytes(&mut out, from.as_bytes());
+                out.extend_from_slice(&key.to_le_bytes());
+                put_bytes(&mut out, public.as_bytes());
             }
         }
         out
@@ -116,6 +159,22 @@ impl Message {
             REVOKE => Message::Revoke {
                 from: r.name()?,
                 key: r.u64()?,
+                asleep: match r.take(1)?[0] {
+                    0 => false,
+                    1 => true,
+                    _ => return Err(bad("a flag that is neither 0 nor 1")),
+                },
+            },
+            RELOAD => Message::Reload {
+                from: r.name()?,
+                reply_to: r.name()?,
+                key: r.u64()?,
+            },
+            RELOADED => Message::Reloaded {
+                from: r.name()?,
+                key: r.u64()?,
+                public: String::from_utf8(r.field(MAX_PUBLIC_BYTES)?.to_vec())
+                    .map_err(|_| bad("public data that is not UTF-8"))?,
             },
             k => return Err(bad(&format!("unknown message kind {k}"))),
         };
@@ -272,6 +331,17 @@ mod tests {
             Message::Revoke {
                 from: "prefill".into(),
                 key: 0,
+                asleep: true,
+            },
+            Message::Reload {
+                from: "decode".into(),
+                reply_to: "gpu-arena-xfer.2.cd".into(),
+                key: 9,
+            },
+            Message::Reloaded {
+                from: "prefill".into(),
+                key: 9,
+                public: String::new(),
             },
         ];
         for m in &all {

@@ -350,7 +350,7 @@ pub fn copies_on_a_transfer_stream_between_an_arena_and_an_import<B: Subject>(b:
         "the owner does not see the write"
     );
     // Outside any live range, overlapping, or an unknown stream: refused.
-    let host = vec![0u8; 64];
+    let host = [0u8; 64];
     for (dst_addr, src_addr) in [
         (host.as_ptr() as u64, src.base),
         (dst.base, host.as_ptr() as u64),
