@@ -16,6 +16,7 @@
 #   plugin     NIXL's backend GPU_ARENA on default (VMM) arenas, no UCX variable (10 cycles)
 #   plugin_kill          plugin, the consumer SIGKILLed mid-transfer
 #   plugin_killproducer  plugin, the producer SIGKILLed during the consumer's READs
+#   plugin_sleep  a registered KV cache sleeps and wakes between READs (gpu_nixl_sleep.py)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT/nixl"
 site=/tmp/nixl-site
@@ -42,5 +43,6 @@ for s in "${steps[@]}"; do case $s in
   plugin_kill) kv --flow plugin --kill --tag=-plugin ;;
   plugin_killproducer) kv --flow plugin --kill-producer --tag=-plugin ;;
   peer_plugin) kv --flow plugin --cycles 3 --consumer-device 1 --tag=-plugin-peer ;;
+  plugin_sleep) timeout "${T:-400}" python3 tests/gpu/gpu_nixl_sleep.py --out "$OUT/nixl" 2>&1 | tail -1 | tee -a "$OUT/nixl/summary.jsonl" ;;
   *) echo "unknown scenario $s" ;;
 esac; done
