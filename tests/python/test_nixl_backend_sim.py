@@ -161,3 +161,79 @@ def test_read_write_notify_and_revoke_between_two_processes(tmp_path):
     assert prod["deregister_s"] < 10, prod
     assert prod["reserved_after"] == 0 and prod["exports_after"] == 0 and prod["leases_after"] == 0
     assert cons["reserved_after"] == 0, cons
+
+
+SLEEP_PRODUCER = PRELUDE + """
+agent = nixl.nixl_agent("prefill", nixl.nixl_agent_config(backends=["GPU_ARENA"]))
+gpu_arena.set_tag("kv")
+ptr = gpu_arena.malloc(4 * MiB)
+gpu_arena.set_tag(None)
+ctypes.memset(ptr, 0x42, 4 * MiB)
+reg = agent.register_memory([(ptr, 4 * MiB, 0, "")], "DRAM", backends=["GPU_ARENA"])
+with open(os.path.join(work, "meta.tmp"), "w") as f:
+    json.dump(dict(ptr=ptr, metadata=agent.get_agent_metadata().hex()), f)
+os.rename(os.path.join(work, "meta.tmp"), os.path.join(work, "meta"))
+wait_for("read")
+gpu_arena.sleep(offload_tags=["kv"], tags=["kv"])        # its registration's share ends first
+asleep = gpu_arena.stats()
+touch("asleep")
+wait_for("tried")
+gpu_arena.wake(["kv"])
+touch("awake")
+wait_for("consumer-done")
+agent.deregister_memory(reg, backends=["GPU_ARENA"])
+gpu_arena.free(ptr, 4 * MiB)
+gpu_arena.empty_cache()
+report(dict(sleeping_bytes=asleep["sleeping_bytes"], kept=asleep["sleep_kept_shared_bytes"],
+            reserved_after=gpu_arena.stats()["reserved_bytes"]))
+"""
+
+SLEEP_CONSUMER = PRELUDE + """
+agent = nixl.nixl_agent("decode", nixl.nixl_agent_config(backends=["GPU_ARENA"]))
+dst = gpu_arena.malloc(4 * MiB)
+own = agent.register_memory([(dst, 4 * MiB, 0, "")], "DRAM", backends=["GPU_ARENA"])
+wait_for("meta")
+meta = json.load(open(os.path.join(work, "meta")))
+peer = agent.add_remote_agent(bytes.fromhex(meta["metadata"]))
+peer = peer.decode() if isinstance(peer, bytes) else peer
+def read_all():
+    ctypes.memset(dst, 0, 4 * MiB)
+    run(agent, "READ", [(dst, 4 * MiB, 0)], [(meta["ptr"], 4 * MiB, 0)], peer)
+    return ctypes.string_at(dst, 4 * MiB) == b"\\x42" * (4 * MiB)
+before = read_all()
+touch("read")
+wait_for("asleep")
+imports_asleep = gpu_arena.imports_live()
+try:
+    read_all()
+    while_asleep = "accepted"
+except Exception as e:
+    while_asleep = f"{type(e).__name__}: {e} / {gpu_arena._lib.last_error()}"
+touch("tried")
+wait_for("awake")
+after = read_all()                  # no metadata exchanged: the registration is asked for again
+touch("consumer-done")
+agent.remove_remote_agent(peer)
+agent.deregister_memory(own, backends=["GPU_ARENA"])
+report(dict(before=before, after=after, while_asleep=while_asleep, imports_asleep=imports_asleep,
+            imports_after=gpu_arena.imports_live()))
+"""
+
+
+def test_a_registered_buffer_sleeps_and_wakes_between_transfers(tmp_path):
+    producer = start_python(SLEEP_PRODUCER, [tmp_path], env=ENV)
+    try:
+        consumer = run_python(SLEEP_CONSUMER, env=ENV, timeout=180, args=[tmp_path])
+        prod = finish(producer, timeout=180)
+    finally:
+        if producer.poll() is None:
+            producer.kill()
+            finish(producer)
+    cons, prod = result_of(consumer), result_of(prod)
+    assert cons["before"] and cons["after"], cons
+    # Asleep: the consumer's mapping closed, its READ refused in words.
+    assert cons["imports_asleep"] == 0 and "asleep" in cons["while_asleep"], cons
+    assert "NIXL_ERR_NOT_ALLOWED" in cons["while_asleep"], cons
+    # The registration did not keep its arena awake.
+    assert prod["kept"] == 0 and prod["sleeping_bytes"] >= 4 << 20, prod
+    assert prod["reserved_after"] == 0 and cons["imports_after"] == 0
