@@ -69,6 +69,7 @@ def producer(a):
     gpu_arena.set_tag(None)
     for i, t in enumerate(kv):
         t.fill_((i * 29 + 7) % 251)
+    del t  # the loop's last tensor: it would outlive `del kv`
     torch.cuda.synchronize()
     reg = ag.register_memory([(t.data_ptr(), layer, 0, "") for t in kv], "VRAM", backends=PLUGIN)
     publish(a.work, "meta", {"ranges": [(t.data_ptr(), layer, 0) for t in kv],
