@@ -60,8 +60,11 @@ ptrs = [gpu_arena.malloc(2 * MiB) for _ in range(4)]
 for i, p in enumerate(ptrs):
     ctypes.memset(p, 0x20 + i, 2 * MiB)
 reg = agent.register_memory([(p, 2 * MiB, 0, "") for p in ptrs], "DRAM", backends=["GPU_ARENA"])
+extra = gpu_arena.malloc(16 * MiB)                         # an arena of its own
+ctypes.memset(extra, 0x66, 16 * MiB)
+reg_extra = agent.register_memory([(extra, 16 * MiB, 0, "")], "DRAM", backends=["GPU_ARENA"])
 with open(os.path.join(work, "meta.tmp"), "w") as f:
-    json.dump(dict(ptrs=ptrs, metadata=agent.get_agent_metadata().hex()), f)
+    json.dump(dict(ptrs=ptrs, extra=extra, metadata=agent.get_agent_metadata().hex()), f)
 os.rename(os.path.join(work, "meta.tmp"), os.path.join(work, "meta"))
 wait_for("written")
 notifs = []
@@ -77,10 +80,14 @@ agent.deregister_memory(reg, backends=["GPU_ARENA"])     # the consumer still li
 deregister_s = time.monotonic() - t0
 for p in ptrs:
     gpu_arena.free(p, 2 * MiB)
+# The other registration's memory is freed without deregistering it: empty_cache ends its
+# share (the consumer is told and closes), so it goes back too.
+gpu_arena.free(extra, 16 * MiB)
 gpu_arena.empty_cache()
 s = gpu_arena.stats()
 touch("revoked")
 wait_for("consumer-done")
+agent.deregister_memory(reg_extra, backends=["GPU_ARENA"])   # NIXL's own bookkeeping only now
 report(dict(backends=backends, plugin_dir=plugin_dir, notifs=notifs, written=written,
             untouched=untouched, deregister_s=deregister_s, reserved_after=s["reserved_bytes"],
             exports_after=s["exports_live"], leases_after=s["imports_live"]))
@@ -96,6 +103,8 @@ meta = json.load(open(os.path.join(work, "meta")))
 peer = agent.add_remote_agent(bytes.fromhex(meta["metadata"]))
 peer = peer.decode() if isinstance(peer, bytes) else peer
 ptrs = meta["ptrs"]
+extra_ok = run(agent, "READ", [(dst, MiB, 0)], [(meta["extra"] + MiB, MiB, 0)], peer) == "DONE" \
+    and ctypes.string_at(dst, MiB) == b"\\x66" * MiB
 # READ every 2 MiB block of the producer as 16 descriptors of 512 KiB, in one request.
 blocks = [(p + k * 512 * 1024, 512 * 1024, 0) for p in ptrs for k in range(4)]
 local = [(dst + i * 512 * 1024, 512 * 1024, 0) for i in range(len(blocks))]
@@ -123,12 +132,18 @@ try:
 except Exception as e:
     # gpu-arena's words for it: the backend failed in this thread, which keeps its last error.
     after_revoke = f"{type(e).__name__}: {e} / {gpu_arena._lib.last_error()}"
+try:
+    run(agent, "READ", [(dst, MiB, 0)], [(meta["extra"], MiB, 0)], peer)
+    extra_after = "accepted"
+except Exception as e:
+    extra_after = f"{type(e).__name__}: {e} / {gpu_arena._lib.last_error()}"
 agent.remove_remote_agent(peer)
 agent.deregister_memory(own, backends=["GPU_ARENA"])
 gpu_arena.free(dst, 8 * MiB)
 gpu_arena.empty_cache()
 touch("consumer-done")
 report(dict(read_state=read_state, read_ok=read_ok, write_state=write_state, outside=outside,
+            extra_ok=extra_ok, extra_after=extra_after,
             imports_before=imports_before, imports_after=imports_after,
             after_revoke=after_revoke, reserved_after=gpu_arena.stats()["reserved_bytes"]))
 """
@@ -152,9 +167,11 @@ def test_read_write_notify_and_revoke_between_two_processes(tmp_path):
     assert prod["written"] and prod["untouched"], prod
     assert prod["notifs"] == [["decode", "read-done"], ["decode", "write-done"], ["decode", "hello"]]
     assert cons["outside"] != "accepted", cons
-    # Revocation: the imports of the 4 registrations (one mapping of the producer's one
-    # arena), closed while both processes live.
-    assert cons["imports_before"] == 4 and cons["imports_after"] == 0, cons
+    # Revocation: the imports of the 5 registrations (one mapping per producer arena),
+    # closed while both processes live: 4 deregistered, 1 freed by its owner.
+    assert cons["extra_ok"], cons
+    assert cons["imports_before"] == 5 and cons["imports_after"] == 0, cons
+    assert "revoked by its producer" in cons["extra_after"], cons
     assert cons["after_revoke"] != "accepted", cons
     assert "NIXL_ERR_NOT_ALLOWED" in cons["after_revoke"], cons
     assert "revoked by its producer" in cons["after_revoke"], cons
