@@ -6,23 +6,12 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::engine::Inner;
-use super::state::{not_live, wait_events, LocalState, RemoteState};
+use super::state::{not_live, wait_events, Close, LocalState, RemoteState};
 use super::wire::{Message, PublicData};
 use crate::error::{Error, Result};
 
 /// How long a transfer waits for the producer's answer to a `Reload`.
 const RELOAD_WAIT: Duration = Duration::from_secs(5);
-
-/// Why an import closes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Close {
-    /// NIXL's unload: the registration goes.
-    Unload,
-    /// The producer took it back: it stays, revoked, so transfers fail clearly.
-    Revoke,
-    /// The producer's memory sleeps: it stays, suspended, reloaded on the next transfer.
-    Suspend,
-}
 
 impl Inner {
     /// Import the share of `pd` (the producer told first, so a deregistration racing with

@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::consumer::Close;
 use super::descs::{Desc, Op};
 use super::socket::Endpoint;
 use super::state::{
-    is_remote, wait_events, Counters, LocalReg, LocalState, RemoteReg, RemoteState, Request, State,
+    is_remote, wait_events, Close, Counters, LocalReg, LocalState, RemoteReg, RemoteState, Request,
+    State,
 };
 use super::wire::{Message, PublicData, MAX_NAME_BYTES, MAX_NOTIF_BYTES};
 use crate::backend::Backend;

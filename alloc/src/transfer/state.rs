@@ -65,6 +65,17 @@ pub(super) enum RemoteState {
     Revoked,
 }
 
+/// Why an import closes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Close {
+    /// NIXL's unload: the registration goes.
+    Unload,
+    /// The producer took it back: it stays, revoked, so transfers fail clearly.
+    Revoke,
+    /// The producer's memory sleeps: it stays, suspended, reloaded on the next transfer.
+    Suspend,
+}
+
 #[derive(Debug)]
 pub(super) struct RemoteReg {
     pub(super) agent: String,
