@@ -80,6 +80,8 @@ const SYMBOLS: &[&str] = &[
     "cuMemcpyDtoDAsync_v2",
     "cuMemHostAlloc",
     "cuMemFreeHost",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
     "cuMemAlloc_v2",
     "cuMemFree_v2",
     "cuIpcGetMemHandle",
@@ -776,6 +778,22 @@ impl Driver for CudaDriver {
             sys::cuMemHostAlloc(&mut p, bytes, sys::CU_MEMHOSTALLOC_PORTABLE)
         })?;
         Ok(p as u64)
+    }
+
+    /// `cuMemHostRegister` (`CU_MEMHOSTREGISTER_PORTABLE`).
+    unsafe fn host_register(&self, ptr: u64, bytes: usize) -> DriverResult<()> {
+        // SAFETY: the caller guarantees the range stays mapped until it is unregistered.
+        check("cuMemHostRegister", unsafe {
+            sys::cuMemHostRegister_v2(ptr as *mut c_void, bytes, sys::CU_MEMHOSTREGISTER_PORTABLE)
+        })
+    }
+
+    /// `cuMemHostUnregister`.
+    unsafe fn host_unregister(&self, ptr: u64) -> DriverResult<()> {
+        // SAFETY: the caller unregisters its own registration, unused, once.
+        check("cuMemHostUnregister", unsafe {
+            sys::cuMemHostUnregister(ptr as *mut c_void)
+        })
     }
 
     /// `cuMemFreeHost`.

@@ -577,6 +577,22 @@ impl Driver for HipDriver {
         Ok(p as u64)
     }
 
+    /// `hipHostRegister` (`hipHostRegisterPortable`).
+    unsafe fn host_register(&self, ptr: u64, bytes: usize) -> DriverResult<()> {
+        // SAFETY: the caller guarantees the range stays mapped until it is unregistered.
+        let r = unsafe {
+            sys::hipHostRegister(ptr as *mut c_void, bytes, sys::hipHostRegisterPortable)
+        };
+        check("hipHostRegister", r)
+    }
+
+    /// `hipHostUnregister`.
+    unsafe fn host_unregister(&self, ptr: u64) -> DriverResult<()> {
+        // SAFETY: the caller unregisters its own registration, unused, once.
+        let r = unsafe { sys::hipHostUnregister(ptr as *mut c_void) };
+        check("hipHostUnregister", r)
+    }
+
     /// `hipHostFree`.
     unsafe fn host_free(&self, ptr: u64) -> DriverResult<()> {
         // SAFETY: the caller frees its own memory from hipHostMalloc, unused, once.

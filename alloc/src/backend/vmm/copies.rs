@@ -1,26 +1,12 @@
 //! Memory the VMM core reaches on the host's behalf: the test/bench copies into live arenas
 //! and mappings (range-checked against the registry), the transfer streams and their
-//! asynchronous device-to-device copies, and freeing pinned host buffers.
+//! asynchronous device-to-device copies.
 
-use super::{registry, to_usize, warn_undo, Driver, DriverResult, VmmBackend};
+use super::{registry, to_usize, Driver, DriverResult, VmmBackend};
 use crate::error::{Error, Result};
 use crate::ids::{DeviceId, StreamId};
 
 impl<D: Driver> VmmBackend<D> {
-    /// Free pinned host memory `p`, just taken out of the `host` registry.
-    pub(super) fn free_pinned(&self, p: u64, device: DeviceId) {
-        match self.make_current(device) {
-            Ok((_state, _current)) => {
-                // SAFETY: `p` came from host_alloc (it was in the registry, now removed, so
-                // it is freed once); its buffer was given up, so nothing uses it.
-                warn_undo(device, unsafe { self.driver.host_free(p) });
-            }
-            Err(e) => {
-                tracing::warn!(backend = D::NAME, device, ptr = p, error = %e, "freeing pinned host memory failed: leaked");
-            }
-        }
-    }
-
     /// Copy `src` to device address `dst` (blocking). For tests and benches.
     ///
     /// `dst..dst + src.len()` must lie inside one live arena or import mapping of this

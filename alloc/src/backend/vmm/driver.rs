@@ -405,6 +405,24 @@ pub trait Driver: Send + Sync + fmt::Debug + Sized + 'static {
         let _ = bytes;
         Err(DriverError::not_supported(Self::NAME, "host_alloc"))
     }
+    /// Page-lock `bytes` bytes of ordinary host memory at `ptr` (portable), for fast copies
+    /// with every device of the process. Call with a device made current.
+    ///
+    /// # Safety
+    /// `ptr..ptr + bytes` is mapped host memory that stays mapped until
+    /// [`Driver::host_unregister`].
+    unsafe fn host_register(&self, ptr: u64, bytes: usize) -> DriverResult<()> {
+        let _ = (ptr, bytes);
+        Err(DriverError::not_supported(Self::NAME, "host_register"))
+    }
+    /// Undo [`Driver::host_register`]. Call with a device made current.
+    ///
+    /// # Safety
+    /// `ptr` was registered and nothing copies to or from it any more; once.
+    unsafe fn host_unregister(&self, ptr: u64) -> DriverResult<()> {
+        let _ = ptr;
+        Err(DriverError::not_supported(Self::NAME, "host_unregister"))
+    }
     /// Free pinned host memory. Call with a device made current.
     ///
     /// # Safety

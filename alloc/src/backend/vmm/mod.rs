@@ -95,6 +95,7 @@ mod access;
 mod copies;
 mod device;
 pub mod driver;
+mod pinned;
 mod registry;
 mod split;
 mod teardown;
@@ -152,8 +153,8 @@ pub struct VmmBackend<D: Driver> {
     splits: Mutex<SplitReservations>,
     /// Live events (as integers) and their device; same locking as `regions`.
     events: RwLock<HashMap<u64, DeviceId>>,
-    /// Live pinned host buffers (address, device they were allocated with).
-    host: Mutex<HashMap<u64, DeviceId>>,
+    /// Live pinned host buffers by address: the device they were made with, and how.
+    host: Mutex<HashMap<u64, pinned::PinnedHost>>,
     /// Live transfer streams (as integers) and their device.
     streams: Mutex<HashMap<u64, DeviceId>>,
 }
@@ -655,13 +656,10 @@ impl<D: Driver> Backend for VmmBackend<D> {
             return HostBuffer::heap(device, 0);
         }
         let (_state, _current) = self.make_current(device)?;
-        let p = self
-            .driver
-            .host_alloc(n)
-            .map_err(|e| e.into_error(device, bytes))?;
-        self.host.lock().insert(p, device);
-        // SAFETY: `p..p + n` is pinned host memory just allocated (fresh zero pages), owned
-        // by nothing else; it stays valid until free_host (or Drop) frees it.
+        let (p, host) = self.pin_new(device, n)?;
+        self.host.lock().insert(p, host);
+        // SAFETY: `p..p + n` is pinned host memory just made (zero pages), owned by nothing
+        // else; it stays valid until free_host (or Drop) frees it.
         Ok(unsafe { HostBuffer::from_pinned(device, p, n) })
     }
 
@@ -669,7 +667,7 @@ impl<D: Driver> Backend for VmmBackend<D> {
         let Some(p) = buffer.into_pinned() else {
             return;
         };
-        let Some(device) = self.host.lock().remove(&p) else {
+        let Some(host) = self.host.lock().remove(&p) else {
             tracing::error!(
                 backend = D::NAME,
                 ptr = p,
@@ -677,7 +675,7 @@ impl<D: Driver> Backend for VmmBackend<D> {
             );
             return;
         };
-        self.free_pinned(p, device);
+        self.free_pinned(p, host);
     }
 
     fn copy_to_host(&self, _device: DeviceId, src: u64, dst: &mut [u8]) -> Result<()> {

@@ -121,7 +121,7 @@ impl<D: Driver> Drop for VmmBackend<D> {
                 "split reservations left after teardown (a window's teardown failed): leaked"
             );
         }
-        let host: Vec<(u64, DeviceId)> = self.host.get_mut().drain().collect();
+        let host: Vec<(u64, super::pinned::PinnedHost)> = self.host.get_mut().drain().collect();
         if !host.is_empty() {
             tracing::warn!(
                 backend = D::NAME,
@@ -129,8 +129,8 @@ impl<D: Driver> Drop for VmmBackend<D> {
                 "backend dropped with live pinned host buffers: freeing them"
             );
         }
-        for (p, device) in host {
-            self.free_pinned(p, device);
+        for (p, h) in host {
+            self.free_pinned(p, h);
         }
         for slot in &mut self.devices {
             if let Some(state) = slot.take() {

@@ -1,0 +1,220 @@
+"""How fast host memory can be pinned for sleep's offload, against the copy it serves (issue
+#24, "Sleep's host side"): the first sleep of 100 GiB took 37.3 s, the copy alone 1.95 s.
+Measures, on one GPU, for SIZE GiB: cuMemHostAlloc; mmap + cuMemHostRegister in one call;
+the same split over 1..N threads (each a chunk, the context current in each); with the pages
+touched first (MAP_POPULATE); the pinned device-to-host copy; a copy into pageable memory;
+and a pipeline where threads pin chunks ahead while the copy runs into the pinned ones.
+
+Usage (GPU machine): python3 bench/gpu/pin_probe.py [--gib 16] [--threads 1,4,8,16]
+Prints one JSON line; libcuda only (ctypes), no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import threading
+import time
+
+GIB = 1 << 30
+cu = ctypes.CDLL("libcuda.so.1")
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MAP_POPULATE = 0x8000
+PORTABLE = 1
+u64 = ctypes.c_uint64
+
+
+def ck(r, what):
+    if r != 0:
+        raise RuntimeError(f"{what}: CUresult {r}")
+
+
+ck(cu.cuInit(0), "cuInit")
+dev = ctypes.c_int()
+ck(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+ctx = ctypes.c_void_p()
+ck(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "retain")
+ck(cu.cuCtxSetCurrent(ctx), "set current")
+
+
+def current():
+    ck(cu.cuCtxSetCurrent(ctx), "set current")
+
+
+def anon(size, populate=False):
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (MAP_POPULATE if populate else 0)
+    p = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+    if p in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap")
+    return p
+
+
+def register(p, size, threads):
+    chunk = (size // threads + (2 << 20) - 1) // (2 << 20) * (2 << 20)
+    errs = []
+
+    def one(i):
+        current()
+        off = i * chunk
+        n = min(chunk, size - off)
+        if n > 0:
+            r = cu.cuMemHostRegister_v2(ctypes.c_void_p(p + off), ctypes.c_size_t(n), PORTABLE)
+            if r:
+                errs.append(r)
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    dt = time.perf_counter() - t0
+    if errs:
+        raise RuntimeError(f"cuMemHostRegister: {errs[:3]}")
+    return dt, chunk
+
+
+def unregister(p, size, chunk):
+    for off in range(0, size, chunk):
+        cu.cuMemHostUnregister(ctypes.c_void_p(p + off))
+
+
+def touch(p, size, threads):
+    """Fault `size` bytes at `p` in from `threads` threads (memset of each's chunk)."""
+    chunk = (size // threads + (2 << 20) - 1) // (2 << 20) * (2 << 20)
+
+    def one(i):
+        off = i * chunk
+        n = min(chunk, size - off)
+        if n > 0:
+            ctypes.memset(ctypes.c_void_p(p + off), 0, n)
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def dtoh(dst, src, size):
+    t0 = time.perf_counter()
+    ck(cu.cuMemcpyDtoH_v2(ctypes.c_void_p(dst), u64(src), ctypes.c_size_t(size)), "DtoH")
+    return time.perf_counter() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=16)
+    ap.add_argument("--threads", default="1,4,8,16")
+    ap.add_argument("--chunk-mib", type=int, default=512)
+    ap.add_argument("--huge-pipeline", action="store_true", help="the pipeline on MADV_HUGEPAGE memory")
+    ap.add_argument("--skip-basic", action="store_true", help="only the touch and pipeline modes")
+    a = ap.parse_args()
+    size = int(a.gib * GIB)
+    res = {"gib": a.gib, "cpus": os.cpu_count()}
+    d = u64()
+    ck(cu.cuMemAlloc_v2(ctypes.byref(d), ctypes.c_size_t(size)), "cuMemAlloc")
+    ck(cu.cuMemsetD8_v2(d, 7, ctypes.c_size_t(size)), "memset")
+    cu.cuCtxSynchronize()
+    if a.skip_basic:
+        return rest(a, res, size, d)
+    # cuMemHostAlloc: what sleep does today.
+    h = ctypes.c_void_p()
+    t0 = time.perf_counter()
+    ck(cu.cuMemHostAlloc(ctypes.byref(h), ctypes.c_size_t(size), PORTABLE), "cuMemHostAlloc")
+    res["hostalloc_s"] = round(time.perf_counter() - t0, 3)
+    res["copy_pinned_first_s"] = round(dtoh(h.value, d.value, size), 3)
+    res["copy_pinned_s"] = round(dtoh(h.value, d.value, size), 3)
+    t0 = time.perf_counter()
+    cu.cuMemFreeHost(h)
+    res["freehost_s"] = round(time.perf_counter() - t0, 3)
+    # Pageable memory, no pinning at all.
+    p = anon(size)
+    res["copy_pageable_first_s"] = round(dtoh(p, d.value, size), 3)
+    res["copy_pageable_s"] = round(dtoh(p, d.value, size), 3)
+    libc.munmap(ctypes.c_void_p(p), size)
+    # mmap + cuMemHostRegister, 1..N threads; fresh (unfaulted) pages, and prefaulted.
+    for populate in (False, True):
+        for n in [int(x) for x in a.threads.split(",")]:
+            t0 = time.perf_counter()
+            p = anon(size, populate)
+            mm = time.perf_counter() - t0
+            reg, chunk = register(p, size, n)
+            key = f"register_{'populated_' if populate else ''}{n}t"
+            res[key + "_s"] = round(reg, 3)
+            if populate:
+                res[key + "_mmap_s"] = round(mm, 3)
+            if n == 1 and not populate:
+                res["copy_registered_s"] = round(dtoh(p, d.value, size), 3)
+            unregister(p, size, chunk)
+            libc.munmap(ctypes.c_void_p(p), size)
+    return rest(a, res, size, d)
+
+
+def rest(a, res, size, d):
+    # Faulting the pages in from N threads (each touches its chunk), plain or as
+    # transparent huge pages (madvise), then one register of the faulted memory.
+    for huge in (False, True):
+        for n in [int(x) for x in a.threads.split(",")]:
+            p = anon(size)
+            if huge:
+                libc.madvise(ctypes.c_void_p(p), ctypes.c_size_t(size), 14)  # MADV_HUGEPAGE
+            t0 = time.perf_counter()
+            touch(p, size, n)
+            fault = time.perf_counter() - t0
+            reg, chunk = register(p, size, 1)
+            key = f"{'huge_' if huge else ''}touch_{n}t"
+            res[key + "_fault_s"] = round(fault, 3)
+            res[key + "_register_s"] = round(reg, 3)
+            unregister(p, size, chunk)
+            libc.munmap(ctypes.c_void_p(p), size)
+    # A pipeline: N threads pin chunks ahead, the main thread copies each pinned chunk.
+    chunk = a.chunk_mib << 20
+    for n in [int(x) for x in a.threads.split(",") if int(x) > 1]:
+        p = anon(size)
+        if a.huge_pipeline:
+            libc.madvise(ctypes.c_void_p(p), ctypes.c_size_t(size), 14)
+        ready = [threading.Event() for _ in range(0, size, chunk)]
+        nxt = [0]
+        lock = threading.Lock()
+
+        def pinner():
+            current()
+            while True:
+                with lock:
+                    i = nxt[0]
+                    nxt[0] += 1
+                if i >= len(ready):
+                    return
+                off = i * chunk
+                n_ = min(chunk, size - off)
+                ctypes.memset(ctypes.c_void_p(p + off), 0, n_)  # fault in (parallel)
+                ck(cu.cuMemHostRegister_v2(ctypes.c_void_p(p + off), ctypes.c_size_t(n_), PORTABLE), "register")
+                ready[i].set()
+        t0 = time.perf_counter()
+        ts = [threading.Thread(target=pinner) for _ in range(n)]
+        for t in ts:
+            t.start()
+        for i, ev in enumerate(ready):
+            ev.wait()
+            off = i * chunk
+            ck(cu.cuMemcpyDtoH_v2(ctypes.c_void_p(p + off), u64(d.value + off), ctypes.c_size_t(min(chunk, size - off))), "DtoH")
+        for t in ts:
+            t.join()
+        res[f"pipeline_{n}t_s"] = round(time.perf_counter() - t0, 3)
+        unregister(p, size, chunk)
+        libc.munmap(ctypes.c_void_p(p), size)
+    cu.cuMemFree_v2(d)
+    for k in list(res):
+        if k.endswith("_s") and res[k]:
+            res[k.replace("_s", "_gbps")] = round(size / res[k] / 1e9, 1)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
