@@ -264,7 +264,7 @@ impl Importer {
 
     /// Close one import of `ptr`. The last import of an arena unmaps it.
     pub fn close(&self, ptr: u64) -> Result<()> {
-        let (rec, conn) = {
+        let rec = {
             let mut st = self.state.lock();
             for m in std::mem::take(&mut st.stranded) {
                 if self.backend.unmap_import(m.clone()).is_err() {
@@ -283,11 +283,16 @@ impl Importer {
                 st.imports.remove(&ptr);
             }
             let conn = st.conns.get(&rec.arena.0).cloned();
-            (rec, conn)
+            // The last import of an arena unmaps it before the broker hears of the close:
+            // a producer that sees the lease end (a revocation waits for that) knows this
+            // mapping no longer holds its memory.
+            let unmap_error = self.release_arena(&mut st, &rec.arena);
+            (rec, conn, unmap_error)
         };
+        let (rec, conn, unmap_error) = rec;
         let producer = rec.arena.0.clone();
-        // Tell the broker first (without the state lock); a dead producer is fine (its
-        // side is gone already).
+        // Tell the broker (without the state lock); a dead producer is fine (its side is
+        // gone already).
         let req = Request {
             arena_id: rec.arena.2,
             ..close_request(rec.device, rec.lease_key)
@@ -298,7 +303,6 @@ impl Importer {
             }
         }
         let mut st = self.state.lock();
-        let unmap_error = self.release_arena(&mut st, &rec.arena);
         // Once no import of this producer is live or in flight, the connection goes (a
         // producer that exited or hung up released its side already).
         let still_used = st.arenas.keys().any(|k| k.0 == producer);
