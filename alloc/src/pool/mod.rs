@@ -88,6 +88,7 @@ mod hooks;
 mod limits;
 mod observers;
 mod offload;
+mod pin_ahead;
 mod share;
 mod share_tables;
 mod sleep;

@@ -73,54 +73,53 @@ impl DeviceState {
 }
 
 impl Pool {
-    /// Copy an arena's segments into one host buffer (none when there is nothing to copy):
-    /// a kept buffer when one is large enough, else a new one (pinned where the backend
-    /// has it). On failure the buffer is kept for the next sleep.
-    pub(super) fn offload(
-        &self,
-        dp: &DevicePool,
-        segments: Vec<(u64, u64)>,
-        live: u64,
-    ) -> Result<Option<Offload>> {
-        if segments.is_empty() {
-            return Ok(None);
-        }
+    /// A host buffer of at least `total` bytes for `dp`'s offload: a kept one when one is
+    /// large enough, else a new one (pinned where the backend has it; pageable memory when
+    /// pinning fails, with a warning).
+    pub(super) fn host_buffer_for(&self, dp: &DevicePool, total: u64) -> Result<HostBuffer> {
         let device = dp.device;
-        let total: u64 = segments.iter().map(|s| s.1).sum();
-        let kept = dp.state.lock().take_host_buffer(total);
-        let mut buf = match kept {
-            Some(buf) => buf,
-            None => {
-                let replaced = dp.state.lock().take_replaced_host_buffer(total);
-                if let Some(old) = replaced {
-                    self.free_host_buffer(dp, old);
-                }
-                let buf = match self.backend.alloc_host(device, total) {
-                    Ok(buf) => buf,
-                    Err(e) => {
-                        tracing::warn!(device, bytes = total, error = %e, "no pinned host memory for the offload: using pageable memory (slower copies)");
-                        HostBuffer::heap(device, total)?
-                    }
-                };
-                dp.state.lock().stats.offload_host_bytes += buf.len() as u64;
-                buf
+        if let Some(buf) = dp.state.lock().take_host_buffer(total) {
+            return Ok(buf);
+        }
+        let replaced = dp.state.lock().take_replaced_host_buffer(total);
+        if let Some(old) = replaced {
+            self.free_host_buffer(dp, old);
+        }
+        let buf = match self.backend.alloc_host(device, total) {
+            Ok(buf) => buf,
+            Err(e) => {
+                tracing::warn!(device, bytes = total, error = %e, "no pinned host memory for the offload: using pageable memory (slower copies)");
+                HostBuffer::heap(device, total)?
             }
         };
+        dp.state.lock().stats.offload_host_bytes += buf.len() as u64;
+        Ok(buf)
+    }
+
+    /// Copy an arena's segments into `buf` (from [`Pool::host_buffer_for`]). On failure the
+    /// buffer is kept for the next sleep.
+    pub(super) fn copy_out(
+        &self,
+        dp: &DevicePool,
+        mut buf: HostBuffer,
+        segments: Vec<(u64, u64)>,
+        live: u64,
+    ) -> Result<Offload> {
         let mut off = 0usize;
         for &(p, len) in &segments {
             let n = usize::try_from(len).unwrap_or(usize::MAX);
             let dst = &mut buf.as_mut_slice()[off..off + n];
-            if let Err(e) = self.backend.copy_to_host(device, p, dst) {
+            if let Err(e) = self.backend.copy_to_host(dp.device, p, dst) {
                 dp.state.lock().keep_host_buffer(buf);
                 return Err(e);
             }
             off += n;
         }
-        Ok(Some(Offload {
+        Ok(Offload {
             buf,
             segments,
             live,
-        }))
+        })
     }
 
     /// Copy offloaded contents back to the device (woken at the same addresses) and keep

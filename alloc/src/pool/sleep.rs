@@ -279,16 +279,24 @@ impl Pool {
         // Observers first: the arenas are still mapped.
         self.count_failures(self.observers.deliver(calls));
         let mut first_err = None;
-        for (k, mem, segments, live) in work {
-            let released = self.offload(dp, segments, live).and_then(|kept| {
-                match self.backend.release_physical(&mem) {
-                    Ok(()) => Ok(kept),
-                    Err(e) => {
-                        if let Some(o) = kept {
-                            dp.state.lock().keep_host_buffer(o.buf);
-                        }
-                        Err(e)
+        // Host buffers are made ahead of the copies (pool/pin_ahead.rs), in work's order.
+        let totals: Vec<u64> = work.iter().map(|w| w.2.iter().map(|s| s.1).sum()).collect();
+        let mut work = work.into_iter();
+        self.with_host_buffers(dp, &totals, |_, buf| {
+            let Some((k, mem, segments, live)) = work.next() else {
+                return;
+            };
+            let offloaded = match buf {
+                None => Ok(None),
+                Some(buf) => buf.and_then(|b| self.copy_out(dp, b, segments, live).map(Some)),
+            };
+            let released = offloaded.and_then(|kept| match self.backend.release_physical(&mem) {
+                Ok(()) => Ok(kept),
+                Err(e) => {
+                    if let Some(o) = kept {
+                        dp.state.lock().keep_host_buffer(o.buf);
                     }
+                    Err(e)
                 }
             });
             let mut st = dp.state.lock();
@@ -319,7 +327,7 @@ impl Pool {
                     first_err.get_or_insert(e);
                 }
             }
-        }
+        });
         tracing::info!(
             device,
             tags = %names(sleeping),
