@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run one cargo-fuzz (libFuzzer) target for a time budget.
 #   scripts/fuzz.sh TARGET SECONDS [extra libFuzzer args...]
-# TARGET: range_ops | c_api_ops | share_handle (fuzz/fuzz_targets/). CI runs each for 60 s.
+# TARGET: range_ops | c_api_ops | share_handle | transfer_wire (fuzz/fuzz_targets/). CI runs each for 60 s.
 # Needs cargo-fuzz (`cargo install cargo-fuzz --locked`) and a C++ compiler (libfuzzer-sys
 # builds libFuzzer). The toolchain here is stable Rust: cargo-fuzz passes nightly-only flags
 # (-Z...), so RUSTC_BOOTSTRAP=1 is set for this build only. No sanitizer (-s none: the code
@@ -16,8 +16,8 @@ target="${1:?usage: scripts/fuzz.sh TARGET SECONDS [libFuzzer args]}"
 seconds="${2:?usage: scripts/fuzz.sh TARGET SECONDS [libFuzzer args]}"
 shift 2
 case "$target" in
-  range_ops|c_api_ops|share_handle) ;;
-  *) echo "fuzz.sh: unknown target $target (range_ops, c_api_ops, share_handle)" >&2; exit 2 ;;
+  range_ops|c_api_ops|share_handle|transfer_wire) ;;
+  *) echo "fuzz.sh: unknown target $target (range_ops, c_api_ops, share_handle, transfer_wire)" >&2; exit 2 ;;
 esac
 if ! cargo fuzz --version >/dev/null 2>&1; then
   echo "fuzz.sh: cargo-fuzz missing: cargo install cargo-fuzz --locked" >&2; exit 2
