@@ -9,7 +9,11 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(m) = Message::decode(data) {
-        assert_eq!(m.encode(), data, "encode does not round-trip an accepted message");
+        assert_eq!(
+            m.encode(),
+            data,
+            "encode does not round-trip an accepted message"
+        );
     }
     // Laid over a valid header, so the fuzzer reaches the fields quickly.
     let mut framed = b"GAX1".to_vec();
@@ -20,7 +24,8 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(text) = std::str::from_utf8(data) {
         for t in [text.to_owned(), format!("gpu-arena-xfer/1;{text}")] {
             if let Ok(p) = PublicData::decode(&t) {
-                let again = PublicData::decode(&p.encode()).expect("re-encoded public data refused");
+                let again =
+                    PublicData::decode(&p.encode()).expect("re-encoded public data refused");
                 assert_eq!(again, p, "decode(encode(p)) != p");
             }
         }
