@@ -75,9 +75,17 @@ struct Pair {
 }
 
 fn pair() -> Pair {
+    pair_tagged(None)
+}
+
+/// [`pair`], the producer's registration under `tag` when given (so it can sleep alone).
+fn pair_tagged(tag: Option<&str>) -> Pair {
     let p = side("prefill");
     let c = side("decode");
-    let p_ptr = p.pool.alloc(0, 4 * MIB, S).unwrap().ptr;
+    let p_ptr = match tag {
+        Some(tag) => common::alloc_with(&p.pool, tag, 4 * MIB, S),
+        None => p.pool.alloc(0, 4 * MIB, S).unwrap().ptr,
+    };
     let c_ptr = c.pool.alloc(0, 4 * MIB, S).unwrap().ptr;
     fill(p_ptr, (4 * MIB) as usize, 3);
     fill(c_ptr, (4 * MIB) as usize, 200);
@@ -312,34 +320,9 @@ fn an_unload_closes_the_import_and_the_producer_forgets_the_consumer() {
     assert_eq!(x.p.sim.ledger(0).held_bytes, 0);
 }
 
-/// A producer whose 4 MiB registration lives under tag `xfer_kv` (so it can sleep alone).
-fn pair_with_tag() -> Pair {
-    let p = side("prefill");
-    let c = side("decode");
-    let p_ptr = common::alloc_with(&p.pool, "xfer_kv", 4 * MIB, S);
-    let c_ptr = c.pool.alloc(0, 4 * MIB, S).unwrap().ptr;
-    fill(p_ptr, (4 * MIB) as usize, 5);
-    let p_md = p.engine.register(p_ptr, 4 * MIB).unwrap();
-    let c_md = c.engine.register(c_ptr, 4 * MIB).unwrap();
-    c.engine
-        .load_conn_info("prefill", p.engine.conn_info())
-        .unwrap();
-    let public = p.engine.public_data(p_md).unwrap();
-    let remote_md = c.engine.load_remote("prefill", &public).unwrap();
-    Pair {
-        p,
-        c,
-        p_ptr,
-        c_ptr,
-        p_md,
-        c_md,
-        remote_md,
-    }
-}
-
 #[test]
 fn a_registered_kv_cache_sleeps_and_wakes_and_transfers_resume_without_new_metadata() {
-    let x = pair_with_tag();
+    let x = pair_tagged(Some("xfer_kv"));
     let (c, p) = (&x.c.engine, &x.p.engine);
     let kv = gpu_arena::tags::lookup("xfer_kv").unwrap();
     let local = [Desc {

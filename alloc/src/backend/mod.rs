@@ -128,6 +128,23 @@ pub struct MemInfo {
     pub total: u64,
 }
 
+/// The length of a copy of `bytes` from `src` to `dst` as a `usize` (`None`: nothing to
+/// copy), or why it is refused: a size past `usize`, or ranges that overlap
+/// ([`Backend::copy_async`]'s contract, before any range is looked up).
+pub(crate) fn check_copy(dst: u64, src: u64, bytes: u64) -> Result<Option<usize>> {
+    if bytes == 0 {
+        return Ok(None);
+    }
+    let n = usize::try_from(bytes)
+        .map_err(|_| Error::invalid(format!("{bytes} bytes do not fit in usize")))?;
+    if src < dst.saturating_add(bytes) && dst < src.saturating_add(bytes) {
+        return Err(Error::invalid(format!(
+            "copy of {bytes} bytes from {src:#x} to {dst:#x}: the ranges overlap"
+        )));
+    }
+    Ok(Some(n))
+}
+
 /// Check the windows of a split of an arena of `bytes` bytes (see the trait's contract).
 pub(crate) fn check_split_windows(
     bytes: u64,

@@ -35,16 +35,9 @@ impl SimBackend {
         src: u64,
         bytes: u64,
     ) -> Result<()> {
-        if bytes == 0 {
+        let Some(n) = crate::backend::check_copy(dst, src, bytes)? else {
             return Ok(());
-        }
-        let n = usize::try_from(bytes)
-            .map_err(|_| Error::invalid(format!("{bytes} bytes do not fit in usize")))?;
-        if src < dst.saturating_add(bytes) && dst < src.saturating_add(bytes) {
-            return Err(Error::invalid(format!(
-                "copy of {bytes} bytes from {src:#x} to {dst:#x}: the ranges overlap"
-            )));
-        }
+        };
         let inner = self.inner.lock();
         if inner.streams.get(&stream.0) != Some(&device) {
             return Err(Error::invalid(format!(

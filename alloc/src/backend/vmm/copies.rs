@@ -98,15 +98,9 @@ impl<D: Driver> VmmBackend<D> {
         src: u64,
         bytes: u64,
     ) -> Result<()> {
-        if bytes == 0 {
+        let Some(n) = crate::backend::check_copy(dst, src, bytes)? else {
             return Ok(());
-        }
-        let n = to_usize(bytes)?;
-        if src < dst.saturating_add(bytes) && dst < src.saturating_add(bytes) {
-            return Err(Error::invalid(format!(
-                "copy of {bytes} bytes from {src:#x} to {dst:#x}: the ranges overlap"
-            )));
-        }
+        };
         if self.streams.lock().get(&stream.0) != Some(&device) {
             return Err(Error::invalid(format!(
                 "stream {:#x} is not a live transfer stream of device {device}",
