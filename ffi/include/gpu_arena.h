@@ -520,7 +520,7 @@ typedef void (*gpu_arena_xfer_notif_cb)(void *ctx,
                                         size_t body_len);
 
 /**
- * Counters of one engine (`gpu_arena_xfer_stats`).
+ * Counters of one engine.
  */
 typedef struct gpu_arena_xfer_stats_t {
     /**
@@ -552,15 +552,15 @@ typedef struct gpu_arena_xfer_stats_t {
      */
     uint64_t notifs_received;
     /**
-     * Revocations sent (as a producer).
+     * Revocations this engine sent as a producer.
      */
     uint64_t revokes_sent;
     /**
-     * Revocations carried out (as a consumer).
+     * Revocations this engine carried out as a consumer.
      */
     uint64_t revoked;
     /**
-     * Deregistrations that stopped waiting for consumers.
+     * Deregistrations that stopped waiting for consumers (`revoke_timeout`).
      */
     uint64_t revoke_timeouts;
     /**

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::Arc;
 
-use gpu_arena::transfer::{Desc, EngineConfig, Op, TransferEngine, XferStatus};
+use gpu_arena::transfer::{Desc, EngineConfig, EngineStats, Op, TransferEngine, XferStatus};
 use gpu_arena::Error;
 use parking_lot::Mutex;
 
@@ -37,36 +37,6 @@ pub const GPU_ARENA_XFER_IDLE: c_int = 0;
 pub const GPU_ARENA_XFER_IN_PROGRESS: c_int = 1;
 /// A request whose copies completed (its notification sent).
 pub const GPU_ARENA_XFER_DONE: c_int = 2;
-
-/// Counters of one engine (`gpu_arena_xfer_stats`).
-#[repr(C)]
-#[derive(Debug, Default, Clone, Copy)]
-pub struct gpu_arena_xfer_stats_t {
-    /// Local registrations now.
-    pub registrations: u64,
-    /// Remote registrations loaded (imported) now.
-    pub remote_loaded: u64,
-    /// Requests posted.
-    pub posted: u64,
-    /// Copies queued.
-    pub copies: u64,
-    /// Bytes queued.
-    pub bytes: u64,
-    /// Notifications sent.
-    pub notifs_sent: u64,
-    /// Notifications received.
-    pub notifs_received: u64,
-    /// Revocations sent (as a producer).
-    pub revokes_sent: u64,
-    /// Revocations carried out (as a consumer).
-    pub revoked: u64,
-    /// Deregistrations that stopped waiting for consumers.
-    pub revoke_timeouts: u64,
-    /// Registrations whose share a sleep of their tag ended (as a producer).
-    pub slept: u64,
-    /// Remote registrations imported again after their producer woke (as a consumer).
-    pub reloaded: u64,
-}
 
 /// Called once per notification by `gpu_arena_xfer_take_notifs`: the sending agent and the
 /// body, both as bytes with their lengths (valid during the call only).
@@ -493,29 +463,16 @@ pub extern "C" fn gpu_arena_xfer_take_notifs(
 
 /// The engine's counters into `*out`.
 #[no_mangle]
-pub extern "C" fn gpu_arena_xfer_stats(engine_id: u64, out: *mut gpu_arena_xfer_stats_t) -> c_int {
+pub extern "C" fn gpu_arena_xfer_stats(engine_id: u64, out: *mut EngineStats) -> c_int {
     const CALL: &str = "gpu_arena_xfer_stats";
     guard(CALL, || {
         if out.is_null() {
             return Err(fail(CALL, Error::invalid("out is NULL")));
         }
         let s = engine(CALL, engine_id)?.stats();
-        let v = gpu_arena_xfer_stats_t {
-            registrations: s.registrations,
-            remote_loaded: s.remote_loaded,
-            posted: s.posted,
-            copies: s.copies,
-            bytes: s.bytes,
-            notifs_sent: s.notifs_sent,
-            notifs_received: s.notifs_received,
-            revokes_sent: s.revokes_sent,
-            revoked: s.revoked,
-            revoke_timeouts: s.revoke_timeouts,
-            slept: s.slept,
-            reloaded: s.reloaded,
-        };
-        // SAFETY: `out` is non-null and points to a writable gpu_arena_xfer_stats_t.
-        unsafe { out.write(v) };
+        // SAFETY: `out` is non-null and points to a writable gpu_arena_xfer_stats_t (the
+        // header's struct is generated from `EngineStats`: the same layout).
+        unsafe { out.write(s) };
         Ok(GPU_ARENA_OK)
     })
 }

@@ -71,6 +71,14 @@ fn generated() -> &'static (String, Vec<String>) {
         let bindings = cbindgen::Builder::new()
             .with_config(config)
             .with_src(stats_source())
+            .with_src(
+                crate_dir()
+                    .join("..")
+                    .join("alloc")
+                    .join("src")
+                    .join("transfer")
+                    .join("stats.rs"),
+            )
             .with_src(crate_dir().join("src").join("lib.rs"))
             .generate()
             .unwrap_or_else(|e| panic!("cbindgen failed on ffi/src: {e}"));

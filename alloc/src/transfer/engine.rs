@@ -14,6 +14,7 @@ use super::state::{
     is_remote, wait_events, Close, Counters, LocalReg, LocalState, RemoteReg, RemoteState, Request,
     State,
 };
+use super::stats::EngineStats;
 use super::wire::{Message, PublicData, MAX_NAME_BYTES, MAX_NOTIF_BYTES};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -56,35 +57,6 @@ pub enum XferStatus {
     InProgress,
     /// Every copy completed (and its notification, if any, was sent).
     Done,
-}
-
-/// Counters of one engine.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct EngineStats {
-    /// Local registrations now.
-    pub registrations: u64,
-    /// Remote registrations loaded (imported) now.
-    pub remote_loaded: u64,
-    /// Requests posted.
-    pub posted: u64,
-    /// Copies queued.
-    pub copies: u64,
-    /// Bytes queued.
-    pub bytes: u64,
-    /// Notifications sent / received.
-    pub notifs_sent: u64,
-    /// Notifications received.
-    pub notifs_received: u64,
-    /// Revocations this engine sent as a producer.
-    pub revokes_sent: u64,
-    /// Revocations this engine carried out as a consumer.
-    pub revoked: u64,
-    /// Deregistrations that stopped waiting for consumers (`revoke_timeout`).
-    pub revoke_timeouts: u64,
-    /// Registrations whose share a sleep of their tag ended (as a producer).
-    pub slept: u64,
-    /// Remote registrations imported again after their producer woke (as a consumer).
-    pub reloaded: u64,
 }
 
 pub(super) struct Inner {

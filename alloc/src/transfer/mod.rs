@@ -41,7 +41,9 @@ mod requests;
 mod revoke;
 mod socket;
 mod state;
+mod stats;
 pub mod wire;
 
 pub use descs::{plan, Copy, Desc, Op, Span};
-pub use engine::{EngineConfig, EngineStats, TransferEngine, XferStatus};
+pub use engine::{EngineConfig, TransferEngine, XferStatus};
+pub use stats::EngineStats;
