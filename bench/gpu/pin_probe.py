@@ -107,6 +107,48 @@ def dtoh(dst, src, size):
     return time.perf_counter() - t0
 
 
+def ahead(a, res, size, d):
+    """Sleep's pin-ahead, emulated: buffers of --buf-gib, each made by one of W workers
+    (huge-page mmap, faulted by K threads, one register), copied into in order by the main
+    thread as they come; for every W x K of --workers / --fault-threads."""
+    buf = int(a.buf_gib * GIB)
+    n = size // buf
+    for w in [int(x) for x in a.workers.split(",")]:
+        for k in [int(x) for x in a.fault_threads.split(",")]:
+            ptrs = [None] * n
+            ready = [threading.Event() for _ in range(n)]
+            nxt = [0]
+            lock = threading.Lock()
+
+            def worker():
+                current()
+                while True:
+                    with lock:
+                        i = nxt[0]
+                        nxt[0] += 1
+                    if i >= n:
+                        return
+                    p = anon(buf)
+                    libc.madvise(ctypes.c_void_p(p), ctypes.c_size_t(buf), 14)
+                    touch(p, buf, k)
+                    ck(cu.cuMemHostRegister_v2(ctypes.c_void_p(p), ctypes.c_size_t(buf), PORTABLE), "register")
+                    ptrs[i] = p
+                    ready[i].set()
+            t0 = time.perf_counter()
+            ts = [threading.Thread(target=worker) for _ in range(w)]
+            for t in ts:
+                t.start()
+            for i in range(n):
+                ready[i].wait()
+                ck(cu.cuMemcpyDtoH_v2(ctypes.c_void_p(ptrs[i]), u64(d.value + i * buf), ctypes.c_size_t(buf)), "DtoH")
+            for t in ts:
+                t.join()
+            res[f"ahead_{w}w_{k}t_s"] = round(time.perf_counter() - t0, 3)
+            for p in ptrs:
+                cu.cuMemHostUnregister(ctypes.c_void_p(p))
+                libc.munmap(ctypes.c_void_p(p), buf)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=16)
@@ -114,6 +156,10 @@ def main():
     ap.add_argument("--chunk-mib", type=int, default=512)
     ap.add_argument("--huge-pipeline", action="store_true", help="the pipeline on MADV_HUGEPAGE memory")
     ap.add_argument("--skip-basic", action="store_true", help="only the touch and pipeline modes")
+    ap.add_argument("--only-ahead", action="store_true", help="only the pin-ahead emulation")
+    ap.add_argument("--workers", default="", help="pin-ahead emulation: worker counts, e.g. 1,2,4")
+    ap.add_argument("--fault-threads", default="16", help="pin-ahead emulation: faulting threads per buffer")
+    ap.add_argument("--buf-gib", type=float, default=1.0)
     a = ap.parse_args()
     size = int(a.gib * GIB)
     res = {"gib": a.gib, "cpus": os.cpu_count()}
@@ -121,6 +167,19 @@ def main():
     ck(cu.cuMemAlloc_v2(ctypes.byref(d), ctypes.c_size_t(size)), "cuMemAlloc")
     ck(cu.cuMemsetD8_v2(d, 7, ctypes.c_size_t(size)), "memset")
     cu.cuCtxSynchronize()
+    if a.only_ahead:
+        ahead(a, res, size, d)
+        # The copy it serves, same run: into memory pinned beforehand.
+        p = anon(size)
+        libc.madvise(ctypes.c_void_p(p), ctypes.c_size_t(size), 14)
+        touch(p, size, 16)
+        register(p, size, 1)
+        dtoh(p, d.value, size)
+        res["copy_pinned_s"] = round(dtoh(p, d.value, size), 3)
+        cu.cuMemHostUnregister(ctypes.c_void_p(p))
+        libc.munmap(ctypes.c_void_p(p), size)
+        print(json.dumps(res))
+        return
     if a.skip_basic:
         return rest(a, res, size, d)
     # cuMemHostAlloc: what sleep does today.
@@ -209,6 +268,8 @@ def rest(a, res, size, d):
         res[f"pipeline_{n}t_s"] = round(time.perf_counter() - t0, 3)
         unregister(p, size, chunk)
         libc.munmap(ctypes.c_void_p(p), size)
+    if a.workers:
+        ahead(a, res, size, d)
     cu.cuMemFree_v2(d)
     for k in list(res):
         if k.endswith("_s") and res[k]:
