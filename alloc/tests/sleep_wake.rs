@@ -417,3 +417,41 @@ fn sleep_tags_sleeps_one_tag_while_the_others_allocate() {
     }
     pool.validate(0).unwrap();
 }
+
+#[test]
+fn prepare_offload_pins_ahead_so_the_first_sleep_makes_no_buffer() {
+    let (sim, pool) = pool();
+    // Two arenas of tag pa_w with live data, one of tag pa_kv (not offloaded).
+    let w: Vec<u64> = (0..3)
+        .map(|_| alloc_with(&pool, "pa_w", 6 * MIB, S))
+        .collect();
+    let kv = alloc_with(&pool, "pa_kv", 6 * MIB, S);
+    for (i, &p) in w.iter().enumerate() {
+        fill(p, (6 * MIB) as usize, 10 + i as u8);
+    }
+    assert!(pool.prepare_offload(Some(0), &[]).is_err(), "no tag named");
+    let made = pool.prepare_offload(Some(0), &[idx("pa_w")]).unwrap();
+    assert_eq!(
+        made,
+        18 * MIB,
+        "a buffer per offloaded arena, sized to its live data"
+    );
+    assert_eq!(sim.host_buffers(), 3);
+    assert_eq!(pool.stats(0).unwrap().offload_host_bytes, 18 * MIB);
+    // The sleep finds them: no new buffer; the wake brings the contents back.
+    let before: Vec<Vec<u8>> = w.iter().map(|&p| read(p, (6 * MIB) as usize)).collect();
+    pool.sleep(Some(0), &[idx("pa_w")]).unwrap();
+    assert_eq!(sim.host_buffers(), 3, "the first sleep made no buffer");
+    pool.wake(Some(0), None).unwrap();
+    for (p, b) in w.iter().zip(&before) {
+        assert!(read(*p, (6 * MIB) as usize) == *b);
+    }
+    // Again: nothing new to make (the buffers are kept), and asleep arenas are skipped.
+    assert_eq!(pool.prepare_offload(None, &[idx("pa_w")]).unwrap(), 0);
+    pool.free(kv).unwrap();
+    for p in w {
+        pool.free(p).unwrap();
+    }
+    assert_eq!(pool.release_host_buffers(None).unwrap(), 18 * MIB);
+    assert_eq!(sim.host_buffers(), 0);
+}

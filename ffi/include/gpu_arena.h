@@ -918,6 +918,17 @@ int gpu_arena_sleep_tags(int device, const char *tags, const char *offload_tags)
 int gpu_arena_wake(int device, const char *tags);
 
 /**
+ * Pin ahead: make now the host buffers a sleep offloading `offload_tags` (comma-separated,
+ * at least one) of `device` (-1: every device) would need, and keep them, so that the first
+ * such sleep copies into memory already pinned (pinning fresh host memory is most of a first
+ * sleep's time). Sized from the live allocations now; arenas asleep are skipped.
+ * `*pinned_bytes` (when not NULL) receives the bytes of host memory made. Blocking: call it
+ * from a thread of its own to overlap it with other work. `gpu_arena_sleep_release_host`
+ * frees what it made.
+ */
+int gpu_arena_sleep_prepare(int device, const char *offload_tags, uint64_t *pinned_bytes);
+
+/**
  * Free the host buffers gpu-arena keeps for the next sleep on `device` (-1: every device).
  * A wake keeps the (pinned) buffer that held an arena's offloaded contents, so the next
  * sleep copies into memory already pinned instead of pinning again

@@ -106,6 +106,33 @@ pub extern "C" fn gpu_arena_wake(device: c_int, tags: *const c_char) -> c_int {
     })
 }
 
+/// Pin ahead: make now the host buffers a sleep offloading `offload_tags` (comma-separated,
+/// at least one) of `device` (-1: every device) would need, and keep them, so that the first
+/// such sleep copies into memory already pinned (pinning fresh host memory is most of a first
+/// sleep's time). Sized from the live allocations now; arenas asleep are skipped.
+/// `*pinned_bytes` (when not NULL) receives the bytes of host memory made. Blocking: call it
+/// from a thread of its own to overlap it with other work. `gpu_arena_sleep_release_host`
+/// frees what it made.
+#[no_mangle]
+pub extern "C" fn gpu_arena_sleep_prepare(
+    device: c_int,
+    offload_tags: *const c_char,
+    pinned_bytes: *mut u64,
+) -> c_int {
+    let call = format!("gpu_arena_sleep_prepare(device={device})");
+    with_pool("gpu_arena_sleep_prepare", |p| {
+        let offload = tag_list(&call, "offload_tags", offload_tags)?;
+        let made = p
+            .prepare_offload(device_arg(device), &offload)
+            .map_err(|e| fail(&call, e))?;
+        if !pinned_bytes.is_null() {
+            // SAFETY: non-null, and per the header a writable uint64_t.
+            unsafe { pinned_bytes.write(made) };
+        }
+        Ok(GPU_ARENA_OK)
+    })
+}
+
 /// Free the host buffers gpu-arena keeps for the next sleep on `device` (-1: every device).
 /// A wake keeps the (pinned) buffer that held an arena's offloaded contents, so the next
 /// sleep copies into memory already pinned instead of pinning again

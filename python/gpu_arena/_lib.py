@@ -465,6 +465,7 @@ _SIGNATURES = {
     "gpu_arena_sleep_tags": (c_int, [c_int, c_char_p, c_char_p]),
     "gpu_arena_wake": (c_int, [c_int, c_char_p]),
     "gpu_arena_sleep_release_host": (c_int, [c_int]),
+    "gpu_arena_sleep_prepare": (c_int, [c_int, c_char_p, ctypes.POINTER(ctypes.c_uint64)]),
     "gpu_arena_trim": (c_int, [c_int, ctypes.POINTER(ctypes.c_uint64)]),
     # What the native torch allocator maps torch's calls onto (ffi/src/torch_allocator_api.rs).
     **{f"gpu_arena_graph_pool_{n}": (c_int, [c_int, ctypes.c_uint64, ctypes.c_uint64])

@@ -177,6 +177,23 @@ def sleep_release_host(device: int = -1) -> None:
     )
 
 
+def sleep_prepare(offload_tags, device: int = -1) -> int:
+    """Pin ahead: make now the host buffers a sleep offloading ``offload_tags`` (a
+    comma-separated string or a list, at least one) of ``device`` (-1: all) would need, so
+    the first such sleep copies at copy speed instead of pinning fresh host memory. Sized
+    from the live allocations now. Returns the bytes of host memory made (0 when kept
+    buffers suffice). Blocking; ctypes releases the GIL, so a thread can run it while the
+    engine works. ``sleep_release_host()`` frees them."""
+    made = ctypes.c_uint64(0)
+    _lib.check(
+        _lib.lib().gpu_arena_sleep_prepare(_int(device, "device"),
+                                           _tag_list(offload_tags, "offload_tags"),
+                                           ctypes.byref(made)),
+        "gpu_arena_sleep_prepare",
+    )
+    return made.value
+
+
 def wake(tags=None, device: int = -1) -> None:
     """Wake ``tags`` (None: every sleeping tag) on ``device`` (-1: all): memory mapped again
     at the same addresses, offloaded contents copied back. Raises InvalidStateError for a

@@ -230,6 +230,17 @@ def main() -> int:
     ok = all(bool((b == 1.5).all()) for b in bigs[:4] + bigs[-2:])
     check(ok, "big offloaded tensors differ after the second wake")
     gpu_arena.sleep_release_host()
+    # Pinned ahead (gpu_arena.sleep_prepare), then the first sleep after it: no pinning in it.
+    t = time.perf_counter()
+    gpu_arena.sleep_prepare("big_w")
+    prep = time.perf_counter() - t
+    t = time.perf_counter()
+    gt.sleep(offload_tags="big_w")
+    s_prep = time.perf_counter() - t
+    gt.wake()
+    ok = all(bool((b == 1.5).all()) for b in bigs[:4] + bigs[-2:])
+    check(ok, "big offloaded tensors differ after the wake of the prepared sleep")
+    gpu_arena.sleep_release_host()
     # Map cost: the same bytes discarded (no copy).
     t = time.perf_counter()
     gt.sleep(offload_tags=None)
@@ -242,6 +253,7 @@ def main() -> int:
     gt.empty_cache()
     timing = dict(gib=n_big, d2h_s=d2h, h2d_s=h2d, sleep_offload_s=s_off, wake_offload_s=w_off,
                   sleep_offload_kept_s=s_off2, wake_offload_kept_s=w_off2,
+                  sleep_prepare_s=prep, sleep_offload_prepared_s=s_prep,
                   sleep_discard_s=s_map, wake_discard_s=w_map, engine_kept_host_bytes=kept_engine)
     report["timing"] = timing
     report["rows"] = rows
@@ -267,6 +279,8 @@ def main() -> int:
            f"| wake, offloaded, first (create/map + copy back) | {w_off:.3f} | {rate(w_off)} |",
            f"| sleep, offloaded, again (kept host buffers: copy out + unmap/release) | {s_off2:.3f} | {rate(s_off2)} |",
            f"| wake, offloaded, again (create/map + copy back) | {w_off2:.3f} | {rate(w_off2)} |",
+           f"| `sleep_prepare` (pin ahead, host buffers made before the sleep) | {prep:.3f} | {rate(prep)} |",
+           f"| sleep, offloaded, first after `sleep_prepare` (copy out + unmap/release) | {s_prep:.3f} | {rate(s_prep)} |",
            f"| sleep, discarded (unmap/release only: map cost) | {s_map:.3f} | {rate(s_map)} |",
            f"| wake, discarded (create/map/access only: map cost) | {w_map:.3f} | {rate(w_map)} |",
            "", "Offload buffers are pinned host memory, one per arena: the first sleep "

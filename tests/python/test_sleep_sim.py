@@ -185,3 +185,29 @@ def test_trim_cuts_arenas_down_to_their_survivors_pages():
     assert out["same"] == [True, True], out
     assert out["bad"], out
     assert out["end"] == 0, out
+
+
+def test_sleep_prepare_pins_ahead_and_the_sleep_reuses_what_it_made():
+    out = scenario("""
+        gpu_arena.set_tag("weights")
+        w = [gpu_arena.malloc(6 * MiB) for _ in range(2)]       # two 8 MiB arenas
+        gpu_arena.set_tag(None)
+        for i, p in enumerate(w):
+            ctypes.memset(p, 0x30 + i, 6 * MiB)
+        refused = raises(InvalidArgumentError, gpu_arena.sleep_prepare, "")
+        made = gpu_arena.sleep_prepare("weights")
+        held = gpu_arena.stats()["offload_host_bytes"]
+        gpu_arena.sleep(offload_tags="weights", tags="weights")
+        held_asleep = gpu_arena.stats()["offload_host_bytes"]
+        gpu_arena.wake()
+        same = all(ctypes.string_at(p, 6 * MiB) == bytes([0x30 + i]) * (6 * MiB)
+                   for i, p in enumerate(w))
+        again = gpu_arena.sleep_prepare(["weights"])
+        gpu_arena.sleep_release_host()
+        report(dict(refused=refused, made=made, held=held, held_asleep=held_asleep,
+                    same=same, again=again, after=gpu_arena.stats()["offload_host_bytes"]))
+    """)
+    assert out["refused"], out
+    assert out["made"] == out["held"] == 12 << 20, out
+    assert out["held_asleep"] == out["held"], "the sleep made no buffer of its own"
+    assert out["same"] and out["again"] == 0 and out["after"] == 0, out

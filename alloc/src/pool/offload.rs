@@ -13,7 +13,8 @@
 //! device holds, in use by a sleeping arena or kept.
 
 use crate::backend::{DeviceId, HostBuffer};
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::pool::sleep::GAP;
 use crate::pool::{DevicePool, DeviceState, Pool};
 
 /// An arena's offloaded contents: the segments `(address, bytes)`, packed one after another
@@ -48,6 +49,36 @@ impl DeviceState {
             .max_by_key(|(_, b)| b.len())
             .map(|(i, _)| i)?;
         Some(self.host_buffers.swap_remove(i))
+    }
+
+    /// The offload segments of the arenas `keys` names (slab keys; `None`: not offloaded),
+    /// in that order: their live allocations by address (the records promoted first),
+    /// merged across gaps of at most [`GAP`] (copying a small gap costs less than another
+    /// call), and their live bytes.
+    pub(crate) fn offload_segments(&self, keys: &[Option<usize>]) -> Vec<(Vec<(u64, u64)>, u64)> {
+        let index: std::collections::HashMap<usize, usize> = keys
+            .iter()
+            .enumerate()
+            .filter_map(|(i, k)| k.map(|k| (k, i)))
+            .collect();
+        let mut lives: Vec<(usize, u64, u64)> = self
+            .allocs
+            .iter()
+            .filter_map(|(&p, l)| index.get(&l.arena).map(|&i| (i, p, l.bytes())))
+            .collect();
+        lives.sort_unstable();
+        let mut out: Vec<(Vec<(u64, u64)>, u64)> = vec![(Vec::new(), 0); keys.len()];
+        for (i, p, len) in lives {
+            let (segments, live) = &mut out[i];
+            *live += len;
+            match segments.last_mut() {
+                Some((start, sl)) if p.saturating_sub(*start + *sl) <= GAP => {
+                    *sl = (p + len).max(*start + *sl) - *start;
+                }
+                _ => segments.push((p, len)),
+            }
+        }
+        out
     }
 
     /// Keep a buffer for the next sleep (still counted in `offload_host_bytes`).
@@ -147,6 +178,64 @@ impl Pool {
         let mut st = dp.state.lock();
         st.stats.offload_host_bytes -= bytes;
         dp.metrics.publish(&st.stats_now());
+    }
+
+    /// Pin ahead: make the host buffers that a sleep offloading the tags in `offload` (tag
+    /// indices) of `device` (every device for `None`) would need now, and keep them, so the
+    /// first such sleep copies into memory already pinned (pinning fresh host memory is the
+    /// slow part of a first sleep: `backend/vmm/pinned.rs`). Sized from the live
+    /// allocations now, as the sleep would (a sleep whose allocations grew since makes what
+    /// it lacks then); arenas already asleep are skipped. Returns the bytes of host memory
+    /// made. Blocking: run it on a thread of its own to overlap it with other work.
+    pub fn prepare_offload(&self, device: Option<DeviceId>, offload: &[u8]) -> Result<u64> {
+        let mask = offload.iter().fold(0u64, |m, &t| {
+            m | 1u64.checked_shl(u32::from(t)).unwrap_or(0)
+        });
+        if mask == 0 {
+            return Err(Error::invalid("prepare_offload: no tag named"));
+        }
+        let devices: Vec<&DevicePool> = match device {
+            Some(d) => vec![self.dev(d)?],
+            None => self.devices.iter().collect(),
+        };
+        let mut made = 0;
+        for dp in devices {
+            let totals: Vec<u64> = {
+                let mut st = dp.state.lock();
+                st.promote_all();
+                let keys: Vec<Option<usize>> = st
+                    .arenas
+                    .iter()
+                    .filter(|(_, a)| a.sleep.is_none() && mask & (1 << a.tag) != 0)
+                    .map(|(k, _)| Some(k))
+                    .collect();
+                st.offload_segments(&keys)
+                    .iter()
+                    .map(|(segments, _)| segments.iter().map(|s| s.1).sum())
+                    .collect()
+            };
+            let before = dp.state.lock().stats.offload_host_bytes;
+            let mut bufs = Vec::new();
+            let mut first_err = None;
+            self.with_host_buffers(dp, &totals, |_, b| match b {
+                Some(Ok(buf)) => bufs.push(buf),
+                Some(Err(e)) => {
+                    first_err.get_or_insert(e);
+                }
+                None => {}
+            });
+            let mut st = dp.state.lock();
+            for buf in bufs {
+                st.keep_host_buffer(buf);
+            }
+            made += st.stats.offload_host_bytes.saturating_sub(before);
+            dp.metrics.publish(&st.stats_now());
+            drop(st);
+            if let Some(e) = first_err {
+                return Err(e);
+            }
+        }
+        Ok(made)
     }
 
     /// Free the host buffers kept for the next sleep on `device` (every device for `None`);

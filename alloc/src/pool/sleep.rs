@@ -244,34 +244,20 @@ impl Pool {
                 st.stats.sleeping_bytes += a.mem.bytes;
                 work.push((k, a.mem.clone(), Vec::new(), 0));
             }
-            // Segments of the offloaded arenas: live allocations by arena and address (one
-            // pass over the allocations), merged across gaps of at most GAP.
+            // Segments of the offloaded arenas (pool/offload.rs).
             if offload & sleeping != 0 {
-                let index: std::collections::HashMap<usize, usize> = work
+                let keys: Vec<Option<usize>> = work
                     .iter()
-                    .enumerate()
-                    .filter(|(_, w)| {
+                    .map(|w| {
                         st.arenas
                             .get(w.0)
                             .is_some_and(|a| offload & (1 << a.tag) != 0)
+                            .then_some(w.0)
                     })
-                    .map(|(i, w)| (w.0, i))
                     .collect();
-                let mut lives: Vec<(usize, u64, u64)> = st
-                    .allocs
-                    .iter()
-                    .filter_map(|(&p, l)| index.get(&l.arena).map(|&i| (i, p, l.bytes())))
-                    .collect();
-                lives.sort_unstable();
-                for (i, p, len) in lives {
-                    let (_, _, segments, live) = &mut work[i];
-                    *live += len;
-                    match segments.last_mut() {
-                        Some((start, sl)) if p.saturating_sub(*start + *sl) <= GAP => {
-                            *sl = (p + len).max(*start + *sl) - *start;
-                        }
-                        _ => segments.push((p, len)),
-                    }
+                for (w, (segments, live)) in work.iter_mut().zip(st.offload_segments(&keys)) {
+                    w.2 = segments;
+                    w.3 = live;
                 }
             }
             dp.metrics.publish(&st.stats_now());
