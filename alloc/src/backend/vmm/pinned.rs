@@ -87,6 +87,8 @@ impl<D: Driver> VmmBackend<D> {
     /// registered; or why not (nothing left behind).
     fn map_and_register(&self, n: usize) -> std::result::Result<(u64, PinnedHost), String> {
         let len = n.checked_next_multiple_of(HUGE).ok_or("size overflows")?;
+        // Accounted at mmap (no MAP_NORESERVE): a request the host cannot hold fails here,
+        // cleanly, rather than in the page faults below.
         // SAFETY: a new private anonymous mapping at an address the kernel picks: it aliases
         // nothing.
         let base = unsafe {
@@ -94,7 +96,7 @@ impl<D: Driver> VmmBackend<D> {
                 std::ptr::null_mut(),
                 len,
                 rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
-                rustix::mm::MapFlags::PRIVATE | rustix::mm::MapFlags::NORESERVE,
+                rustix::mm::MapFlags::PRIVATE,
             )
         }
         .map_err(|e| format!("mmap: {e}"))?;
