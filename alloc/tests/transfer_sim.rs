@@ -5,44 +5,16 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
+use common::transfer_fixture::{run, side, Side};
 use common::{fill, read, wait_until};
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use gpu_arena::backend::sim::{SimBackend, SimConfig};
-use gpu_arena::ipc::{Broker, BrokerConfig, Importer};
-use gpu_arena::transfer::{Desc, EngineConfig, Op, TransferEngine, XferStatus};
-use gpu_arena::{Pool, StreamId};
+use gpu_arena::transfer::{Desc, Op, TransferEngine};
+use gpu_arena::StreamId;
 
 const MIB: u64 = 1 << 20;
 const S: StreamId = StreamId(0);
-
-struct Side {
-    sim: Arc<SimBackend>,
-    pool: Arc<Pool>,
-    engine: TransferEngine,
-}
-
-fn side(agent: &str) -> Side {
-    let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
-    let pool = common::validating_pool(&sim, 64 * MIB);
-    let broker = Arc::new(Broker::start(pool.clone(), BrokerConfig::default()).unwrap());
-    let importer = Arc::new(Importer::new(sim.clone()));
-    let mut config = EngineConfig::new(agent);
-    config.revoke_timeout = Duration::from_secs(20);
-    let engine = TransferEngine::start(broker, importer, config).unwrap();
-    Side { sim, pool, engine }
-}
-
-/// Post and poll until done.
-fn run(e: &TransferEngine, req: u64, notif: Option<&[u8]>) {
-    let mut status = e.post(req, notif.map(<[u8]>::to_vec)).unwrap();
-    while status != XferStatus::Done {
-        std::thread::sleep(Duration::from_micros(100));
-        status = e.check(req).unwrap();
-    }
-}
 
 /// The consumer's side of a revocation, which finishes after the producer saw the lease
 /// end (the consumer counts and unmaps after its close went out): `revoked` closes counted
@@ -411,4 +383,36 @@ fn the_owners_free_and_empty_cache_take_a_registration_back() {
     // NIXL's deregistration afterwards only forgets it.
     p.deregister(&[x.p_md]).unwrap();
     assert!(p.deregister(&[x.p_md]).is_err());
+}
+
+#[test]
+fn the_owners_free_and_a_trim_take_a_registration_back() {
+    let x = pair();
+    let (c, p) = (&x.c.engine, &x.p.engine);
+    let local = [Desc {
+        addr: x.c_ptr,
+        len: MIB,
+        md: x.c_md,
+    }];
+    let remote = [Desc {
+        addr: x.p_ptr,
+        len: MIB,
+        md: x.remote_md,
+    }];
+    let req = c.prepare(Op::Read, &local, &remote, "prefill").unwrap();
+    run(c, req, None);
+    x.p.pool.free(x.p_ptr).unwrap();
+    x.p.pool.trim(None).unwrap();
+    consumer_closed(&x.c, 1);
+    assert_eq!(
+        x.p.sim.ledger(0).held_bytes,
+        0,
+        "the producer's memory is back"
+    );
+    assert!(c
+        .post(req, None)
+        .unwrap_err()
+        .to_string()
+        .contains("revoked"));
+    p.deregister(&[x.p_md]).unwrap();
 }

@@ -95,6 +95,15 @@ fn bytes<'a>(call: &str, what: &str, p: *const c_char, len: usize) -> Result<&'a
     Ok(unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) })
 }
 
+/// Refuse a NULL out-pointer before anything is done (a call that would act and then find
+/// nowhere to put its result must change nothing).
+fn need<T>(call: &str, out: *mut T, what: &str) -> Result<(), c_int> {
+    if out.is_null() {
+        return Err(fail(call, Error::invalid(format!("{what} is NULL"))));
+    }
+    Ok(())
+}
+
 fn out_string(call: &str, out: *mut *mut c_char, s: &str) -> Outcome {
     if out.is_null() {
         return Err(fail(call, Error::invalid("out is NULL")));
@@ -227,6 +236,7 @@ pub extern "C" fn gpu_arena_xfer_register_mem(
 ) -> c_int {
     const CALL: &str = "gpu_arena_xfer_register_mem";
     guard(CALL, || {
+        need(CALL, out_md, "out_md")?;
         let md = engine(CALL, engine_id)?
             .register(addr, len)
             .map_err(|e| fail(&format!("{CALL}({addr:#x}, {len})"), e))?;
@@ -274,6 +284,7 @@ pub extern "C" fn gpu_arena_xfer_load_remote(
 ) -> c_int {
     const CALL: &str = "gpu_arena_xfer_load_remote";
     guard(CALL, || {
+        need(CALL, out_md, "out_md")?;
         let e = engine(CALL, engine_id)?;
         let agent = text(CALL, "agent", agent)?;
         let data = std::str::from_utf8(bytes(CALL, "data", data, len)?).map_err(|_| {
@@ -294,6 +305,7 @@ pub extern "C" fn gpu_arena_xfer_load_remote(
 pub extern "C" fn gpu_arena_xfer_load_local(engine_id: u64, md: u64, out_md: *mut u64) -> c_int {
     const CALL: &str = "gpu_arena_xfer_load_local";
     guard(CALL, || {
+        need(CALL, out_md, "out_md")?;
         let m = engine(CALL, engine_id)?
             .load_local(md)
             .map_err(|e| fail(CALL, e))?;
@@ -329,6 +341,7 @@ pub extern "C" fn gpu_arena_xfer_prepare(
 ) -> c_int {
     const CALL: &str = "gpu_arena_xfer_prepare";
     guard(CALL, || {
+        need(CALL, out_req, "out_req")?;
         let e = engine(CALL, engine_id)?;
         let op = match op {
             GPU_ARENA_XFER_READ => Op::Read,
@@ -379,6 +392,7 @@ pub extern "C" fn gpu_arena_xfer_post(
 ) -> c_int {
     const CALL: &str = "gpu_arena_xfer_post";
     guard(CALL, || {
+        need(CALL, out_status, "out_status")?;
         let e = engine(CALL, engine_id)?;
         let body = (!notif.is_null())
             .then(|| bytes(CALL, "notif", notif, notif_len))
@@ -395,6 +409,7 @@ pub extern "C" fn gpu_arena_xfer_post(
 pub extern "C" fn gpu_arena_xfer_check(engine_id: u64, req: u64, out_status: *mut c_int) -> c_int {
     const CALL: &str = "gpu_arena_xfer_check";
     guard(CALL, || {
+        need(CALL, out_status, "out_status")?;
         let s = engine(CALL, engine_id)?
             .check(req)
             .map_err(|e| fail(CALL, e))?;

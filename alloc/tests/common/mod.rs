@@ -3,6 +3,7 @@
 
 pub mod broker_fixture;
 pub mod raw_wire;
+pub mod transfer_fixture;
 
 use std::time::{Duration, Instant};
 
