@@ -416,3 +416,44 @@ fn the_owners_free_and_a_trim_take_a_registration_back() {
         .contains("revoked"));
     p.deregister(&[x.p_md]).unwrap();
 }
+
+#[test]
+fn posts_racing_a_revocation_never_copy_through_a_closed_mapping() {
+    for _ in 0..20 {
+        let x = pair();
+        let (c, p) = (&x.c.engine, &x.p.engine);
+        let local = [Desc {
+            addr: x.c_ptr,
+            len: MIB,
+            md: x.c_md,
+        }];
+        let remote = [Desc {
+            addr: x.p_ptr,
+            len: MIB,
+            md: x.remote_md,
+        }];
+        let req = c.prepare(Op::Read, &local, &remote, "prefill").unwrap();
+        std::thread::scope(|s| {
+            let poster = s.spawn(|| {
+                // Post until refused: every refusal must be the revocation's, never a copy
+                // into memory that is no longer mapped (UnknownPointer from the backend).
+                loop {
+                    match c.post(req, None) {
+                        Ok(_) => {}
+                        Err(e) => {
+                            let e = e.to_string();
+                            assert!(e.contains("revoked") || e.contains("being closed"), "{e}");
+                            return;
+                        }
+                    }
+                }
+            });
+            p.deregister(&[x.p_md]).unwrap();
+            poster.join().unwrap();
+        });
+        consumer_closed(&x.c, 1);
+        x.p.pool.free(x.p_ptr).unwrap();
+        x.p.pool.empty_cache(None).unwrap();
+        assert_eq!(x.p.sim.ledger(0).held_bytes, 0);
+    }
+}

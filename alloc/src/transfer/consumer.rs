@@ -64,13 +64,34 @@ impl Inner {
                     Some(RemoteState::Live) => break,
                 }
             }
-            let fence = st.fence(backend)?;
             let Some(r) = st.remotes.get_mut(&md) else {
                 return Err(Error::Internal(
                     "remote registration vanished under the lock".into(),
                 ));
             };
             r.state = RemoteState::Closing;
+            // Posts that passed their check before the mark queue their copies without the
+            // lock: wait until they have, so the fence below comes after their copies.
+            while st.remotes.get(&md).is_some_and(|r| r.users > 0) {
+                self.closed.wait(&mut st);
+            }
+            let fence = match st.fence(backend) {
+                Ok(f) => f,
+                Err(e) => {
+                    // Not closed: usable again as it was.
+                    if let Some(r) = st.remotes.get_mut(&md) {
+                        r.state = RemoteState::Live;
+                    }
+                    drop(st);
+                    self.closed.notify_all();
+                    return Err(e);
+                }
+            };
+            let Some(r) = st.remotes.get(&md) else {
+                return Err(Error::Internal(
+                    "remote registration vanished under the lock".into(),
+                ));
+            };
             (r.local, r.producer_socket.clone(), r.key, fence)
         };
         let waited = wait_events(backend, fence);

@@ -268,6 +268,7 @@ impl TransferEngine {
                 local,
                 device: pd.share.info.device,
                 state: RemoteState::Live,
+                users: 0,
             },
         );
         Ok(md)

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::descs::{Desc, Op};
+use super::descs::{Copy, Desc, Op};
 use super::engine::{Inner, XferStatus};
 use super::state::{destroy_events, not_live, wait_events, InFlight, RemoteState, Request};
 use super::wire::MAX_NOTIF_BYTES;
@@ -38,6 +38,7 @@ impl Inner {
             agent: agent.to_owned(),
             notify_to: None,
             remotes,
+            posting: false,
             in_flight: None,
         };
         st.plan_request(&req, &self.config.agent)?;
@@ -72,44 +73,58 @@ impl Inner {
         };
         // Registrations whose producer slept and woke are asked for again (no lock held).
         self.reload(&remotes)?;
-        let mut guard = self.state.lock();
-        let st = &mut *guard;
-        let req = st
-            .requests
-            .get(&request)
-            .ok_or_else(|| Error::invalid(format!("transfer request {request:#x} is not live")))?;
-        if req.in_flight.is_some() {
-            return Err(Error::InvalidState(format!(
-                "transfer request {request:#x} is still in flight"
-            )));
-        }
-        for md in &req.remotes {
-            match st.remotes.get(md) {
-                Some(r) if r.state == RemoteState::Live => {}
-                Some(r) => return Err(not_live(r)),
-                None => return Err(Error::invalid(format!("metadata {md:#x} was unloaded"))),
+        // Under the lock: check, plan, pick streams, and mark the request posting and its
+        // remote registrations in use (a close waits for that mark to go before it fences
+        // the streams: no copy can be queued on a mapping after it). The driver calls that
+        // queue the copies run without the lock.
+        let (copies, remotes) = {
+            let mut guard = self.state.lock();
+            let st = &mut *guard;
+            let req = st.requests.get(&request).ok_or_else(|| {
+                Error::invalid(format!("transfer request {request:#x} is not live"))
+            })?;
+            if req.in_flight.is_some() || req.posting {
+                return Err(Error::InvalidState(format!(
+                    "transfer request {request:#x} is still in flight"
+                )));
             }
-        }
-        let copies = st.plan_request(req, &self.config.agent)?;
-        let mut used: Vec<(DeviceId, StreamId)> = Vec::new();
-        let n = self.config.streams_per_device;
-        let mut queued = Ok(());
-        for c in &copies {
-            let pick = st.next_stream;
-            st.next_stream = st.next_stream.wrapping_add(1);
-            let stream = match st.streams_of(backend, c.device, n) {
-                Ok(list) => list[pick % list.len()],
-                Err(e) => {
-                    queued = Err(e);
-                    break;
+            for md in &req.remotes {
+                match st.remotes.get(md) {
+                    Some(r) if r.state == RemoteState::Live => {}
+                    Some(r) => return Err(not_live(r)),
+                    None => return Err(Error::invalid(format!("metadata {md:#x} was unloaded"))),
                 }
-            };
-            if let Err(e) = backend.copy_async(c.device, stream, c.dst, c.src, c.len) {
+            }
+            let planned = st.plan_request(req, &self.config.agent)?;
+            let remotes = req.remotes.clone();
+            let n = self.config.streams_per_device;
+            let mut copies: Vec<(Copy, StreamId)> = Vec::with_capacity(planned.len());
+            for c in planned {
+                let pick = st.next_stream;
+                st.next_stream = st.next_stream.wrapping_add(1);
+                // Made on the device's first transfer (a driver call, once).
+                let list = st.streams_of(backend, c.device, n)?;
+                copies.push((c, list[pick % list.len()]));
+            }
+            for md in &remotes {
+                if let Some(r) = st.remotes.get_mut(md) {
+                    r.users += 1;
+                }
+            }
+            if let Some(req) = st.requests.get_mut(&request) {
+                req.posting = true;
+            }
+            (copies, remotes)
+        };
+        let mut used: Vec<(DeviceId, StreamId)> = Vec::new();
+        let mut queued = Ok(());
+        for (c, stream) in &copies {
+            if let Err(e) = backend.copy_async(c.device, *stream, c.dst, c.src, c.len) {
                 queued = Err(e);
                 break;
             }
-            if !used.contains(&(c.device, stream)) {
-                used.push((c.device, stream));
+            if !used.contains(&(c.device, *stream)) {
+                used.push((c.device, *stream));
             }
         }
         let mut events = Vec::with_capacity(used.len());
@@ -121,22 +136,44 @@ impl Inner {
                 }
             }
         }
-        if let Err(e) = queued {
-            // What was queued still runs: wait for it before reporting the failure.
-            drop(guard);
+        let kept = {
+            let mut st = self.state.lock();
+            for md in &remotes {
+                if let Some(r) = st.remotes.get_mut(md) {
+                    r.users -= 1;
+                }
+            }
+            match (st.requests.get_mut(&request), &queued) {
+                (Some(req), Ok(())) => {
+                    req.posting = false;
+                    req.in_flight = Some(InFlight {
+                        events: std::mem::take(&mut events),
+                        notif,
+                    });
+                    true
+                }
+                (Some(req), Err(_)) => {
+                    req.posting = false;
+                    false
+                }
+                (None, _) => false, // released meanwhile
+            }
+        };
+        self.closed.notify_all();
+        if !kept {
+            // What was queued still runs: wait for it before reporting.
             let _ = wait_events(backend, events);
-            return Err(e);
         }
+        queued?;
         self.counters.posted.fetch_add(1, Ordering::Relaxed);
         self.counters
             .copies
             .fetch_add(copies.len() as u64, Ordering::Relaxed);
-        let bytes: u64 = copies.iter().map(|c| c.len).sum();
+        let bytes: u64 = copies.iter().map(|(c, _)| c.len).sum();
         self.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
-        if let Some(req) = st.requests.get_mut(&request) {
-            req.in_flight = Some(InFlight { events, notif });
+        if !kept {
+            return Ok(XferStatus::Done);
         }
-        drop(guard);
         self.check(request)
     }
 

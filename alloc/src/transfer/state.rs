@@ -86,6 +86,8 @@ pub(super) struct RemoteReg {
     pub(super) local: u64,
     pub(super) device: DeviceId,
     pub(super) state: RemoteState,
+    /// Posts queueing copies on it now (a close waits for 0 before it fences the streams).
+    pub(super) users: u32,
 }
 
 /// A transfer request: its descriptors, planned into copies at each post (a remote
@@ -100,6 +102,8 @@ pub(super) struct Request {
     /// The remote registrations it uses (none within the agent).
     pub(super) remotes: Vec<u64>,
     pub(super) notify_to: Option<String>,
+    /// Its copies are being queued (the lock is not held meanwhile: `Inner::post`).
+    pub(super) posting: bool,
     pub(super) in_flight: Option<InFlight>,
 }
 
