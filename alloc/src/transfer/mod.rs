@@ -27,9 +27,10 @@
 //!   sent when `check` first sees it complete.
 //! - Revocation: `deregister` stops new imports, tells every consumer that loaded the
 //!   registration, and waits (at most `revoke_timeout`) until their leases ended. A consumer
-//!   closes the import only after every copy it queued so far completed (an event on each of
-//!   its streams, recorded after it marked the registration closing under the state lock, so
-//!   no later copy can use it). A dead consumer's leases end with its connection (the
+//!   closes the import only after every copy it queued so far completed: it marks the
+//!   registration closing under the state lock (no later post passes its check), waits for
+//!   the posts that passed it to finish queueing (they queue without the lock, the
+//!   registration marked in use), then records an event on each of its streams. A dead consumer's leases end with its connection (the
 //!   broker's crash reclaim).
 //! - Messages between engines travel on abstract datagram sockets; senders are checked by
 //!   their kernel-attested uid.
