@@ -10,6 +10,7 @@
 //!   `kv_cache` and the `kv_replay` binary run it; [`report`] renders it as markdown.
 //! - [`units`]: sizes and times as text, for all of the above.
 //! - [`threads`]: the thread-scaling workloads (2 MiB pairs, mixed sizes).
+//! - [`torch_trace`]: allocation traces recorded from PyTorch programs, read as a [`Trace`].
 //!
 //! Imports go one way, each module importing only modules listed before it: `units`,
 //! `trace`, `trace_file`, `replay`, `pool_adapter`, `report`, `suite`.
@@ -19,6 +20,7 @@ pub mod replay;
 pub mod report;
 pub mod suite;
 pub mod threads;
+pub mod torch_trace;
 pub mod trace;
 pub mod trace_file;
 pub mod units;

@@ -37,6 +37,7 @@ use rustc_hash::FxHashMap;
 
 mod class_set;
 mod free_index;
+mod grow;
 mod place;
 mod split;
 

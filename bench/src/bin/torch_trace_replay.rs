@@ -1,0 +1,103 @@
+//! Replay allocation traces recorded from PyTorch programs (`bench/gpu/torch_reserved.py
+//! --trace-dir`) through the pool on the sim backend and print peak reserved against peak
+//! live bytes: how much a training or generation loop would reserve, without a GPU.
+//!
+//! ```text
+//! torch_trace_replay [--config KEY=VALUE,...] FILE...
+//! ```
+//!
+//! A `FILE` ending in `.gz` is read through `gzip -dc`. `--config` takes gpu-arena's
+//! configuration string (`arena_size=256M`, ...). Exit status 1 when a trace cannot be read
+//! or replayed.
+#![allow(clippy::unwrap_used)]
+
+use std::process::{Command, ExitCode};
+use std::sync::Arc;
+
+use gpu_arena::backend::sim::{SimBackend, SimConfig};
+use gpu_arena::config::Config;
+use gpu_arena::{Backend, DeviceId};
+use gpu_arena_bench::torch_trace::parse;
+use gpu_arena_bench::{replay, PoolAllocator};
+
+/// Sim capacity: held bytes are a ledger, memory is only used where written.
+const SIM_CAPACITY: u64 = 256 << 30;
+const MIB: f64 = (1u64 << 20) as f64;
+
+fn read(path: &str) -> Result<String, String> {
+    if path.ends_with(".gz") {
+        let out = Command::new("gzip")
+            .args(["-dc", path])
+            .output()
+            .map_err(|e| format!("{path}: gzip: {e}"))?;
+        if !out.status.success() {
+            return Err(format!("{path}: gzip -dc failed"));
+        }
+        String::from_utf8(out.stdout).map_err(|e| format!("{path}: {e}"))
+    } else {
+        std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))
+    }
+}
+
+fn replay_one(path: &str, config: &str) -> Result<String, String> {
+    let trace = parse(&read(path)?).map_err(|e| format!("{path}: {e}"))?;
+    let backend: Arc<dyn Backend> = Arc::new(
+        SimBackend::new(SimConfig {
+            capacity: SIM_CAPACITY,
+            ..SimConfig::default()
+        })
+        .map_err(|e| e.to_string())?,
+    );
+    let pool_config = Config::parse(config).map_err(|e| e.to_string())?.pool;
+    let mut pool = PoolAllocator::new(backend, pool_config, DeviceId::default())?;
+    let r = replay(&trace, &mut pool).map_err(|e| format!("{path}: {e}"))?;
+    let name = std::path::Path::new(path)
+        .file_name()
+        .map_or(path.to_owned(), |n| n.to_string_lossy().into_owned());
+    Ok(format!(
+        "| {name} | {} | {:.0} | {:.0} | {:.3} | {} |",
+        trace.ops.len(),
+        r.peak_reserved as f64 / MIB,
+        r.peak_live as f64 / MIB,
+        r.ratio_reserved_to_live,
+        pool.peak_arenas()
+    ))
+}
+
+fn main() -> ExitCode {
+    let mut config = String::new();
+    let mut files = Vec::new();
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--config" => config = args.next().unwrap_or_default(),
+            "-h" | "--help" => {
+                println!("usage: torch_trace_replay [--config KEY=VALUE,...] FILE...");
+                return ExitCode::SUCCESS;
+            }
+            _ => files.push(a),
+        }
+    }
+    if files.is_empty() {
+        eprintln!("usage: torch_trace_replay [--config KEY=VALUE,...] FILE...");
+        return ExitCode::FAILURE;
+    }
+    println!("config: {config:?}\n");
+    println!("| trace | ops | peak reserved MiB | peak live MiB | reserved/live | peak arenas |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    let mut failed = false;
+    for f in &files {
+        match replay_one(f, &config) {
+            Ok(row) => println!("{row}"),
+            Err(e) => {
+                eprintln!("{e}");
+                failed = true;
+            }
+        }
+    }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
