@@ -11,6 +11,7 @@
 //! | `sim_capacity` | simulated memory per device | `16GiB` |
 //! | `sim_granularity` | simulated granularity | `2MiB` |
 //! | `legacy_pin` | `0`/`1`: sim exports pin for the process's life (ROCm 7.2) | `0` |
+//! | `grow_arenas` | `0`/`1`: large blocks in arenas that grow with the work (`pool/growth.rs`: the device's address range reserved, memory mapped chunk by chunk as they fill), reserving about what is live | `0` |
 //! | `trim_on_empty_cache` | `0`/`1`: every `empty_cache` is a trim (`pool/trim.rs`: arenas with survivors cut down to their pages); only where `empty_cache` runs at idle points | `0` |
 //! | `unsafe_ignore_streams` | `0`/`1`: demonstration only, disables the stream rules | `0` |
 //! | `allowed_uids` | `:`-separated uids allowed to import, besides our own | (none) |
@@ -52,6 +53,7 @@ pub const KEYS: &[&str] = &[
     "allowed_uids",
     "unsafe_ignore_streams",
     "trim_on_empty_cache",
+    "grow_arenas",
 ];
 
 /// Which backend to use.
@@ -184,6 +186,7 @@ impl Config {
                 "max_reserved" => next.pool.max_reserved = max_reserved_of(value)?,
                 "validate" => next.pool.validate = parse_bool(key, value)?,
                 "trim_on_empty_cache" => next.pool.trim_on_empty_cache = parse_bool(key, value)?,
+                "grow_arenas" => next.pool.grow_arenas = parse_bool(key, value)?,
                 "unsafe_ignore_streams" => {
                     next.pool.unsafe_ignore_streams = parse_bool(key, value)?;
                     if next.pool.unsafe_ignore_streams {

@@ -75,6 +75,9 @@ pub struct PoolStats {
     /// exported or pinned (a consumer may map them: sleep never breaks one); counted in
     /// `reserved_bytes` too.
     pub sleep_kept_shared_bytes: u64,
+    /// Growth steps of growing arenas, ever (`pool/growth.rs`): each mapped one more chunk
+    /// (a driver allocation, counted in `backend_creates` too).
+    pub arena_growths: u64,
 }
 
 /// `metrics` handles for one device, registered once so the hot path does not format labels.

@@ -61,7 +61,9 @@ fn legacy_export_is_pinning_bytes() {
     assert_eq!(export.kind, ExportKind::Pinning);
     match &export.payload {
         ExportPayload::Bytes(bytes) => assert_eq!(bytes.len(), 64),
-        ExportPayload::Fd(_) => panic!("a legacy export should be bytes"),
+        ExportPayload::Fd(_) | ExportPayload::Chunks(_) => {
+            panic!("a legacy export should be bytes")
+        }
     }
     // A handle of the wrong size is refused before the driver sees it.
     assert!(matches!(
@@ -216,6 +218,81 @@ fn split_arena_keeps_three_windows_and_gives_the_rest_back() {
         slack,
         "free after the windows were destroyed",
     );
+}
+
+/// A growable arena on a real driver: it grows in place by two chunks (each a physical
+/// allocation mapped right after the arena), a range across the chunks keeps its bytes, the
+/// export is one fd per chunk and an import maps them back to back (seeing the bytes), the
+/// arena sleeps and wakes as one allocation, and destroying it gives everything back.
+#[test]
+#[ignore = "needs a CUDA GPU (run on the H200 with --ignored)"]
+fn growable_arena_grows_exports_its_chunks_and_gives_everything_back() {
+    let _serial = contract::serial();
+    let b = CudaBackend::new().expect("needs a CUDA GPU");
+    let g = b.granularity(0).expect("granularity");
+    let slack = 2 * g;
+    let baseline = free(&b);
+    let arena = b
+        .create_growable_arena(0, 8 * g, 64 * GIB)
+        .expect("create growable");
+    assert!(b.can_grow(&arena, 4 * g));
+    let grown = b.grow_arena(&arena, 4 * g).expect("grow once");
+    let grown = b.grow_arena(&grown, 20 * g).expect("grow twice");
+    assert_eq!((grown.base, grown.bytes), (arena.base, 32 * g));
+    assert_near(
+        baseline.saturating_sub(free(&b)),
+        32 * g,
+        slack,
+        "held after growth",
+    );
+    // A range across all three chunks.
+    let at = arena.base + 6 * g;
+    let pattern: Vec<u8> = (0..(8 * g) as usize)
+        .map(|j| (j as u8).wrapping_mul(13).wrapping_add(5))
+        .collect();
+    b.copy_from_host(0, at, &pattern)
+        .expect("write across chunks");
+    let mut back = vec![0u8; pattern.len()];
+    b.copy_to_host(0, at, &mut back)
+        .expect("read across chunks");
+    assert!(back == pattern);
+    // Export: one fd per chunk; an import maps them back to back.
+    let export = b.export(&grown).expect("export");
+    let chunks = export.chunk_fds(grown.bytes);
+    let lens: Vec<u64> = chunks.iter().map(|(n, _)| *n).collect();
+    assert_eq!(lens, [8 * g, 4 * g, 20 * g]);
+    let mapping = b
+        .import(0, ImportSource::Chunks(&chunks), grown.bytes)
+        .expect("import the chunks");
+    let mut seen = vec![0u8; pattern.len()];
+    b.copy_to_host(0, mapping.base + 6 * g, &mut seen)
+        .expect("read the import");
+    assert!(seen == pattern, "the import does not see the arena's bytes");
+    b.synchronize(0).expect("synchronize");
+    b.unmap_import(mapping).expect("unmap the import");
+    drop(chunks);
+    b.close_export(&grown, export).expect("close the export");
+    // Sleep and wake: one allocation again.
+    let held = free(&b);
+    b.release_physical(&grown).expect("sleep");
+    assert_near(
+        free(&b).saturating_sub(held),
+        32 * g,
+        slack,
+        "freed by the sleep",
+    );
+    let woken = b.restore_physical(&grown).expect("wake");
+    let export = b.export(&woken).expect("export after the wake");
+    assert_eq!(
+        export.chunk_fds(woken.bytes).len(),
+        1,
+        "woken as one allocation"
+    );
+    b.close_export(&woken, export).expect("close");
+    assert!(b.can_grow(&woken, g), "a woken arena can grow again");
+    b.synchronize(0).expect("synchronize");
+    b.destroy_arena(woken).expect("destroy");
+    assert_near(free(&b), baseline, slack, "free after destroy");
 }
 
 contract::backend_contract_tests!(

@@ -238,6 +238,11 @@ typedef struct gpu_arena_stats_t {
      * `reserved_bytes` too.
      */
     uint64_t sleep_kept_shared_bytes;
+    /**
+     * Growth steps of growing arenas, ever (`pool/growth.rs`): each mapped one more chunk
+     * (a driver allocation, counted in `backend_creates` too).
+     */
+    uint64_t arena_growths;
 } gpu_arena_stats_t;
 
 /**

@@ -205,6 +205,7 @@ class GpuArenaStats(ctypes.Structure):
         ("sleeping_bytes", ctypes.c_uint64),
         ("offload_host_bytes", ctypes.c_uint64),
         ("sleep_kept_shared_bytes", ctypes.c_uint64),
+        ("arena_growths", ctypes.c_uint64),
     ]
 
     def to_dict(self) -> dict:

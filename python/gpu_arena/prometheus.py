@@ -67,6 +67,7 @@ gpu_arena_observer_errors_total | counter | observer_errors | Arena observer cal
 gpu_arena_sleeping_bytes | gauge | sleeping_bytes | Bytes of arenas asleep (`gpu_arena_sleep`): addresses reserved, memory given back to the driver.
 gpu_arena_offload_host_bytes | gauge | offload_host_bytes | Bytes of host memory held for sleep offloads: sleeping arenas' contents and buffers kept for the next sleep (`gpu_arena_sleep_release_host` frees those).
 gpu_arena_sleep_kept_shared_bytes | gauge | sleep_kept_shared_bytes | Bytes of arenas whose tag sleeps but which kept their memory because another process may map them (shared, exported or pinned).
+gpu_arena_arena_growths_total | counter | arena_growths | Growth steps of growing arenas (`grow_arenas=1`): each mapped one more chunk.
 """
 METRICS: Tuple[MetricDef, ...] = tuple(
     MetricDef(*(cell.strip() for cell in line.split(" | "))) for line in _TABLE.splitlines()

@@ -49,6 +49,11 @@ pub struct ArenaMem {
     pub handle: u64,
 }
 
+/// The most physical allocations (chunks) one arena is grown to ([`Backend::grow_arena`]):
+/// its export, one fd per chunk, travels in one message (the kernel passes at most 253 fds
+/// per `SCM_RIGHTS` message).
+pub const MAX_ARENA_CHUNKS: usize = 250;
+
 /// Whether an export can be ended.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub enum ExportKind {
@@ -66,6 +71,9 @@ pub enum ExportPayload {
     Fd(OwnedFd),
     /// An opaque byte handle (legacy `cuIpcGetMemHandle` / `hipIpcGetMemHandle`).
     Bytes(Vec<u8>),
+    /// A grown arena ([`Backend::grow_arena`]): one fd per physical allocation (chunk), in
+    /// address order, each with its length. All of them travel in one SCM_RIGHTS message.
+    Chunks(Vec<(u64, OwnedFd)>),
 }
 
 /// A live export of one arena.
@@ -83,7 +91,20 @@ impl Export {
         use std::os::fd::AsFd;
         match &self.payload {
             ExportPayload::Fd(fd) => Some(fd.as_fd()),
-            ExportPayload::Bytes(_) => None,
+            ExportPayload::Bytes(_) | ExportPayload::Chunks(_) => None,
+        }
+    }
+
+    /// The export's fds with their lengths, in address order: one for an ungrown arena (its
+    /// length `arena_bytes`), one per chunk for a grown one; none for a legacy handle.
+    pub fn chunk_fds(&self, arena_bytes: u64) -> Vec<(u64, BorrowedFd<'_>)> {
+        use std::os::fd::AsFd;
+        match &self.payload {
+            ExportPayload::Fd(fd) => vec![(arena_bytes, fd.as_fd())],
+            ExportPayload::Chunks(chunks) => {
+                chunks.iter().map(|(n, fd)| (*n, fd.as_fd())).collect()
+            }
+            ExportPayload::Bytes(_) => Vec::new(),
         }
     }
 }
@@ -95,6 +116,8 @@ pub enum ImportSource<'a> {
     Fd(BorrowedFd<'a>),
     /// A legacy IPC handle.
     Bytes(&'a [u8]),
+    /// A grown arena's chunks (length, fd), in address order: mapped back to back.
+    Chunks(&'a [(u64, BorrowedFd<'a>)]),
 }
 
 /// An imported arena, mapped into this process.
@@ -185,6 +208,37 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Create physical memory of `bytes` (a granularity multiple), exportable, mapped and
     /// accessible from `device`.
     fn create_arena(&self, device: DeviceId, bytes: u64) -> Result<ArenaMem>;
+    /// Create an arena of `bytes` at the start of a new address reservation of `reserve`
+    /// bytes (both granularity multiples, `bytes <= reserve`), so that it can grow in place
+    /// ([`Backend::grow_arena`]). A backend that cannot grow arenas creates a plain one.
+    fn create_growable_arena(
+        &self,
+        device: DeviceId,
+        bytes: u64,
+        reserve: u64,
+    ) -> Result<ArenaMem> {
+        let _ = reserve;
+        self.create_arena(device, bytes)
+    }
+    /// Whether `arena` can grow by `extra` bytes: made by [`Backend::create_growable_arena`]
+    /// with that much of its reservation left, awake, not exported.
+    fn can_grow(&self, arena: &ArenaMem, extra: u64) -> bool {
+        let _ = (arena, extra);
+        false
+    }
+    /// Map `extra` more bytes (a granularity multiple) right after the arena's end: one more
+    /// physical allocation (a *chunk*), mapped and accessible like the first. Returns the
+    /// arena grown (same base and handle, `bytes + extra`). On error nothing changed. The
+    /// arena has no export while it grows (the pool grows only arenas it has not shared).
+    fn grow_arena(&self, arena: &ArenaMem, extra: u64) -> Result<ArenaMem> {
+        let _ = extra;
+        Err(Error::Unavailable(format!(
+            "the {} backend cannot grow an arena (arena of {} bytes at {:#x})",
+            self.name(),
+            arena.bytes,
+            arena.base
+        )))
+    }
     /// Unmap and release an arena. The caller synchronized the device and closed every
     /// export first. Memory stays held by the driver while exports or importers hold it.
     fn destroy_arena(&self, arena: ArenaMem) -> Result<()>;

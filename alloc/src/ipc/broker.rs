@@ -339,7 +339,7 @@ fn refuse(conn: OwnedFd, why: String) {
     let spawned = std::thread::Builder::new()
         .name("gpu-arena-refuse".into())
         .spawn(move || {
-            let _ = wire::send(conn.as_fd(), &Reply::error(why).encode(), None);
+            let _ = wire::send(conn.as_fd(), &Reply::error(why).encode(), &[]);
             if wire::set_recv_timeout(&conn, Duration::from_millis(200)).is_ok() {
                 let _ = wire::recv(conn.as_fd());
             }
@@ -411,7 +411,7 @@ fn serve(shared: &Shared, conn: &OwnedFd) {
                 Ok(req) => open_mailbox(shared, &req, &mut mailbox),
                 Err(e) => {
                     shared.counters.bad_requests.fetch_add(1, Ordering::Relaxed);
-                    (Reply::error(e.to_string()).encode(), None)
+                    (Reply::error(e.to_string()).encode(), Vec::new())
                 }
             }
         } else {
@@ -421,7 +421,8 @@ fn serve(shared: &Shared, conn: &OwnedFd) {
             }
             (bytes, fd)
         };
-        if wire::send(conn.as_fd(), &bytes, fd.as_ref().map(|f| f.as_fd())).is_err() {
+        let fds: Vec<_> = fd.iter().map(|f| f.as_fd()).collect();
+        if wire::send(conn.as_fd(), &bytes, &fds).is_err() {
             break;
         }
     }
@@ -493,17 +494,17 @@ fn answer(
     shared: &Shared,
     packet: &[u8],
     leases: &mut HashSet<(DeviceId, u32)>,
-) -> (Vec<u8>, Option<OwnedFd>, bool) {
+) -> (Vec<u8>, Vec<OwnedFd>, bool) {
     if Batch::is_batch(packet) {
         let (ok, bytes) = match Batch::decode(packet) {
             Ok(batch) => handle_batch(shared, batch, leases),
             Err(e) => (false, Reply::error(e.to_string()).encode()),
         };
-        (bytes, None, ok)
+        (bytes, Vec::new(), ok)
     } else {
         let (reply, fd) = match Request::decode(packet) {
             Ok(req) => handle(shared, &req, leases),
-            Err(e) => (Reply::error(e.to_string()), None),
+            Err(e) => (Reply::error(e.to_string()), Vec::new()),
         };
         (reply.encode(), fd, reply.ok)
     }
@@ -516,7 +517,7 @@ fn open_mailbox(
     shared: &Shared,
     req: &Request,
     mailbox: &mut Option<Mailbox>,
-) -> (Vec<u8>, Option<OwnedFd>) {
+) -> (Vec<u8>, Vec<OwnedFd>) {
     let zero = !req.want_fd
         && req.device == 0
         && req.key == 0
@@ -525,12 +526,15 @@ fn open_mailbox(
         && req.generation == 0;
     if !zero {
         shared.counters.bad_requests.fetch_add(1, Ordering::Relaxed);
-        return (Reply::error("malformed mailbox request").encode(), None);
+        return (
+            Reply::error("malformed mailbox request").encode(),
+            Vec::new(),
+        );
     }
     if !shared.config.mailbox {
         return (
             Reply::error("mailboxes are off at this producer").encode(),
-            None,
+            Vec::new(),
         );
     }
     match Mailbox::create() {
@@ -541,13 +545,14 @@ fn open_mailbox(
                 pinning: false,
                 lease_key: (MAILBOX_MAGIC >> 48) as u32,
                 arena_bytes: MAILBOX_BYTES as u64,
+                chunks: Vec::new(),
                 message: String::new(),
             };
-            (reply.encode(), Some(fd))
+            (reply.encode(), vec![fd])
         }
         Err(e) => {
             warn_no_mailbox_once(&e);
-            (Reply::error(e.to_string()).encode(), None)
+            (Reply::error(e.to_string()).encode(), Vec::new())
         }
     }
 }
@@ -556,7 +561,7 @@ fn handle(
     shared: &Shared,
     req: &Request,
     leases: &mut HashSet<(DeviceId, u32)>,
-) -> (Reply, Option<OwnedFd>) {
+) -> (Reply, Vec<OwnedFd>) {
     match req.op {
         Op::Open => match shared.pool.open_lease_named(
             req.device,
@@ -568,28 +573,35 @@ fn handle(
         ) {
             Ok(grant) => {
                 leases.insert((req.device, grant.lease_key));
+                // One fd: no lengths (it is the arena's); a grown arena's: one per chunk.
+                let chunks = if grant.fds.len() > 1 {
+                    grant.fds.iter().map(|(n, _)| *n).collect()
+                } else {
+                    Vec::new()
+                };
                 let reply = Reply {
                     ok: true,
                     pinning: grant.kind == crate::backend::ExportKind::Pinning,
                     lease_key: grant.lease_key,
                     arena_bytes: grant.share.arena_bytes,
+                    chunks,
                     message: String::new(),
                 };
-                (reply, grant.fd)
+                (reply, grant.fds.into_iter().map(|(_, fd)| fd).collect())
             }
-            Err(e) => (Reply::error(e.to_string()), None),
+            Err(e) => (Reply::error(e.to_string()), Vec::new()),
         },
-        Op::OpenMany | Op::CloseMany => (Reply::error("malformed request"), None),
+        Op::OpenMany | Op::CloseMany => (Reply::error("malformed request"), Vec::new()),
         // (Served by `open_mailbox` on the socket; a second one is refused here.)
         Op::Mailbox => (
             Reply::error("malformed mailbox request (this connection has one)"),
-            None,
+            Vec::new(),
         ),
         Op::Close => {
             if !leases.contains(&(req.device, req.key)) {
                 return (
                     Reply::error(format!("lease {} is not held by this connection", req.key)),
-                    None,
+                    Vec::new(),
                 );
             }
             match shared.pool.close_lease(req.device, req.key) {
@@ -601,12 +613,13 @@ fn handle(
                             pinning: false,
                             lease_key: req.key,
                             arena_bytes: 0,
+                            chunks: Vec::new(),
                             message: String::new(),
                         },
-                        None,
+                        Vec::new(),
                     )
                 }
-                Err(e) => (Reply::error(e.to_string()), None),
+                Err(e) => (Reply::error(e.to_string()), Vec::new()),
             }
         }
     }
@@ -670,6 +683,7 @@ fn handle_batch(
                     pinning: false,
                     lease_key: keys.len() as u32,
                     arena_bytes: 0,
+                    chunks: Vec::new(),
                     message: String::new(),
                 },
                 Some(why) => Reply::error(why),

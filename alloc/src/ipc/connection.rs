@@ -66,7 +66,7 @@ pub(super) struct Connection {
     unanswered: VecDeque<Sent>,
     /// Socket packets that came while a mailbox reply was awaited (an honest broker sends
     /// none before the mailbox reply: kept for the next socket reply, in order).
-    early: VecDeque<(Vec<u8>, Option<OwnedFd>)>,
+    early: VecDeque<(Vec<u8>, Vec<OwnedFd>)>,
     mailbox: MailboxUse,
 }
 
@@ -152,7 +152,7 @@ const SOCKET_LOOK_EVERY: Duration = Duration::from_micros(20);
 /// What came back for the oldest request not answered.
 enum Heard {
     /// Its reply's bytes (and fd).
-    Reply(Vec<u8>, Option<OwnedFd>),
+    Reply(Vec<u8>, Vec<OwnedFd>),
     /// Nothing yet (looking without waiting), or nothing within the reply timeout.
     NotYet,
     /// The producer hung up.
@@ -175,7 +175,7 @@ fn hear(conn: &mut Connection, channel: Channel, block: bool) -> Result<Heard> {
                 };
                 return Ok(match got {
                     Received::Packet(p, _) if wire::is_doorbell(&p) => continue,
-                    Received::Packet(p, fds) => Heard::Reply(p, fds.into_iter().next()),
+                    Received::Packet(p, fds) => Heard::Reply(p, fds),
                     Received::TimedOut => Heard::NotYet,
                     Received::Closed => Heard::Closed,
                 });
@@ -196,7 +196,7 @@ fn hear_mailbox(conn: &mut Connection, seq: u64, block: bool) -> Result<Heard> {
         if mb.peer_seq() != seq {
             return Ok(None);
         }
-        Ok(Some(Heard::Reply(mb.peer_bytes()?, None)))
+        Ok(Some(Heard::Reply(mb.peer_bytes()?, Vec::new())))
     };
     if let Some(h) = reply(mb)? {
         return Ok(h);
@@ -214,7 +214,7 @@ fn hear_mailbox(conn: &mut Connection, seq: u64, block: bool) -> Result<Heard> {
             Err(e) => Some(Err(e)),
             Ok(Received::Packet(p, _)) if wire::is_doorbell(&p) => None,
             Ok(Received::Packet(p, fds)) => {
-                early.push_back((p, fds.into_iter().next()));
+                early.push_back((p, fds));
                 None
             }
             Ok(Received::TimedOut) => None,
@@ -232,7 +232,7 @@ fn hear_mailbox(conn: &mut Connection, seq: u64, block: bool) -> Result<Heard> {
         }
         match wire::recv(conn.sock.as_fd()) {
             Ok(Received::Packet(p, _)) if wire::is_doorbell(&p) => {}
-            Ok(Received::Packet(p, fds)) => conn.early.push_back((p, fds.into_iter().next())),
+            Ok(Received::Packet(p, fds)) => conn.early.push_back((p, fds)),
             Ok(Received::TimedOut) => break Heard::NotYet,
             Ok(Received::Closed) => break Heard::Closed,
             Err(e) => {
@@ -256,12 +256,12 @@ fn ask_for_mailbox(conn: &mut Connection) {
         op: Op::Mailbox,
         ..close_request(0, 0)
     };
-    if wire::send(conn.sock.as_fd(), &req.encode(), None).is_err() {
+    if wire::send(conn.sock.as_fd(), &req.encode(), &[]).is_err() {
         return;
     }
     match hear(conn, Channel::Socket, true) {
         Ok(Heard::Reply(bytes, fd)) => {
-            let declined = match (Reply::decode(&bytes), fd) {
+            let declined = match (Reply::decode(&bytes), fd.into_iter().next()) {
                 (Ok(r), Some(fd)) if r.ok => match Mailbox::open(&fd) {
                     Ok(mailbox) => {
                         conn.mailbox = MailboxUse::On {
@@ -360,7 +360,7 @@ fn post(
             }
         }
     }
-    wire::send(conn.sock.as_fd(), packet, None)?;
+    wire::send(conn.sock.as_fd(), packet, &[])?;
     Ok(Channel::Socket)
 }
 
@@ -441,7 +441,7 @@ fn end_stale(conn: &mut Connection, stale_leases: Vec<(DeviceId, u32)>) {
 
 /// Send a request and wait for its reply (and fd), discarding the late replies of requests
 /// that timed out before it and of closes sent without waiting.
-pub(super) fn round_trip(conn: &mut Connection, req: &Request) -> Result<(Reply, Option<OwnedFd>)> {
+pub(super) fn round_trip(conn: &mut Connection, req: &Request) -> Result<(Reply, Vec<OwnedFd>)> {
     let (bytes, fd) = exchange(conn, &req.encode(), req)?;
     Ok((Reply::decode(&bytes)?, fd))
 }
@@ -452,7 +452,7 @@ pub(super) fn exchange(
     conn: &mut Connection,
     packet: &[u8],
     req: &Request,
-) -> Result<(Vec<u8>, Option<OwnedFd>)> {
+) -> Result<(Vec<u8>, Vec<OwnedFd>)> {
     let channel = match post(conn, packet, req, true) {
         Ok(c) => c,
         Err(e) => {
@@ -461,7 +461,7 @@ pub(super) fn exchange(
             if conn.unanswered.is_empty() {
                 if let Ok(Heard::Reply(bytes, _)) = hear(conn, Channel::Socket, true) {
                     if Reply::decode(&bytes).is_ok() {
-                        return Ok((bytes, None));
+                        return Ok((bytes, Vec::new()));
                     }
                 }
             }
@@ -528,6 +528,7 @@ mod tests {
             pinning: false,
             lease_key,
             arena_bytes: 1 << 20,
+            chunks: Vec::new(),
             message: String::new(),
         }
     }
@@ -573,14 +574,14 @@ mod tests {
                 if req.op == Op::Mailbox {
                     let (mb, fd) = Mailbox::create().unwrap();
                     mailbox = Some(mb);
-                    wire::send(theirs.as_fd(), &granted(1).encode(), Some(fd.as_fd())).unwrap();
+                    wire::send(theirs.as_fd(), &granted(1).encode(), &[fd.as_fd()]).unwrap();
                     continue;
                 }
                 seen.push((req.op, req.key, false));
                 let Some(reply) = answer(seen.len() - 1, &req) else {
                     break;
                 };
-                wire::send(theirs.as_fd(), &reply.encode(), None).unwrap();
+                wire::send(theirs.as_fd(), &reply.encode(), &[]).unwrap();
             }
             seen
         })
@@ -622,7 +623,7 @@ mod tests {
                 } else {
                     Reply::error(format!("answer to request {i}"))
                 };
-                wire::send(theirs.as_fd(), &reply.encode(), None).unwrap();
+                wire::send(theirs.as_fd(), &reply.encode(), &[]).unwrap();
             }
             seen
         });

@@ -173,15 +173,29 @@ impl Importer {
             .get(&arena_key)
             .is_some_and(|a| a.mapping.is_some());
         if !mapped {
-            // This import asked for the fd (an arena is unmapped only with no holders).
-            let Some(fd) = fd else {
-                let e = Error::Ipc("producer sent no fd".into());
+            // This import asked for the fd (an arena is unmapped only with no holders): one,
+            // or one per chunk of a grown arena with the chunks' lengths in the reply.
+            if fd.is_empty() || (fd.len() > 1 && fd.len() != reply.chunks.len()) {
+                let e = Error::Ipc(format!(
+                    "producer sent {} fds for {} chunks",
+                    fd.len(),
+                    reply.chunks.len()
+                ));
                 return fail(st, Some(reply.lease_key), e);
+            }
+            // The mapping holds the memory; the fds are closed when `fd` drops below.
+            let chunks: Vec<(u64, std::os::fd::BorrowedFd<'_>)> = reply
+                .chunks
+                .iter()
+                .zip(&fd)
+                .map(|(n, f)| (*n, f.as_fd()))
+                .collect();
+            let source = if fd.len() == 1 {
+                ImportSource::Fd(fd[0].as_fd())
+            } else {
+                ImportSource::Chunks(&chunks)
             };
-            // The mapping holds the memory; the fd is closed when `fd` drops below.
-            let mapping =
-                self.backend
-                    .import(info.device, ImportSource::Fd(fd.as_fd()), info.arena_bytes);
+            let mapping = self.backend.import(info.device, source, info.arena_bytes);
             match (mapping, st.arenas.get_mut(&arena_key)) {
                 (Ok(m), Some(a)) => a.mapping = Some(m),
                 (Ok(m), None) => {

@@ -194,6 +194,7 @@ impl Batch {
             pinning: false,
             lease_key: leases.len() as u32,
             arena_bytes: 0,
+            chunks: Vec::new(),
             message: String::new(),
         }
         .encode();
@@ -268,6 +269,9 @@ pub(crate) struct Reply {
     pub pinning: bool,
     pub lease_key: u32,
     pub arena_bytes: u64,
+    /// The lengths of the fds sent with the reply, one per chunk of a grown arena, in
+    /// address order (empty when one fd, or none, comes with it).
+    pub chunks: Vec<u64>,
     pub message: String,
 }
 
@@ -278,18 +282,26 @@ impl Reply {
             pinning: false,
             lease_key: 0,
             arena_bytes: 0,
+            chunks: Vec::new(),
             message: message.into(),
         }
     }
 
+    /// Layout: `ok`, `pinning`, the chunk count (u16), the lease key (u32), the arena's
+    /// bytes (u64), the chunks' lengths (u64 each), then the message (cut to fit a packet).
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut b = vec![0u8; 16];
         b[0] = u8::from(self.ok);
         b[1] = u8::from(self.pinning);
+        let chunks = &self.chunks[..self.chunks.len().min(MAX_FDS)];
+        b[2..4].copy_from_slice(&(chunks.len() as u16).to_le_bytes());
         b[4..8].copy_from_slice(&self.lease_key.to_le_bytes());
         b[8..16].copy_from_slice(&self.arena_bytes.to_le_bytes());
+        for c in chunks {
+            b.extend_from_slice(&c.to_le_bytes());
+        }
         let msg = self.message.as_bytes();
-        let mut n = msg.len().min(MAX_PACKET - 16);
+        let mut n = msg.len().min(MAX_PACKET.saturating_sub(b.len()));
         while n > 0 && !self.message.is_char_boundary(n) {
             n -= 1;
         }
@@ -298,31 +310,46 @@ impl Reply {
     }
 
     pub(crate) fn decode(b: &[u8]) -> Result<Reply> {
+        let malformed = || Error::Ipc("malformed reply from the producer".into());
         if b.len() < 16 || b[0] > 1 || b[1] > 1 {
-            return Err(Error::Ipc("malformed reply from the producer".into()));
+            return Err(malformed());
         }
-        let mut a8 = [0u8; 8];
-        a8.copy_from_slice(&b[8..16]);
+        let count = usize::from(u16::from_le_bytes([b[2], b[3]]));
+        let end = 16 + 8 * count;
+        if count > MAX_FDS || b.len() < end {
+            return Err(malformed());
+        }
+        let u64_at = |at: usize| {
+            let mut a8 = [0u8; 8];
+            a8.copy_from_slice(&b[at..at + 8]);
+            u64::from_le_bytes(a8)
+        };
         Ok(Reply {
             ok: b[0] == 1,
             pinning: b[1] == 1,
             lease_key: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
-            arena_bytes: u64::from_le_bytes(a8),
-            message: String::from_utf8_lossy(&b[16..]).into_owned(),
+            arena_bytes: u64_at(8),
+            chunks: (0..count).map(|i| u64_at(16 + 8 * i)).collect(),
+            message: String::from_utf8_lossy(&b[end..]).into_owned(),
         })
     }
 }
 
-/// Send one packet, with `fd` attached when given. Never raises SIGPIPE.
-pub(crate) fn send(sock: BorrowedFd<'_>, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> Result<()> {
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+/// Most fds one packet carries: a grown arena's export, one per chunk.
+pub(crate) const MAX_FDS: usize = crate::backend::MAX_ARENA_CHUNKS;
+
+/// Send one packet, with `fds` attached (at most [`MAX_FDS`]). Never raises SIGPIPE.
+pub(crate) fn send(sock: BorrowedFd<'_>, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
+    if fds.len() > MAX_FDS {
+        return Err(Error::Internal(format!(
+            "{} fds do not fit one packet",
+            fds.len()
+        )));
+    }
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut control = SendAncillaryBuffer::new(&mut space);
-    let fds;
-    if let Some(fd) = fd {
-        fds = [fd];
-        if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
-            return Err(Error::Internal("SCM_RIGHTS buffer too small".into()));
-        }
+    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(Error::Internal("SCM_RIGHTS buffer too small".into()));
     }
     let sent = rustix::net::sendmsg(
         sock,
@@ -396,7 +423,7 @@ pub(crate) fn try_recv(sock: BorrowedFd<'_>) -> Result<Received> {
 
 fn recv_flags(sock: BorrowedFd<'_>, flags: RecvFlags) -> Result<Received> {
     let mut buf = [0u8; MAX_PACKET];
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let msg = loop {
         match rustix::net::recvmsg(
@@ -464,6 +491,7 @@ mod tests {
             pinning: false,
             lease_key: 5,
             arena_bytes: 1 << 30,
+            chunks: Vec::new(),
             message: "fine".into(),
         };
         assert_eq!(Reply::decode(&rep.encode()).unwrap(), rep);

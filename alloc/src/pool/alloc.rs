@@ -7,6 +7,7 @@
 use std::time::Instant;
 
 use super::classes::{self, Class, GENERAL};
+use super::growth;
 use super::thread_records::FrontLive;
 use super::{
     block_len, request_len, Allocation, DevicePool, DeviceState, Pool, ANY_STREAM, LIMBO_WAIT,
@@ -70,12 +71,13 @@ impl Pool {
             if let Some((ptr, arena)) = st.take_cached(stream.0, len, tag) {
                 return Ok(self.finish_alloc_in(dp, &mut st, ptr, arena, len, bytes, stream));
             }
-            let class = Class::of(tag, len);
+            let class = Class::of(tag, len, st.huge_min);
             if let Some(ptr) = st.take_range(len, stream, class, self.backend.as_ref(), device) {
                 return Ok(self.finish_alloc(dp, &mut st, ptr, len, bytes, stream));
             }
         }
-        self.alloc_slow(dp, len, bytes, stream, Class::of(tag, len))
+        let class = Class::of(tag, len, dp.state.lock().huge_min);
+        self.alloc_slow(dp, len, bytes, stream, class)
     }
 
     /// A range of `class` (retried under the lock), else a new arena for it; on the
@@ -90,9 +92,13 @@ impl Pool {
     ) -> Result<Allocation> {
         let device = dp.device;
         let (limits, cap_setting) = self.limits_now(dp)?;
-        let arena_bytes =
+        let growing = self.config.grow_arenas && growth::grows(class);
+        let arena_bytes = if growing {
+            growth::growth_step(0, 0, len, limits.granularity)
+        } else {
             classes::arena_bytes_for(class, len, limits.arena_bytes, limits.granularity)
-                .ok_or_else(|| Error::invalid("size overflows"))?;
+        }
+        .ok_or_else(|| Error::invalid("size overflows"))?;
         let mut retried = false;
         loop {
             // Recycled (pinned) arenas and any range freed meanwhile come first. Ranges that
@@ -110,6 +116,13 @@ impl Pool {
                 }
                 let routing = st.graph_pools.routing();
                 if routing || st.limbo_bytes(class) < len || Instant::now() >= deadline {
+                    if growing {
+                        if let Some(ptr) =
+                            self.grow_in_place(dp, &mut st, class, len, stream, &limits)?
+                        {
+                            return Ok(self.finish_alloc(dp, &mut st, ptr, len, requested, stream));
+                        }
+                    }
                     break routing;
                 }
                 drop(st);
@@ -124,6 +137,10 @@ impl Pool {
                     device,
                     bytes: arena_bytes,
                 })
+            } else if growing {
+                let reserve = limits.total.next_multiple_of(limits.granularity);
+                self.backend
+                    .create_growable_arena(device, arena_bytes, reserve.max(arena_bytes))
             } else {
                 self.backend.create_arena(device, arena_bytes)
             };
@@ -131,6 +148,9 @@ impl Pool {
                 Ok(mem) => {
                     // Observers' on_ready runs before the arena enters the pool.
                     let (mut st, key) = self.install_arena(dp, mem, class)?;
+                    if growing {
+                        st.growing.insert(class.index(), key);
+                    }
                     dp.metrics.publish(&st.stats_now());
                     let ptr = st.ranges_mut(class).alloc(len, ANY_STREAM).ok_or_else(|| {
                         Error::Internal(format!("fresh arena {key} cannot fit {len} bytes"))

@@ -59,20 +59,28 @@ pub(crate) struct Class {
     pub(crate) huge: bool,
 }
 
+/// With arenas that grow (`pool/growth.rs`) no block is huge: one growing arena holds
+/// large and huge blocks alike, and a huge temporary's range coalesces with its neighbours
+/// (the recorded PyTorch loops reserved 1.03 of live that way, 1.08-1.15 with the huge
+/// class apart: `bench/results/sim-2026-12-02-growth.md`).
+pub const NO_HUGE: u64 = u64::MAX;
+
 /// Blocks above this many bytes are *huge*: arenas of their own class. 64 MiB on the
 /// measurements (bench/results/sim-2026-11-30-huge-class.md): from 8 to 32 MiB the repo's
 /// KV trace grew one more 1 GiB arena; 128 MiB let the second trace grow in its third replay.
 pub const HUGE_MIN: u64 = 64 * MIB;
 
 impl Class {
-    /// The class serving a block of `len` bytes (a [`super::block_len`]) with tag `tag`.
+    /// The class serving a block of `len` bytes (a [`super::block_len`]) with tag `tag`,
+    /// blocks above `huge_min` being huge (`DeviceState::huge_min`: [`HUGE_MIN`] with arenas
+    /// of fixed size, none when they grow).
     #[inline]
-    pub(crate) fn of(tag: u8, len: u64) -> Class {
+    pub(crate) fn of(tag: u8, len: u64, huge_min: u64) -> Class {
         Class {
             pool: GENERAL,
             tag,
             small: len <= LARGE_MIN,
-            huge: len > HUGE_MIN,
+            huge: len > huge_min,
         }
     }
 
@@ -80,7 +88,7 @@ impl Class {
     pub(crate) fn in_graph_pool(slot: u16, len: u64) -> Class {
         Class {
             pool: slot,
-            ..Class::of(0, len)
+            ..Class::of(0, len, HUGE_MIN)
         }
     }
 
@@ -129,8 +137,18 @@ impl DeviceState {
     /// The sub-allocator of `class`, created on first use.
     pub(crate) fn ranges_mut(&mut self, class: Class) -> &mut RangeAllocator {
         let i = class.index();
-        if self.ranges.len() <= i {
-            self.ranges.resize_with(i + 1, RangeAllocator::default);
+        while self.ranges.len() <= i {
+            // With growing arenas, a large class's frees take in the free space around them
+            // (`RangeAllocator::absorbing`): the recorded PyTorch loops (one stream) reserved
+            // 1.03-1.07 of live that way, 1.06-1.16 without. It narrows any-stream space to
+            // one stream (another stream finds it again once settled), so arenas of fixed
+            // size keep their tags apart, as small classes do.
+            let large = self.ranges.len() % 3 != 1;
+            self.ranges.push(if large && self.huge_min == NO_HUGE {
+                RangeAllocator::absorbing(super::ANY_STREAM)
+            } else {
+                RangeAllocator::new()
+            });
         }
         &mut self.ranges[i]
     }
@@ -170,17 +188,23 @@ mod tests {
 
     #[test]
     fn classes_split_at_large_min() {
-        assert!(Class::of(3, 512).small);
-        assert!(Class::of(3, LARGE_MIN).small);
-        assert!(!Class::of(3, LARGE_MIN + 2 * MIB).small);
-        assert_ne!(Class::of(3, 512).index(), Class::of(3, 4 * MIB).index());
-        assert_ne!(Class::of(3, 512).index(), Class::of(4, 512).index());
+        assert!(Class::of(3, 512, HUGE_MIN).small);
+        assert!(Class::of(3, LARGE_MIN, HUGE_MIN).small);
+        assert!(!Class::of(3, LARGE_MIN + 2 * MIB, HUGE_MIN).small);
+        assert_ne!(
+            Class::of(3, 512, HUGE_MIN).index(),
+            Class::of(3, 4 * MIB, HUGE_MIN).index()
+        );
+        assert_ne!(
+            Class::of(3, 512, HUGE_MIN).index(),
+            Class::of(4, 512, HUGE_MIN).index()
+        );
     }
 
     #[test]
     fn graph_pools_have_sub_allocators_of_their_own() {
         let general: Vec<usize> = (0..crate::tags::MAX_TAGS as u8)
-            .flat_map(|t| [512, 4 * MIB, 128 * MIB].map(|l| Class::of(t, l).index()))
+            .flat_map(|t| [512, 4 * MIB, 128 * MIB].map(|l| Class::of(t, l, HUGE_MIN).index()))
             .collect();
         let mut seen = std::collections::HashSet::new();
         for slot in 1..=4u16 {
@@ -202,7 +226,7 @@ mod tests {
         assert_eq!(pool(4 * MIB), Some(GRAPH_POOL_ARENA));
         assert_eq!(pool(20 * MIB), Some(20 * MIB));
         assert_eq!(pool(512), Some(SMALL_ARENA));
-        let general = arena_bytes_for(Class::of(0, 4 * MIB), 4 * MIB, 1024 * MIB, g);
+        let general = arena_bytes_for(Class::of(0, 4 * MIB, HUGE_MIN), 4 * MIB, 1024 * MIB, g);
         assert_eq!(general, Some(1024 * MIB));
     }
 }

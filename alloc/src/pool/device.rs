@@ -62,14 +62,20 @@ pub(crate) struct DeviceState {
     pub(crate) host_buffers: Vec<crate::backend::HostBuffer>,
     /// Graph pools, their use counts and the routing contexts open (`pool/graph_pools.rs`).
     pub(crate) graph_pools: super::graph_pool_ids::GraphPools,
+    /// Per class (by `Class::index`): its growing arena's key (`pool/growth.rs`).
+    pub(crate) growing: FxHashMap<usize, usize>,
+    /// Blocks above this many bytes are huge (`Class::of`): `classes::HUGE_MIN`, or
+    /// `classes::NO_HUGE` when arenas grow.
+    pub(crate) huge_min: u64,
 }
 
 impl DeviceState {
     /// A device's state with no arena, its thread front `front`.
-    pub(super) fn new(front: Arc<Front>) -> DeviceState {
+    pub(super) fn new(front: Arc<Front>, huge_min: u64) -> DeviceState {
         DeviceState {
             next_arena_id: 1,
             front,
+            huge_min,
             ..DeviceState::default()
         }
     }
@@ -382,14 +388,15 @@ impl DeviceState {
         // it, and its misses are frequent enough that draining the KV blocks cached by the
         // threads each time slowed the second trace's warm replay by a third.
         let thread_class = class.filter(|c| c.huge);
-        for (key, ptrs) in self.front.drain_above(min_len, thread_class) {
+        for (key, ptrs) in self.front.drain_above(min_len, thread_class, self.huge_min) {
             by_stream.entry(key).or_default().extend(ptrs);
         }
         let cached_bytes = &mut self.cached_bytes;
+        let huge_min = self.huge_min;
         if *cached_bytes != 0 {
             self.cache.retain(|&(stream, key), blocks| {
                 let (len, tag) = cache_key_parts(key);
-                let of = Class::of(tag as u8, len);
+                let of = Class::of(tag as u8, len, huge_min);
                 if len <= min_len || class.is_some_and(|c| c != of) {
                     return true;
                 }
@@ -424,7 +431,7 @@ impl DeviceState {
         if !self.front.any_gone() {
             return;
         }
-        let gone = self.front.take_gone();
+        let gone = self.front.take_gone(self.huge_min);
         let counts = gone.counts;
         self.free_blocks(gone.blocks);
         // Allocations of exited threads: recorded in the device's map from now on.
@@ -583,6 +590,7 @@ impl DeviceState {
             huge: class.huge,
             graph_pool: class.pool,
             sleep: None,
+            chunks: 1,
         });
         self.arena_at.insert(base..base + bytes, key);
         let s = &mut self.stats;

@@ -84,6 +84,7 @@ pub(crate) use device::DeviceState;
 mod free;
 mod graph_pool_ids;
 mod graph_pools;
+mod growth;
 mod hooks;
 mod limits;
 mod observers;
@@ -205,6 +206,11 @@ pub struct PoolConfig {
     /// at idle points (no other thread using gpu-arena memory on the device meanwhile: the
     /// cut arenas' addresses are briefly unmapped). Default off.
     pub trim_on_empty_cache: bool,
+    /// Large blocks live in arenas that grow with the work (`pool/growth.rs`): each reserves
+    /// the device's address range and maps memory chunk by chunk. Off: every arena is
+    /// `arena_size` bytes, mapped whole. Default off for now (issue #24: on once the
+    /// fixed-arena tests are reworked).
+    pub grow_arenas: bool,
 }
 
 impl Default for PoolConfig {
@@ -215,6 +221,7 @@ impl Default for PoolConfig {
             validate: cfg!(debug_assertions),
             unsafe_ignore_streams: false,
             trim_on_empty_cache: false,
+            grow_arenas: false,
         }
     }
 }
@@ -258,6 +265,8 @@ pub(crate) struct Arena {
     pub(crate) graph_pool: u16,
     /// While asleep (`pool/sleep.rs`): the contents kept on the host, if offloaded.
     pub(crate) sleep: Option<sleep::Asleep>,
+    /// Its physical allocations (1 until it grows, `pool/growth.rs`; 1 again after a wake).
+    pub(crate) chunks: u16,
 }
 
 /// The record of a live allocation: one entry of the pool's busiest hash map, so kept small
@@ -334,6 +343,11 @@ impl Pool {
     pub fn new(backend: Arc<dyn Backend>, config: PoolConfig) -> Result<Pool> {
         config.check()?;
         let count = backend.device_count()?;
+        let huge_min = if config.grow_arenas {
+            classes::NO_HUGE
+        } else {
+            HUGE_MIN
+        };
         let devices = (0..count)
             .map(|d| {
                 let device = d as DeviceId;
@@ -341,7 +355,7 @@ impl Pool {
                 DevicePool {
                     device,
                     limits: OnceLock::new(),
-                    state: Mutex::new(DeviceState::new(Arc::clone(&front))),
+                    state: Mutex::new(DeviceState::new(Arc::clone(&front), huge_min)),
                     front,
                     export_probe: Mutex::new(None),
                     max_reserved: Mutex::new(None),

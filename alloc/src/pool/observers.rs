@@ -327,6 +327,32 @@ impl Observers {
         self.register_arena(info)
     }
 
+    /// A growth step of the arena at `key` (`pool/growth.rs`, under the device lock): made
+    /// by `grow` with the registry locked, so no observer can come and be told of the arena
+    /// meanwhile; `None` (nothing done) while any observer is registered (they are told of
+    /// arenas, not of growth steps) or a call about the arena is under way. On success the
+    /// registry records the grown size, which a later observer is told.
+    pub(crate) fn grow_unobserved(
+        &self,
+        key: ArenaKey,
+        grow: impl FnOnce() -> Result<ArenaMem>,
+    ) -> Option<Result<ArenaMem>> {
+        let mut reg = self.reg.lock();
+        if !reg.observers.is_empty()
+            || reg
+                .arenas
+                .get(&key)
+                .is_none_or(|a| !a.ready.is_empty() || !a.delivering.is_empty())
+        {
+            return None;
+        }
+        let grown = grow();
+        if let (Ok(mem), Some(a)) = (&grown, reg.arenas.get_mut(&key)) {
+            a.info.size = mem.bytes;
+        }
+        Some(grown)
+    }
+
     /// Whether an `on_ready` of the arena at `key` runs now (it must not be released).
     fn busy(reg: &Registry, key: ArenaKey) -> bool {
         reg.arenas

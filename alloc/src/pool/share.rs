@@ -542,17 +542,22 @@ impl Pool {
         } else {
             export.kind
         };
-        let fd = match &export.payload {
-            ExportPayload::Fd(_) if !with_fd => None,
-            ExportPayload::Fd(fd) => Some(
-                fd.try_clone()
-                    .map_err(|e| Error::Ipc(format!("dup of the export fd failed: {e}")))?,
-            ),
+        let fds = match &export.payload {
             ExportPayload::Bytes(_) => {
                 return Err(Error::Ipc(
                     "byte-handle exports are not served by the broker".into(),
                 ))
             }
+            _ if !with_fd => Vec::new(),
+            _ => export
+                .chunk_fds(a.mem.bytes)
+                .into_iter()
+                .map(|(n, fd)| {
+                    fd.try_clone_to_owned()
+                        .map(|fd| (n, fd))
+                        .map_err(|e| Error::Ipc(format!("dup of the export fd failed: {e}")))
+                })
+                .collect::<Result<Vec<_>>>()?,
         };
         let entry = st.shares.leases.vacant_entry();
         let lease_key = u32::try_from(entry.key())
@@ -565,7 +570,7 @@ impl Pool {
         st.stats.imports_live += 1;
         Ok(LeaseGrant {
             lease_key,
-            fd,
+            fds,
             share: info,
             kind,
         })

@@ -37,9 +37,10 @@ pub struct ShareInfo {
 pub struct LeaseGrant {
     /// Key of the lease in the producer's table (the consumer closes it by this key).
     pub lease_key: u32,
-    /// A duplicate of the export fd, to send with SCM_RIGHTS and then drop; `None` when the
-    /// lease was opened without one (`Pool::open_lease_named`'s `with_fd`).
-    pub fd: Option<OwnedFd>,
+    /// Duplicates of the export's fds with their lengths (one, or one per chunk of a grown
+    /// arena, in address order), to send with SCM_RIGHTS and then drop; empty when the lease
+    /// was opened without them (`Pool::open_lease_named`'s `with_fd`).
+    pub fds: Vec<(u64, OwnedFd)>,
     /// The share the lease is on.
     pub share: ShareInfo,
     /// Whether the export can be ended.

@@ -460,7 +460,8 @@ impl Front {
 
     /// Remove the caches whose thread exited from the registry: their blocks (by stream and
     /// tag), live records and counts, for the caller to take into the device under its lock.
-    pub(crate) fn take_gone(&self) -> Gone {
+    /// `huge_min`: the device's `DeviceState::huge_min` (a block's class index).
+    pub(crate) fn take_gone(&self, huge_min: u64) -> Gone {
         let mut gone = Gone::default();
         // A load first: the device lock's path calls this every time, and a swap would
         // write the line each time.
@@ -475,7 +476,7 @@ impl Front {
             gone.counts.add(c.counts);
             c.counts = Counts::default();
             self.fold(&mut c);
-            c.records.drain_free(0, None, &mut gone.blocks);
+            c.records.drain_free(0, None, huge_min, &mut gone.blocks);
             c.records.take_all_live(&mut gone.live);
             false
         });
@@ -489,10 +490,13 @@ impl Front {
         &self,
         min_len: u64,
         class: Option<Class>,
+        huge_min: u64,
     ) -> Vec<((u64, usize), Vec<u64>)> {
         let mut blocks = Vec::new();
         for slot in self.caches.lock().iter() {
-            slot.lock().records.drain_free(min_len, class, &mut blocks);
+            slot.lock()
+                .records
+                .drain_free(min_len, class, huge_min, &mut blocks);
         }
         blocks
     }
@@ -656,19 +660,40 @@ mod tests {
         assert_eq!(stats.peak_allocated_bytes, 2 * MIB);
     }
 
-    /// Threads on their own streams stay in their caches: after each thread's first pair,
-    /// the device lock's path allocates nothing.
+    /// Threads on their own streams stay in their caches: once each thread's block has a
+    /// place (the first pairs may take the device lock more than once each: a miss that
+    /// would grow an arena first takes back the thread caches' blocks), the device lock's
+    /// path allocates nothing.
     #[test]
     fn concurrent_warm_pairs_take_no_device_lock() {
+        use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+        const MAX_WARM_ROUNDS: usize = 64;
         let pool = pool();
+        // Room for more than the four blocks, as a program's arena has: with exactly four
+        // blocks' worth, a miss that settles hands a thread's range to another stream, and
+        // the threads can keep taking each other's ranges (noted in docs/STATUS.md).
+        let room = pool.alloc(0, 32 * MIB, StreamId(9)).unwrap();
+        pool.free(room.ptr).unwrap();
         // No thread exits before all finished their pairs: an exited thread's cache counts
         // are folded into the device's by the next operation under the device lock (another
         // thread's first allocation, on a loaded machine), which read as device-lock pairs.
-        let done = std::sync::Barrier::new(4);
-        std::thread::scope(|s| {
+        let (round, done) = (std::sync::Barrier::new(5), std::sync::Barrier::new(5));
+        let warm = AtomicBool::new(false);
+        let central = || pool.devices[0].state.lock().stats.alloc_count;
+        let (warmed, rounds) = std::thread::scope(|s| {
             for t in 0..4u64 {
-                let (pool, done) = (&pool, &done);
+                let (pool, round, done, warm) = (&pool, &round, &done, &warm);
                 s.spawn(move || {
+                    // Warm-up rounds until one takes no device-lock allocation.
+                    loop {
+                        let a = pool.alloc(0, 2 * MIB, StreamId(t + 1)).unwrap();
+                        pool.free(a.ptr).unwrap();
+                        round.wait();
+                        round.wait();
+                        if warm.load(Relaxed) {
+                            break;
+                        }
+                    }
                     for _ in 0..2000 {
                         let a = pool.alloc(0, 2 * MIB, StreamId(t + 1)).unwrap();
                         pool.free(a.ptr).unwrap();
@@ -676,11 +701,27 @@ mod tests {
                     done.wait();
                 });
             }
+            let (mut before, mut rounds) = (central(), 0);
+            loop {
+                round.wait();
+                rounds += 1;
+                let now = central();
+                let settled = now == before && rounds > 1;
+                warm.store(settled || rounds >= MAX_WARM_ROUNDS, Relaxed);
+                before = now;
+                round.wait();
+                if settled || rounds >= MAX_WARM_ROUNDS {
+                    break;
+                }
+            }
+            done.wait();
+            (before, rounds)
         });
-        let central = pool.devices[0].state.lock().stats;
-        assert_eq!((central.alloc_count, central.free_count), (4, 0));
+        assert!(rounds < MAX_WARM_ROUNDS, "warm-up never settled");
+        assert_eq!(central(), warmed);
         let stats = pool.stats(0).unwrap();
-        assert_eq!((stats.alloc_count, stats.free_count), (8000, 8000));
+        let pairs = 4 * (2000 + rounds as u64) + 1;
+        assert_eq!((stats.alloc_count, stats.free_count), (pairs, pairs));
     }
 
     /// Small and large blocks cached by a thread go back to their own class's sub-allocator

@@ -264,6 +264,7 @@ impl ThreadRecords {
         &mut self,
         min_len: u64,
         class: Option<Class>,
+        huge_min: u64,
         out: &mut Vec<((u64, usize), Vec<u64>)>,
     ) {
         if self.free_bytes == 0 {
@@ -274,7 +275,7 @@ impl ThreadRecords {
             if list.ptrs.is_empty() || len <= min_len {
                 continue;
             }
-            let of = Class::of(tag as u8, len);
+            let of = Class::of(tag as u8, len, huge_min);
             if class.is_some_and(|c| c != of) {
                 continue;
             }
@@ -423,7 +424,7 @@ mod tests {
         // Stream 0's block freed: the one free block.
         assert!(matches!(free(&mut t, 0x10000), FreeOutcome::Freed(..)));
         let mut out = Vec::new();
-        t.drain_free(0, None, &mut out);
+        t.drain_free(0, None, super::super::classes::HUGE_MIN, &mut out);
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].1, vec![0x10000]);
         assert_eq!(t.free_bytes(), 0);

@@ -296,6 +296,7 @@ impl DeviceState {
                 huge: old.huge,
                 graph_pool: old.graph_pool,
                 sleep: None,
+                chunks: 1,
             });
             self.arena_at.insert(w.base..w.base + w.bytes, k);
             keys.push((w.base, w.bytes, k));

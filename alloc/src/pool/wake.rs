@@ -149,6 +149,7 @@ impl Pool {
             let mut st = dp.state.lock();
             let offload = st.arenas.get_mut(k).and_then(|a| {
                 a.mem = new.clone();
+                a.chunks = 1;
                 a.sleep.take().and_then(|s| s.offload)
             });
             st.stats.reserved_bytes += new.bytes;
@@ -172,6 +173,7 @@ impl Pool {
                 Ok(()) => {
                     if let Some(a) = dp.state.lock().arenas.get_mut(k) {
                         a.mem = new.clone();
+                        a.chunks = 1;
                     }
                     undone += new.bytes;
                 }

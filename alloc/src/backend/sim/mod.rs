@@ -87,6 +87,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 
+mod grow;
 mod split;
 mod state;
 mod sys;
@@ -334,6 +335,8 @@ impl Backend for SimBackend {
                 open_exports: 0,
                 mappings: 0,
                 pinned: false,
+                chunks: vec![bytes],
+                reserve: bytes,
             },
         );
         Ok(ArenaMem {
@@ -342,6 +345,23 @@ impl Backend for SimBackend {
             bytes,
             handle: id,
         })
+    }
+
+    fn create_growable_arena(
+        &self,
+        device: DeviceId,
+        bytes: u64,
+        reserve: u64,
+    ) -> Result<ArenaMem> {
+        self.create_growable(device, bytes, reserve)
+    }
+
+    fn can_grow(&self, arena: &ArenaMem, extra: u64) -> bool {
+        self.growable(arena, extra)
+    }
+
+    fn grow_arena(&self, arena: &ArenaMem, extra: u64) -> Result<ArenaMem> {
+        self.grow(arena, extra)
     }
 
     fn destroy_arena(&self, arena: ArenaMem) -> Result<()> {
@@ -375,18 +395,29 @@ impl Backend for SimBackend {
                 arena.handle
             ))
         })?;
-        let fd = sys::dup_cloexec(memfd.as_fd())?;
-        entry.open_exports += 1;
+        let payload = if entry.chunks.len() > 1 {
+            // One fd per chunk (dups of the one memfd: the importer maps each chunk from its
+            // offset in the arena).
+            let fds = entry
+                .chunks
+                .iter()
+                .map(|&n| sys::dup_cloexec(memfd.as_fd()).map(|fd| (n, fd)))
+                .collect::<Result<Vec<_>>>()?;
+            ExportPayload::Chunks(fds)
+        } else {
+            ExportPayload::Fd(sys::dup_cloexec(memfd.as_fd())?)
+        };
+        entry.open_exports += match &payload {
+            ExportPayload::Chunks(fds) => fds.len(),
+            _ => 1,
+        };
         let kind = if legacy_pin {
             entry.pinned = true;
             ExportKind::Pinning
         } else {
             ExportKind::Releasable
         };
-        Ok(Export {
-            payload: ExportPayload::Fd(fd),
-            kind,
-        })
+        Ok(Export { payload, kind })
     }
 
     fn close_export(&self, arena: &ArenaMem, export: Export) -> Result<()> {
@@ -396,6 +427,13 @@ impl Backend for SimBackend {
                 // Failed before doing anything: the export stays open, kept by the sim.
                 inner.stranded.push(fd);
                 return Err(e);
+            }
+            (Err(e), ExportPayload::Chunks(fds)) => {
+                inner.stranded.extend(fds.into_iter().map(|(_, fd)| fd));
+                return Err(e);
+            }
+            (Ok(()), ExportPayload::Chunks(fds)) => {
+                return Self::close_chunks(&mut inner, arena, fds)
             }
             (Err(e), ExportPayload::Bytes(_)) => return Err(e),
             (Ok(()), ExportPayload::Bytes(_)) => {
@@ -450,6 +488,9 @@ impl Backend for SimBackend {
         self.check_device(device)?;
         let fd = match source {
             ImportSource::Fd(fd) => fd,
+            ImportSource::Chunks(chunks) => {
+                return self.import_chunks(&mut inner, device, chunks, bytes)
+            }
             ImportSource::Bytes(_) => return Err(Error::invalid("sim imports fds only")),
         };
         if bytes == 0 {
@@ -599,13 +640,19 @@ impl Backend for SimBackend {
             }
         };
         sys::reserve_over(&owner.region)?;
-        // Closing the memfd frees its pages: the contents are gone.
+        // Closing the memfd frees its pages: the contents are gone. A wake makes one memfd.
         owner.memfd = None;
+        entry.chunks = vec![entry.bytes];
         Ok(())
     }
 
-    fn can_split(&self, _arena: &ArenaMem) -> bool {
-        true
+    fn can_split(&self, arena: &ArenaMem) -> bool {
+        // A grown arena is not split (as on the VMM core).
+        self.inner
+            .lock()
+            .arenas
+            .get(&arena.handle)
+            .is_none_or(|e| e.chunks.len() < 2)
     }
 
     fn split_arena(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {
@@ -636,7 +683,7 @@ impl Backend for SimBackend {
         let info = file_info(memfd.as_fd()).map_err(|e| sys_err("fstat", e))?;
         let old = entry.inode;
         if let Some(owner) = entry.owner.as_mut() {
-            sys::map_over(&owner.region, memfd.as_fd())?;
+            sys::map_over(&owner.region.part(0, arena.bytes), memfd.as_fd())?;
             owner.memfd = Some(memfd);
         }
         entry.inode = info.key;

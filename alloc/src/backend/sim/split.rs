@@ -25,6 +25,11 @@ impl SimBackend {
                     arena.handle
                 )));
             }
+            if entry.chunks.len() > 1 {
+                return Err(Error::Unavailable(
+                    "sim split_arena: a grown arena (several chunks) is not split".into(),
+                ));
+            }
             if entry.owner.as_ref().is_none_or(|o| o.memfd.is_none()) {
                 return Err(Error::InvalidState(format!(
                     "sim split_arena: arena {} is destroyed or asleep",
@@ -85,6 +90,12 @@ impl SimBackend {
             }
             at = offset + len;
         }
+        // A growable arena's reservation past its end goes too.
+        if whole.len() > arena.bytes {
+            if let Err(e) = unmap(&whole.part(arena.bytes, whole.len() - arena.bytes)) {
+                tracing::warn!(error = %e, "sim split_arena: unmapping a reservation's tail failed");
+            }
+        }
         drop(old_fd);
         let device = entry.device;
         inner.retire_if_released(arena.handle);
@@ -106,6 +117,8 @@ impl SimBackend {
                     open_exports: 0,
                     mappings: 0,
                     pinned: false,
+                    chunks: vec![len],
+                    reserve: len,
                 },
             );
             out.push(ArenaMem {

@@ -32,6 +32,13 @@ pub(super) struct ArenaEntry {
     pub(super) open_exports: usize,
     pub(super) mappings: usize,
     pub(super) pinned: bool,
+    /// The lengths of its chunks (`grow_arena`), in address order: `[bytes]` until it grows.
+    /// One memfd holds them all (each grown part is the file's next bytes); an export hands
+    /// out one fd per chunk, as a driver exports each physical allocation.
+    pub(super) chunks: Vec<u64>,
+    /// The bytes of its address reservation (`create_growable_arena`; `bytes` for a plain
+    /// arena): `owner.region` spans all of it, the first `bytes` mapped.
+    pub(super) reserve: u64,
 }
 
 impl ArenaEntry {

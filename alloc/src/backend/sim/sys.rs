@@ -25,9 +25,15 @@ impl Region {
         self.addr as u64
     }
 
+    /// Its length in bytes.
+    pub(super) fn len(&self) -> u64 {
+        self.len as u64
+    }
+
     /// The part `offset..offset + len` of this region, as a region of its own (a window of a
-    /// split arena). The caller never unmaps both the whole and a part: after a split only
-    /// the parts are kept (see `unmap_part`).
+    /// split arena, the mapped part of a growable arena's reservation). The caller never
+    /// unmaps both the whole and a part: after a split only the parts are kept (see
+    /// `unmap_part`).
     pub(super) fn part(&self, offset: u64, len: u64) -> Region {
         Region {
             addr: self.addr + offset as usize,
@@ -67,7 +73,28 @@ pub(super) fn map_shared(fd: BorrowedFd<'_>, len: usize) -> Result<Region> {
     })
 }
 
-/// `munmap` a region made by [`map_shared`]. The caller removes the region from the state
+/// An inaccessible anonymous reservation of `len` bytes
+/// (`mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)`): the address
+/// range of a growable arena or of a grown arena's import, mapped over part by part.
+pub(super) fn reserve(len: usize) -> Result<Region> {
+    // SAFETY: with a null address hint the kernel picks a range no existing mapping uses; the
+    // reservation is inaccessible and reached only through raw addresses.
+    let ptr = unsafe {
+        rustix::mm::mmap_anonymous(
+            std::ptr::null_mut(),
+            len,
+            ProtFlags::empty(),
+            MapFlags::PRIVATE | MapFlags::NORESERVE,
+        )
+    }
+    .map_err(|e| sys_err("mmap", e))?;
+    Ok(Region {
+        addr: ptr as usize,
+        len,
+    })
+}
+
+/// `munmap` a region made by [`map_shared`] or [`reserve`]. The caller removes the region from the state
 /// after this succeeds, so it is never unmapped twice.
 pub(super) fn unmap(region: &Region) -> Result<()> {
     // SAFETY: `region` came from `map_shared` (only this module builds one) and is still
@@ -107,6 +134,11 @@ pub(super) fn create_memfd(name: &str, bytes: u64) -> Result<OwnedFd> {
         .map_err(|e| sys_err("memfd_create", e))?;
     rustix::fs::ftruncate(&memfd, bytes).map_err(|e| sys_err("ftruncate", e))?;
     Ok(memfd)
+}
+
+/// `ftruncate(fd, bytes)`: a growable arena's memfd made longer (or back).
+pub(super) fn set_len(fd: BorrowedFd<'_>, bytes: u64) -> Result<()> {
+    rustix::fs::ftruncate(fd, bytes).map_err(|e| sys_err("ftruncate", e))
 }
 
 /// `fcntl(fd, F_DUPFD_CLOEXEC, 0)`: a new fd for the same open file.

@@ -181,7 +181,7 @@ impl<D: Driver> VmmBackend<D> {
     /// Read-write access to the fresh mapping `base..base + n` for `device` and its peers. A
     /// refused grant that names peers (not out of memory) is retried for the owner alone, and
     /// the device's peers are not named again (warned once).
-    fn grant_access(
+    pub(super) fn grant_access(
         &self,
         state: &DeviceState<D::Device>,
         device: DeviceId,

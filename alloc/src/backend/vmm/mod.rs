@@ -95,6 +95,7 @@ mod access;
 mod copies;
 mod device;
 pub mod driver;
+mod grow;
 mod pinned;
 mod registry;
 mod split;
@@ -121,6 +122,7 @@ pub use driver::{
     driver_string, DeviceSupport, Driver, DriverError, DriverResult, Failure, LegacyIpc,
     StartFailures,
 };
+use grow::Chunks;
 use registry::{Region, RegionKind, Regions, SplitReservations};
 
 /// A [`Backend`] on one vendor's VMM driver (see the module documentation).
@@ -151,6 +153,9 @@ pub struct VmmBackend<D: Driver> {
     /// Reservations of split arenas, freed with their last window (`split_arena`). Locked
     /// alone, never while waiting for `regions`.
     splits: Mutex<SplitReservations>,
+    /// Growable arenas' reservations and the chunks of grown arenas and their imports after
+    /// the first, by base (`grow.rs`). Locked alone, never while waiting for `regions`.
+    chunks: Mutex<BTreeMap<u64, Chunks>>,
     /// Live events (as integers) and their device; same locking as `regions`.
     events: RwLock<HashMap<u64, DeviceId>>,
     /// Live pinned host buffers by address: the device they were made with, and how.
@@ -206,6 +211,7 @@ impl<D: Driver> VmmBackend<D> {
             init_lock: Mutex::new(()),
             regions: RwLock::new(BTreeMap::new()),
             splits: Mutex::new(BTreeMap::new()),
+            chunks: Mutex::new(BTreeMap::new()),
             events: RwLock::new(HashMap::new()),
             host: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
@@ -370,6 +376,23 @@ impl<D: Driver> Backend for VmmBackend<D> {
         })
     }
 
+    fn create_growable_arena(
+        &self,
+        device: DeviceId,
+        bytes: u64,
+        reserve: u64,
+    ) -> Result<ArenaMem> {
+        self.create_growable(device, bytes, reserve)
+    }
+
+    fn can_grow(&self, arena: &ArenaMem, extra: u64) -> bool {
+        self.growable(arena, extra)
+    }
+
+    fn grow_arena(&self, arena: &ArenaMem, extra: u64) -> Result<ArenaMem> {
+        self.grow(arena, extra)
+    }
+
     fn destroy_arena(&self, arena: ArenaMem) -> Result<()> {
         let expect = Self::arena_region(&arena);
         let asleep = Region {
@@ -401,6 +424,9 @@ impl<D: Driver> Backend for VmmBackend<D> {
         let failed = |e: DriverError| e.into_error(arena.device, 0);
         match expect.kind {
             RegionKind::Arena { handle } => {
+                if let Some(chunks) = self.export_chunks(arena, handle)? {
+                    return Ok(chunks);
+                }
                 // SAFETY: the handle of a live arena (checked above; the read lock keeps it
                 // live), created exportable as a POSIX fd.
                 let fd = unsafe { self.driver.export_fd(handle) }.map_err(failed)?;
@@ -426,6 +452,10 @@ impl<D: Driver> Backend for VmmBackend<D> {
             // Dropping the OwnedFd closes it: the driver's reference ends with the fd.
             ExportPayload::Fd(fd) => {
                 drop(fd);
+                Ok(())
+            }
+            ExportPayload::Chunks(fds) => {
+                drop(fds);
                 Ok(())
             }
             // A legacy IPC handle has nothing to close on the exporting side: the memory stays
@@ -455,6 +485,19 @@ impl<D: Driver> Backend for VmmBackend<D> {
                 let (_, _current) = self.make_current(device)?;
                 let base = self.import_fd(&state, device, fd, bytes, n)?;
                 (base, RegionKind::Import)
+            }
+            ImportSource::Chunks(chunks) => {
+                if !state.vmm {
+                    return Err(Error::invalid(format!(
+                        "{} device {device} uses legacy IPC: it cannot import VMM fds",
+                        D::VENDOR
+                    )));
+                }
+                let (_, _current) = self.make_current(device)?;
+                (
+                    self.import_chunks(device, chunks, bytes)?,
+                    RegionKind::Import,
+                )
             }
             ImportSource::Bytes(handle) => {
                 let legacy = D::LEGACY_IPC.ok_or_else(|| {
@@ -557,11 +600,14 @@ impl<D: Driver> Backend for VmmBackend<D> {
             )
         })?;
         let d = &self.driver;
+        let layout = self.chunk_layout(arena.base, arena.bytes, handle);
+        let _ = n;
         let current = self.make_current(arena.device).and_then(|current| {
-            // SAFETY: a whole mapping of ours, registered as awake and now out of the
-            // registry (no copy can reach it); the caller synchronized the device and no
-            // export or import uses it.
-            unsafe { d.unmap(arena.base, n) }.map_err(|e| e.into_error(arena.device, 0))?;
+            // Every mapping of ours, registered as awake and now out of the registry (no copy
+            // can reach it); the caller synchronized the device and no export or import
+            // uses it.
+            self.unmap_chunks(arena.base, &layout)
+                .map_err(|e| e.into_error(arena.device, 0))?;
             Ok(current)
         });
         let (_state, _current) = match current {
@@ -583,6 +629,7 @@ impl<D: Driver> Backend for VmmBackend<D> {
         if let Err(e) = unsafe { d.mem_release(handle) } {
             tracing::warn!(backend = D::NAME, error = %e.message, "mem_release of a sleeping arena failed");
         }
+        self.release_extra_chunks(arena.device, arena.base);
         Ok(())
     }
 
@@ -642,8 +689,10 @@ impl<D: Driver> Backend for VmmBackend<D> {
 
     fn can_split(&self, arena: &ArenaMem) -> bool {
         // A legacy IPC arena (`cuMemAlloc` / `hipMalloc`, handle 0) is one allocation with
-        // its addresses: it cannot be re-backed.
+        // its addresses: it cannot be re-backed. A grown arena is not split (yet): its
+        // chunks would each need their windows.
         matches!(Self::arena_region(arena).kind, RegionKind::Arena { .. })
+            && !self.is_chunked(arena.base)
     }
 
     fn split_arena(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {

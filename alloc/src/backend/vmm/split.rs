@@ -89,6 +89,12 @@ impl<D: Driver> VmmBackend<D> {
                 D::NAME
             )));
         };
+        if self.is_chunked(arena.base) {
+            return Err(Error::Unavailable(format!(
+                "{}: a grown arena (several physical allocations) is not split",
+                D::NAME
+            )));
+        }
         let checked = check_windows(state.granularity, arena.bytes, windows)?;
         let n = to_usize(arena.bytes)?;
         self.take_exact_region(arena.base, expect, || {
@@ -130,6 +136,8 @@ impl<D: Driver> VmmBackend<D> {
             arena.bytes,
             checked.len(),
         );
+        // A growable arena is gone: its windows are plain arenas in its reservation.
+        self.forget_chunks(arena.base);
         let split: Vec<ArenaMem> = checked
             .iter()
             .zip(handles)

@@ -27,9 +27,16 @@ impl<D: Driver> VmmBackend<D> {
         let d = &self.driver;
         let result = match region.kind {
             RegionKind::Arena { .. } | RegionKind::Import => {
-                // SAFETY: a whole mapping of ours, just removed from the registry (nobody else
-                // can reach it through the backend); the caller synchronized the device.
-                if let Err(e) = unsafe { d.unmap(base, n) } {
+                let first = match region.kind {
+                    RegionKind::Arena { handle } => handle,
+                    _ => 0,
+                };
+                let _ = n;
+                // Every mapping of the region (one per chunk of a grown arena or its import),
+                // just removed from the registry (nobody else can reach it through the
+                // backend); the caller synchronized the device.
+                let layout = self.chunk_layout(base, region.bytes, first);
+                if let Err(e) = self.unmap_chunks(base, &layout) {
                     self.regions.write().insert(base, region);
                     return Err(e.into_error(device, 0));
                 }
@@ -39,13 +46,20 @@ impl<D: Driver> VmmBackend<D> {
                     RegionKind::Arena { handle } => unsafe { d.mem_release(handle) },
                     _ => Ok(()),
                 };
+                if region.kind != RegionKind::Import {
+                    self.release_extra_chunks(device, base);
+                }
+                self.forget_chunks(base);
                 freed.and(released)
             }
             // SAFETY: our own legacy allocation, just removed from the registry, freed once;
             // the caller synchronized.
             RegionKind::LegacyArena => unsafe { d.legacy_free(base) },
             // Asleep: nothing mapped there.
-            RegionKind::Asleep => self.free_range(base, region.bytes),
+            RegionKind::Asleep => {
+                self.forget_chunks(base);
+                self.free_range(base, region.bytes)
+            }
             // SAFETY: our own opened IPC handle, just removed from the registry, closed once.
             RegionKind::LegacyImport => unsafe { d.ipc_close_handle(base) },
         };

@@ -1,0 +1,279 @@
+//! Growable arenas on the sim ([`Backend::create_growable_arena`], [`Backend::grow_arena`]):
+//! the arena's address range is an inaccessible reservation of `reserve` bytes, its memfd
+//! is mapped over the first `bytes`, and a growth makes the memfd longer and maps the new
+//! bytes right after. The chunk lengths are kept so that an export hands out one fd per
+//! chunk, as a driver exports each physical allocation of a grown arena.
+//!
+//! [`Backend::create_growable_arena`]: crate::backend::Backend::create_growable_arena
+//! [`Backend::grow_arena`]: crate::backend::Backend::grow_arena
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use super::state::{ArenaEntry, ImportEntry, Inner, Owner};
+use super::sys::{self, file_info, sys_err};
+use super::{SimBackend, SimCall, NAME};
+use crate::backend::{ArenaMem, DeviceId, Mapping};
+use crate::error::{Error, Result};
+
+impl SimBackend {
+    /// Check that `bytes` is a non-zero granularity multiple (`what` names it in the error).
+    pub(super) fn check_granular(&self, call: &str, what: &str, bytes: u64) -> Result<()> {
+        let g = self.config.granularity;
+        if bytes == 0 || bytes % g != 0 {
+            return Err(Error::invalid(format!(
+                "sim {call}: {what} of {bytes} bytes is not a non-zero multiple of the granularity {g}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// See [`crate::backend::Backend::create_growable_arena`].
+    pub(super) fn create_growable(
+        &self,
+        device: DeviceId,
+        bytes: u64,
+        reserve: u64,
+    ) -> Result<ArenaMem> {
+        let mut inner = self.inner.lock();
+        inner.enter(SimCall::CreateArena)?;
+        self.check_device(device)?;
+        self.check_granular("create_growable_arena", "an arena", bytes)?;
+        self.check_granular("create_growable_arena", "a reservation", reserve)?;
+        if reserve < bytes {
+            return Err(Error::invalid(format!(
+                "sim create_growable_arena: a reservation of {reserve} bytes cannot hold {bytes}"
+            )));
+        }
+        if inner.held_bytes(device).saturating_add(bytes) > self.config.capacity {
+            return Err(Error::DriverOutOfMemory {
+                backend: NAME,
+                call: "create_arena",
+                device,
+                bytes,
+            });
+        }
+        let len = usize::try_from(reserve).map_err(|_| {
+            Error::invalid(format!(
+                "sim create_growable_arena: {reserve} bytes do not fit"
+            ))
+        })?;
+        let id = inner.next_id;
+        let memfd = sys::create_memfd(&format!("{}a{id}", self.memfd_tag()), bytes)?;
+        let info = file_info(memfd.as_fd()).map_err(|e| sys_err("fstat", e))?;
+        let region = sys::reserve(len)?;
+        if let Err(e) = sys::map_over_at(&region.part(0, bytes), memfd.as_fd(), 0) {
+            if let Err(u) = sys::unmap(&region) {
+                tracing::warn!(error = %u, "sim create_growable_arena: unmapping the reservation failed");
+            }
+            return Err(e);
+        }
+        let base = region.base();
+        inner.take_id();
+        inner.by_inode.insert(info.key, id);
+        inner.arenas.insert(
+            id,
+            ArenaEntry {
+                device,
+                base,
+                bytes,
+                inode: info.key,
+                owner: Some(Owner {
+                    memfd: Some(memfd),
+                    region,
+                }),
+                open_exports: 0,
+                mappings: 0,
+                pinned: false,
+                chunks: vec![bytes],
+                reserve,
+            },
+        );
+        Ok(ArenaMem {
+            device,
+            base,
+            bytes,
+            handle: id,
+        })
+    }
+
+    /// See [`crate::backend::Backend::can_grow`].
+    pub(super) fn growable(&self, arena: &ArenaMem, extra: u64) -> bool {
+        let inner = self.inner.lock();
+        inner.arenas.get(&arena.handle).is_some_and(|e| {
+            e.check(arena, "can_grow").is_ok()
+                && e.open_exports == 0
+                && e.mappings == 0
+                && !e.pinned
+                && e.owner.as_ref().is_some_and(|o| o.memfd.is_some())
+                && e.reserve - e.bytes >= extra
+        })
+    }
+
+    /// See [`crate::backend::Backend::grow_arena`].
+    pub(super) fn grow(&self, arena: &ArenaMem, extra: u64) -> Result<ArenaMem> {
+        let mut inner = self.inner.lock();
+        inner.enter(SimCall::CreateArena)?;
+        self.check_granular("grow_arena", "a growth", extra)?;
+        let held = inner.held_bytes(arena.device);
+        let entry = inner.arena_mut(arena, "grow_arena")?;
+        if entry.open_exports > 0 || entry.mappings > 0 || entry.pinned {
+            return Err(Error::InvalidState(format!(
+                "sim grow_arena: arena {} is exported or mapped elsewhere",
+                arena.handle
+            )));
+        }
+        if entry.reserve - entry.bytes < extra {
+            return Err(Error::invalid(format!(
+                "sim grow_arena: arena {} has {} bytes of its reservation left, not {extra}",
+                arena.handle,
+                entry.reserve - entry.bytes
+            )));
+        }
+        let Some(Owner {
+            memfd: Some(memfd),
+            region,
+        }) = entry.owner.as_ref()
+        else {
+            return Err(Error::InvalidState(format!(
+                "sim grow_arena: arena {} is destroyed or asleep",
+                arena.handle
+            )));
+        };
+        if held.saturating_add(extra) > self.config.capacity {
+            return Err(Error::DriverOutOfMemory {
+                backend: NAME,
+                call: "grow_arena",
+                device: arena.device,
+                bytes: extra,
+            });
+        }
+        let old = entry.bytes;
+        sys::set_len(memfd.as_fd(), old + extra)?;
+        if let Err(e) = sys::map_over_at(&region.part(old, extra), memfd.as_fd(), old) {
+            if let Err(back) = sys::set_len(memfd.as_fd(), old) {
+                tracing::warn!(error = %back, "sim grow_arena: shortening the memfd back failed");
+            }
+            return Err(e);
+        }
+        entry.bytes = old + extra;
+        entry.chunks.push(extra);
+        Ok(ArenaMem {
+            bytes: old + extra,
+            ..arena.clone()
+        })
+    }
+
+    /// `close_export` of a grown arena's export: every fd must be one of this arena's
+    /// counted exports; then they all close. Otherwise nothing changes (fds of ours stay
+    /// counted and are kept, as the module docs say of a refused close).
+    pub(super) fn close_chunks(
+        inner: &mut Inner,
+        arena: &ArenaMem,
+        fds: Vec<(u64, OwnedFd)>,
+    ) -> Result<()> {
+        let keys: Vec<Option<(u64, u64)>> = fds
+            .iter()
+            .map(|(_, fd)| file_info(fd.as_fd()).ok().map(|i| i.key))
+            .collect();
+        let refused = match inner.arena_mut(arena, "close_export") {
+            Err(e) => Some(e),
+            Ok(entry) if keys.iter().any(|k| *k != Some(entry.inode)) => {
+                Some(Error::invalid(format!(
+                    "sim close_export: the export is not an export of arena {}",
+                    arena.handle
+                )))
+            }
+            Ok(entry) if entry.open_exports < fds.len() => Some(Error::InvalidState(format!(
+                "sim close_export: arena {} has {} open exports, not {}",
+                arena.handle,
+                entry.open_exports,
+                fds.len()
+            ))),
+            Ok(entry) => {
+                entry.open_exports -= fds.len();
+                None
+            }
+        };
+        if let Some(e) = refused {
+            for ((_, fd), key) in fds.into_iter().zip(keys) {
+                if key.is_some_and(|k| inner.is_counted_export(k)) {
+                    inner.stranded.push(fd);
+                }
+            }
+            return Err(e);
+        }
+        drop(fds);
+        inner.retire_if_released(arena.handle);
+        Ok(())
+    }
+
+    /// `import` of a grown arena's chunks: one reservation for them all, each chunk's fd
+    /// mapped from its offset in the arena (the sim's chunk fds all name the arena's memfd).
+    pub(super) fn import_chunks(
+        &self,
+        inner: &mut Inner,
+        device: DeviceId,
+        chunks: &[(u64, BorrowedFd<'_>)],
+        bytes: u64,
+    ) -> Result<Mapping> {
+        let total = chunks.iter().try_fold(0u64, |t, (n, _)| t.checked_add(*n));
+        if bytes == 0 || chunks.is_empty() || total != Some(bytes) {
+            return Err(Error::invalid(format!(
+                "sim import: {} chunks of {total:?} bytes in all do not make the {bytes} bytes asked",
+                chunks.len()
+            )));
+        }
+        let mut key = None;
+        let mut at = 0u64;
+        for &(n, fd) in chunks {
+            let info = file_info(fd).map_err(|e| {
+                Error::Ipc(format!("sim import: fstat of a chunk's fd failed: {e}"))
+            })?;
+            if !info.regular || info.size < at + n {
+                return Err(Error::Ipc(format!(
+                    "sim import: a chunk's fd does not hold bytes {at}..{} (a memfd of {} bytes)",
+                    at + n,
+                    info.size
+                )));
+            }
+            key.get_or_insert(info.key);
+            at += n;
+        }
+        let len = usize::try_from(bytes)
+            .map_err(|_| Error::invalid(format!("sim import: {bytes} bytes do not fit")))?;
+        let region = sys::reserve(len)?;
+        let mut at = 0u64;
+        for &(n, fd) in chunks {
+            if let Err(e) = sys::map_over_at(&region.part(at, n), fd, at) {
+                if let Err(u) = sys::unmap(&region) {
+                    tracing::warn!(error = %u, "sim import: unmapping a half-mapped import failed");
+                }
+                return Err(e);
+            }
+            at += n;
+        }
+        let arena = key
+            .and_then(|k| inner.by_inode.get(&k).copied())
+            .filter(|id| inner.arenas.contains_key(id));
+        if let Some(entry) = arena.and_then(|id| inner.arenas.get_mut(&id)) {
+            entry.mappings += 1;
+        }
+        let id = inner.take_id();
+        let base = region.base();
+        inner.imports.insert(
+            id,
+            ImportEntry {
+                device,
+                bytes,
+                region,
+                arena,
+            },
+        );
+        Ok(Mapping {
+            device,
+            base,
+            bytes,
+            handle: id,
+        })
+    }
+}

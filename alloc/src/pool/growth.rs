@@ -1,0 +1,188 @@
+//! Arenas that grow with the work (issue #24): a large or huge class of the general pool
+//! keeps one *growing* arena, whose address range is reserved for the whole device
+//! (`Backend::create_growable_arena`) and whose physical memory is mapped chunk by chunk as
+//! it fills (`Backend::grow_arena`). Its free tail and a new chunk are one free range, so a
+//! request that does not fit takes the tail and only the shortfall is mapped: reserved
+//! follows live, as with PyTorch's expandable segments, and free ranges coalesce across
+//! the whole arena instead of within 1 GiB.
+//!
+//! How much a growth maps ([`growth_step`], chosen by replaying the recorded PyTorch loops
+//! and the KV traces, `bench/results/sim-2026-12-02-growth.md`): a request of at least
+//! [`EXACT_GROWTH_MIN`] maps exactly its shortfall (training's activations: reserved stays
+//! at live), and so does any request while the arena holds less than
+//! [`GROWTH_EXACT_BELOW`] (a small program reserves what it uses); past that a smaller
+//! request maps at least a quarter of what the arena already holds (KV blocks: about a
+//! hundred chunks for tens of GiB, not thousands; each chunk is a driver allocation of
+//! about 50 us, and one fd when the arena is shared).
+//!
+//! An arena stops growing when it is shared (its export is one fd per chunk, made once:
+//! no chunk may appear behind it), while an observer watches the device (they are told of
+//! arenas, not of growth steps), asleep, at [`crate::backend::MAX_ARENA_CHUNKS`] chunks, or
+//! when its reservation is full; the class then starts a new growing arena. Small blocks and
+//! graph pools keep arenas of fixed size (`pool/classes.rs`).
+
+use super::classes::{Class, GENERAL};
+use super::limits::DeviceLimits;
+use super::{DevicePool, DeviceState, Pool, ANY_STREAM};
+use crate::backend::{StreamId, MAX_ARENA_CHUNKS};
+use crate::error::{Error, Result};
+use crate::history::Action;
+use crate::range;
+
+const MIB: u64 = 1 << 20;
+
+/// Requests of at least this many bytes grow an arena by exactly their shortfall.
+pub const EXACT_GROWTH_MIN: u64 = 8 * MIB;
+
+/// A smaller request grows an arena by at least its mapped bytes over this, once it holds
+/// [`GROWTH_EXACT_BELOW`].
+pub const GROWTH_DIVISOR: u64 = 4;
+
+/// Until an arena holds this many bytes every growth maps exactly the shortfall: a small
+/// program reserves its live bytes (plus the 2 MiB rounding of its large blocks).
+pub const GROWTH_EXACT_BELOW: u64 = 64 * MIB;
+
+/// The most one growth maps for a small request (its shortfall may be more).
+pub const GROWTH_MAX_STEP: u64 = 1024 * MIB;
+
+/// Bytes to map for a request of `len` that finds `tail` free bytes at the end of an arena
+/// holding `mapped` bytes (0 for a new arena): a multiple of `granularity` that covers the
+/// shortfall. `None` on overflow.
+pub fn growth_step(mapped: u64, tail: u64, len: u64, granularity: u64) -> Option<u64> {
+    let short = len.saturating_sub(tail).max(1);
+    let step = if len >= EXACT_GROWTH_MIN || mapped < GROWTH_EXACT_BELOW {
+        short
+    } else {
+        short.max((mapped / GROWTH_DIVISOR).min(GROWTH_MAX_STEP))
+    };
+    range::round_up_to(step, granularity)
+}
+
+/// Whether blocks of `class` live in growing arenas (when the pool grows arenas at all).
+pub(crate) fn grows(class: Class) -> bool {
+    !class.small && class.pool == GENERAL
+}
+
+impl Pool {
+    /// Under the device lock: grow `class`'s growing arena so that a block of `len` fits, and
+    /// take it. `Ok(None)` when the class has no arena that may grow by that much (the caller
+    /// makes a new one). The driver call runs under the lock: growth is rare, and nothing
+    /// else may change the arena meanwhile (an export would miss the new chunk).
+    pub(super) fn grow_in_place(
+        &self,
+        dp: &DevicePool,
+        st: &mut DeviceState,
+        class: Class,
+        len: u64,
+        stream: StreamId,
+        limits: &DeviceLimits,
+    ) -> Result<Option<u64>> {
+        let granularity = limits.granularity;
+        let t = class.index();
+        let Some(&key) = st.growing.get(&t) else {
+            return Ok(None);
+        };
+        // (A key of an arena since released may name another arena now.)
+        let Some(a) = st.arenas.get(key).filter(|a| a.class().index() == t) else {
+            st.growing.remove(&t);
+            return Ok(None);
+        };
+        if a.sleep.is_some() || a.lifetime.export().is_some() || a.lifetime.pinned() {
+            return Ok(None);
+        }
+        if usize::from(a.chunks) >= MAX_ARENA_CHUNKS {
+            st.growing.remove(&t);
+            return Ok(None);
+        }
+        let mem = a.mem.clone();
+        // A free tail of any stream's, or of the allocating stream's own, joins the new
+        // chunk: the growth maps only the shortfall. A fresh chunk is any stream's (no work
+        // used it); a stream's later frees next to it take it in (`RangeAllocator::absorbing`).
+        let (tail, tag) = match st.ranges[t].free_tail(mem.base) {
+            Some((bytes, tag)) if tag == ANY_STREAM || tag == stream.0 => (bytes, tag),
+            _ => (0, ANY_STREAM),
+        };
+        let step = growth_step(mem.bytes, tail, len, granularity);
+        let exact = range::round_up_to(len.saturating_sub(tail), granularity);
+        let (Some(step), Some(exact)) = (step, exact) else {
+            return Err(Error::invalid("size overflows"));
+        };
+        // The step, else (over the cap, or the driver out of memory) just the shortfall.
+        let mut grown = None;
+        let tries = if step == exact {
+            &[step][..]
+        } else {
+            &[step, exact][..]
+        };
+        for &extra in tries {
+            if limits.over_cap(|| st.stats.reserved_bytes, extra)
+                || !self.backend.can_grow(&mem, extra)
+            {
+                continue;
+            }
+            let key_at = (dp.device, mem.base);
+            let Some(result) = self
+                .observers
+                .grow_unobserved(key_at, || self.backend.grow_arena(&mem, extra))
+            else {
+                return Ok(None);
+            };
+            match result {
+                Err(Error::DriverOutOfMemory { .. }) => grown = Some(None),
+                Err(e) => return Err(e),
+                Ok(m) => {
+                    grown = Some(Some((m, extra)));
+                    break;
+                }
+            }
+        }
+
+        let Some(Some((grown, extra))) = grown else {
+            return Ok(None);
+        };
+        st.ranges[t]
+            .grow_region(mem.base, extra, tag)
+            .map_err(|e| Error::Internal(format!("grown arena's range: {e}")))?;
+        st.arena_at.remove(mem.base..mem.base + mem.bytes);
+        st.arena_at
+            .insert(grown.base..grown.base + grown.bytes, key);
+        if let Some(a) = st.arenas.get_mut(key) {
+            a.mem = grown;
+            a.chunks += 1;
+        }
+        let s = &mut st.stats;
+        s.reserved_bytes += extra;
+        s.peak_reserved_bytes = s.peak_reserved_bytes.max(s.reserved_bytes);
+        s.backend_creates += 1;
+        s.arena_growths += 1;
+        dp.metrics.creates.increment(1);
+        if st.history.recording {
+            st.history
+                .record(Action::SegmentAlloc, mem.base + mem.bytes, extra, 0, 0);
+        }
+        Ok(st.ranges[t].alloc(len, tag))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn large_requests_map_their_shortfall_small_ones_a_quarter() {
+        let g = 2 * MIB;
+        // A 32 MiB request with 10 MiB free at the end maps 22 MiB.
+        assert_eq!(
+            growth_step(1024 * MIB, 10 * MIB, 32 * MIB, g),
+            Some(22 * MIB)
+        );
+        // A 2 MiB KV block in an arena of 4 GiB maps 1 GiB; in a new or small arena 2 MiB.
+        assert_eq!(growth_step(4096 * MIB, 0, 2 * MIB, g), Some(1024 * MIB));
+        assert_eq!(growth_step(0, 0, 2 * MIB, g), Some(2 * MIB));
+        assert_eq!(growth_step(62 * MIB, 0, 2 * MIB, g), Some(2 * MIB));
+        assert_eq!(growth_step(400 * MIB, MIB, 2 * MIB, g), Some(100 * MIB));
+        // Always a granularity multiple covering the shortfall.
+        assert_eq!(growth_step(0, 0, 9 * MIB + 1, g), Some(10 * MIB));
+        assert_eq!(growth_step(0, 0, 1, g), Some(2 * MIB));
+    }
+}
