@@ -9,7 +9,8 @@ generation loops of transformer encoders; on the GPU machine:
 Each (workload, mode) is a fresh process, the modes of a workload back to back: ``torch``
 (PYTORCH_CUDA_ALLOC_CONF unset), ``torch-expandable`` (PYTORCH_CUDA_ALLOC_CONF=
 expandable_segments:True in the child's environment) and ``gpu-arena`` (``gpu_arena.torch.
-install(route="native")`` before any CUDA use, so torch.cuda.memory_stats() is gpu-arena's).
+install(route="native")`` before any CUDA use, so torch.cuda.memory_stats() is gpu-arena's;
+``gpu-arena-grow``: the same with ``GPU_ARENA_CONF=grow_arenas=1``, arenas that grow).
 Every model is a ``nn.TransformerEncoder`` of ``nn.TransformerEncoderLayer(d, heads, 4*d,
 dropout=0.0, batch_first=True)``, fp32 parameters made on the GPU, seed 0, run under
 ``torch.autocast("cuda", dtype=torch.bfloat16)``:
@@ -67,7 +68,7 @@ from gpu_common import child_env, out_path  # noqa: E402  (tests/gpu/gpu_common.
 from result_channel import NO_RESULT, report, run_reporting  # noqa: E402  (tests/python: a child's own channel)
 
 MIB = 1 << 20
-MODES = ("torch", "torch-expandable", "gpu-arena")
+MODES = ("torch", "torch-expandable", "gpu-arena", "gpu-arena-grow")
 TRACE_MAX_ENTRIES = 2_000_000
 DECODE_STEPS = 4  # one-token passes after each prefill of a workload with a KV cache
 
@@ -195,7 +196,7 @@ def run_loop(torch, w: Workload, sample) -> float:
 
 
 def child(mode: str, w: Workload, trace_dir) -> dict:
-    if mode == "gpu-arena":
+    if mode.startswith("gpu-arena"):
         import gpu_arena.torch as gt
 
         gt.install(route="native")
@@ -214,7 +215,7 @@ def child(mode: str, w: Workload, trace_dir) -> dict:
 
     res = {"workload": w.name, "mode": mode, "batches": list(w.batches), "torch": torch.__version__,
            "device": torch.cuda.get_device_name(), "total_bytes": total}
-    if mode == "gpu-arena":
+    if mode.startswith("gpu-arena"):
         res["route"] = gt.route_in_use()
     try:
         res["loop_s"] = run_loop(torch, w, sample)
@@ -244,6 +245,8 @@ def run(mode: str, workload: str, a, trace: bool = False) -> dict:
     env = child_env()
     if mode == "torch-expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if mode == "gpu-arena-grow":
+        env["GPU_ARENA_CONF"] = "grow_arenas=1"
     cmd = [sys.executable, __file__, "--child", mode, "--workloads", workload, "--scale", str(a.scale)]
     if trace:
         cmd += ["--trace-dir", a.trace_dir]

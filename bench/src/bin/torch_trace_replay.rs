@@ -3,10 +3,11 @@
 //! live bytes: how much a training or generation loop would reserve, without a GPU.
 //!
 //! ```text
-//! torch_trace_replay [--config KEY=VALUE,...] FILE...
+//! torch_trace_replay [--config KEY=VALUE,...] [--busy] FILE...
 //! ```
 //!
-//! A `FILE` ending in `.gz` is read through `gzip -dc`. `--config` takes gpu-arena's
+//! A `FILE` ending in `.gz` is read through `gzip -dc`. `--busy` keeps every event recorded
+//! on the trace's streams pending (a GPU that is behind the host: what settling leaves). `--config` takes gpu-arena's
 //! configuration string (`arena_size=256M`, ...). Exit status 1 when a trace cannot be read
 //! or replayed.
 #![allow(clippy::unwrap_used)]
@@ -39,15 +40,24 @@ fn read(path: &str) -> Result<String, String> {
     }
 }
 
-fn replay_one(path: &str, config: &str) -> Result<String, String> {
+fn replay_one(path: &str, config: &str, busy: bool) -> Result<String, String> {
     let trace = parse(&read(path)?).map_err(|e| format!("{path}: {e}"))?;
-    let backend: Arc<dyn Backend> = Arc::new(
+    let sim = Arc::new(
         SimBackend::new(SimConfig {
             capacity: SIM_CAPACITY,
             ..SimConfig::default()
         })
         .map_err(|e| e.to_string())?,
     );
+    if busy {
+        // Events recorded on the trace's streams stay pending, as on a GPU that is behind.
+        for op in &trace.ops {
+            if let gpu_arena_bench::Op::Alloc { stream, .. } = op {
+                sim.block_stream(0, gpu_arena::StreamId(*stream));
+            }
+        }
+    }
+    let backend: Arc<dyn Backend> = sim;
     let pool_config = Config::parse(config).map_err(|e| e.to_string())?.pool;
     let mut pool = PoolAllocator::new(backend, pool_config, DeviceId::default())?;
     let r = replay(&trace, &mut pool).map_err(|e| format!("{path}: {e}"))?;
@@ -74,20 +84,22 @@ fn replay_one(path: &str, config: &str) -> Result<String, String> {
 
 fn main() -> ExitCode {
     let mut config = String::new();
+    let mut busy = false;
     let mut files = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--config" => config = args.next().unwrap_or_default(),
+            "--busy" => busy = true,
             "-h" | "--help" => {
-                println!("usage: torch_trace_replay [--config KEY=VALUE,...] FILE...");
+                println!("usage: torch_trace_replay [--config KEY=VALUE,...] [--busy] FILE...");
                 return ExitCode::SUCCESS;
             }
             _ => files.push(a),
         }
     }
     if files.is_empty() {
-        eprintln!("usage: torch_trace_replay [--config KEY=VALUE,...] FILE...");
+        eprintln!("usage: torch_trace_replay [--config KEY=VALUE,...] [--busy] FILE...");
         return ExitCode::FAILURE;
     }
     println!("config: {config:?}\n");
@@ -95,7 +107,7 @@ fn main() -> ExitCode {
     println!("|---|---:|---:|---:|---:|---:|");
     let mut failed = false;
     for f in &files {
-        match replay_one(f, &config) {
+        match replay_one(f, &config, busy) {
             Ok(row) => println!("{row}"),
             Err(e) => {
                 eprintln!("{e}");
