@@ -266,3 +266,36 @@ fn a_grown_arena_is_shared_with_one_fd_per_chunk() {
     pool.empty_cache(None).unwrap();
     assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
 }
+
+/// Sharing block after block (each share stops its arena growing) makes arenas of doubling
+/// sizes: 2 GiB of 2 MiB blocks, each shared right after its allocation, take about a dozen
+/// arenas and exports, not one per block.
+#[test]
+fn sharing_block_after_block_makes_few_arenas() {
+    let (sim, pool) = growing_pool();
+    let blocks: Vec<_> = (0..1024)
+        .map(|_| {
+            let a = pool.alloc(0, 2 * MIB, S).unwrap();
+            let share = pool.share(a.ptr, 2 * MIB).unwrap();
+            (a, share)
+        })
+        .collect();
+    let s = pool.stats(0).unwrap();
+    assert!(
+        s.exports_live <= 16,
+        "{} exports for 1024 blocks",
+        s.exports_live
+    );
+    assert!(
+        s.reserved_bytes <= 3 << 30,
+        "{} MiB reserved",
+        s.reserved_bytes / MIB
+    );
+    for (a, share) in blocks {
+        pool.unshare(share.device, share.share_key, &share.token)
+            .unwrap();
+        pool.free(a.ptr).unwrap();
+    }
+    pool.empty_cache(None).unwrap();
+    assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+}

@@ -94,7 +94,8 @@ impl Pool {
         let (limits, cap_setting) = self.limits_now(dp)?;
         let growing = self.config.grow_arenas && growth::grows(class);
         let arena_bytes = if growing {
-            growth::growth_step(0, 0, len, limits.granularity)
+            let mapped = dp.state.lock().class_bytes(class);
+            growth::first_chunk(mapped, len, limits.granularity)
         } else {
             classes::arena_bytes_for(class, len, limits.arena_bytes, limits.granularity)
         }

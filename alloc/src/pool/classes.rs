@@ -124,14 +124,16 @@ impl DeviceState {
     /// Whether a miss in `class` should grow it at once (a small class holding less than
     /// [`SMALL_GROW_FREELY`]) rather than flush its cache and settle its streams first.
     pub(crate) fn grows_freely(&self, class: Class) -> bool {
-        class.small
-            && self
-                .arenas
-                .iter()
-                .filter(|(_, a)| a.class() == class)
-                .map(|(_, a)| a.mem.bytes)
-                .sum::<u64>()
-                < SMALL_GROW_FREELY
+        class.small && self.class_bytes(class) < SMALL_GROW_FREELY
+    }
+
+    /// Bytes of the arenas of `class`.
+    pub(crate) fn class_bytes(&self, class: Class) -> u64 {
+        self.arenas
+            .iter()
+            .filter(|(_, a)| a.class() == class)
+            .map(|(_, a)| a.mem.bytes)
+            .sum()
     }
 
     /// The sub-allocator of `class`, created on first use.

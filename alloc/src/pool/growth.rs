@@ -58,6 +58,16 @@ pub fn growth_step(mapped: u64, tail: u64, len: u64, granularity: u64) -> Option
     range::round_up_to(step, granularity)
 }
 
+/// Bytes of a new growing arena's first chunk for a request of `len` when the class's
+/// arenas hold `class_bytes`: the request (exactly) for the class's first arena; after an
+/// arena that stopped growing (shared, full), at least what the class holds, up to
+/// [`GROWTH_MAX_STEP`], so that a program sharing block after block makes arenas of doubling
+/// sizes (a dozen for 2 GiB of 2 MiB blocks), not one arena and one export per block.
+pub fn first_chunk(class_bytes: u64, len: u64, granularity: u64) -> Option<u64> {
+    let step = growth_step(0, 0, len, granularity)?;
+    range::round_up_to(step.max(class_bytes.min(GROWTH_MAX_STEP)), granularity)
+}
+
 /// Whether blocks of `class` live in growing arenas (when the pool grows arenas at all).
 pub(crate) fn grows(class: Class) -> bool {
     !class.small && class.pool == GENERAL
@@ -184,5 +194,14 @@ mod tests {
         // Always a granularity multiple covering the shortfall.
         assert_eq!(growth_step(0, 0, 9 * MIB + 1, g), Some(10 * MIB));
         assert_eq!(growth_step(0, 0, 1, g), Some(2 * MIB));
+    }
+
+    #[test]
+    fn arenas_after_the_first_double_up_to_the_largest_step() {
+        let g = 2 * MIB;
+        assert_eq!(first_chunk(0, 2 * MIB, g), Some(2 * MIB));
+        assert_eq!(first_chunk(6 * MIB, 2 * MIB, g), Some(6 * MIB));
+        assert_eq!(first_chunk(6 * MIB, 40 * MIB, g), Some(40 * MIB));
+        assert_eq!(first_chunk(64 << 30, 2 * MIB, g), Some(GROWTH_MAX_STEP));
     }
 }
