@@ -38,6 +38,8 @@ pub struct SuiteConfig {
     pub device: DeviceId,
     /// Print progress to stderr.
     pub verbose: bool,
+    /// The pools grow their arenas (`PoolConfig::grow_arenas`).
+    pub grow_arenas: bool,
 }
 
 impl Default for SuiteConfig {
@@ -50,6 +52,7 @@ impl Default for SuiteConfig {
             sweep: DEFAULT_SWEEP.to_vec(),
             device: 0,
             verbose: false,
+            grow_arenas: false,
         }
     }
 }
@@ -109,9 +112,10 @@ fn log(cfg: &SuiteConfig, msg: impl AsRef<str>) {
     }
 }
 
-fn pool_config(arena_size: u64) -> PoolConfig {
+fn pool_config(arena_size: u64, grow_arenas: bool) -> PoolConfig {
     PoolConfig {
         arena_size,
+        grow_arenas,
         // Per-op validation would measure validate(), not the pool.
         validate: false,
         ..PoolConfig::default()
@@ -184,8 +188,11 @@ pub fn run_suite(backend: Arc<dyn Backend>, cfg: &SuiteConfig) -> Result<SuiteRe
 
     let mut results = Vec::new();
     {
-        let mut pool =
-            PoolAllocator::new(backend.clone(), pool_config(cfg.arena_size), cfg.device)?;
+        let mut pool = PoolAllocator::new(
+            backend.clone(),
+            pool_config(cfg.arena_size, cfg.grow_arenas),
+            cfg.device,
+        )?;
         results.push(replay_logged(cfg, &trace, &mut pool)?);
         let mut warm = replay_logged(cfg, &trace, &mut pool)?;
         warm.allocator.push_str(", warm");
@@ -199,7 +206,11 @@ pub fn run_suite(backend: Arc<dyn Backend>, cfg: &SuiteConfig) -> Result<SuiteRe
 
     let mut sweep = Vec::new();
     for &size in &cfg.sweep {
-        let mut pool = PoolAllocator::new(backend.clone(), pool_config(size), cfg.device)?;
+        let mut pool = PoolAllocator::new(
+            backend.clone(),
+            pool_config(size, cfg.grow_arenas),
+            cfg.device,
+        )?;
         let result = replay_logged(cfg, &trace, &mut pool)?;
         sweep.push(SweepRow {
             arena_size: size,

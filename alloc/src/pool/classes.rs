@@ -139,18 +139,8 @@ impl DeviceState {
     /// The sub-allocator of `class`, created on first use.
     pub(crate) fn ranges_mut(&mut self, class: Class) -> &mut RangeAllocator {
         let i = class.index();
-        while self.ranges.len() <= i {
-            // With growing arenas, a large class's frees take in the free space around them
-            // (`RangeAllocator::absorbing`): the recorded PyTorch loops (one stream) reserved
-            // 1.03-1.07 of live that way, 1.06-1.16 without. It narrows any-stream space to
-            // one stream (another stream finds it again once settled), so arenas of fixed
-            // size keep their tags apart, as small classes do.
-            let large = self.ranges.len() % 3 != 1;
-            self.ranges.push(if large && self.huge_min == NO_HUGE {
-                RangeAllocator::absorbing(super::ANY_STREAM)
-            } else {
-                RangeAllocator::new()
-            });
+        if self.ranges.len() <= i {
+            self.ranges.resize_with(i + 1, RangeAllocator::default);
         }
         &mut self.ranges[i]
     }

@@ -107,7 +107,7 @@ impl Pool {
         let mem = a.mem.clone();
         // A free tail of any stream's, or of the allocating stream's own, joins the new
         // chunk: the growth maps only the shortfall. A fresh chunk is any stream's (no work
-        // used it); a stream's later frees next to it take it in (`RangeAllocator::absorbing`).
+        // used it).
         let (tail, tag) = match st.ranges[t].free_tail(mem.base) {
             Some((bytes, tag)) if tag == ANY_STREAM || tag == stream.0 => (bytes, tag),
             _ => (0, ANY_STREAM),

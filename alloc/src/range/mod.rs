@@ -152,9 +152,6 @@ pub struct RangeAllocator {
     free_index: FreeIndex,
     used_bytes: u64,
     used_ranges: u64,
-    /// A tag whose free ranges join a neighbour freed (or retagged) under any other tag,
-    /// taking its tag ([`RangeAllocator::absorbing`]).
-    absorbed: Option<u64>,
 }
 
 fn check_granule(offset: u64, len: u64) -> Result<(), RangeError> {
@@ -169,18 +166,6 @@ impl RangeAllocator {
     /// An allocator with no regions.
     pub fn new() -> Self {
         Self::default()
-    }
-
-    /// An allocator with no regions whose free ranges tagged `tag` join any range freed or
-    /// retagged next to them, under that range's tag. The pool's `ANY_STREAM`: a range any
-    /// stream may use may always be narrowed to one stream, so a stream's frees merge with
-    /// the free space around them (a program of one stream keeps one free range where two
-    /// tags would leave two unmergeable ones).
-    pub fn absorbing(tag: u64) -> Self {
-        RangeAllocator {
-            absorbed: Some(tag),
-            ..Self::default()
-        }
     }
 
     /// Add the region `[offset, offset + len)`, entirely free under `tag`.
@@ -485,14 +470,10 @@ impl RangeAllocator {
         joined: bool,
     ) {
         let (mut start, mut total) = (offset, len);
-        let joins = |state: State| match state {
-            State::Free(t) => t == tag || Some(t) == self.absorbed,
-            State::Used => false,
-        };
         if prev != NO_PREV {
             if let Some(&p) = self.blocks.get(&prev) {
-                if let (true, State::Free(ptag)) = (joins(p.state), p.state) {
-                    self.free_index.remove(ptag, p.len, prev);
+                if p.state == State::Free(tag) {
+                    self.free_index.remove(tag, p.len, prev);
                     self.blocks.remove(&offset);
                     start = prev;
                     total += p.len;
@@ -504,8 +485,8 @@ impl RangeAllocator {
         if !last {
             let next = offset + len;
             if let Some(&n) = self.blocks.get(&next) {
-                if let (true, State::Free(ntag)) = (joins(n.state), n.state) {
-                    self.free_index.remove(ntag, n.len, next);
+                if n.state == State::Free(tag) {
+                    self.free_index.remove(tag, n.len, next);
                     self.blocks.remove(&next);
                     total += n.len;
                     last = n.last;

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! kv_replay [--backend sim|cuda] [--seed N] [--requests N] [--arena-size BYTES]
-//!           [--first-fit-size BYTES] [--no-per-allocation] [--no-sweep] [--quiet]
+//!           [--first-fit-size BYTES] [--no-per-allocation] [--no-sweep] [--grow] [--quiet]
 //! ```
 //!
 //! Sizes accept a suffix: `64M`, `1G`, `2GiB`. The summary is printed and written to
@@ -20,7 +20,7 @@ use gpu_arena_bench::report::write_summary;
 use gpu_arena_bench::suite::{run_suite, SuiteConfig};
 
 const USAGE: &str = "usage: kv_replay [--backend sim|cuda] [--seed N] [--requests N] \
-[--arena-size BYTES] [--first-fit-size BYTES] [--no-per-allocation] [--no-sweep] [--quiet]";
+[--arena-size BYTES] [--first-fit-size BYTES] [--no-per-allocation] [--no-sweep] [--grow] [--quiet]";
 
 /// Sim capacity: held bytes are a ledger, memory is only used where written.
 const SIM_CAPACITY: u64 = 256 << 30;
@@ -93,6 +93,7 @@ fn run() -> Result<(), String> {
             }
             "--no-per-allocation" => cfg.per_allocation = false,
             "--no-sweep" => cfg.sweep.clear(),
+            "--grow" => cfg.grow_arenas = true,
             "--quiet" => cfg.verbose = false,
             "-h" | "--help" => {
                 println!("{USAGE}");
