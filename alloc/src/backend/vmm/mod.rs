@@ -588,7 +588,8 @@ impl<D: Driver> Backend for VmmBackend<D> {
                 D::NAME
             )));
         };
-        let n = to_usize(arena.bytes)?;
+        // (A size the driver can take: checked before anything changes.)
+        to_usize(arena.bytes)?;
         // The region leaves the registry for the driver calls (as in `teardown`): copies
         // (which hold the read lock across theirs) are done with it once we had the write
         // lock, and later ones, or a second release, find no live arena there.
@@ -601,7 +602,6 @@ impl<D: Driver> Backend for VmmBackend<D> {
         })?;
         let d = &self.driver;
         let layout = self.chunk_layout(arena.base, arena.bytes, handle);
-        let _ = n;
         let current = self.make_current(arena.device).and_then(|current| {
             // Every mapping of ours, registered as awake and now out of the registry (no copy
             // can reach it); the caller synchronized the device and no export or import

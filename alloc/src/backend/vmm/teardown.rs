@@ -13,11 +13,10 @@ impl<D: Driver> VmmBackend<D> {
     /// error before the memory was touched the region goes back into the registry.
     pub(super) fn teardown(&self, base: u64, region: Region) -> Result<()> {
         let device = region.device;
-        let current = to_usize(region.bytes).and_then(|n| {
-            self.make_current(device)
-                .map(|(_state, current)| (n, current))
-        });
-        let (n, _current) = match current {
+        // (A size the driver can take: checked before anything changes.)
+        let current = to_usize(region.bytes)
+            .and_then(|_| self.make_current(device).map(|(_state, current)| current));
+        let _current = match current {
             Ok(current) => current,
             Err(e) => {
                 self.regions.write().insert(base, region);
@@ -31,7 +30,6 @@ impl<D: Driver> VmmBackend<D> {
                     RegionKind::Arena { handle } => handle,
                     _ => 0,
                 };
-                let _ = n;
                 // Every mapping of the region (one per chunk of a grown arena or its import),
                 // just removed from the registry (nobody else can reach it through the
                 // backend); the caller synchronized the device.

@@ -780,4 +780,5 @@ fn legacy_ipc_is_no_fallback_where_the_driver_says_so() {
     b.destroy_arena(a).unwrap();
 }
 
+mod grow;
 mod split;

@@ -51,7 +51,7 @@ fn memory_view(b: &VmmBackend<Mock>) -> MemoryView {
 }
 
 /// Assert the memory model holds nothing (after everything was destroyed or dropped).
-fn assert_nothing_held(memory: &Mutex<Memory>) {
+pub(super) fn assert_nothing_held(memory: &Mutex<Memory>) {
     let m = memory.lock();
     assert!(m.live.is_empty(), "live handles: {:?}", m.live);
     assert!(m.reserved.is_empty(), "reservations: {:?}", m.reserved);

@@ -1,0 +1,92 @@
+//! Growable arenas on the mock driver: each growth one more allocation mapped right after
+//! the arena, the export one fd per chunk, its import mapped back to back and unmapped
+//! chunk by chunk, sleep and wake as one allocation, teardown of every chunk and the
+//! reservation, and growth refused past the reservation with nothing changed.
+
+use super::split::assert_nothing_held;
+use super::*;
+
+const G: u64 = 2 * MIB;
+
+/// The mock's live handles, reservations and mappings.
+fn held(b: &VmmBackend<Mock>) -> (usize, usize, Vec<(u64, usize)>) {
+    let m = b.driver.memory.lock();
+    let maps = m.mapped.iter().map(|(&at, &(n, _))| (at, n)).collect();
+    (m.live.len(), m.reserved.len(), maps)
+}
+
+#[test]
+fn a_grown_arena_is_its_chunks_everywhere() {
+    let b = backend(Setup::default());
+    let a = b.create_growable_arena(0, 2 * G, 16 * G).unwrap();
+    assert!(b.can_grow(&a, 14 * G));
+    assert!(!b.can_grow(&a, 15 * G), "past the reservation");
+    let a = b.grow_arena(&a, G).unwrap();
+    let a = b.grow_arena(&a, 3 * G).unwrap();
+    assert_eq!(a.bytes, 6 * G);
+    let (live, reserved, maps) = held(&b);
+    assert_eq!((live, reserved), (3, 1));
+    assert_eq!(
+        maps,
+        [
+            (a.base, (2 * G) as usize),
+            (a.base + 2 * G, G as usize),
+            (a.base + 3 * G, (3 * G) as usize)
+        ]
+    );
+    // Growth past the reservation: refused, nothing changed.
+    assert!(b.grow_arena(&a, 11 * G).is_err());
+    assert_eq!(held(&b).2.len(), 3);
+
+    // The export is one fd per chunk; an import maps them back to back.
+    let export = b.export(&a).unwrap();
+    let chunks = export.chunk_fds(a.bytes);
+    assert_eq!(
+        chunks.iter().map(|c| c.0).collect::<Vec<_>>(),
+        [2 * G, G, 3 * G]
+    );
+    let m = b.import(0, ImportSource::Chunks(&chunks), a.bytes).unwrap();
+    let imported: Vec<_> = held(&b)
+        .2
+        .into_iter()
+        .filter(|&(at, _)| at >= m.base && at < m.base + m.bytes)
+        .collect();
+    assert_eq!(imported.len(), 3);
+    // Lengths that do not make the size asked: refused, nothing mapped.
+    let before = held(&b);
+    assert!(b
+        .import(0, ImportSource::Chunks(&chunks), a.bytes + G)
+        .is_err());
+    assert_eq!(held(&b), before);
+    b.unmap_import(m).unwrap();
+    drop(chunks);
+    b.close_export(&a, export).unwrap();
+
+    // Sleep releases every chunk; wake maps one allocation; it can grow again.
+    b.release_physical(&a).unwrap();
+    assert_eq!(held(&b), (0, 1, Vec::new()));
+    let a = b.restore_physical(&a).unwrap();
+    assert_eq!(held(&b).2, [(a.base, (6 * G) as usize)]);
+    let export = b.export(&a).unwrap();
+    assert_eq!(export.chunk_fds(a.bytes).len(), 1);
+    b.close_export(&a, export).unwrap();
+    assert!(b.can_grow(&a, G));
+    let a = b.grow_arena(&a, G).unwrap();
+
+    // A grown arena is not split; destroying it releases every chunk and the reservation.
+    assert!(!b.can_split(&a));
+    b.destroy_arena(a).unwrap();
+    assert_nothing_held(&b.driver.memory);
+}
+
+#[test]
+fn a_failed_growth_changes_nothing() {
+    let b = backend(Setup::default());
+    let a = b.create_growable_arena(0, G, 8 * G).unwrap();
+    b.driver.fail_on("map", 0);
+    assert!(b.grow_arena(&a, G).is_err());
+    assert_eq!(held(&b), (1, 1, vec![(a.base, G as usize)]));
+    let a = b.grow_arena(&a, G).unwrap();
+    b.destroy_arena(a).unwrap();
+    assert_nothing_held(&b.driver.memory);
+}
