@@ -1,5 +1,6 @@
 //! Byte stream -> a sequence of `RangeAllocator` operations (add/remove region, alloc with
-//! tags, free of live and bogus offsets, retag, region splits and the read-only queries), checked against a
+//! tags, free of live and bogus offsets, retag, region splits, regions growing and shrinking
+//! at their end, and the read-only queries), checked against a
 //! simple model after every step: `validate()` passes, live ranges never overlap and lie in
 //! a region, counters match, and every call's result agrees with what the model allows.
 #![no_main]
@@ -88,6 +89,17 @@ enum Op {
         pick: u8,
         page: u8,
         drop_one: bool,
+    },
+    /// Grow a region picked by index by `len` at its end (a growing arena's new chunk).
+    GrowRegion {
+        pick: u8,
+        len: Len,
+        tag: u8,
+    },
+    /// Cut a region picked by index down to `keep` granules (its free tail given back).
+    ShrinkRegion {
+        pick: u8,
+        keep: u16,
     },
 }
 
@@ -184,8 +196,49 @@ fuzz_target!(|ops: Vec<Op>| {
     );
 });
 
+fn pick_region(m: &Model, pick: u8) -> Option<(u64, u64)> {
+    let n = m.regions.len();
+    (n > 0).then(|| {
+        let (&s, &l) = m.regions.iter().nth(pick as usize % n).unwrap();
+        (s, l)
+    })
+}
+
 fn step(r: &mut RangeAllocator, m: &mut Model, op: &Op) {
     match op {
+        Op::GrowRegion { pick, len, tag: t } => {
+            let Some((s, l)) = pick_region(m, *pick) else {
+                return;
+            };
+            let extra = len.get();
+            let before = r.clone();
+            let res = r.grow_region(s, extra, tag(*t));
+            let fits = aligned(s + l, extra) && !m.overlaps_region(s + l, extra);
+            assert_eq!(res.is_ok(), fits, "grow_region({s:#x}, {extra}): {res:?}");
+            if fits {
+                m.regions.insert(s, l + extra);
+            } else {
+                assert_eq!(*r, before, "a refused grow_region changed something");
+            }
+        }
+        Op::ShrinkRegion { pick, keep } => {
+            let Some((s, l)) = pick_region(m, *pick) else {
+                return;
+            };
+            let new_len = *keep as u64 % (l / GRANULE + 1) * GRANULE;
+            let before = r.clone();
+            let res = r.shrink_region(s, new_len);
+            let tail_free = !m.overlaps_live(s + new_len, l - new_len);
+            if new_len == 0 || new_len >= l || !tail_free {
+                assert!(res.is_err(), "shrink_region({s:#x}, {new_len}) allowed");
+            }
+            match res {
+                Ok(()) => {
+                    m.regions.insert(s, new_len);
+                }
+                Err(_) => assert_eq!(*r, before, "a refused shrink_region changed something"),
+            }
+        }
         Op::AddRegion { at, len, tag: t } => {
             let (off, len) = (at.get(), len.get());
             let before = r.clone();
