@@ -80,7 +80,9 @@ fn legacy_export_is_pinning_bytes() {
     assert_eq!(export.kind, ExportKind::Pinning);
     match &export.payload {
         ExportPayload::Bytes(bytes) => assert_eq!(bytes.len(), 64),
-        ExportPayload::Fd(_) => panic!("a legacy export should be bytes"),
+        ExportPayload::Fd(_) | ExportPayload::Chunks(_) => {
+            panic!("a legacy export should be bytes")
+        }
     }
     assert!(export.fd().is_none());
     // A handle of the wrong size is refused before the runtime sees it.
