@@ -7,8 +7,10 @@
 //! (a stale handle is refused with a clear error). `op` 2 = close lease `key`; its
 //! `arena_id`, `token` and `generation` are 0.
 //!
-//! Reply (broker → consumer): `ok u8 | pinning u8 | 0 0 | lease_key u32 | arena_bytes u64 |
-//! message (UTF-8, rest of the packet)`, plus one fd for an open with `want_fd`.
+//! Reply (broker → consumer): `ok u8 | pinning u8 | chunks u16 | lease_key u32 | arena_bytes
+//! u64 | chunk lengths (u64 each) | message (UTF-8, rest of the packet)`, plus the export's fd
+//! for an open with `want_fd`: one, or one per chunk of a grown arena (`chunks` of them, at
+//! most [`MAX_FDS`], their lengths in address order; `chunks` is 0 with one fd).
 //!
 //! Batches (one round trip for many leases, never an fd): a 44-byte header `op u8 | 0 | 0 0 |
 //! device i32 | count u32 | 0 ...` (count 1..=[`MAX_BATCH`]) and `count` entries. `op` 3 =
