@@ -9,7 +9,7 @@
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use super::state::{ArenaEntry, ImportEntry, Inner, Owner};
+use super::state::{ArenaEntry, Inner, Owner};
 use super::sys::{self, file_info, sys_err};
 use super::{SimBackend, SimCall, NAME};
 use crate::backend::{ArenaMem, DeviceId, Mapping};
@@ -252,28 +252,6 @@ impl SimBackend {
             }
             at += n;
         }
-        let arena = key
-            .and_then(|k| inner.by_inode.get(&k).copied())
-            .filter(|id| inner.arenas.contains_key(id));
-        if let Some(entry) = arena.and_then(|id| inner.arenas.get_mut(&id)) {
-            entry.mappings += 1;
-        }
-        let id = inner.take_id();
-        let base = region.base();
-        inner.imports.insert(
-            id,
-            ImportEntry {
-                device,
-                bytes,
-                region,
-                arena,
-            },
-        );
-        Ok(Mapping {
-            device,
-            base,
-            bytes,
-            handle: id,
-        })
+        Ok(inner.record_import(device, bytes, region, key))
     }
 }

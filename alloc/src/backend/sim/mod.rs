@@ -98,7 +98,7 @@ mod tests_faults;
 mod transfer;
 mod types;
 
-use state::{ArenaEntry, EventEntry, ImportEntry, Inner, Owner};
+use state::{ArenaEntry, EventEntry, Inner, Owner};
 
 use sys::{file_info, map_shared, sys_err, unmap};
 pub use types::{SimCall, SimConfig, SimLedger};
@@ -515,31 +515,7 @@ impl Backend for SimBackend {
             )));
         }
         let region = map_shared(fd, len)?;
-        let arena = inner
-            .by_inode
-            .get(&info.key)
-            .copied()
-            .filter(|id| inner.arenas.contains_key(id));
-        if let Some(entry) = arena.and_then(|id| inner.arenas.get_mut(&id)) {
-            entry.mappings += 1;
-        }
-        let id = inner.take_id();
-        let base = region.base();
-        inner.imports.insert(
-            id,
-            ImportEntry {
-                device,
-                bytes,
-                region,
-                arena,
-            },
-        );
-        Ok(Mapping {
-            device,
-            base,
-            bytes,
-            handle: id,
-        })
+        Ok(inner.record_import(device, bytes, region, Some(info.key)))
     }
 
     fn unmap_import(&self, mapping: Mapping) -> Result<()> {

@@ -126,6 +126,40 @@ impl Inner {
         Ok(())
     }
 
+    /// Record a new import mapping `region` of `bytes` on `device`, of the memfd whose inode
+    /// is `key` (counted as a mapping of that arena when it is one of ours).
+    pub(super) fn record_import(
+        &mut self,
+        device: DeviceId,
+        bytes: u64,
+        region: Region,
+        key: Option<(u64, u64)>,
+    ) -> crate::backend::Mapping {
+        let arena = key
+            .and_then(|k| self.by_inode.get(&k).copied())
+            .filter(|id| self.arenas.contains_key(id));
+        if let Some(entry) = arena.and_then(|id| self.arenas.get_mut(&id)) {
+            entry.mappings += 1;
+        }
+        let id = self.take_id();
+        let base = region.base();
+        self.imports.insert(
+            id,
+            ImportEntry {
+                device,
+                bytes,
+                region,
+                arena,
+            },
+        );
+        crate::backend::Mapping {
+            device,
+            base,
+            bytes,
+            handle: id,
+        }
+    }
+
     pub(super) fn take_id(&mut self) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
