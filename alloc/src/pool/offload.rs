@@ -14,8 +14,10 @@
 
 use crate::backend::{DeviceId, HostBuffer};
 use crate::error::{Error, Result};
-use crate::pool::sleep::GAP;
 use crate::pool::{DevicePool, DeviceState, Pool};
+
+/// Live allocations closer than this are copied as one segment, gap included.
+pub const GAP: u64 = 2 << 20;
 
 /// An arena's offloaded contents: the segments `(address, bytes)`, packed one after another
 /// in `buf`, and the live bytes among them (what the reports count).

@@ -13,7 +13,7 @@
 //!   are copied into one host buffer per arena (`Backend::alloc_host`: pinned memory where
 //!   the backend has it, so the copies run at link speed; a buffer kept from an earlier
 //!   sleep when one is large enough, `pool/offload.rs`), one copy per segment (live
-//!   allocations merged across gaps of at most [`GAP`]: copying a small gap is cheaper than
+//!   allocations merged across gaps of at most [`super::offload::GAP`]: copying a small gap is cheaper than
 //!   another call), and `Backend::release_physical` gives the memory back (the other tags'
 //!   contents are gone). After the wake (or a failed sleep) the buffer is kept for the
 //!   next sleep; `Pool::release_host_buffers` frees kept buffers, the pool's drop all.
@@ -51,9 +51,6 @@ impl Asleep {
         self.offload.as_ref().map(|o| o.buf.len() as u64)
     }
 }
-
-/// Live allocations closer than this are copied as one segment, gap included.
-pub const GAP: u64 = 2 << 20;
 
 /// What a sleep or wake did, summed over the devices it touched.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
