@@ -5,8 +5,8 @@
 //! whole, and an arena stops growing once shared.
 #![allow(clippy::unwrap_used)]
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
+use std::io::{BufRead, Write};
+use std::process::Command;
 use std::sync::Arc;
 
 use gpu_arena::backend::sim::{SimBackend, SimConfig};
@@ -173,23 +173,11 @@ fn a_grown_arena_sleeps_and_wakes_with_its_contents() {
     assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
 }
 
-fn spawn_child(role: &str) -> (Child, BufReader<std::process::ChildStdout>) {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child", "--nocapture", "--test-threads=1"])
-        .env("GPU_ARENA_CHILD", role)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = BufReader::new(child.stdout.take().unwrap());
-    (child, out)
-}
-
 /// The child role: import the handle given on stdin, check the bytes across the chunks,
-/// write a marker into the last chunk, say DONE and close.
+/// write a marker into the last chunk, close, and report on its own file.
 #[test]
 fn child() {
-    let Ok(role) = std::env::var("GPU_ARENA_CHILD") else {
+    let Ok(role) = std::env::var(common::CHILD_ROLE) else {
         return;
     };
     assert_eq!(role, "grown-consumer");
@@ -207,7 +195,7 @@ fn child() {
     // SAFETY: the import maps the whole shared range.
     unsafe { *((p + len as u64 - 1) as *mut u8) = 0xAB };
     importer.close(p).unwrap();
-    println!("DONE same={same} clean={}", backend.is_clean(0));
+    common::child_report(&format!("same={same} clean={}", backend.is_clean(0)));
 }
 
 /// A block spanning chunks of a grown arena is shared: the export is one fd per chunk (one
@@ -238,20 +226,9 @@ fn a_grown_arena_is_shared_with_one_fd_per_chunk() {
         1,
         "one export of the arena"
     );
-    let (mut child, mut out) = spawn_child("grown-consumer");
-    writeln!(
-        child.stdin.as_mut().unwrap(),
-        "{} {len}",
-        hex(&h.to_bytes())
-    )
-    .unwrap();
-    let mut line = String::new();
-    while !line.contains("DONE") {
-        line.clear();
-        assert!(out.read_line(&mut line).unwrap() > 0, "child exited");
-    }
-    assert!(line.contains("same=true clean=true"), "{line}");
-    assert!(child.wait().unwrap().success());
+    let (mut child, report) = common::spawn_reporting_child("grown-consumer");
+    writeln!(child.stdin.take().unwrap(), "{} {len}", hex(&h.to_bytes())).unwrap();
+    assert_eq!(common::wait_report(child, &report), "same=true clean=true");
     assert_eq!(read(d.ptr + len as u64 - 1, 1), [0xAB]);
     // Shared: the arena does not grow; the next large block takes a new arena.
     let arenas = pool.stats(0).unwrap().arenas;

@@ -64,19 +64,19 @@ impl Pool {
         tag: u8,
     ) -> Result<Allocation> {
         let device = dp.device;
-        {
+        let class = {
             let mut st = dp.state.lock();
             st.check_awake(device, tag, bytes)?;
             st.reclaim_gone_caches();
             if let Some((ptr, arena)) = st.take_cached(stream.0, len, tag) {
                 return Ok(self.finish_alloc_in(dp, &mut st, ptr, arena, len, bytes, stream));
             }
-            let class = Class::of(tag, len, st.huge_min);
+            let class = Class::of(tag, len, st.huge_min());
             if let Some(ptr) = st.take_range(len, stream, class, self.backend.as_ref(), device) {
                 return Ok(self.finish_alloc(dp, &mut st, ptr, len, bytes, stream));
             }
-        }
-        let class = Class::of(tag, len, dp.state.lock().huge_min);
+            class
+        };
         self.alloc_slow(dp, len, bytes, stream, class)
     }
 
@@ -92,10 +92,13 @@ impl Pool {
     ) -> Result<Allocation> {
         let device = dp.device;
         let (limits, cap_setting) = self.limits_now(dp)?;
-        let growing = self.config.grow_arenas && growth::grows(class);
+        let (growing, class_bytes) = {
+            let st = dp.state.lock();
+            let growing = st.grows(class);
+            (growing, if growing { st.class_bytes(class) } else { 0 })
+        };
         let arena_bytes = if growing {
-            let mapped = dp.state.lock().class_bytes(class);
-            growth::first_chunk(mapped, len, limits.granularity)
+            growth::first_chunk(class_bytes, len, limits.granularity)
         } else {
             classes::arena_bytes_for(class, len, limits.arena_bytes, limits.granularity)
         }

@@ -64,20 +64,34 @@ pub(crate) struct DeviceState {
     pub(crate) graph_pools: super::graph_pool_ids::GraphPools,
     /// Per class (by `Class::index`): its growing arena's key (`pool/growth.rs`).
     pub(crate) growing: FxHashMap<usize, usize>,
-    /// Blocks above this many bytes are huge (`Class::of`): `classes::HUGE_MIN`, or
-    /// `classes::NO_HUGE` when arenas grow.
-    pub(crate) huge_min: u64,
+    /// The pool grows its arenas (`PoolConfig::grow_arenas`, `pool/growth.rs`).
+    pub(crate) grow_arenas: bool,
 }
 
 impl DeviceState {
     /// A device's state with no arena, its thread front `front`.
-    pub(super) fn new(front: Arc<Front>, huge_min: u64) -> DeviceState {
+    pub(super) fn new(front: Arc<Front>, grow_arenas: bool) -> DeviceState {
         DeviceState {
             next_arena_id: 1,
             front,
-            huge_min,
+            grow_arenas,
             ..DeviceState::default()
         }
+    }
+
+    /// Blocks above this many bytes are huge (`Class::of`): `classes::HUGE_MIN`, none when
+    /// arenas grow (`classes::NO_HUGE`).
+    pub(crate) fn huge_min(&self) -> u64 {
+        if self.grow_arenas {
+            super::classes::NO_HUGE
+        } else {
+            super::classes::HUGE_MIN
+        }
+    }
+
+    /// Whether `class`'s blocks live in growing arenas.
+    pub(crate) fn grows(&self, class: Class) -> bool {
+        self.grow_arenas && super::growth::grows(class)
     }
 
     /// Find a range for `len` bytes usable on `stream`, without creating memory.
@@ -158,8 +172,7 @@ impl DeviceState {
         // use them already, and moving them to a limbo tag would only keep them from
         // merging with its next frees (a program of one stream on a busy GPU, whose events
         // are still pending, reserved 2-9% more that way).
-        let growing = self.huge_min == super::classes::NO_HUGE && super::growth::grows(class);
-        let own = growing.then_some(stream.0);
+        let own = self.grows(class).then_some(stream.0);
         self.settle(backend, device, t, own);
         self.ranges[t]
             .alloc(len, stream.0)
@@ -401,11 +414,14 @@ impl DeviceState {
         // it, and its misses are frequent enough that draining the KV blocks cached by the
         // threads each time slowed the second trace's warm replay by a third.
         let thread_class = class.filter(|c| c.huge);
-        for (key, ptrs) in self.front.drain_above(min_len, thread_class, self.huge_min) {
+        for (key, ptrs) in self
+            .front
+            .drain_above(min_len, thread_class, self.huge_min())
+        {
             by_stream.entry(key).or_default().extend(ptrs);
         }
+        let huge_min = self.huge_min();
         let cached_bytes = &mut self.cached_bytes;
-        let huge_min = self.huge_min;
         if *cached_bytes != 0 {
             self.cache.retain(|&(stream, key), blocks| {
                 let (len, tag) = cache_key_parts(key);
@@ -444,7 +460,7 @@ impl DeviceState {
         if !self.front.any_gone() {
             return;
         }
-        let gone = self.front.take_gone(self.huge_min);
+        let gone = self.front.take_gone(self.huge_min());
         let counts = gone.counts;
         self.free_blocks(gone.blocks);
         // Allocations of exited threads: recorded in the device's map from now on.

@@ -343,11 +343,6 @@ impl Pool {
     pub fn new(backend: Arc<dyn Backend>, config: PoolConfig) -> Result<Pool> {
         config.check()?;
         let count = backend.device_count()?;
-        let huge_min = if config.grow_arenas {
-            classes::NO_HUGE
-        } else {
-            HUGE_MIN
-        };
         let devices = (0..count)
             .map(|d| {
                 let device = d as DeviceId;
@@ -355,7 +350,7 @@ impl Pool {
                 DevicePool {
                     device,
                     limits: OnceLock::new(),
-                    state: Mutex::new(DeviceState::new(Arc::clone(&front), huge_min)),
+                    state: Mutex::new(DeviceState::new(Arc::clone(&front), config.grow_arenas)),
                     front,
                     export_probe: Mutex::new(None),
                     max_reserved: Mutex::new(None),

@@ -180,3 +180,46 @@ pub fn run_child_as_nobody(
     writeln!(stdin, "{line}").expect("write to the child");
     child.wait_with_output().expect("child output")
 }
+
+/// The environment variable naming a child's role ([`spawn_reporting_child`]).
+pub const CHILD_ROLE: &str = "GPU_ARENA_CHILD";
+/// The environment variable naming the file a child reports on.
+const CHILD_REPORT: &str = "GPU_ARENA_CHILD_REPORT";
+
+/// This test binary run again as a child in `role` (its test named `child` reads the role
+/// from [`CHILD_ROLE`]), stdin piped, stdout and stderr left to libtest: the child reports
+/// on a file of its own ([`child_report`]), read by [`wait_report`] once it exited.
+pub fn spawn_reporting_child(role: &str) -> (std::process::Child, std::path::PathBuf) {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let report =
+        std::env::temp_dir().join(format!("gpu-arena-child-{}-{n}.report", std::process::id()));
+    let _ = std::fs::remove_file(&report);
+    let child = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", "child", "--test-threads=1"])
+        .env(CHILD_ROLE, role)
+        .env(CHILD_REPORT, &report)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn the child");
+    (child, report)
+}
+
+/// In a child: write its report (once, at the end) to its own file.
+pub fn child_report(text: &str) {
+    let path = std::env::var_os(CHILD_REPORT).expect("a reporting child");
+    std::fs::write(path, text).expect("write the child's report");
+}
+
+/// Wait for `child` to exit successfully and return what it reported (the file removed).
+pub fn wait_report(mut child: std::process::Child, report: &std::path::Path) -> String {
+    let status = child.wait().expect("wait for the child");
+    let text = std::fs::read_to_string(report).unwrap_or_default();
+    let _ = std::fs::remove_file(report);
+    assert!(
+        status.success(),
+        "child failed ({status}); it reported {text:?}"
+    );
+    text
+}

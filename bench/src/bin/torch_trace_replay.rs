@@ -61,14 +61,6 @@ fn replay_one(path: &str, config: &str, busy: bool) -> Result<String, String> {
     let pool_config = Config::parse(config).map_err(|e| e.to_string())?.pool;
     let mut pool = PoolAllocator::new(backend, pool_config, DeviceId::default())?;
     let r = replay(&trace, &mut pool).map_err(|e| format!("{path}: {e}"))?;
-    if std::env::var_os("TRACE_REPLAY_DEBUG").is_some() {
-        let st = pool.stats();
-        eprintln!(
-            "{path}: arenas {} creates {} growths {}",
-            st.arenas, st.backend_creates, st.arena_growths
-        );
-        eprintln!("{}", pool.pool().snapshot_json());
-    }
     let name = std::path::Path::new(path)
         .file_name()
         .map_or(path.to_owned(), |n| n.to_string_lossy().into_owned());

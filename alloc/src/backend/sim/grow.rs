@@ -27,9 +27,13 @@ impl SimBackend {
         Ok(())
     }
 
-    /// See [`crate::backend::Backend::create_growable_arena`].
-    pub(super) fn create_growable(
+    /// An arena of `bytes` mapped at the start of a reservation of `reserve` bytes
+    /// ([`crate::backend::Backend::create_growable_arena`]; `create_arena` is the same with
+    /// `reserve == bytes`); `call` names it in errors. Every fallible step runs before
+    /// anything is recorded.
+    pub(super) fn create_in_reservation(
         &self,
+        call: &str,
         device: DeviceId,
         bytes: u64,
         reserve: u64,
@@ -37,11 +41,11 @@ impl SimBackend {
         let mut inner = self.inner.lock();
         inner.enter(SimCall::CreateArena)?;
         self.check_device(device)?;
-        self.check_granular("create_growable_arena", "an arena", bytes)?;
-        self.check_granular("create_growable_arena", "a reservation", reserve)?;
+        self.check_granular(call, "an arena", bytes)?;
+        self.check_granular(call, "a reservation", reserve)?;
         if reserve < bytes {
             return Err(Error::invalid(format!(
-                "sim create_growable_arena: a reservation of {reserve} bytes cannot hold {bytes}"
+                "sim {call}: a reservation of {reserve} bytes cannot hold {bytes}"
             )));
         }
         if inner.held_bytes(device).saturating_add(bytes) > self.config.capacity {
@@ -54,7 +58,7 @@ impl SimBackend {
         }
         let len = usize::try_from(reserve).map_err(|_| {
             Error::invalid(format!(
-                "sim create_growable_arena: {reserve} bytes do not fit"
+                "sim {call}: {reserve} bytes do not fit the address space"
             ))
         })?;
         let id = inner.next_id;
@@ -63,12 +67,14 @@ impl SimBackend {
         let region = sys::reserve(len)?;
         if let Err(e) = sys::map_over_at(&region.part(0, bytes), memfd.as_fd(), 0) {
             if let Err(u) = sys::unmap(&region) {
-                tracing::warn!(error = %u, "sim create_growable_arena: unmapping the reservation failed");
+                tracing::warn!(error = %u, call, "sim: unmapping the reservation failed");
             }
             return Err(e);
         }
         let base = region.base();
         inner.take_id();
+        // A stale key can only belong to an entry whose memfd the kernel already freed
+        // (inode numbers are reused only then): the new arena owns the inode now.
         inner.by_inode.insert(info.key, id);
         inner.arenas.insert(
             id,

@@ -98,7 +98,7 @@ mod tests_faults;
 mod transfer;
 mod types;
 
-use state::{ArenaEntry, EventEntry, Inner, Owner};
+use state::{EventEntry, Inner};
 
 use sys::{file_info, map_shared, sys_err, unmap};
 pub use types::{SimCall, SimConfig, SimLedger};
@@ -286,65 +286,8 @@ impl Backend for SimBackend {
     }
 
     fn create_arena(&self, device: DeviceId, bytes: u64) -> Result<ArenaMem> {
-        let mut inner = self.inner.lock();
-        inner.enter(SimCall::CreateArena)?;
-        self.check_device(device)?;
-        let g = self.config.granularity;
-        if bytes == 0 || bytes % g != 0 {
-            return Err(Error::invalid(format!(
-                "sim create_arena: {bytes} bytes is not a non-zero multiple of the \
-                 granularity {g}"
-            )));
-        }
-        let held = inner.held_bytes(device);
-        if held.saturating_add(bytes) > self.config.capacity {
-            return Err(Error::DriverOutOfMemory {
-                backend: NAME,
-                call: "create_arena",
-                device,
-                bytes,
-            });
-        }
-        let len = usize::try_from(bytes).map_err(|_| {
-            Error::invalid(format!(
-                "sim create_arena: {bytes} bytes do not fit the address space"
-            ))
-        })?;
-        let id = inner.next_id;
-        let name = format!("{}a{id}", self.memfd_tag());
-        let memfd = sys::create_memfd(&name, bytes)?;
-        let info = file_info(memfd.as_fd()).map_err(|e| sys_err("fstat", e))?;
-        // Last fallible step: on failure `memfd` drops (closes) and nothing was recorded.
-        let region = map_shared(memfd.as_fd(), len)?;
-        let base = region.base();
-        inner.take_id();
-        // A stale key can only belong to an entry whose memfd the kernel already freed
-        // (inode numbers are reused only then): the new arena owns the inode now.
-        inner.by_inode.insert(info.key, id);
-        inner.arenas.insert(
-            id,
-            ArenaEntry {
-                device,
-                base,
-                bytes,
-                inode: info.key,
-                owner: Some(Owner {
-                    memfd: Some(memfd),
-                    region,
-                }),
-                open_exports: 0,
-                mappings: 0,
-                pinned: false,
-                chunks: vec![bytes],
-                reserve: bytes,
-            },
-        );
-        Ok(ArenaMem {
-            device,
-            base,
-            bytes,
-            handle: id,
-        })
+        // A reservation of its own size: no room to grow.
+        self.create_in_reservation("create_arena", device, bytes, bytes)
     }
 
     fn create_growable_arena(
@@ -353,7 +296,7 @@ impl Backend for SimBackend {
         bytes: u64,
         reserve: u64,
     ) -> Result<ArenaMem> {
-        self.create_growable(device, bytes, reserve)
+        self.create_in_reservation("create_growable_arena", device, bytes, reserve)
     }
 
     fn can_grow(&self, arena: &ArenaMem, extra: u64) -> bool {
