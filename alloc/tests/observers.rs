@@ -506,13 +506,21 @@ fn observers_race_with_arena_creation_and_release() {
     let guard_id = observe(&pool, &guard);
     let refused = Arc::new(AtomicU64::new(0));
     let taken = Arc::new(AtomicU64::new(0));
+    // The racing observers start once arenas are being made, and the allocating threads
+    // go on until the observers are done: on a busy machine either side could otherwise
+    // finish before the other started.
+    let allocating = AtomicBool::new(false);
+    let observers_done = AtomicU64::new(0);
     std::thread::scope(|s| {
         for t in 0..3u64 {
             let (pool, guard) = (&pool, &guard);
+            let (allocating, observers_done) = (&allocating, &observers_done);
             s.spawn(move || {
                 let stream = StreamId(0x1000 * (t + 1));
                 let mut live = Vec::new();
-                for i in 0..400u64 {
+                let mut i = 0u64;
+                while i < 400 || (observers_done.load(Ordering::SeqCst) < 2 && i < 200_000) {
+                    i += 1;
                     let size = match (i * 7 + t) % 11 {
                         0 => 6 * MIB, // dedicated arena
                         1..=4 => 2 * MIB,
@@ -525,6 +533,7 @@ fn observers_race_with_arena_creation_and_release() {
                         a.ptr
                     );
                     live.push(a.ptr);
+                    allocating.store(true, Ordering::SeqCst);
                     if live.len() > 6 {
                         pool.free(live.remove(0)).unwrap();
                     }
@@ -542,7 +551,11 @@ fn observers_race_with_arena_creation_and_release() {
         }
         for t in 0..2u64 {
             let (pool, refused, taken) = (&pool, &refused, &taken);
+            let (allocating, observers_done) = (&allocating, &observers_done);
             s.spawn(move || {
+                while !allocating.load(Ordering::SeqCst) {
+                    std::thread::yield_now();
+                }
                 for i in 0..150u64 {
                     let r = Arc::new(Recorder::default());
                     let refuse = (i + t) % 5 == 0;
@@ -569,6 +582,7 @@ fn observers_race_with_arena_creation_and_release() {
                         r.count('r') - if refuse { r.count('r') } else { 0 }
                     );
                 }
+                observers_done.fetch_add(1, Ordering::SeqCst);
             });
         }
     });

@@ -6,7 +6,7 @@
 use std::collections::hash_map::Entry;
 
 use super::classes::GENERAL;
-use super::{live_tag, DevicePool, PendingFree, Pool, CACHE_MAX_BLOCK};
+use super::{live_tag, DevicePool, PendingFree, Pool};
 use crate::backend::{DeviceId, StreamId};
 use crate::error::{Error, Result};
 use crate::history::Action;
@@ -117,7 +117,7 @@ impl Pool {
                 .get(live.arena)
                 .is_some_and(|a| a.graph_pool == GENERAL);
             let cacheable = general
-                && bytes <= CACHE_MAX_BLOCK
+                && bytes <= st.front.cache_max()
                 && st.cached_bytes + bytes <= st.stats.reserved_bytes / 4;
             if cacheable {
                 st.cache_live(ptr, live);

@@ -34,6 +34,22 @@ const MIB: u64 = 1 << 20;
 /// Requests of at least this many bytes grow an arena by exactly their shortfall.
 pub const EXACT_GROWTH_MIN: u64 = 8 * MIB;
 
+/// With growing arenas, freed blocks up to [`EXACT_GROWTH_MIN`] are cached whole for
+/// exact-size reuse (the thread caches and the device's), larger ones go straight back to
+/// their arena's free ranges, where they coalesce at once, as in PyTorch. Cached, the large
+/// temporaries of the KV trace held the room its 2 MiB blocks then missed: 639 misses, each
+/// flushing every cache and settling the streams, ran the cold replay at 1.9x the time of
+/// 1 GiB arenas on sim; without them 190 misses, no miss in the warm replay, the time of 1 GiB
+/// arenas and 1.050 of live reserved (a 32 MiB limit: 1.088 cold, 1.27 warm;
+/// bench/results/sim-2026-12-02-growth.md).
+pub fn cache_max(grow_arenas: bool) -> u64 {
+    if grow_arenas {
+        EXACT_GROWTH_MIN
+    } else {
+        super::CACHE_MAX_BLOCK
+    }
+}
+
 /// A smaller request grows an arena by at least its mapped bytes over this, once it holds
 /// [`GROWTH_EXACT_BELOW`].
 pub const GROWTH_DIVISOR: u64 = 4;

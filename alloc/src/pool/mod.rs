@@ -27,7 +27,8 @@
 //! only when all of them completed (as PyTorch's caching allocator does).
 //!
 //! **Cache.** A plain free (not shared, no other stream) of a block up to
-//! [`CACHE_MAX_BLOCK`] keeps it whole: in the freeing thread's cache (or the cache that
+//! [`CACHE_MAX_BLOCK`] (with growing arenas [`growth::EXACT_GROWTH_MIN`]: `growth::cache_max`)
+//! keeps it whole: in the freeing thread's cache (or the cache that
 //! recorded the allocation), else in the device's exact-size cache (bounded at a quarter of
 //! the reserved bytes), each keyed by (stream, length): the next request of that length on
 //! that stream takes it with two hash operations and no sub-allocator call. A thread cache
@@ -346,7 +347,7 @@ impl Pool {
         let devices = (0..count)
             .map(|d| {
                 let device = d as DeviceId;
-                let front = Arc::new(Front::default());
+                let front = Arc::new(Front::new(growth::cache_max(config.grow_arenas)));
                 DevicePool {
                     device,
                     limits: OnceLock::new(),

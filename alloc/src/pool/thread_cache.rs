@@ -164,6 +164,8 @@ struct Hot {
     id: u64,
     gates: Gates,
     bytes: ByteCounters,
+    /// Freed blocks up to this many bytes are cached (see [`Front::new`]).
+    cache_max: u64,
 }
 
 /// The thread front of one device (see the module docs).
@@ -177,10 +179,19 @@ pub(crate) struct Front {
 
 impl Default for Front {
     fn default() -> Self {
+        Front::new(CACHE_MAX_BLOCK)
+    }
+}
+
+impl Front {
+    /// A front whose caches keep freed blocks of up to `cache_max` bytes
+    /// (`pool/growth.rs`'s `cache_max`).
+    pub(crate) fn new(cache_max: u64) -> Front {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         Front {
             hot: Padded(Hot {
                 id: NEXT_ID.fetch_add(1, Relaxed),
+                cache_max,
                 ..Hot::default()
             }),
             caches: Mutex::default(),
@@ -263,7 +274,7 @@ impl Front {
         tag: u8,
         requested: u64,
     ) -> Option<(u64, [u64; 2])> {
-        if len > CACHE_MAX_BLOCK {
+        if len > self.hot.cache_max {
             return None;
         }
         self.with_cache(|cache| {
@@ -316,7 +327,7 @@ impl Front {
             let len = block_len(rec.requested).unwrap_or(u64::MAX);
             let ours = requested.is_none_or(|r| r == rec.requested)
                 && !self.gated(rec.tag)
-                && len <= CACHE_MAX_BLOCK;
+                && len <= self.hot.cache_max;
             ours.then_some(len)
         });
         let (rec, len) = match step {
@@ -449,6 +460,12 @@ impl Front {
         LockedCaches {
             slots: self.caches.lock(),
         }
+    }
+
+    /// The largest block a cache keeps.
+    #[inline]
+    pub(crate) fn cache_max(&self) -> u64 {
+        self.hot.cache_max
     }
 
     /// Whether a thread whose cache is still in the registry exited (a hint: one read, for

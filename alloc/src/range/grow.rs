@@ -4,10 +4,10 @@
 use super::{check_granule, Block, RangeAllocator, RangeError, State, NO_PREV};
 
 impl RangeAllocator {
-    /// The start of the last range of the region starting at `region` (a walk of its ranges:
-    /// growth and shrinking are rare, allocation never needs it).
+    /// The start of the last range of the region starting at `region`.
     fn last_range(&self, region: u64) -> Option<u64> {
-        self.chain(region).last().map(|(start, _)| start)
+        let len = self.regions.get(&region)?;
+        self.last_at_end.get(&(region + len)).copied()
     }
 
     /// Add `extra` bytes at the end of the region starting at `offset`, free under `tag`: a
@@ -34,9 +34,10 @@ impl RangeAllocator {
             .ok_or(RangeError::NoSuchRegion(offset))?;
         let b = self.blocks[&last];
         self.regions.insert(offset, len + extra);
+        self.last_at_end.remove(&end);
         if b.state == State::Free(tag) {
             self.free_index.remove(tag, b.len, last);
-            self.blocks.insert(
+            self.put(
                 last,
                 Block {
                     len: b.len + extra,
@@ -45,8 +46,8 @@ impl RangeAllocator {
             );
             self.free_index.insert(tag, b.len + extra, last);
         } else {
-            self.blocks.insert(last, Block { last: false, ..b });
-            self.blocks.insert(
+            self.put(last, Block { last: false, ..b });
+            self.put(
                 end,
                 Block {
                     len: extra,
@@ -97,16 +98,18 @@ impl RangeAllocator {
             return Err(RangeError::RegionInUse(offset));
         }
         self.free_index.remove(tag, b.len, last);
+        self.last_at_end.remove(&(offset + len));
         if last == new_end {
             self.blocks.remove(&last);
             if b.prev != NO_PREV {
                 if let Some(p) = self.blocks.get_mut(&b.prev) {
                     p.last = true;
                 }
+                self.last_at_end.insert(new_end, b.prev);
             }
         } else {
             let kept = new_end - last;
-            self.blocks.insert(last, Block { len: kept, ..b });
+            self.put(last, Block { len: kept, ..b });
             self.free_index.insert(tag, kept, last);
         }
         self.regions.insert(offset, new_len);

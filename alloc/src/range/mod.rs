@@ -152,6 +152,9 @@ pub struct RangeAllocator {
     free_index: FreeIndex,
     used_bytes: u64,
     used_ranges: u64,
+    /// Region end -> the start of the region's last range: growth finds an arena's tail
+    /// without walking its ranges ([`RangeAllocator::put`] keeps it).
+    last_at_end: FxHashMap<u64, u64>,
 }
 
 fn check_granule(offset: u64, len: u64) -> Result<(), RangeError> {
@@ -178,7 +181,7 @@ impl RangeAllocator {
             }
         }
         self.regions.insert(offset, len);
-        self.blocks.insert(
+        self.put(
             offset,
             Block {
                 len,
@@ -206,6 +209,7 @@ impl RangeAllocator {
                 self.blocks.remove(&offset);
                 self.free_index.remove(tag, len, offset);
                 self.regions.remove(&offset);
+                self.last_at_end.remove(&(offset + len));
                 Ok(len)
             }
             _ => Err(RangeError::RegionInUse(offset)),
@@ -235,7 +239,7 @@ impl RangeAllocator {
             // coalesced range, so inserting it directly keeps the invariants.
             let last = std::mem::replace(&mut b.last, false);
             let rest = offset + len;
-            self.blocks.insert(
+            self.put(
                 rest,
                 Block {
                     len: flen - len,
@@ -449,6 +453,16 @@ impl RangeAllocator {
         })
     }
 
+    /// Record range `b` at `start` (replacing any range there); the last range of a region
+    /// is also recorded by the region's end.
+    #[inline]
+    fn put(&mut self, start: u64, b: Block) {
+        if b.last {
+            self.last_at_end.insert(start + b.len, start);
+        }
+        self.blocks.insert(start, b);
+    }
+
     fn set_prev(&mut self, start: u64, prev: u64) {
         if let Some(n) = self.blocks.get_mut(&start) {
             n.prev = prev;
@@ -494,7 +508,7 @@ impl RangeAllocator {
                 }
             }
         }
-        self.blocks.insert(
+        self.put(
             start,
             Block {
                 len: total,
@@ -566,12 +580,22 @@ impl RangeAllocator {
                     }
                 }
                 if b.last {
+                    if self.last_at_end.get(&end) != Some(&at) {
+                        return Err(format!("region {start:#x}: its last range is not recorded"));
+                    }
                     break;
                 }
                 prev = at;
                 at += b.len;
             }
             prev_end = end;
+        }
+        if self.last_at_end.len() != self.regions.len() {
+            return Err(format!(
+                "{} last ranges recorded for {} regions",
+                self.last_at_end.len(),
+                self.regions.len()
+            ));
         }
         if seen != self.blocks.len() {
             return Err(format!(

@@ -23,7 +23,7 @@ impl RangeAllocator {
         // The part before stays where it was, shortened.
         let mut prev = b.prev;
         if offset > start {
-            self.blocks.insert(
+            self.put(
                 start,
                 Block {
                     len: offset - start,
@@ -38,7 +38,7 @@ impl RangeAllocator {
             self.blocks.remove(&start);
         }
         let after = b_end - end;
-        self.blocks.insert(
+        self.put(
             offset,
             Block {
                 len,
@@ -48,7 +48,7 @@ impl RangeAllocator {
             },
         );
         if after > 0 {
-            self.blocks.insert(
+            self.put(
                 end,
                 Block {
                     len: after,

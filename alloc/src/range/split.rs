@@ -45,6 +45,7 @@ impl RangeAllocator {
             }
         }
         self.regions.remove(&offset);
+        self.last_at_end.remove(&(offset + len));
         let mut next = 0; // index into `ranges` of the first range that may reach a window
         for &(w, wlen) in windows {
             let wend = w + wlen;
@@ -63,7 +64,7 @@ impl RangeAllocator {
             let count = pieces.len();
             let mut prev = NO_PREV;
             for (k, (s, l, state)) in pieces.into_iter().enumerate() {
-                self.blocks.insert(
+                self.put(
                     s,
                     Block {
                         len: l,
