@@ -24,6 +24,19 @@ for s in "${steps[@]}"; do case $s in
   torch) run torch python3 -m pytest -q -rs tests/python ;;
   torch_check) run torch_check python3 tests/gpu/gpu_torch_check.py ;;
   kvbench) run kvbench bash bench/gpu/run.sh .gpu/kv_trace.bin "$OUT/kv_bench.md" ;;
+  # Arenas that grow (issue #24): the KV trace beside PyTorch, then beside PyTorch with
+  # expandable segments, the second trace, share/open latency, and the reserved table.
+  kvgrow) run kvgrow bash bench/gpu/run.sh .gpu/kv_trace.bin "$OUT/kv_grow.md" --arena-conf backend=cuda,grow_arenas=1 ;;
+  kvgrow_expandable) run kvgrow_expandable env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+    bash bench/gpu/run.sh .gpu/kv_trace.bin "$OUT/kv_grow_expandable.md" --arena-conf backend=cuda,grow_arenas=1 --no-pairs --no-scaling ;;
+  kvgrow_long) run kvgrow_long bash bench/gpu/run.sh .gpu/kv_trace_long.bin "$OUT/kv_grow_long.md" --arena-conf backend=cuda,grow_arenas=1 --no-pairs --no-scaling ;;
+  kvgrow_long_expandable) run kvgrow_long_expandable env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+    bash bench/gpu/run.sh .gpu/kv_trace_long.bin "$OUT/kv_grow_long_expandable.md" --arena-conf backend=cuda,grow_arenas=1 --no-pairs --no-scaling ;;
+  share_grow) run share_grow env GPU_ARENA_CONF=grow_arenas=1 bash bench/gpu/share_bench.sh --out "$OUT/share_grow.md" ;;
+  reserved) run reserved python3 bench/gpu/torch_reserved.py --modes torch,torch-expandable,gpu-arena-grow \
+    --workloads small_train,small_generate,medium_train,medium_generate --out "$OUT/reserved-sm.md" ;;
+  reserved_large) run reserved_large bash -c "python3 bench/gpu/torch_reserved.py --modes torch,torch-expandable,gpu-arena-grow --workloads large_train --out '$OUT/reserved-lt.md' &&
+    python3 bench/gpu/torch_reserved.py --modes torch,torch-expandable,gpu-arena-grow --workloads large_generate --scale 0.25 --out '$OUT/reserved-lg.md'" ;;
   kvsim) run kvsim .gpu/bin/kv_replay --backend sim --no-per-allocation --no-sweep ;;
   kv) run kv .gpu/bin/kv_replay --backend cuda --no-per-allocation ;;
   ipc) run ipc python3 tests/gpu/gpu_ipc_check.py ;;
