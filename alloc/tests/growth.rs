@@ -2,7 +2,8 @@
 //! reserved follows live (a small program, the recorded PyTorch training loop), contents
 //! survive growth, a grown arena is shared with one fd per chunk and read by another
 //! process's importer, it sleeps and wakes as one allocation, `empty_cache` gives it back
-//! whole, and an arena stops growing once shared.
+//! whole, or with survivors the chunks past the last of them, and an arena stops growing
+//! once shared.
 #![allow(clippy::unwrap_used)]
 
 use std::io::{BufRead, Write};
@@ -275,4 +276,52 @@ fn sharing_block_after_block_makes_few_arenas() {
     }
     pool.empty_cache(None).unwrap();
     assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+}
+
+/// `empty_cache` gives back a grown arena's chunks past its last live block (its free tail),
+/// keeps the survivor's bytes, and the arena grows again afterwards.
+#[test]
+fn empty_cache_gives_back_the_chunks_past_the_last_survivor() {
+    let (sim, pool) = growing_pool();
+    // Chunks of 16 MiB (exact growths: requests of 8 MiB or more).
+    let survivor = pool.alloc(0, 16 * MIB, S).unwrap();
+    fill(survivor.ptr, (16 * MIB) as usize, 9);
+    let rest: Vec<_> = (0..6)
+        .map(|_| pool.alloc(0, 16 * MIB, S).unwrap())
+        .collect();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.reserved_bytes, 7 * 16 * MIB, "{s:?}");
+    let held = sim.ledger(0).held_bytes;
+    for a in &rest {
+        pool.free(a.ptr).unwrap();
+    }
+    let released = pool.empty_cache(None).unwrap();
+    assert_eq!(released, 6 * 16 * MIB, "every chunk past the survivor");
+    let after = pool.stats(0).unwrap();
+    assert_eq!(after.reserved_bytes, 16 * MIB, "{after:?}");
+    assert_eq!(after.arenas, 1);
+    assert_eq!(
+        sim.ledger(0).held_bytes,
+        held - 6 * 16 * MIB,
+        "the sim gave it back"
+    );
+    assert_eq!(read(survivor.ptr, (16 * MIB) as usize), {
+        fill_vec((16 * MIB) as usize, 9)
+    });
+    pool.validate(0).unwrap();
+    // The arena grows again in place after its shrunk end.
+    let again = pool.alloc(0, 32 * MIB, S).unwrap();
+    assert_eq!(again.ptr, survivor.ptr + 16 * MIB);
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 48 * MIB);
+    pool.free(again.ptr).unwrap();
+    pool.free(survivor.ptr).unwrap();
+    pool.empty_cache(None).unwrap();
+    assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+}
+
+/// What `fill(ptr, len, seed)` writes, as bytes.
+fn fill_vec(len: usize, seed: u8) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    fill(v.as_mut_ptr() as u64, len, seed);
+    v
 }

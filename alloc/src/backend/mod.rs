@@ -239,6 +239,16 @@ pub trait Backend: Send + Sync + fmt::Debug {
             arena.base
         )))
     }
+    /// Give back the chunks of a grown arena ([`Backend::grow_arena`]) that lie wholly at or
+    /// past `keep` bytes from its base (never its first): each is unmapped and released.
+    /// Returns the arena shrunk (same base and handle, ending where its last kept chunk
+    /// ends) and how many chunks went. The caller synchronized the device, uses none of
+    /// those bytes, and has no export of the arena. A backend that cannot grow arenas gives
+    /// nothing back.
+    fn shrink_arena(&self, arena: &ArenaMem, keep: u64) -> Result<(ArenaMem, usize)> {
+        let _ = keep;
+        Ok((arena.clone(), 0))
+    }
     /// Unmap and release an arena. The caller synchronized the device and closed every
     /// export first. Memory stays held by the driver while exports or importers hold it.
     fn destroy_arena(&self, arena: ArenaMem) -> Result<()>;

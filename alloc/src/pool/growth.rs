@@ -149,7 +149,7 @@ impl Pool {
             let key_at = (dp.device, mem.base);
             let Some(result) = self
                 .observers
-                .grow_unobserved(key_at, || self.backend.grow_arena(&mem, extra))
+                .resize_unobserved(key_at, || self.backend.grow_arena(&mem, extra))
             else {
                 return Ok(None);
             };
@@ -187,6 +187,76 @@ impl Pool {
                 .record(Action::SegmentAlloc, mem.base + mem.bytes, extra, 0, 0);
         }
         Ok(st.ranges[t].alloc(len, tag))
+    }
+}
+
+impl Pool {
+    /// At `empty_cache`, with the device synchronized and every stream settled (under the
+    /// device lock): give back each grown arena's chunks that its free tail covers whole, so
+    /// that what `empty_cache` leaves of a grown arena is what its live blocks reach (PyTorch's
+    /// expandable segments unmap their free tail pages the same way). Not an arena that is
+    /// exported (its export covers every chunk), asleep, pinned, or seen by an observer
+    /// (they are told of arenas, not of their sizes changing). Returns the bytes released.
+    pub(super) fn shrink_free_tails(&self, dp: &DevicePool, st: &mut DeviceState) -> u64 {
+        let grown: Vec<usize> = st
+            .arenas
+            .iter()
+            .filter(|(_, a)| {
+                a.chunks > 1
+                    && a.sleep.is_none()
+                    && a.lifetime.export().is_none()
+                    && !a.lifetime.pinned()
+            })
+            .map(|(k, _)| k)
+            .collect();
+        let mut released = 0;
+        for key in grown {
+            let Some(a) = st.arenas.get(key) else {
+                continue;
+            };
+            let (mem, t) = (a.mem.clone(), a.class().index());
+            let keep = match st.ranges.get(t).and_then(|r| r.free_tail(mem.base)) {
+                Some((tail, ANY_STREAM)) if tail > 0 => mem.bytes - tail,
+                _ => continue,
+            };
+            let mut chunks = 0;
+            let shrunk = self.observers.resize_unobserved((dp.device, mem.base), || {
+                let (m, n) = self.backend.shrink_arena(&mem, keep)?;
+                chunks = n;
+                Ok(m)
+            });
+            let shrunk = match shrunk {
+                None => continue,
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, base = mem.base, "shrinking a grown arena failed");
+                    continue;
+                }
+                Some(Ok(m)) if m.bytes < mem.bytes => m,
+                Some(Ok(_)) => continue,
+            };
+            if let Err(e) = st.ranges[t].shrink_region(mem.base, shrunk.bytes) {
+                tracing::error!(error = %e, base = mem.base, "a shrunk arena's range");
+            }
+            st.arena_at.remove(mem.base..mem.base + mem.bytes);
+            st.arena_at
+                .insert(shrunk.base..shrunk.base + shrunk.bytes, key);
+            let gone = mem.bytes - shrunk.bytes;
+            if st.history.recording {
+                st.history
+                    .record(Action::SegmentFree, shrunk.base + shrunk.bytes, gone, 0, 0);
+            }
+            if let Some(a) = st.arenas.get_mut(key) {
+                a.mem = shrunk;
+                a.chunks = a
+                    .chunks
+                    .saturating_sub(u16::try_from(chunks).unwrap_or(u16::MAX));
+            }
+            st.stats.reserved_bytes -= gone;
+            st.stats.backend_destroys += chunks as u64;
+            dp.metrics.destroys.increment(chunks as u64);
+            released += gone;
+        }
+        released
     }
 }
 

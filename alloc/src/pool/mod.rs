@@ -419,7 +419,8 @@ impl Pool {
         Ok(released)
     }
 
-    /// Synchronize, release completed frees, destroy empty unshared arenas.
+    /// Synchronize, release completed frees, destroy empty unshared arenas, give back grown
+    /// arenas' free tails.
     fn release_cached(&self, dp: &DevicePool) -> Result<u64> {
         {
             let st = dp.state.lock();
@@ -429,17 +430,18 @@ impl Pool {
             }
         }
         self.backend.synchronize(dp.device)?;
-        let (doomed, releases) = {
+        let (doomed, releases, shrunk) = {
             let mut st = dp.state.lock();
             st.settle_all(self.backend.as_ref());
             let mut doomed = std::mem::take(&mut st.orphans);
             let (empty, releases) = self.take_empty_observed(dp, &mut st);
             doomed.extend(empty);
-            (doomed, releases)
+            let shrunk = self.shrink_free_tails(dp, &mut st);
+            (doomed, releases, shrunk)
         };
         // Observers' on_release, with the lock released, before the arenas are destroyed.
         self.count_failures(self.observers.deliver(releases));
-        let mut released = 0;
+        let mut released = shrunk;
         let mut first_err = None;
         for mem in doomed {
             let bytes = mem.bytes;

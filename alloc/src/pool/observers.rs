@@ -327,15 +327,15 @@ impl Observers {
         self.register_arena(info)
     }
 
-    /// A growth step of the arena at `key` (`pool/growth.rs`, under the device lock): made
-    /// by `grow` with the registry locked, so no observer can come and be told of the arena
-    /// meanwhile; `None` (nothing done) while any observer is registered (they are told of
-    /// arenas, not of growth steps) or a call about the arena is under way. On success the
-    /// registry records the grown size, which a later observer is told.
-    pub(crate) fn grow_unobserved(
+    /// A growth step, or a shrink, of the arena at `key` (`pool/growth.rs`, under the device
+    /// lock): made by `resize` with the registry locked, so no observer can come and be told
+    /// of the arena meanwhile; `None` (nothing done) while any observer is registered (they
+    /// are told of arenas, not of size changes) or a call about the arena is under way. On
+    /// success the registry records the new size, which a later observer is told.
+    pub(crate) fn resize_unobserved(
         &self,
         key: ArenaKey,
-        grow: impl FnOnce() -> Result<ArenaMem>,
+        resize: impl FnOnce() -> Result<ArenaMem>,
     ) -> Option<Result<ArenaMem>> {
         let mut reg = self.reg.lock();
         if !reg.observers.is_empty()
@@ -346,11 +346,11 @@ impl Observers {
         {
             return None;
         }
-        let grown = grow();
-        if let (Ok(mem), Some(a)) = (&grown, reg.arenas.get_mut(&key)) {
+        let resized = resize();
+        if let (Ok(mem), Some(a)) = (&resized, reg.arenas.get_mut(&key)) {
             a.info.size = mem.bytes;
         }
-        Some(grown)
+        Some(resized)
     }
 
     /// Whether an `on_ready` of the arena at `key` runs now (it must not be released).

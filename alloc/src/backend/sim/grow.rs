@@ -169,6 +169,58 @@ impl SimBackend {
         })
     }
 
+    /// See [`crate::backend::Backend::shrink_arena`]: the chunks after the first that start
+    /// at or past `keep` go back to an inaccessible reservation and the memfd is cut to the
+    /// chunks kept.
+    pub(super) fn shrink(&self, arena: &ArenaMem, keep: u64) -> Result<(ArenaMem, usize)> {
+        let mut inner = self.inner.lock();
+        inner.enter(SimCall::DestroyArena)?;
+        let entry = inner.arena_mut(arena, "shrink_arena")?;
+        if entry.open_exports > 0 || entry.mappings > 0 || entry.pinned {
+            return Err(Error::InvalidState(format!(
+                "sim shrink_arena: arena {} is exported or mapped elsewhere",
+                arena.handle
+            )));
+        }
+        let Some(Owner {
+            memfd: Some(memfd),
+            region,
+        }) = entry.owner.as_ref()
+        else {
+            return Err(Error::InvalidState(format!(
+                "sim shrink_arena: arena {} is destroyed or asleep",
+                arena.handle
+            )));
+        };
+        // Chunk starts, the first's at 0: keep the chunks before the first later one that
+        // starts at or past `keep`.
+        let mut start = 0;
+        let mut kept = 0;
+        for (i, &len) in entry.chunks.iter().enumerate() {
+            if i > 0 && start >= keep {
+                break;
+            }
+            start += len;
+            kept = i + 1;
+        }
+        let released = entry.chunks.len() - kept;
+        if released == 0 {
+            return Ok((arena.clone(), 0));
+        }
+        let end = start;
+        sys::reserve_over(&region.part(end, entry.bytes - end))?;
+        sys::set_len(memfd.as_fd(), end)?;
+        entry.chunks.truncate(kept);
+        entry.bytes = end;
+        Ok((
+            ArenaMem {
+                bytes: end,
+                ..arena.clone()
+            },
+            released,
+        ))
+    }
+
     /// `close_export` of a grown arena's export: every fd must be one of this arena's
     /// counted exports; then they all close. Otherwise nothing changes (fds of ours stay
     /// counted and are kept, as the module docs say of a refused close).

@@ -307,6 +307,10 @@ impl Backend for SimBackend {
         self.grow(arena, extra)
     }
 
+    fn shrink_arena(&self, arena: &ArenaMem, keep: u64) -> Result<(ArenaMem, usize)> {
+        self.shrink(arena, keep)
+    }
+
     fn destroy_arena(&self, arena: ArenaMem) -> Result<()> {
         let mut inner = self.inner.lock();
         inner.enter(SimCall::DestroyArena)?;

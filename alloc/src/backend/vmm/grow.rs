@@ -155,6 +155,72 @@ impl<D: Driver> VmmBackend<D> {
         Ok(grown)
     }
 
+    /// See [`crate::backend::Backend::shrink_arena`]: the chunks after the first that start
+    /// at or past `keep` are unmapped and released, from the last back; the registry then
+    /// records the arena's new end. A failed unmap stops there: the chunks still mapped stay
+    /// the arena's, and the arena returned ends after them.
+    pub(super) fn shrink(&self, arena: &ArenaMem, keep: u64) -> Result<(ArenaMem, usize)> {
+        let device = arena.device;
+        let awake = self.regions.read().get(&arena.base) == Some(&Self::arena_region(arena));
+        if !awake {
+            return Err(Error::invalid(format!(
+                "{}: arena at {:#x} of {} bytes is not a live, awake arena of this backend",
+                D::NAME,
+                arena.base,
+                arena.bytes
+            )));
+        }
+        let doomed: Vec<(u64, u64, u64)> = match self.chunks.lock().get(&arena.base) {
+            Some(c) => c
+                .extra
+                .iter()
+                .copied()
+                .filter(|&(off, _, _)| off >= keep)
+                .collect(),
+            None => Vec::new(),
+        };
+        if doomed.is_empty() {
+            return Ok((arena.clone(), 0));
+        }
+        let (_, _current) = self.make_current(device)?;
+        let mut end = arena.bytes;
+        let mut released = 0;
+        for &(offset, bytes, handle) in doomed.iter().rev() {
+            let n = usize::try_from(bytes).unwrap_or(usize::MAX);
+            // SAFETY: one whole mapping of the arena (a chunk past `keep`), which the caller
+            // synchronized and no longer uses.
+            if let Err(e) = unsafe { self.driver.unmap(arena.base + offset, n) } {
+                tracing::warn!(backend = D::NAME, device, call = e.call, error = %e.message,
+                    "unmapping a grown arena's chunk failed; the arena keeps it");
+                break;
+            }
+            // SAFETY: the chunk's own handle, just unmapped, released once (its record goes
+            // below).
+            warn_undo(device, unsafe { self.driver.mem_release(handle) });
+            end = offset;
+            released += 1;
+        }
+        if let Some(c) = self.chunks.lock().get_mut(&arena.base) {
+            c.extra.retain(|&(off, _, _)| off < end);
+        }
+        let shrunk = ArenaMem {
+            bytes: end,
+            ..arena.clone()
+        };
+        self.regions
+            .write()
+            .insert(arena.base, Self::arena_region(&shrunk));
+        tracing::debug!(
+            backend = D::NAME,
+            device,
+            base = arena.base,
+            bytes = end,
+            released,
+            "arena shrunk"
+        );
+        Ok((shrunk, released))
+    }
+
     /// The chunks of the region at `base` of `bytes`: `(offset, bytes, handle)` in address
     /// order, the first with `first` as its handle.
     pub(super) fn chunk_layout(&self, base: u64, bytes: u64, first: u64) -> Vec<(u64, u64, u64)> {

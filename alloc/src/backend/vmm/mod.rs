@@ -393,6 +393,10 @@ impl<D: Driver> Backend for VmmBackend<D> {
         self.grow(arena, extra)
     }
 
+    fn shrink_arena(&self, arena: &ArenaMem, keep: u64) -> Result<(ArenaMem, usize)> {
+        self.shrink(arena, keep)
+    }
+
     fn destroy_arena(&self, arena: ArenaMem) -> Result<()> {
         let expect = Self::arena_region(&arena);
         let asleep = Region {

@@ -90,3 +90,44 @@ fn a_failed_growth_changes_nothing() {
     b.destroy_arena(a).unwrap();
     assert_nothing_held(&b.driver.memory);
 }
+
+#[test]
+fn a_shrink_unmaps_and_releases_the_chunks_past_keep_and_growth_resumes_there() {
+    let b = backend(Setup::default());
+    let a = b.create_growable_arena(0, 2 * G, 16 * G).unwrap();
+    let a = b.grow_arena(&a, G).unwrap();
+    let a = b.grow_arena(&a, 3 * G).unwrap();
+    // Nothing starts at or past 7 G: nothing goes.
+    let (same, n) = b.shrink_arena(&a, 7 * G).unwrap();
+    assert_eq!((same.bytes, n), (6 * G, 0));
+    // Keep 2.5 G: the chunk at 3 G goes, the one at 2 G (reaching 3 G) stays.
+    let (s, n) = b.shrink_arena(&a, 2 * G + G / 2).unwrap();
+    assert_eq!((s.base, s.bytes, n), (a.base, 3 * G, 1));
+    let stale = s.clone();
+    let (live, reserved, maps) = held(&b);
+    assert_eq!((live, reserved), (2, 1));
+    assert_eq!(
+        maps,
+        [(a.base, (2 * G) as usize), (a.base + 2 * G, G as usize)]
+    );
+    // The first chunk never goes.
+    let (s, n) = b.shrink_arena(&s, 0).unwrap();
+    assert_eq!((s.bytes, n), (2 * G, 1));
+    assert!(
+        b.can_grow(&s, 14 * G),
+        "the reservation is free past the end again"
+    );
+    let s = b.grow_arena(&s, 4 * G).unwrap();
+    assert_eq!(
+        held(&b).2,
+        [
+            (s.base, (2 * G) as usize),
+            (s.base + 2 * G, (4 * G) as usize)
+        ]
+    );
+    // The arena as it was before is no arena of this backend any more: refused.
+    assert!(b.shrink_arena(&stale, 0).is_err());
+    assert_eq!(held(&b).2.len(), 2);
+    b.destroy_arena(s).unwrap();
+    assert_nothing_held(&b.driver.memory);
+}
