@@ -12,7 +12,8 @@
 //! No assertion: the figures are printed.
 //!
 //! `cargo run --release -p gpu-arena-bench --example thread_scaling -- [--quick]
-//!  [--threads 1,2,4,8] [--workloads control,2MiB,mixed] [--pairs N] [--repeat N]`; `--quick` (CI) is 1,2 threads, 100k pairs
+//!  [--threads 1,2,4,8] [--workloads control,2MiB,mixed] [--pairs N] [--repeat N] [--grow]`
+//! (`--grow`: arenas that grow, `grow_arenas=1`); `--quick` (CI) is 1,2 threads, 100k pairs
 //! per thread, one run.
 #![allow(clippy::unwrap_used, missing_docs)]
 
@@ -59,6 +60,7 @@ struct Opts {
     threads: Vec<usize>,
     pairs: u64,
     repeat: usize,
+    grow_arenas: bool,
 }
 
 fn opts() -> Opts {
@@ -67,6 +69,7 @@ fn opts() -> Opts {
         threads: vec![1, 2, 4, 8],
         pairs: 500_000,
         repeat: 3,
+        grow_arenas: false,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -102,10 +105,11 @@ fn opts() -> Opts {
                 o.repeat = value().parse().unwrap();
                 i += 1;
             }
+            "--grow" => o.grow_arenas = true,
             a => {
                 panic!(
                     "unknown argument {a}: [--quick] [--threads 1,2,4] \
-                     [--workloads control,2MiB,mixed] [--pairs N] [--repeat N]"
+                     [--workloads control,2MiB,mixed] [--pairs N] [--repeat N] [--grow]"
                 )
             }
         }
@@ -114,7 +118,7 @@ fn opts() -> Opts {
     o
 }
 
-fn pool() -> Pool {
+fn pool(grow_arenas: bool) -> Pool {
     let backend: Arc<dyn Backend> = Arc::new(
         SimBackend::new(SimConfig {
             capacity: 256 * GIB,
@@ -124,6 +128,7 @@ fn pool() -> Pool {
     );
     let config = PoolConfig {
         validate: false,
+        grow_arenas,
         ..PoolConfig::default()
     };
     Pool::new(backend, config).unwrap()
@@ -167,8 +172,8 @@ fn work(
 
 /// Aggregate pairs per second of `threads` threads, each doing `pairs` pairs, and their CPU
 /// time per pair in ns.
-fn run(w: Workload, threads: usize, pairs: u64) -> (f64, f64) {
-    let pool = pool();
+fn run(w: Workload, threads: usize, pairs: u64, grow_arenas: bool) -> (f64, f64) {
+    let pool = pool(grow_arenas);
     let start = Barrier::new(threads);
     let runs: Vec<(Instant, Instant, Duration)> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..threads)
@@ -203,7 +208,7 @@ fn main() {
         let mut one = None;
         for &t in &o.threads {
             let (best, cpu) = (0..o.repeat)
-                .map(|_| run(w, t, o.pairs))
+                .map(|_| run(w, t, o.pairs, o.grow_arenas))
                 .fold((0.0f64, f64::MAX), |a, b| (a.0.max(b.0), a.1.min(b.1)));
             let base = *one.get_or_insert(if t == 1 { best } else { f64::NAN });
             println!(

@@ -127,13 +127,24 @@ impl DeviceState {
         if self.grows_freely(class) || class.pool != GENERAL {
             return self.settle_unless_routing(backend, device, class, len, stream);
         }
-        let passes: &[u64] = if class.small {
-            &[0]
+        // With growing arenas the allocating thread's own cache goes first: an arena that
+        // grows is full more often than a 1 GiB one, and taking every thread's blocks on each
+        // miss turns the other threads' next hits into misses. Other threads' blocks still go
+        // back before any growth.
+        let passes: &[(u64, bool)] = if class.small {
+            &[(0, false)]
+        } else if self.grows(class) {
+            &[
+                (FLUSH_FIRST_ABOVE, true),
+                (0, true),
+                (FLUSH_FIRST_ABOVE, false),
+                (0, false),
+            ]
         } else {
-            &[FLUSH_FIRST_ABOVE, 0]
+            &[(FLUSH_FIRST_ABOVE, false), (0, false)]
         };
-        for &min_len in passes {
-            if !self.flush_cached_above(min_len, Some(class)) {
+        for &(min_len, own_only) in passes {
+            if !self.flush_cached_above(min_len, Some(class), own_only) {
                 continue;
             }
             if let Some(p) = self.ranges[t]
@@ -394,14 +405,20 @@ impl DeviceState {
 
     /// Return every cached block to the sub-allocator, tagged with its stream.
     pub(super) fn flush_cache(&mut self) {
-        self.flush_cached_above(0, None);
+        self.flush_cached_above(0, None, false);
     }
 
     /// Return the cached blocks longer than `min_len`, the device's (of `class` only, if
     /// given: another class's blocks lie in other arenas and cannot make room) and the
-    /// thread caches' (every class), to the sub-allocator of their class, tagged with their
-    /// streams. Returns whether any block went back.
-    pub(super) fn flush_cached_above(&mut self, min_len: u64, class: Option<Class>) -> bool {
+    /// thread caches' (every class; only the calling thread's with `own_only`), to the
+    /// sub-allocator of their class, tagged with their streams. Returns whether any block
+    /// went back.
+    pub(super) fn flush_cached_above(
+        &mut self,
+        min_len: u64,
+        class: Option<Class>,
+        own_only: bool,
+    ) -> bool {
         // Per (stream, class), in one sorted pass: neighbouring cached blocks (a finished
         // sequence's KV blocks often are, whichever cache held them) merge before touching
         // the free index. The thread caches give back every class's blocks, not only
@@ -414,10 +431,14 @@ impl DeviceState {
         // it, and its misses are frequent enough that draining the KV blocks cached by the
         // threads each time slowed the second trace's warm replay by a third.
         let thread_class = class.filter(|c| c.huge);
-        for (key, ptrs) in self
-            .front
-            .drain_above(min_len, thread_class, self.huge_min())
-        {
+        let drained = if own_only {
+            self.front
+                .drain_own_above(min_len, thread_class, self.huge_min())
+        } else {
+            self.front
+                .drain_above(min_len, thread_class, self.huge_min())
+        };
+        for (key, ptrs) in drained {
             by_stream.entry(key).or_default().extend(ptrs);
         }
         let huge_min = self.huge_min();

@@ -34,21 +34,27 @@ const MIB: u64 = 1 << 20;
 /// Requests of at least this many bytes grow an arena by exactly their shortfall.
 pub const EXACT_GROWTH_MIN: u64 = 8 * MIB;
 
-/// With growing arenas, freed blocks up to [`EXACT_GROWTH_MIN`] are cached whole for
-/// exact-size reuse (the thread caches and the device's), larger ones go straight back to
-/// their arena's free ranges, where they coalesce at once, as in PyTorch. Cached, the large
-/// temporaries of the KV trace held the room its 2 MiB blocks then missed: 639 misses, each
-/// flushing every cache and settling the streams, ran the cold replay at 1.9x the time of
-/// 1 GiB arenas on sim; without them 190 misses, no miss in the warm replay, the time of 1 GiB
-/// arenas and 1.050 of live reserved (a 32 MiB limit: 1.088 cold, 1.27 warm;
-/// bench/results/sim-2026-12-02-growth.md).
+/// With growing arenas, freed blocks up to [`GROWING_CACHE_MAX`] are cached whole for
+/// exact-size reuse (the thread caches and the device's); larger ones go straight back to
+/// their arena's free ranges, where they coalesce at once, as in PyTorch.
 pub fn cache_max(grow_arenas: bool) -> u64 {
     if grow_arenas {
-        EXACT_GROWTH_MIN
+        GROWING_CACHE_MAX
     } else {
         super::CACHE_MAX_BLOCK
     }
 }
+
+/// The largest block cached with growing arenas: one 2 MiB page (a KV block; every small
+/// block). Cached, larger temporaries held the room that other sizes then missed: the KV
+/// trace's cold replay missed 639 times with 64 MiB (each miss flushing every cache and
+/// settling the streams: 1.9x the time of 1 GiB arenas on sim), 190 times with 8 MiB and
+/// none warm; and the small training and generation loops kept holes between cached blocks
+/// (1.32 / 1.39 of live with 8 MiB, 1.12 / 1.21 with 2 MiB on sim; 1.36 / 1.39 on the H200
+/// with 8 MiB). The KV trace runs as fast with 2 MiB as with 8. At most one cached block
+/// per length and stream above 2 MiB was tried: 1.22 / 1.21 on the small loops, 1.03 on
+/// medium training (bench/results/sim-2026-12-02-growth.md).
+pub const GROWING_CACHE_MAX: u64 = 2 * MIB;
 
 /// A smaller request grows an arena by at least its mapped bytes over this, once it holds
 /// [`GROWTH_EXACT_BELOW`].

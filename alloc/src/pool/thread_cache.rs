@@ -518,6 +518,23 @@ impl Front {
         blocks
     }
 
+    /// [`Self::drain_above`] of the calling thread's cache only.
+    pub(crate) fn drain_own_above(
+        self: &Arc<Self>,
+        min_len: u64,
+        class: Option<Class>,
+        huge_min: u64,
+    ) -> Vec<((u64, usize), Vec<u64>)> {
+        self.with_cache(|cache| {
+            let mut blocks = Vec::new();
+            cache
+                .records
+                .drain_free(min_len, class, huge_min, &mut blocks);
+            Some(blocks)
+        })
+        .unwrap_or_default()
+    }
+
     /// The allocated and requested bytes as the calling thread sees them (the base plus its
     /// cache's changes: exact with one thread), for the gauges.
     pub(crate) fn seen_bytes(self: &Arc<Self>) -> [u64; 2] {
