@@ -32,6 +32,8 @@ for s in "${steps[@]}"; do case $s in
   kvgrow_long) run kvgrow_long bash bench/gpu/run.sh .gpu/kv_trace_long.bin "$OUT/kv_grow_long.md" --arena-conf backend=cuda,grow_arenas=1 --no-pairs --no-scaling ;;
   kvgrow_long_expandable) run kvgrow_long_expandable env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
     bash bench/gpu/run.sh .gpu/kv_trace_long.bin "$OUT/kv_grow_long_expandable.md" --arena-conf backend=cuda,grow_arenas=1 --no-pairs --no-scaling ;;
+  kv_repeat_grow) run kv_repeat_grow python3 bench/gpu/kv_repeat.py --runs 5 --arena-conf backend=cuda,grow_arenas=1 ;;
+  scaling_grow) run scaling_grow bash bench/gpu/run.sh .gpu/kv_trace.bin "$OUT/scaling_grow.md" --arena-conf backend=cuda,grow_arenas=1 --no-replay --skip cumemalloc,async ;;
   share_grow) run share_grow env GPU_ARENA_CONF=grow_arenas=1 bash bench/gpu/share_bench.sh --out "$OUT/share_grow.md" ;;
   reserved) run reserved python3 bench/gpu/torch_reserved.py --modes torch,torch-expandable,gpu-arena-grow \
     --workloads small_train,small_generate,medium_train,medium_generate --out "$OUT/reserved-sm.md" ;;

@@ -226,7 +226,7 @@ fn split_arena_keeps_three_windows_and_gives_the_rest_back() {
 /// arena sleeps and wakes as one allocation, and destroying it gives everything back.
 #[test]
 #[ignore = "needs a CUDA GPU (run on the H200 with --ignored)"]
-fn growable_arena_grows_exports_its_chunks_and_gives_everything_back() {
+fn growable_arena_grows_exports_its_chunks_shrinks_and_gives_everything_back() {
     let _serial = contract::serial();
     let b = CudaBackend::new().expect("needs a CUDA GPU");
     let g = b.granularity(0).expect("granularity");
@@ -272,16 +272,31 @@ fn growable_arena_grows_exports_its_chunks_and_gives_everything_back() {
     b.unmap_import(mapping).expect("unmap the import");
     drop(chunks);
     b.close_export(&grown, export).expect("close the export");
-    // Sleep and wake: one allocation again.
+    // Shrink (empty_cache's free tail): the chunk starting at 12 g goes, the bytes before
+    // it stay.
     let held = free(&b);
-    b.release_physical(&grown).expect("sleep");
+    let (shrunk, released) = b.shrink_arena(&grown, 10 * g).expect("shrink");
+    assert_eq!((shrunk.base, shrunk.bytes, released), (arena.base, 12 * g, 1));
     assert_near(
         free(&b).saturating_sub(held),
-        32 * g,
+        20 * g,
+        slack,
+        "freed by the shrink",
+    );
+    let mut kept = vec![0u8; (6 * g) as usize];
+    b.copy_to_host(0, at, &mut kept)
+        .expect("read what the shrink kept");
+    assert!(kept[..] == pattern[..kept.len()]);
+    // Sleep and wake: one allocation again.
+    let held = free(&b);
+    b.release_physical(&shrunk).expect("sleep");
+    assert_near(
+        free(&b).saturating_sub(held),
+        12 * g,
         slack,
         "freed by the sleep",
     );
-    let woken = b.restore_physical(&grown).expect("wake");
+    let woken = b.restore_physical(&shrunk).expect("wake");
     let export = b.export(&woken).expect("export after the wake");
     assert_eq!(
         export.chunk_fds(woken.bytes).len(),

@@ -12,6 +12,7 @@ interleaved replay): the machine's speed changes within a second, and there a ch
 both alike.
 
     python3 bench/gpu/kv_repeat.py [--runs 7] [--cpu 2] [--trace .gpu/kv_trace.bin] [--interleave 4096]
+        [--arena-conf backend=cuda,grow_arenas=1]
 
 Builds .gpu/kv_bench with bench/gpu/build.sh when missing; needs .gpu/libgpu_arena.so. Writes the report
 to stdout and, when OUT is set, to $OUT/kv_repeat.md with each run's kv_bench report beside
@@ -84,6 +85,7 @@ def main() -> int:
     ap.add_argument("--trace", default=str(ROOT / ".gpu/kv_trace.bin"))
     ap.add_argument("--interleave", type=int, default=4096,
                     help="ops per turn of kv_bench's interleaved replay (0: not run)")
+    ap.add_argument("--arena-conf", help="gpu-arena's configuration string for kv_bench")
     args = ap.parse_args()
     out_dir = Path(out_path())
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -103,6 +105,8 @@ def main() -> int:
         md = out_dir / f"kv_repeat_{i}.md"
         cmd = pin + [bench, "--trace", args.trace, "--out", str(md), "--skip", "cumemalloc,async",
                      "--pair-bytes", str(2 << 20), "--no-scaling", "--interleave", str(args.interleave)]
+        if args.arena_conf:
+            cmd += ["--arena-conf", args.arena_conf]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         if p.returncode != 0 or not md.exists():
             print(f"run {i}: kv_bench exited {p.returncode}\n{p.stderr[-2000:]}", file=sys.stderr)
