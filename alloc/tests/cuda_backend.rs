@@ -276,7 +276,10 @@ fn growable_arena_grows_exports_its_chunks_shrinks_and_gives_everything_back() {
     // it stay.
     let held = free(&b);
     let (shrunk, released) = b.shrink_arena(&grown, 10 * g).expect("shrink");
-    assert_eq!((shrunk.base, shrunk.bytes, released), (arena.base, 12 * g, 1));
+    assert_eq!(
+        (shrunk.base, shrunk.bytes, released),
+        (arena.base, 12 * g, 1)
+    );
     assert_near(
         free(&b).saturating_sub(held),
         20 * g,

@@ -325,3 +325,83 @@ fn fill_vec(len: usize, seed: u8) -> Vec<u8> {
     fill(v.as_mut_ptr() as u64, len, seed);
     v
 }
+
+/// Records what an arena observer is told: (base, size) of every `on_ready`, and releases.
+#[derive(Default)]
+struct Registrations {
+    ready: std::sync::Mutex<Vec<(u64, u64)>>,
+    released: std::sync::Mutex<Vec<(u64, u64)>>,
+}
+
+impl Registrations {
+    /// Whether `[ptr, ptr + len)` lies inside one registration still held.
+    fn covers(&self, ptr: u64, len: u64) -> bool {
+        let released = self.released.lock().unwrap();
+        self.ready
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|r| !released.contains(r) && r.0 <= ptr && ptr + len <= r.0 + r.1)
+    }
+}
+
+impl gpu_arena::ArenaObserver for Registrations {
+    fn on_ready(&self, a: &gpu_arena::ArenaInfo) -> Result<(), gpu_arena::pool::ObserverError> {
+        self.ready.lock().unwrap().push((a.base, a.size));
+        Ok(())
+    }
+    fn on_release(&self, a: &gpu_arena::ArenaInfo) {
+        self.released.lock().unwrap().push((a.base, a.size));
+    }
+}
+
+/// With an arena observer (a NIXL registrar) a growing class grows by new arenas of
+/// doubling sizes, each announced before any of its memory is handed out, so every block
+/// lies inside one registration and registrations stay few per GiB; an observer that comes
+/// after growth is told the grown size; everything announced is released with its memory.
+#[test]
+fn an_observed_pool_grows_by_announced_arenas_of_doubling_sizes() {
+    let (sim, pool) = growing_pool();
+    // Grown without an observer: one arena of 40 MiB in 5 chunks.
+    let early: Vec<_> = (0..5).map(|_| pool.alloc(0, 8 * MIB, S).unwrap()).collect();
+    assert_eq!(pool.stats(0).unwrap().arenas, 1);
+    let reg = Arc::new(Registrations::default());
+    let id = pool.observe_arenas(reg.clone());
+    assert_eq!(*reg.ready.lock().unwrap(), [(early[0].ptr, 40 * MIB)]);
+    // 2 GiB of 2 MiB blocks while observed.
+    let mut blocks = Vec::new();
+    for _ in 0..1024 {
+        let a = pool.alloc(0, 2 * MIB, S).unwrap();
+        assert!(
+            reg.covers(a.ptr, 2 * MIB),
+            "block {:#x} outside every registration",
+            a.ptr
+        );
+        blocks.push(a.ptr);
+    }
+    let s = pool.stats(0).unwrap();
+    let registrations = reg.ready.lock().unwrap().len() as u64;
+    let gib = s.reserved_bytes.div_ceil(1 << 30);
+    assert!(
+        registrations <= 6 * gib,
+        "{registrations} registrations for {gib} GiB: {:?}",
+        reg.ready.lock().unwrap()
+    );
+    // Sizes after the first double (up to 1 GiB) rather than one registration per block.
+    let sizes: Vec<u64> = reg.ready.lock().unwrap().iter().map(|r| r.1).collect();
+    assert!(sizes.windows(2).skip(1).all(|w| w[1] >= w[0]), "{sizes:?}");
+    for p in blocks.into_iter().chain(early.iter().map(|a| a.ptr)) {
+        pool.free(p).unwrap();
+    }
+    pool.empty_cache(None).unwrap();
+    let mut ready = reg.ready.lock().unwrap().clone();
+    let mut released = reg.released.lock().unwrap().clone();
+    ready.sort_unstable();
+    released.sort_unstable();
+    assert_eq!(
+        ready, released,
+        "every registration released with its memory"
+    );
+    pool.unobserve_arenas(id).unwrap();
+    assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+}
