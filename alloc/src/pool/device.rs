@@ -1,12 +1,13 @@
 //! One device's reuse rules, behind its lock: which free range an allocation on a stream
 //! may take (own stream, own limbo, any stream), the events that release other streams'
-//! ranges (limbo tags), the exact-size cache, pending `record_stream` frees, arena
-//! bookkeeping, and `validate()`. `pool/mod.rs` holds the public API around it.
+//! ranges (limbo tags), pending `record_stream` frees, arena bookkeeping, and `validate()`.
+//! The exact-size cache and the flushes are in `pool/device_cache.rs`; `pool/mod.rs` holds
+//! the public API around it.
 
 use rustc_hash::FxHashMap;
 use std::collections::HashMap;
 
-use super::cache_key::{cache_key_parts, cache_len};
+use super::cache_key::cache_key_parts;
 use super::classes::{Class, GENERAL};
 use super::share_tables::ShareTables;
 use super::thread_cache::Front;
@@ -39,7 +40,7 @@ pub(crate) struct DeviceState {
     /// Freed blocks kept whole, by (stream, length): an exact-size reuse on the same stream
     /// costs two hash operations. They stay allocated in `ranges` until flushed (on a miss
     /// that would otherwise grow the pool, and before `empty_cache`).
-    cache: FxHashMap<(u64, u64), Vec<(u64, usize)>>,
+    pub(super) cache: FxHashMap<(u64, u64), Vec<(u64, usize)>>,
     pub(super) cached_bytes: u64,
     pub(super) pending: Vec<PendingFree>,
     /// Per stream: an event recorded on it, and the limbo tag its free ranges were moved
@@ -370,128 +371,6 @@ impl DeviceState {
             events,
             until_synchronize,
         });
-    }
-
-    /// A block of exactly `len` bytes freed on `stream` with tag `tag`, from the device's
-    /// exact-size cache: its address and arena key.
-    pub(super) fn take_cached(&mut self, stream: u64, len: u64, tag: u8) -> Option<(u64, usize)> {
-        let key = (stream, cache_len(len, tag));
-        let (ptr, arena) = self.cache.get_mut(&key).and_then(Vec::pop)?;
-        self.cached_bytes -= len;
-        Some((ptr, arena))
-    }
-
-    /// Put a freed allocation (no shares, no other streams; its record already removed)
-    /// into the exact-size cache.
-    pub(super) fn cache_live(&mut self, ptr: u64, live: Live) {
-        if let Some(a) = self.arenas.get_mut(live.arena) {
-            a.live_allocs -= 1;
-        }
-        let bytes = live.bytes();
-        self.front.sub_bytes(bytes, live.requested);
-        self.stats.allocations = self.stats.allocations.wrapping_sub(1);
-        if self.history.recording {
-            let (req, stream) = (live.requested, live.stream.0);
-            self.history
-                .record(Action::FreeCompleted, ptr, bytes, req, stream);
-        }
-        self.cached_bytes += bytes;
-        let tag = self.arenas.get(live.arena).map_or(0, |a| a.tag);
-        self.cache
-            .entry((live.stream.0, cache_len(bytes, tag)))
-            .or_default()
-            .push((ptr, live.arena));
-    }
-
-    /// Return every cached block to the sub-allocator, tagged with its stream.
-    pub(super) fn flush_cache(&mut self) {
-        self.flush_cached_above(0, None, false);
-    }
-
-    /// Return the cached blocks longer than `min_len`, the device's (of `class` only, if
-    /// given: another class's blocks lie in other arenas and cannot make room) and the
-    /// thread caches' (every class; only the calling thread's with `own_only`), to the
-    /// sub-allocator of their class, tagged with their streams. Returns whether any block
-    /// went back.
-    pub(super) fn flush_cached_above(
-        &mut self,
-        min_len: u64,
-        class: Option<Class>,
-        own_only: bool,
-    ) -> bool {
-        // Per (stream, class), in one sorted pass: neighbouring cached blocks (a finished
-        // sequence's KV blocks often are, whichever cache held them) merge before touching
-        // the free index. The thread caches give back every class's blocks, not only
-        // `class`'s: draining them by class kept small blocks in the threads' caches across
-        // large misses, and the KV trace with 256 MiB arenas then reached its final
-        // 17,430 MiB one replay later (growing in the fourth replay; bench/tests/kv_memory.rs).
-        // Each block still goes to its own class's sub-allocator.
-        let mut by_stream: FxHashMap<(u64, usize), Vec<u64>> = FxHashMap::default();
-        // A huge class's miss takes back only huge blocks: no other class can make room for
-        // it, and its misses are frequent enough that draining the KV blocks cached by the
-        // threads each time slowed the second trace's warm replay by a third.
-        let thread_class = class.filter(|c| c.huge);
-        let drained = if own_only {
-            self.front
-                .drain_own_above(min_len, thread_class, self.huge_min())
-        } else {
-            self.front
-                .drain_above(min_len, thread_class, self.huge_min())
-        };
-        for (key, ptrs) in drained {
-            by_stream.entry(key).or_default().extend(ptrs);
-        }
-        let huge_min = self.huge_min();
-        let cached_bytes = &mut self.cached_bytes;
-        if *cached_bytes != 0 {
-            self.cache.retain(|&(stream, key), blocks| {
-                let (len, tag) = cache_key_parts(key);
-                let of = Class::of(tag as u8, len, huge_min);
-                if len <= min_len || class.is_some_and(|c| c != of) {
-                    return true;
-                }
-                *cached_bytes -= len * blocks.len() as u64;
-                by_stream
-                    .entry((stream, of.index()))
-                    .or_default()
-                    .extend(blocks.drain(..).map(|(ptr, _)| ptr));
-                false
-            });
-        }
-        let any = !by_stream.is_empty();
-        self.free_blocks(by_stream);
-        any
-    }
-
-    /// Give cached blocks, by (stream, class index), back to their class's sub-allocator.
-    fn free_blocks(&mut self, blocks: impl IntoIterator<Item = ((u64, usize), Vec<u64>)>) {
-        for ((stream, class), mut ptrs) in blocks {
-            let Some(ranges) = self.ranges.get_mut(class) else {
-                tracing::error!(class, "flushing cached blocks of an unknown class");
-                continue;
-            };
-            for ptr in ranges.free_many(&mut ptrs, stream) {
-                tracing::error!(ptr, "flushing a cached block failed: not allocated");
-            }
-        }
-    }
-
-    /// Return the blocks of thread caches whose thread exited and fold in their counts.
-    pub(super) fn reclaim_gone_caches(&mut self) {
-        if !self.front.any_gone() {
-            return;
-        }
-        let gone = self.front.take_gone(self.huge_min());
-        let counts = gone.counts;
-        self.free_blocks(gone.blocks);
-        // Allocations of exited threads: recorded in the device's map from now on.
-        for (ptr, rec) in gone.live {
-            self.insert_promoted(ptr, rec);
-        }
-        let s = &mut self.stats;
-        s.alloc_count = s.alloc_count.wrapping_add(counts.alloc_count);
-        s.free_count = s.free_count.wrapping_add(counts.free_count);
-        s.allocations = s.allocations.wrapping_add(counts.allocations());
     }
 
     /// Move the front's record of `ptr`, if it has one, into the device's map (where shares,

@@ -81,6 +81,7 @@ mod arena_index;
 mod cache_key;
 mod classes;
 mod device;
+mod device_cache;
 pub(crate) use device::DeviceState;
 mod free;
 mod graph_pool_ids;
