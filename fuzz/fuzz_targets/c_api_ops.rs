@@ -20,6 +20,10 @@ use libfuzzer_sys::fuzz_target;
 
 const DEVICES: c_int = 2;
 const CONF: &CStr = c"backend=sim,sim_devices=2,sim_capacity=64MiB,arena_size=4MiB";
+/// With `GPU_ARENA_FUZZ_GROW=1`: the same with arenas that grow (growth, chunked exports and
+/// `empty_cache`'s shrink under the same calls).
+const CONF_GROW: &CStr =
+    c"backend=sim,sim_devices=2,sim_capacity=64MiB,arena_size=4MiB,grow_arenas=1";
 
 #[derive(Arbitrary, Debug)]
 enum Size {
@@ -215,8 +219,13 @@ fn init() {
             .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
             .with(filter)
             .init();
+        let conf = if std::env::var("GPU_ARENA_FUZZ_GROW").as_deref() == Ok("1") {
+            CONF_GROW
+        } else {
+            CONF
+        };
         assert_eq!(
-            gpu_arena_configure(CONF.as_ptr()),
+            gpu_arena_configure(conf.as_ptr()),
             GPU_ARENA_OK,
             "{}",
             last_error()
