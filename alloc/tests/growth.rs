@@ -38,10 +38,12 @@ fn growing_pool() -> (Arc<SimBackend>, Arc<Pool>) {
     (sim, pool)
 }
 
-/// A few tensors reserve their bytes, not 1 GiB arenas: live plus at most one 2 MiB page
-/// per class (large blocks are 2 MiB multiples; the small class's arena is one page).
+/// A few tensors reserve their bytes, not 1 GiB arenas: live plus a few 2 MiB pages per
+/// class: the large class's growth maps at most 8 MiB beyond a smaller request's shortfall
+/// while it holds under 64 MiB (`growth::GROWTH_SMALL_STEP`, 4 pages, which covers the 2 MiB
+/// rounding of its blocks too), the small class's arena is one page.
 #[test]
-fn a_small_program_reserves_its_live_bytes_plus_a_page_per_class() {
+fn a_small_program_reserves_its_live_bytes_plus_a_few_pages_per_class() {
     let (_sim, pool) = growing_pool();
     let sizes = [3 * MIB, 10 * MIB, 700 << 10, 40 * MIB, 64 << 10, 6 * MIB];
     let live: Vec<_> = sizes
@@ -51,7 +53,7 @@ fn a_small_program_reserves_its_live_bytes_plus_a_page_per_class() {
     let s = pool.stats(0).unwrap();
     let requested: u64 = sizes.iter().sum();
     assert!(
-        s.reserved_bytes <= requested + 2 * 2 * MIB,
+        s.reserved_bytes <= requested + 4 * 2 * MIB + 2 * MIB,
         "reserved {} MiB for {} MiB requested",
         s.reserved_bytes / MIB,
         requested / MIB

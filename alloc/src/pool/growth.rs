@@ -9,8 +9,9 @@
 //! How much a growth maps ([`growth_step`], chosen by replaying the recorded PyTorch loops
 //! and the KV traces, `bench/results/sim-2026-12-02-growth.md`): a request of at least
 //! [`EXACT_GROWTH_MIN`] maps exactly its shortfall (training's activations: reserved stays
-//! at live), and so does any request while the arena holds less than
-//! [`GROWTH_EXACT_BELOW`] (a small program reserves what it uses); past that a smaller
+//! at live); while the arena holds less than [`GROWTH_FINE_BELOW`] a smaller request maps
+//! at most [`GROWTH_SMALL_STEP`] beyond its shortfall (a small program reserves what it uses
+//! and a few pages); past that a smaller
 //! request maps at least a quarter of what the arena already holds (KV blocks: about a
 //! hundred chunks for tens of GiB, not thousands; each chunk is a driver allocation of
 //! about 50 us, and one fd when the arena is shared).
@@ -57,12 +58,18 @@ pub fn cache_max(grow_arenas: bool) -> u64 {
 pub const GROWING_CACHE_MAX: u64 = 2 * MIB;
 
 /// A smaller request grows an arena by at least its mapped bytes over this, once it holds
-/// [`GROWTH_EXACT_BELOW`].
+/// [`GROWTH_FINE_BELOW`].
 pub const GROWTH_DIVISOR: u64 = 4;
 
-/// Until an arena holds this many bytes every growth maps exactly the shortfall: a small
-/// program reserves its live bytes (plus the 2 MiB rounding of its large blocks).
-pub const GROWTH_EXACT_BELOW: u64 = 64 * MIB;
+/// Until an arena holds this many bytes a smaller request maps its shortfall, or what the
+/// arena holds up to [`GROWTH_SMALL_STEP`]: a small program reserves its live bytes plus at
+/// most that step (and the 2 MiB rounding of its large blocks).
+pub const GROWTH_FINE_BELOW: u64 = 64 * MIB;
+
+/// The most a smaller request maps beyond its shortfall while the arena holds less than
+/// [`GROWTH_FINE_BELOW`]: 2 MiB KV blocks reach 64 MiB in 9 growths, not 31 (each a driver
+/// allocation, and a file descriptor when the arena is shared).
+pub const GROWTH_SMALL_STEP: u64 = 8 * MIB;
 
 /// The most one growth maps for a small request (its shortfall may be more).
 pub const GROWTH_MAX_STEP: u64 = 1024 * MIB;
@@ -72,8 +79,10 @@ pub const GROWTH_MAX_STEP: u64 = 1024 * MIB;
 /// shortfall. `None` on overflow.
 pub fn growth_step(mapped: u64, tail: u64, len: u64, granularity: u64) -> Option<u64> {
     let short = len.saturating_sub(tail).max(1);
-    let step = if len >= EXACT_GROWTH_MIN || mapped < GROWTH_EXACT_BELOW {
+    let step = if len >= EXACT_GROWTH_MIN {
         short
+    } else if mapped < GROWTH_FINE_BELOW {
+        short.max(mapped.min(GROWTH_SMALL_STEP))
     } else {
         short.max((mapped / GROWTH_DIVISOR).min(GROWTH_MAX_STEP))
     };
@@ -278,10 +287,13 @@ mod tests {
             growth_step(1024 * MIB, 10 * MIB, 32 * MIB, g),
             Some(22 * MIB)
         );
-        // A 2 MiB KV block in an arena of 4 GiB maps 1 GiB; in a new or small arena 2 MiB.
+        // A 2 MiB KV block in an arena of 4 GiB maps 1 GiB; in a new arena 2 MiB; in a
+        // small one what it holds, up to 8 MiB.
         assert_eq!(growth_step(4096 * MIB, 0, 2 * MIB, g), Some(1024 * MIB));
         assert_eq!(growth_step(0, 0, 2 * MIB, g), Some(2 * MIB));
-        assert_eq!(growth_step(62 * MIB, 0, 2 * MIB, g), Some(2 * MIB));
+        assert_eq!(growth_step(4 * MIB, 0, 2 * MIB, g), Some(4 * MIB));
+        assert_eq!(growth_step(62 * MIB, 0, 2 * MIB, g), Some(8 * MIB));
+        assert_eq!(growth_step(62 * MIB, 0, 6 * MIB, g), Some(8 * MIB));
         assert_eq!(growth_step(400 * MIB, MIB, 2 * MIB, g), Some(100 * MIB));
         // Always a granularity multiple covering the shortfall.
         assert_eq!(growth_step(0, 0, 9 * MIB + 1, g), Some(10 * MIB));
