@@ -122,12 +122,7 @@ impl SimBackend {
         self.check_granular("grow_arena", "a growth", extra)?;
         let held = inner.held_bytes(arena.device);
         let entry = inner.arena_mut(arena, "grow_arena")?;
-        if entry.open_exports > 0 || entry.mappings > 0 || entry.pinned {
-            return Err(Error::InvalidState(format!(
-                "sim grow_arena: arena {} is exported or mapped elsewhere",
-                arena.handle
-            )));
-        }
+        resizable(entry, "grow_arena", arena.handle)?;
         if entry.reserve - entry.bytes < extra {
             return Err(Error::invalid(format!(
                 "sim grow_arena: arena {} has {} bytes of its reservation left, not {extra}",
@@ -135,16 +130,7 @@ impl SimBackend {
                 entry.reserve - entry.bytes
             )));
         }
-        let Some(Owner {
-            memfd: Some(memfd),
-            region,
-        }) = entry.owner.as_ref()
-        else {
-            return Err(Error::InvalidState(format!(
-                "sim grow_arena: arena {} is destroyed or asleep",
-                arena.handle
-            )));
-        };
+        let (memfd, region) = owned_memory(&entry.owner, "grow_arena", arena.handle)?;
         if held.saturating_add(extra) > self.config.capacity {
             return Err(Error::DriverOutOfMemory {
                 backend: NAME,
@@ -176,22 +162,8 @@ impl SimBackend {
         let mut inner = self.inner.lock();
         inner.enter(SimCall::DestroyArena)?;
         let entry = inner.arena_mut(arena, "shrink_arena")?;
-        if entry.open_exports > 0 || entry.mappings > 0 || entry.pinned {
-            return Err(Error::InvalidState(format!(
-                "sim shrink_arena: arena {} is exported or mapped elsewhere",
-                arena.handle
-            )));
-        }
-        let Some(Owner {
-            memfd: Some(memfd),
-            region,
-        }) = entry.owner.as_ref()
-        else {
-            return Err(Error::InvalidState(format!(
-                "sim shrink_arena: arena {} is destroyed or asleep",
-                arena.handle
-            )));
-        };
+        resizable(entry, "shrink_arena", arena.handle)?;
+        let (memfd, region) = owned_memory(&entry.owner, "shrink_arena", arena.handle)?;
         // Chunk starts, the first's at 0: keep the chunks before the first later one that
         // starts at or past `keep`.
         let mut start = 0;
@@ -311,5 +283,32 @@ impl SimBackend {
             at += n;
         }
         Ok(inner.record_import(device, bytes, region, key))
+    }
+}
+
+/// Refused unless `entry` is free to change size: no export, no in-process mapping, no pin.
+fn resizable(entry: &ArenaEntry, call: &str, handle: u64) -> Result<()> {
+    if entry.open_exports > 0 || entry.mappings > 0 || entry.pinned {
+        return Err(Error::InvalidState(format!(
+            "sim {call}: arena {handle} is exported or mapped elsewhere"
+        )));
+    }
+    Ok(())
+}
+
+/// The memfd and address range of an arena that is live and awake.
+fn owned_memory<'a>(
+    owner: &'a Option<Owner>,
+    call: &str,
+    handle: u64,
+) -> Result<(&'a OwnedFd, &'a sys::Region)> {
+    match owner {
+        Some(Owner {
+            memfd: Some(memfd),
+            region,
+        }) => Ok((memfd, region)),
+        _ => Err(Error::InvalidState(format!(
+            "sim {call}: arena {handle} is destroyed or asleep"
+        ))),
     }
 }
