@@ -313,6 +313,61 @@ fn growable_arena_grows_exports_its_chunks_shrinks_and_gives_everything_back() {
     assert_near(free(&b), baseline, slack, "free after destroy");
 }
 
+/// Trim of a grown arena on the GPU: windows across its chunk boundaries keep their bytes at
+/// their addresses (the copy out reads across chunks), every chunk goes back, and the
+/// windows' teardown frees the reservation.
+#[test]
+#[ignore = "needs a CUDA GPU (run on the H200 with --ignored)"]
+fn grown_arena_splits_across_its_chunks_and_gives_the_rest_back() {
+    let _serial = contract::serial();
+    let b = CudaBackend::new().expect("needs a CUDA GPU");
+    let g = b.granularity(0).expect("granularity");
+    let slack = 2 * g;
+    let baseline = free(&b);
+    let arena = b
+        .create_growable_arena(0, 8 * g, 64 * GIB)
+        .expect("create growable");
+    let grown = b.grow_arena(&arena, 4 * g).expect("grow once");
+    let grown = b.grow_arena(&grown, 20 * g).expect("grow twice");
+    // Chunks [0, 8 g), [8 g, 12 g), [12 g, 32 g); windows [6 g, 14 g) (across both
+    // boundaries) and [20 g, 22 g).
+    let windows = [(6 * g, 8 * g), (20 * g, 2 * g)];
+    let patterns: Vec<Vec<u8>> = windows
+        .iter()
+        .enumerate()
+        .map(|(i, &(_, len))| {
+            (0..len as usize)
+                .map(|j| (j as u8).wrapping_mul(31).wrapping_add(i as u8 * 7 + 1))
+                .collect()
+        })
+        .collect();
+    for (&(off, _), p) in windows.iter().zip(&patterns) {
+        b.copy_from_host(0, grown.base + off, p).expect("write");
+    }
+    assert!(b.can_split(&grown));
+    b.synchronize(0).expect("synchronize");
+    let held = free(&b);
+    let parts = b.split_arena(&grown, &windows).expect("split a grown arena");
+    assert_eq!(parts.len(), 2);
+    assert_near(
+        free(&b).saturating_sub(held),
+        22 * g,
+        slack,
+        "freed by the split",
+    );
+    for ((part, &(off, len)), p) in parts.iter().zip(&windows).zip(&patterns) {
+        assert_eq!((part.base, part.bytes), (grown.base + off, len));
+        let mut back = vec![0u8; len as usize];
+        b.copy_to_host(0, part.base, &mut back).expect("read a window");
+        assert!(back == *p, "window at {off:#x} lost its bytes");
+    }
+    b.synchronize(0).expect("synchronize");
+    for part in parts {
+        b.destroy_arena(part).expect("destroy a window");
+    }
+    assert_near(free(&b), baseline, slack, "free after the windows");
+}
+
 contract::backend_contract_tests!(
     CudaBackend,
     #[ignore = "needs a CUDA GPU (run on the H200 with --ignored)"]

@@ -321,6 +321,52 @@ fn empty_cache_gives_back_the_chunks_past_the_last_survivor() {
     assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
 }
 
+#[test]
+fn trim_cuts_a_grown_arena_down_to_its_survivors_pages() {
+    let (sim, pool) = growing_pool();
+    // Seven chunks of 16 MiB; survivors in the second and the sixth, the rest freed.
+    let blocks: Vec<_> = (0..7)
+        .map(|_| pool.alloc(0, 16 * MIB, S).unwrap())
+        .collect();
+    let keep = [1usize, 5];
+    for (i, a) in blocks.iter().enumerate() {
+        if keep.contains(&i) {
+            fill(a.ptr, (16 * MIB) as usize, i as u8);
+        } else {
+            pool.free(a.ptr).unwrap();
+        }
+    }
+    let held = sim.ledger(0).held_bytes;
+    let report = pool.trim(None).unwrap();
+    // empty_cache gives back the tail chunk; the split the free chunks between.
+    assert_eq!(report.emptied_bytes, 16 * MIB, "{report:?}");
+    assert_eq!(report.split_arenas, 1, "{report:?}");
+    assert_eq!(report.windows, 2, "{report:?}");
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.reserved_bytes, 32 * MIB, "exactly the survivors: {s:?}");
+    assert_eq!(sim.ledger(0).held_bytes, held - 5 * 16 * MIB);
+    for &i in &keep {
+        let a = &blocks[i];
+        assert_eq!(
+            read(a.ptr, (16 * MIB) as usize),
+            fill_vec((16 * MIB) as usize, i as u8),
+            "survivor {i}"
+        );
+    }
+    pool.validate(0).unwrap();
+    // The class's next arena starts at its request (not at what the class holds), grows
+    // from there, and everything goes back at the end.
+    let next = pool.alloc(0, 8 * MIB, S).unwrap();
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 40 * MIB);
+    let more = pool.alloc(0, 8 * MIB, S).unwrap();
+    assert_eq!(more.ptr, next.ptr + 8 * MIB, "grown in place");
+    for a in [next.ptr, more.ptr, blocks[1].ptr, blocks[5].ptr] {
+        pool.free(a).unwrap();
+    }
+    pool.empty_cache(None).unwrap();
+    assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+}
+
 /// What `fill(ptr, len, seed)` writes, as bytes.
 fn fill_vec(len: usize, seed: u8) -> Vec<u8> {
     let mut v = vec![0u8; len];

@@ -95,7 +95,9 @@ impl Pool {
         let (growing, class_bytes) = {
             let st = dp.state.lock();
             let growing = st.grows(class);
-            (growing, if growing { st.class_bytes(class) } else { 0 })
+            // The class's arenas double only while its growing arena cannot grow.
+            let doubling = growing && st.growing.contains_key(&class.index());
+            (growing, if doubling { st.class_bytes(class) } else { 0 })
         };
         let arena_bytes = if growing {
             growth::first_chunk(class_bytes, len, limits.granularity)

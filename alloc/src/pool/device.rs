@@ -90,6 +90,12 @@ impl DeviceState {
         }
     }
 
+    /// Arena `key` left the pool: it is no class's growing arena any more (the class's next
+    /// arena starts at the size of its request, `growth::first_chunk`).
+    pub(crate) fn forget_growing(&mut self, key: usize) {
+        self.growing.retain(|_, k| *k != key);
+    }
+
     /// Whether `class`'s blocks live in growing arenas.
     pub(crate) fn grows(&self, class: Class) -> bool {
         self.grow_arenas && super::growth::grows(class)
@@ -557,6 +563,7 @@ impl DeviceState {
                 continue;
             }
             let a = self.arenas.remove(k);
+            self.forget_growing(k);
             self.arena_at.remove(base..base + a.mem.bytes);
             self.stats.reserved_bytes -= a.mem.bytes;
             self.stats.arenas -= 1;

@@ -90,8 +90,9 @@ pub fn growth_step(mapped: u64, tail: u64, len: u64, granularity: u64) -> Option
 }
 
 /// Bytes of a new growing arena's first chunk for a request of `len` when the class's
-/// arenas hold `class_bytes`: the request (exactly) for the class's first arena; after an
-/// arena that stopped growing (shared, full), at least what the class holds, up to
+/// arenas hold `class_bytes`: the request (exactly) for the class's first arena, and after
+/// its growing arena went (`empty_cache`, `trim`: pass 0); while the class's growing arena
+/// cannot grow (shared, observed, full), at least what the class holds, up to
 /// [`GROWTH_MAX_STEP`], so that a program sharing block after block makes arenas of doubling
 /// sizes (a dozen for 2 GiB of 2 MiB blocks), not one arena and one export per block.
 pub fn first_chunk(class_bytes: u64, len: u64, granularity: u64) -> Option<u64> {
@@ -132,7 +133,8 @@ impl Pool {
             return Ok(None);
         }
         if usize::from(a.chunks) >= MAX_ARENA_CHUNKS {
-            st.growing.remove(&t);
+            // Full: it stays the class's growing arena, so that the next one doubles
+            // (`first_chunk`).
             return Ok(None);
         }
         let mem = a.mem.clone();

@@ -273,6 +273,7 @@ impl DeviceState {
         metrics: &crate::pool::DeviceMetrics,
     ) -> Result<Vec<(u64, ArenaMem)>> {
         let old = self.arenas.remove(key);
+        self.forget_growing(key);
         let (base, bytes) = (old.mem.base, old.mem.bytes);
         let class = old.class();
         let abs: Vec<(u64, u64)> = parts.iter().map(|w| (w.base, w.bytes)).collect();

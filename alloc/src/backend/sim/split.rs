@@ -25,11 +25,6 @@ impl SimBackend {
                     arena.handle
                 )));
             }
-            if entry.chunks.len() > 1 {
-                return Err(Error::Unavailable(
-                    "sim split_arena: a grown arena (several chunks) is not split".into(),
-                ));
-            }
             if entry.owner.as_ref().is_none_or(|o| o.memfd.is_none()) {
                 return Err(Error::InvalidState(format!(
                     "sim split_arena: arena {} is destroyed or asleep",

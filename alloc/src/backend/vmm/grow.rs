@@ -346,13 +346,4 @@ impl<D: Driver> VmmBackend<D> {
     pub(super) fn forget_chunks(&self, base: u64) {
         self.chunks.lock().remove(&base);
     }
-
-    /// Whether the region at `base` has chunks after its first (a grown arena, a chunked
-    /// import).
-    pub(super) fn is_chunked(&self, base: u64) -> bool {
-        self.chunks
-            .lock()
-            .get(&base)
-            .is_some_and(|c| !c.extra.is_empty())
-    }
 }

@@ -693,10 +693,9 @@ impl<D: Driver> Backend for VmmBackend<D> {
 
     fn can_split(&self, arena: &ArenaMem) -> bool {
         // A legacy IPC arena (`cuMemAlloc` / `hipMalloc`, handle 0) is one allocation with
-        // its addresses: it cannot be re-backed. A grown arena is not split (yet): its
-        // chunks would each need their windows.
+        // its addresses: it cannot be re-backed. A grown arena splits like any other (its
+        // chunks are unmapped and released one by one).
         matches!(Self::arena_region(arena).kind, RegionKind::Arena { .. })
-            && !self.is_chunked(arena.base)
     }
 
     fn split_arena(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {

@@ -12,13 +12,15 @@
 //!    device into it, synchronize, unmap the temporary mappings and free the range. Until
 //!    here the arena was not touched: a failure releases the new handles and puts the
 //!    arena's region back.
-//! 4. Unmap the arena's old memory (the whole mapping) and map each new handle at its
-//!    window's address (same access). A failure unmaps the windows mapped so far, maps the
-//!    old handle back over the whole arena (its contents intact: it was never released) and
-//!    releases the new handles. Should that map back fail too, the arena is recorded asleep
-//!    (its reservation kept, nothing mapped, the old handle released: `restore_physical` or
-//!    `destroy_arena` may follow) and the error says so ("the arena is asleep").
-//! 5. Release the old handle; record the windows as arenas of their own.
+//! 4. Unmap the arena's old memory (each of its mappings: one, or one per chunk of a grown
+//!    arena) and map each new handle at its window's address (same access). A failure
+//!    unmaps the windows mapped so far, maps the old handles back at their offsets (the
+//!    contents intact: they were never released) and releases the new handles. Should that
+//!    map back fail too, the arena is recorded asleep (its reservation kept, nothing mapped,
+//!    the old handles released: `restore_physical` or `destroy_arena` may follow) and the
+//!    error says so ("the arena is asleep").
+//! 5. Release the old handles; record the windows as arenas of their own (a grown arena's
+//!    chunk records go: its windows are plain arenas in its reservation).
 //!
 //! # Reservations
 //! The arena's address reservation stays reserved until its last window is torn down
@@ -89,14 +91,9 @@ impl<D: Driver> VmmBackend<D> {
                 D::NAME
             )));
         };
-        if self.is_chunked(arena.base) {
-            return Err(Error::Unavailable(format!(
-                "{}: a grown arena (several physical allocations) is not split",
-                D::NAME
-            )));
-        }
         let checked = check_windows(state.granularity, arena.bytes, windows)?;
-        let n = to_usize(arena.bytes)?;
+        // A grown arena's chunks, each a mapping and an allocation of its own.
+        let chunks = self.chunk_layout(arena.base, arena.bytes, old);
         self.take_exact_region(arena.base, expect, || {
             format!(
                 "{}: split_arena of {:#x}: not a live, awake arena of this backend",
@@ -108,11 +105,14 @@ impl<D: Driver> VmmBackend<D> {
             .make_current(arena.device)
             .map_err(SplitFailed::intact)
             .and_then(|(_, _current)| {
-                let handles = self.move_windows(&state, arena, old, n, &checked)?;
-                // SAFETY: the old handle, unmapped everywhere (its arena's mapping is gone),
-                // released once: the arena's region is out of the registry for good.
-                if let Err(e) = unsafe { self.driver.mem_release(old) } {
-                    tracing::warn!(backend = D::NAME, error = %e.message, "mem_release of a split arena's old memory failed");
+                let handles = self.move_windows(&state, arena, &chunks, &checked)?;
+                for &(_, _, handle) in &chunks {
+                    // SAFETY: an old chunk's handle, unmapped everywhere (the arena's mappings
+                    // are gone), released once: the arena's region is out of the registry
+                    // for good and its chunk records go below.
+                    if let Err(e) = unsafe { self.driver.mem_release(handle) } {
+                        tracing::warn!(backend = D::NAME, error = %e.message, "mem_release of a split arena's old memory failed");
+                    }
                 }
                 Ok(handles)
             });
@@ -122,6 +122,10 @@ impl<D: Driver> VmmBackend<D> {
                 let kind = if failed.arena_intact {
                     expect.kind
                 } else {
+                    // Its chunks were released: it wakes as one allocation.
+                    if let Some(c) = self.chunks.lock().get_mut(&arena.base) {
+                        c.extra.clear();
+                    }
                     RegionKind::Asleep
                 };
                 self.regions
@@ -170,13 +174,13 @@ impl<D: Driver> VmmBackend<D> {
     }
 
     /// Steps 2 to 4 of the module documentation, with the device made current and the
-    /// arena's region out of the registry: the new handles, in window order.
+    /// arena's region out of the registry: the new handles, in window order. `chunks`: the
+    /// arena's mappings, `(offset, bytes, handle)` (one unless it grew).
     fn move_windows(
         &self,
         state: &DeviceState<D::Device>,
         arena: &ArenaMem,
-        old: u64,
-        n: usize,
+        chunks: &[(u64, u64, u64)],
         windows: &[Window],
     ) -> std::result::Result<Vec<u64>, SplitFailed> {
         let device = arena.device;
@@ -192,21 +196,31 @@ impl<D: Driver> VmmBackend<D> {
                 }
             }
         }
-        let copied = self.copy_windows(state, arena, windows, &handles);
-        let unmapped = copied.and_then(|()| {
-            // SAFETY: the arena's whole mapping, out of the registry; the caller synchronized
-            // and nothing touches the arena (the trait's contract), and the copies out of it
-            // were synchronized by copy_windows.
-            unsafe { d.unmap(arena.base, n) }
-        });
-        if let Err(e) = unmapped {
+        if let Err(e) = self.copy_windows(state, arena, windows, &handles) {
             self.release_all(device, &handles);
             return Err(failed(e, 0));
         }
+        // The arena's mappings go, chunk by chunk (CUDA unmaps whole mappings only); a
+        // failure maps back the ones already gone.
+        for (i, &(offset, bytes, _)) in chunks.iter().enumerate() {
+            let n = usize::try_from(bytes).unwrap_or(usize::MAX);
+            // SAFETY: one whole mapping of the arena, out of the registry; the caller
+            // synchronized and nothing touches the arena (the trait's contract), and the
+            // copies out of it were synchronized by copy_windows.
+            let unmapped = unsafe { d.unmap(arena.base + offset, n) };
+            let Err(e) = unmapped else {
+                continue;
+            };
+            self.release_all(device, &handles);
+            return Err(match self.map_chunks(state, arena, &chunks[..i]) {
+                Ok(()) => failed(e, 0),
+                Err(lost) => self.lost(arena, chunks, e, &lost),
+            });
+        }
         for (i, (w, &handle)) in windows.iter().zip(&handles).enumerate() {
             let at = arena.base + w.offset;
-            // The arena's reservation, nothing mapped at the window (the old mapping is gone,
-            // windows are disjoint); `handle` was created above.
+            // The arena's reservation, nothing mapped at the window (the old mappings are
+            // gone, windows are disjoint); `handle` was created above.
             let Err(e) = self.map_access(state, device, at, w.n, handle) else {
                 continue;
             };
@@ -215,25 +229,64 @@ impl<D: Driver> VmmBackend<D> {
                 warn_undo(device, unsafe { d.unmap(arena.base + done.offset, done.n) });
             }
             self.release_all(device, &handles);
-            // The arena's reservation is empty again; `old` was never released.
-            let Err(lost) = self.map_access(state, device, arena.base, n, old) else {
-                return Err(failed(e, 0));
-            };
-            tracing::error!(backend = D::NAME, device, base = arena.base, call = lost.call, error = %lost.message, "split_arena: mapping the arena's memory back failed: it is asleep now, its contents lost");
-            // SAFETY: the old handle, mapped nowhere now, released once (the region is
-            // recorded as asleep, owning no handle).
-            warn_undo(device, unsafe { d.mem_release(old) });
-            let mut e = e;
-            e.message = format!(
-                "{}; mapping the arena's memory back failed too ({}: {}): the arena is asleep, its contents lost",
-                e.message, lost.call, lost.message
-            );
-            return Err(SplitFailed {
-                error: e.into_error(device, 0),
-                arena_intact: false,
+            // The arena's reservation is empty again; its chunks were never released.
+            return Err(match self.map_chunks(state, arena, chunks) {
+                Ok(()) => failed(e, 0),
+                Err(lost) => self.lost(arena, chunks, e, &lost),
             });
         }
         Ok(handles)
+    }
+
+    /// Map an arena's `chunks` back at their offsets (nothing mapped there); on failure
+    /// the ones mapped here are unmapped again.
+    fn map_chunks(
+        &self,
+        state: &DeviceState<D::Device>,
+        arena: &ArenaMem,
+        chunks: &[(u64, u64, u64)],
+    ) -> DriverResult<()> {
+        for (i, &(offset, bytes, handle)) in chunks.iter().enumerate() {
+            let n = usize::try_from(bytes).unwrap_or(usize::MAX);
+            if let Err(e) = self.map_access(state, arena.device, arena.base + offset, n, handle) {
+                for &(off, b, _) in &chunks[..i] {
+                    // SAFETY: a mapping made just above, never used by device work.
+                    warn_undo(arena.device, unsafe {
+                        self.driver
+                            .unmap(arena.base + off, usize::try_from(b).unwrap_or(usize::MAX))
+                    });
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// A split failed (`e`) and mapping the arena's memory back failed too (`lost`): its
+    /// chunks are released and the arena is left asleep, its contents lost.
+    fn lost(
+        &self,
+        arena: &ArenaMem,
+        chunks: &[(u64, u64, u64)],
+        e: DriverError,
+        lost: &DriverError,
+    ) -> SplitFailed {
+        let device = arena.device;
+        tracing::error!(backend = D::NAME, device, base = arena.base, call = lost.call, error = %lost.message, "split_arena: mapping the arena's memory back failed: it is asleep now, its contents lost");
+        for &(_, _, handle) in chunks {
+            // SAFETY: a chunk's handle, mapped nowhere now, released once (the region is
+            // recorded as asleep, owning no handle).
+            warn_undo(device, unsafe { self.driver.mem_release(handle) });
+        }
+        let mut e = e;
+        e.message = format!(
+            "{}; mapping the arena's memory back failed too ({}: {}): the arena is asleep, its contents lost",
+            e.message, lost.call, lost.message
+        );
+        SplitFailed {
+            error: e.into_error(device, 0),
+            arena_intact: false,
+        }
     }
 
     /// Step 3: copy every window of the arena into its new handle through one temporary

@@ -104,22 +104,50 @@ impl Memory {
             _ => Err(Mock::fail("copy", Failure::Other)),
         }
     }
+    /// The bytes at `addr..addr + len`, which may span mappings that lie back to back (a
+    /// grown arena's chunks), as a copy through one reservation does on a GPU.
     fn read(&self, addr: u64, len: usize) -> DriverResult<Vec<u8>> {
-        let (handle, offset) = self.at(addr, len)?;
-        let bytes = self
-            .bytes
-            .get(&handle)
-            .ok_or(Mock::fail("copy", Failure::Other))?;
-        Ok(bytes[offset..offset + len].to_vec())
+        let mut out = Vec::with_capacity(len);
+        for (handle, offset, n) in self.pieces(addr, len)? {
+            let bytes = self
+                .bytes
+                .get(&handle)
+                .ok_or(Mock::fail("copy", Failure::Other))?;
+            out.extend_from_slice(&bytes[offset..offset + n]);
+        }
+        Ok(out)
     }
     fn write(&mut self, addr: u64, src: &[u8]) -> DriverResult<()> {
-        let (handle, offset) = self.at(addr, src.len())?;
-        let bytes = self
-            .bytes
-            .get_mut(&handle)
-            .ok_or(Mock::fail("copy", Failure::Other))?;
-        bytes[offset..offset + src.len()].copy_from_slice(src);
+        let mut done = 0;
+        for (handle, offset, n) in self.pieces(addr, src.len())? {
+            let bytes = self
+                .bytes
+                .get_mut(&handle)
+                .ok_or(Mock::fail("copy", Failure::Other))?;
+            bytes[offset..offset + n].copy_from_slice(&src[done..done + n]);
+            done += n;
+        }
         Ok(())
+    }
+    /// `addr..addr + len` as `(handle, offset, bytes)` pieces of consecutive mappings.
+    fn pieces(&self, addr: u64, len: usize) -> DriverResult<Vec<(u64, usize, usize)>> {
+        let mut out = Vec::new();
+        let (mut at, end) = (addr, addr + len as u64);
+        while at < end || out.is_empty() {
+            let (handle, offset) = self.at(at, 1)?;
+            let (&base, &(size, _)) = self
+                .mapped
+                .range(..=at)
+                .next_back()
+                .ok_or(Mock::fail("copy", Failure::Other))?;
+            let n = (end.min(base + size as u64) - at) as usize;
+            out.push((handle, offset, n));
+            at += n as u64;
+            if n == 0 {
+                break;
+            }
+        }
+        Ok(out)
     }
 }
 

@@ -1,7 +1,8 @@
 //! Growable arenas on the mock driver: each growth one more allocation mapped right after
 //! the arena, the export one fd per chunk, its import mapped back to back and unmapped
 //! chunk by chunk, sleep and wake as one allocation, teardown of every chunk and the
-//! reservation, and growth refused past the reservation with nothing changed.
+//! reservation, growth refused past the reservation with nothing changed, and a split
+//! (trim) across chunks.
 
 use super::split::assert_nothing_held;
 use super::*;
@@ -73,8 +74,7 @@ fn a_grown_arena_is_its_chunks_everywhere() {
     assert!(b.can_grow(&a, G));
     let a = b.grow_arena(&a, G).unwrap();
 
-    // A grown arena is not split; destroying it releases every chunk and the reservation.
-    assert!(!b.can_split(&a));
+    // Destroying it releases every chunk and the reservation.
     b.destroy_arena(a).unwrap();
     assert_nothing_held(&b.driver.memory);
 }
@@ -129,5 +129,89 @@ fn a_shrink_unmaps_and_releases_the_chunks_past_keep_and_growth_resumes_there() 
     assert!(b.shrink_arena(&stale, 0).is_err());
     assert_eq!(held(&b).2.len(), 2);
     b.destroy_arena(s).unwrap();
+    assert_nothing_held(&b.driver.memory);
+}
+
+/// A growable arena of chunks 2 G, G and 3 G (reservation 16 G), granule `i` holding
+/// `0x40 + i`.
+fn grown_and_filled(b: &VmmBackend<Mock>) -> ArenaMem {
+    let a = b.create_growable_arena(0, 2 * G, 16 * G).unwrap();
+    let a = b.grow_arena(&a, G).unwrap();
+    let a = b.grow_arena(&a, 3 * G).unwrap();
+    for i in 0..6u8 {
+        b.memcpy_htod(a.base + u64::from(i) * G, &vec![0x40 + i; G as usize])
+            .unwrap();
+    }
+    a
+}
+
+/// Windows across the chunk boundaries: granule 1 (first chunk) to 2 (second chunk), and
+/// granule 4 (third chunk).
+const GROWN_WINDOWS: [(u64, u64); 2] = [(G, 2 * G), (4 * G, G)];
+
+#[test]
+fn a_grown_arena_splits_across_its_chunks_and_gives_every_chunk_back() {
+    let b = backend(Setup::default());
+    let a = grown_and_filled(&b);
+    assert!(b.can_split(&a));
+    let windows = b.split_arena(&a, &GROWN_WINDOWS).unwrap();
+    assert_eq!(windows.len(), 2);
+    for (w, &(offset, len)) in windows.iter().zip(&GROWN_WINDOWS) {
+        assert_eq!((w.base, w.bytes), (a.base + offset, len));
+        for g in 0..len / G {
+            let mut back = vec![0u8; G as usize];
+            b.memcpy_dtoh(&mut back, w.base + g * G).unwrap();
+            let expect = 0x40 + ((offset / G + g) as u8);
+            assert!(
+                back.iter().all(|&x| x == expect),
+                "window {offset:#x} granule {g}"
+            );
+        }
+    }
+    // Only the windows' memory is held: the three chunks went, the reservation stays.
+    let (live, reserved, maps) = held(&b);
+    assert_eq!((live, reserved), (2, 1));
+    assert_eq!(
+        maps,
+        [(a.base + G, (2 * G) as usize), (a.base + 4 * G, G as usize)]
+    );
+    // The windows are plain arenas: they do not grow, and the old arena is gone.
+    assert!(!b.can_grow(&windows[1], G));
+    assert!(b.grow_arena(&a, G).is_err());
+    for w in windows {
+        b.destroy_arena(w).unwrap();
+    }
+    assert_nothing_held(&b.driver.memory);
+}
+
+#[test]
+fn a_failed_split_of_a_grown_arena_maps_its_chunks_back() {
+    let b = backend(Setup::default());
+    let a = grown_and_filled(&b);
+    let before = held(&b);
+    // Two windows: 2 temporary maps, then the arena's 3 chunks unmapped; the second
+    // chunk's unmap fails (the first is mapped back), then the first window's map fails
+    // (all three are mapped back).
+    for (call, k) in [("unmap", 3), ("map", 2)] {
+        b.driver.fail_on(call, k);
+        let e = b.split_arena(&a, &GROWN_WINDOWS).unwrap_err();
+        assert!(
+            b.driver.fail_on.lock().is_empty(),
+            "{call} #{k} not reached"
+        );
+        assert!(e.to_string().contains(call), "{call} #{k}: {e}");
+        assert_eq!(held(&b), before, "after a failed {call} #{k}");
+        for i in 0..6u8 {
+            let mut back = vec![0u8; G as usize];
+            b.memcpy_dtoh(&mut back, a.base + u64::from(i) * G).unwrap();
+            assert!(
+                back.iter().all(|&x| x == 0x40 + i),
+                "{call} #{k}: granule {i}"
+            );
+        }
+    }
+    // Still whole and grown: it grows again, and is destroyed with every chunk.
+    let a = b.grow_arena(&a, G).unwrap();
+    b.destroy_arena(a).unwrap();
     assert_nothing_held(&b.driver.memory);
 }
