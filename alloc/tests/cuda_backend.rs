@@ -347,7 +347,9 @@ fn grown_arena_splits_across_its_chunks_and_gives_the_rest_back() {
     assert!(b.can_split(&grown));
     b.synchronize(0).expect("synchronize");
     let held = free(&b);
-    let parts = b.split_arena(&grown, &windows).expect("split a grown arena");
+    let parts = b
+        .split_arena(&grown, &windows)
+        .expect("split a grown arena");
     assert_eq!(parts.len(), 2);
     assert_near(
         free(&b).saturating_sub(held),
@@ -358,7 +360,8 @@ fn grown_arena_splits_across_its_chunks_and_gives_the_rest_back() {
     for ((part, &(off, len)), p) in parts.iter().zip(&windows).zip(&patterns) {
         assert_eq!((part.base, part.bytes), (grown.base + off, len));
         let mut back = vec![0u8; len as usize];
-        b.copy_to_host(0, part.base, &mut back).expect("read a window");
+        b.copy_to_host(0, part.base, &mut back)
+            .expect("read a window");
         assert!(back == *p, "window at {off:#x} lost its bytes");
     }
     b.synchronize(0).expect("synchronize");

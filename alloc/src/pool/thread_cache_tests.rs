@@ -201,3 +201,55 @@ fn sleeping_one_tag_keeps_the_others_fast_path() {
     crate::tags::set_current(None).unwrap();
     pool.validate(0).unwrap();
 }
+
+/// With growing arenas a block above 2 MiB goes back to its arena on free, unless the free
+/// finds the device lock contended: then it is cached, and so are the next
+/// `LARGE_CREDIT` frees of such blocks on that thread.
+#[test]
+fn large_blocks_of_a_growing_pool_are_cached_only_after_contention() {
+    let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+    let sim_backend: Arc<dyn crate::Backend> = sim.clone();
+    let config = PoolConfig {
+        grow_arenas: true,
+        validate: true,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::new(sim_backend, config).unwrap();
+    let dp = &pool.devices[0];
+    let s = StreamId(3);
+    let len = 16 * MIB;
+    let a = pool.alloc(0, len, s).unwrap();
+    assert!(
+        dp.front.try_free(a.ptr, None, false).is_none(),
+        "uncontended: declined"
+    );
+    pool.free(a.ptr).unwrap();
+    let b = pool.alloc(0, len, s).unwrap();
+    assert!(
+        dp.front.try_free(b.ptr, None, true).is_some(),
+        "contended: cached"
+    );
+    let mut held = b.ptr;
+    for _ in 0..super::LARGE_CREDIT {
+        let (ptr, _) = dp.front.try_alloc(s.0, len, 0, len).expect("a hit");
+        assert_eq!(ptr, held);
+        held = ptr;
+        pool.free(ptr).unwrap();
+    }
+    let (last, _) = dp
+        .front
+        .try_alloc(s.0, len, 0, len)
+        .expect("the last credit's block");
+    assert!(
+        dp.front.try_free(last, None, false).is_none(),
+        "credits spent"
+    );
+    pool.free(last).unwrap();
+    assert!(
+        dp.front.try_alloc(s.0, len, 0, len).is_none(),
+        "back in its arena"
+    );
+    pool.validate(0).unwrap();
+    pool.empty_cache(None).unwrap();
+    assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+}
