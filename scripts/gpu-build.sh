@@ -6,7 +6,8 @@
 # Usage: scripts/gpu-build.sh && then on the GPU machine: bash scripts/gpu-check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release -p gpu-arena-bench --bins --example pair_cost --example replay_pool
+cargo build --release -p gpu-arena-bench --bins --example pair_cost --example replay_pool \
+  --example thread_scaling
 cargo test --release --no-run -p gpu-arena --test cuda_backend --test pool_sim --test ipc_sim 2>&1 \
   | tee /tmp/gpu-build.log
 # Everything but the NIXL wheel (scripts/nixl-wheel.sh: a download, kept between builds).
@@ -18,8 +19,9 @@ wheel=$(bash scripts/build-wheel.sh .gpu | tail -1)
 python3 -c 'import sys, zipfile; sys.stdout.buffer.write(zipfile.ZipFile(sys.argv[1]).read("gpu_arena/_native/lib_native.so"))' \
   "$wheel" >.gpu/libgpu_arena.so
 for b in kv_replay kv_trace_dump; do cp "target/release/$b" .gpu/bin/; done
-# The sim-backend pair loops for bench/gpu/mode_probe.sh (CPU only: the host's CPU).
-for b in pair_cost replay_pool; do cp "target/release/examples/$b" .gpu/bin/; done
+# The sim-backend pair loops for bench/gpu/mode_probe.sh and the thread scaling with its
+# reserved bytes (CPU only: the host's 16 cores).
+for b in pair_cost replay_pool thread_scaling; do cp "target/release/examples/$b" .gpu/bin/; done
 cc -O2 -Iffi/include bench/capi/capi_pairs.c -L.gpu -lgpu_arena -Wl,-rpath,'$ORIGIN/..' \
   -o .gpu/bin/capi_pairs
 for t in cuda_backend pool_sim ipc_sim; do

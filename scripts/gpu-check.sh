@@ -39,6 +39,11 @@ for s in "${steps[@]}"; do case $s in
     --workloads small_train,small_generate,medium_train,medium_generate --out "$OUT/reserved-sm.md" ;;
   reserved_large) run reserved_large bash -c "python3 bench/gpu/torch_reserved.py --modes torch,torch-expandable,gpu-arena-grow --workloads large_train --out '$OUT/reserved-lt.md' &&
     python3 bench/gpu/torch_reserved.py --modes torch,torch-expandable,gpu-arena-grow --workloads large_generate --scale 0.25 --out '$OUT/reserved-lg.md'" ;;
+  reserved_traces) run reserved_traces python3 bench/gpu/torch_reserved.py --modes torch,torch-expandable,gpu-arena-grow \
+    --workloads small_train,small_generate --trace-dir "$OUT/traces" --trace-modes torch,torch-expandable,gpu-arena-grow \
+    --out "$OUT/reserved-traces.md" ;;
+  scaling_sim) run scaling_sim bash -c '.gpu/bin/thread_scaling --threads 1,2,4,8 --workloads 2MiB,mixed --pairs 500000 --grow &&
+    .gpu/bin/thread_scaling --threads 1,2,4,8 --workloads 2MiB,mixed --pairs 500000' ;;
   kvsim) run kvsim .gpu/bin/kv_replay --backend sim --no-per-allocation --no-sweep ;;
   kv) run kv .gpu/bin/kv_replay --backend cuda --no-per-allocation ;;
   ipc) run ipc python3 tests/gpu/gpu_ipc_check.py ;;

@@ -170,9 +170,9 @@ fn work(
     (begin, end, cpu)
 }
 
-/// Aggregate pairs per second of `threads` threads, each doing `pairs` pairs, and their CPU
-/// time per pair in ns.
-fn run(w: Workload, threads: usize, pairs: u64, grow_arenas: bool) -> (f64, f64) {
+/// Aggregate pairs per second of `threads` threads, each doing `pairs` pairs, their CPU
+/// time per pair in ns, and the pool's peak reserved and peak requested bytes.
+fn run(w: Workload, threads: usize, pairs: u64, grow_arenas: bool) -> (f64, f64, [u64; 2]) {
     let pool = pool(grow_arenas);
     let start = Barrier::new(threads);
     let runs: Vec<(Instant, Instant, Duration)> = std::thread::scope(|s| {
@@ -190,7 +190,12 @@ fn run(w: Workload, threads: usize, pairs: u64, grow_arenas: bool) -> (f64, f64)
     let wall = last.saturating_duration_since(first);
     let all = (pairs * threads as u64) as f64;
     let cpu: f64 = runs.iter().map(|r| r.2.as_secs_f64()).sum();
-    (all / wall.as_secs_f64().max(1e-9), 1e9 * cpu / all)
+    let s = pool.stats(0).unwrap_or_default();
+    (
+        all / wall.as_secs_f64().max(1e-9),
+        1e9 * cpu / all,
+        [s.peak_reserved_bytes, s.peak_requested_bytes],
+    )
 }
 
 fn main() {
@@ -201,23 +206,31 @@ fn main() {
         o.pairs, o.repeat
     );
     println!(
-        "| workload | threads | pairs/s (all threads) | ns/pair/thread | CPU ns/pair | vs 1 thread |"
+        "| workload | threads | pairs/s (all threads) | ns/pair/thread | CPU ns/pair | vs 1 thread | peak reserved MiB (requested) |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     for &w in &o.workloads {
         let mut one = None;
         for &t in &o.threads {
-            let (best, cpu) = (0..o.repeat)
+            let (best, cpu, peaks) = (0..o.repeat)
                 .map(|_| run(w, t, o.pairs, o.grow_arenas))
-                .fold((0.0f64, f64::MAX), |a, b| (a.0.max(b.0), a.1.min(b.1)));
+                .fold((0.0f64, f64::MAX, [0, 0]), |a, b| {
+                    (
+                        a.0.max(b.0),
+                        a.1.min(b.1),
+                        [a.2[0].max(b.2[0]), a.2[1].max(b.2[1])],
+                    )
+                });
             let base = *one.get_or_insert(if t == 1 { best } else { f64::NAN });
             println!(
-                "| {} | {t} | {:.2e} | {:.1} | {:.1} | {:.2}x |",
+                "| {} | {t} | {:.2e} | {:.1} | {:.1} | {:.2}x | {} ({}) |",
                 w.name(),
                 best,
                 1e9 * t as f64 / best,
                 cpu,
-                best / base
+                best / base,
+                peaks[0] >> 20,
+                peaks[1] >> 20
             );
         }
     }

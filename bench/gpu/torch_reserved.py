@@ -33,11 +33,12 @@ and ``num_alloc_retries``; the largest drop of free device memory (``torch.cuda.
 below its reading right after CUDA init, sampled after model creation and after every step or
 pass; the loop's wall time. An out-of-memory error ends the loop and is reported with the figures reached.
 
-``--trace-dir DIR`` also runs each workload once more in mode torch with
+``--trace-dir DIR`` also runs each workload once more in each mode of ``--trace-modes``
+(default ``torch``) with
 ``torch.cuda.memory._record_memory_history(context=None, max_entries=2_000_000)`` from the
 start (no stacks: only the trace), and writes device 0's alloc / free_completed events as
-``DIR/<workload>.trace.gz``, gzip text: a header ``# gpu-arena torch trace v1 workload=<name>
-torch=<version>``, then ``a <id> <size> <stream>`` or ``f <id>`` per event (id: a new one per
+``DIR/<workload>.trace.gz`` (mode torch; ``DIR/<workload>.<mode>.trace.gz`` for another),
+gzip text: a header ``# gpu-arena torch trace v1 workload=<name> mode=<mode> torch=<version>``, then ``a <id> <size> <stream>`` or ``f <id>`` per event (id: a new one per
 allocation; size: the bytes requested; stream: index of its stream in order of appearance).
 Frees of allocations made before the recording (or lost off the ring buffer) are skipped and
 counted in ``DIR/<workload>.trace.json`` (with the event counts and the peak live bytes).
@@ -136,14 +137,20 @@ def encode_trace(events, out) -> dict:
             "peak_live_bytes": peak, "streams": len(streams)}
 
 
-def write_trace(trace_dir: str, workload: str, torch_version: str, events) -> dict:
-    """DIR/<workload>.trace.gz and DIR/<workload>.trace.json; returns the summary."""
-    base = Path(trace_dir) / workload
+def trace_name(workload: str, mode: str) -> str:
+    """The trace file's stem: the workload's name for mode torch, else workload.mode."""
+    return workload if mode == "torch" else f"{workload}.{mode}"
+
+
+def write_trace(trace_dir: str, workload: str, torch_version: str, events, mode: str = "torch") -> dict:
+    """DIR/<stem>.trace.gz and DIR/<stem>.trace.json (`trace_name`); returns the summary."""
+    stem = trace_name(workload, mode)
+    base = Path(trace_dir) / stem
     with gzip.open(f"{base}.trace.gz", "wt") as f:
-        f.write(f"# gpu-arena torch trace v1 workload={workload} torch={torch_version}\n")
+        f.write(f"# gpu-arena torch trace v1 workload={workload} mode={mode} torch={torch_version}\n")
         summary = encode_trace(events, f)
     summary.update(workload=workload, torch=torch_version, recorded_entries=len(events),
-                   truncated=len(events) >= TRACE_MAX_ENTRIES, file=f"{workload}.trace.gz")
+                   truncated=len(events) >= TRACE_MAX_ENTRIES, file=f"{stem}.trace.gz", mode=mode)
     Path(f"{base}.trace.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
@@ -234,7 +241,7 @@ def child(mode: str, w: Workload, trace_dir) -> dict:
                alloc_retries=st.get("num_alloc_retries"))
     if trace_dir:
         events = torch.cuda.memory._snapshot()["device_traces"][0]
-        res["trace"] = write_trace(trace_dir, w.name, torch.__version__, events)
+        res["trace"] = write_trace(trace_dir, w.name, torch.__version__, events, mode)
     return res
 
 
@@ -316,16 +323,16 @@ def markdown(a, workloads, modes, runs: dict, traces: list) -> tuple:
                          mib(r["reserved_peak"]), ratio(r), mib(r["max_free_drop"]),
                          r["segments_peak"], r["alloc_retries"], loop))
     if traces:
-        lines += ["", "## Traces (mode torch, recorded)", "",
-                  "| workload | events | peak live MiB | skipped frees | live at end | streams | truncated |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "## Traces (recorded in a run of their own)", "",
+                  "| workload | mode | file | events | peak live MiB | skipped frees | live at end | streams | truncated |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for t in traces:
             if "error" in t:
-                lines.append(row(t["workload"], f"failed: {first_line(t['error'])}", *[""] * 5))
+                lines.append(row(t["workload"], t["mode"], f"failed: {first_line(t['error'])}", *[""] * 6))
                 continue
             s = t["trace"]
-            lines.append(row(t["workload"], s["events"], mib(s["peak_live_bytes"]), s["skipped_frees"],
-                             s["live_at_end"], s["streams"], s["truncated"]))
+            lines.append(row(t["workload"], t["mode"], s["file"], s["events"], mib(s["peak_live_bytes"]),
+                             s["skipped_frees"], s["live_at_end"], s["streams"], s["truncated"]))
     return "\n".join(lines) + "\n", short
 
 
@@ -336,13 +343,17 @@ def parse_args(argv=None):
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies the batch sizes")
-    ap.add_argument("--trace-dir", help="also record each workload's allocation trace (mode torch)")
+    ap.add_argument("--trace-dir", help="also record each workload's allocation trace")
+    ap.add_argument("--trace-modes", default="torch",
+                    help="comma-separated modes whose traces --trace-dir records (default torch)")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per child")
     ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--self-test", action="store_true", help="check the trace encoder, no GPU")
     a = ap.parse_args(argv)
     a.workloads, a.modes = a.workloads.split(","), a.modes.split(",")
-    for name, given, known in (("workload", a.workloads, WORKLOADS), ("mode", a.modes, MODES)):
+    a.trace_modes = a.trace_modes.split(",")
+    for name, given, known in (("workload", a.workloads, WORKLOADS), ("mode", a.modes, MODES),
+                               ("trace mode", a.trace_modes, MODES)):
         unknown = [x for x in given if x not in known]
         if unknown:
             ap.error(f"unknown {name}(s) {unknown}; known: {', '.join(known)}")
@@ -375,11 +386,15 @@ def self_test() -> None:
         s = write_trace(d, "fake", "0.0", events)
         with gzip.open(Path(d) / "fake.trace.gz", "rt") as f:
             text = f.read().splitlines()
-        assert text[0] == "# gpu-arena torch trace v1 workload=fake torch=0.0" and len(text) == 6, text
+        assert text[0] == "# gpu-arena torch trace v1 workload=fake mode=torch torch=0.0" and len(text) == 6, text
         assert json.loads((Path(d) / "fake.trace.json").read_text())["peak_live_bytes"] == 1512
         assert s["recorded_entries"] == len(events) and not s["truncated"], s
-    a = parse_args(["--workloads", "small_train,medium_generate", "--modes", "gpu-arena", "--scale", "0.1"])
+        write_trace(d, "fake", "0.0", events, "torch-expandable")
+        assert (Path(d) / "fake.torch-expandable.trace.gz").exists()
+    a = parse_args(["--workloads", "small_train,medium_generate", "--modes", "gpu-arena", "--scale", "0.1",
+                    "--trace-modes", "torch,gpu-arena-grow"])
     assert a.workloads == ["small_train", "medium_generate"] and a.modes == ["gpu-arena"], a
+    assert a.trace_modes == ["torch", "gpu-arena-grow"], a
     assert scaled(WORKLOADS["medium_generate"], 0.1).batches[:3] == (1, 1, 1), "scale keeps batches >= 1"
     assert scaled(WORKLOADS["medium_generate"], 0.1).batches[-1] == 6
     print("self-test ok")
@@ -400,8 +415,8 @@ def main() -> int:
     for w in a.workloads:
         for m in a.modes:
             runs[w, m] = log(f"{w} {m}", run(m, w, a))
-        if a.trace_dir:
-            traces.append(log(f"{w} trace", run("torch", w, a, trace=True)))
+        for m in a.trace_modes if a.trace_dir else []:
+            traces.append(log(f"{w} trace {m}", run(m, w, a, trace=True)))
     md, short = markdown(a, a.workloads, a.modes, runs, traces)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(md)

@@ -15,6 +15,7 @@
 //! Imports go one way, each module importing only modules listed before it: `units`,
 //! `trace`, `trace_file`, `replay`, `pool_adapter`, `report`, `suite`.
 
+pub mod expandable_model;
 pub mod pool_adapter;
 pub mod replay;
 pub mod report;
@@ -25,6 +26,7 @@ pub mod trace;
 pub mod trace_file;
 pub mod units;
 
+pub use expandable_model::ExpandableModel;
 pub use pool_adapter::PoolAllocator;
 pub use replay::{replay, FirstFitArena, PerAllocationBackend, ReplayResult, TraceAllocator};
 pub use suite::{run_suite, SuiteConfig, SuiteReport};

@@ -140,6 +140,11 @@ impl DeviceState {
         // back before any growth.
         let passes: &[(u64, bool)] = if class.small {
             &[(0, false)]
+        } else if self.grows(class) && self.front.own_contended() {
+            // The device lock is contended (`Front::try_free`): the other threads' cached
+            // blocks stay theirs (flushing them turns their next hits into misses, each
+            // taking the lock); the arena grows instead.
+            &[(FLUSH_FIRST_ABOVE, true), (0, true)]
         } else if self.grows(class) {
             &[
                 (FLUSH_FIRST_ABOVE, true),

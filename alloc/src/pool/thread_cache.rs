@@ -504,6 +504,13 @@ impl Front {
         }
     }
 
+    /// Whether the calling thread caches blocks above `cache_max` because its frees found
+    /// the device lock contended ([`Self::try_free`]).
+    pub(crate) fn own_contended(self: &Arc<Self>) -> bool {
+        self.with_cache(|cache| Some(cache.large_credit > 0))
+            .unwrap_or(false)
+    }
+
     /// The largest block a cache keeps.
     #[inline]
     pub(crate) fn cache_max(&self) -> u64 {

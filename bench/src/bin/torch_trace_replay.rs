@@ -1,6 +1,8 @@
 //! Replay allocation traces recorded from PyTorch programs (`bench/gpu/torch_reserved.py
 //! --trace-dir`) through the pool on the sim backend and print peak reserved against peak
-//! live bytes: how much a training or generation loop would reserve, without a GPU.
+//! live bytes: how much a training or generation loop would reserve, without a GPU; beside
+//! it what PyTorch with expandable segments reserves on the same sequence
+//! ([`gpu_arena_bench::ExpandableModel`]).
 //!
 //! ```text
 //! torch_trace_replay [--config KEY=VALUE,...] [--busy] FILE...
@@ -19,7 +21,7 @@ use gpu_arena::backend::sim::{SimBackend, SimConfig};
 use gpu_arena::config::Config;
 use gpu_arena::{Backend, DeviceId};
 use gpu_arena_bench::torch_trace::parse;
-use gpu_arena_bench::{replay, PoolAllocator};
+use gpu_arena_bench::{replay, ExpandableModel, PoolAllocator};
 
 /// Sim capacity: held bytes are a ledger, memory is only used where written.
 const SIM_CAPACITY: u64 = 256 << 30;
@@ -61,16 +63,20 @@ fn replay_one(path: &str, config: &str, busy: bool) -> Result<String, String> {
     let pool_config = Config::parse(config).map_err(|e| e.to_string())?.pool;
     let mut pool = PoolAllocator::new(backend, pool_config, DeviceId::default())?;
     let r = replay(&trace, &mut pool).map_err(|e| format!("{path}: {e}"))?;
+    let model = replay(&trace, &mut ExpandableModel::new()).map_err(|e| format!("{path}: {e}"))?;
     let name = std::path::Path::new(path)
         .file_name()
         .map_or(path.to_owned(), |n| n.to_string_lossy().into_owned());
     Ok(format!(
-        "| {name} | {} | {:.0} | {:.0} | {:.3} | {} |",
+        "| {name} | {} | {:.0} | {:.0} | {:.3} | {} | {:.0} ({:.3}) | {:+.0} |",
         trace.ops.len(),
         r.peak_reserved as f64 / MIB,
         r.peak_live as f64 / MIB,
         r.ratio_reserved_to_live,
-        pool.peak_arenas()
+        pool.peak_arenas(),
+        model.peak_reserved as f64 / MIB,
+        model.ratio_reserved_to_live,
+        (r.peak_reserved as f64 - model.peak_reserved as f64) / MIB,
     ))
 }
 
@@ -95,8 +101,8 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     println!("config: {config:?}\n");
-    println!("| trace | ops | peak reserved MiB | peak live MiB | reserved/live | peak arenas |");
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("| trace | ops | peak reserved MiB | peak live MiB | reserved/live | peak arenas | expandable segments (model) MiB | difference MiB |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     let mut failed = false;
     for f in &files {
         match replay_one(f, &config, busy) {
