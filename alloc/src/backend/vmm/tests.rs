@@ -8,11 +8,11 @@
 //! mapping, unmapping part of one, releasing a handle twice), so copies move real bytes and
 //! leaks show. Its set-up (device count, peers, what fails) is per test thread, read by the
 //! static start-up calls and copied into the driver by [`Driver::started`]; one call can be
-//! made to fail on its k-th use, once ([`Mock::fail_on`]; several such failures count alone). Split tests: `tests/split.rs`.
+//! made to fail on its k-th use, once ([`Mock::fail_on`]; several such failures count alone). Split tests: `tests/split.rs`; the memory model: `tests/memory.rs`.
 #![allow(clippy::unwrap_used)]
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -20,6 +20,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::*;
+use memory::Memory;
 
 const MIB: u64 = 1 << 20;
 
@@ -79,76 +80,6 @@ enum Call {
     IpcClose(u64),
     CopyDtoD { dst: u64, src: u64 },
     Synchronize,
-}
-
-/// The mock's model of device memory.
-#[derive(Debug, Default)]
-struct Memory {
-    /// The bytes of every handle created (kept after release: a mapping may still use them).
-    bytes: HashMap<u64, Vec<u8>>,
-    /// Handles not released yet.
-    live: BTreeSet<u64>,
-    /// Reservations: base -> size.
-    reserved: BTreeMap<u64, usize>,
-    /// Mappings: base -> (size, handle).
-    mapped: BTreeMap<u64, (usize, u64)>,
-}
-
-impl Memory {
-    /// The handle and offset in it of the mapped range `addr..addr + len`.
-    fn at(&self, addr: u64, len: usize) -> DriverResult<(u64, usize)> {
-        match self.mapped.range(..=addr).next_back() {
-            Some((&base, &(size, handle))) if addr + len as u64 <= base + size as u64 => {
-                Ok((handle, (addr - base) as usize))
-            }
-            _ => Err(Mock::fail("copy", Failure::Other)),
-        }
-    }
-    /// The bytes at `addr..addr + len`, which may span mappings that lie back to back (a
-    /// grown arena's chunks), as a copy through one reservation does on a GPU.
-    fn read(&self, addr: u64, len: usize) -> DriverResult<Vec<u8>> {
-        let mut out = Vec::with_capacity(len);
-        for (handle, offset, n) in self.pieces(addr, len)? {
-            let bytes = self
-                .bytes
-                .get(&handle)
-                .ok_or(Mock::fail("copy", Failure::Other))?;
-            out.extend_from_slice(&bytes[offset..offset + n]);
-        }
-        Ok(out)
-    }
-    fn write(&mut self, addr: u64, src: &[u8]) -> DriverResult<()> {
-        let mut done = 0;
-        for (handle, offset, n) in self.pieces(addr, src.len())? {
-            let bytes = self
-                .bytes
-                .get_mut(&handle)
-                .ok_or(Mock::fail("copy", Failure::Other))?;
-            bytes[offset..offset + n].copy_from_slice(&src[done..done + n]);
-            done += n;
-        }
-        Ok(())
-    }
-    /// `addr..addr + len` as `(handle, offset, bytes)` pieces of consecutive mappings.
-    fn pieces(&self, addr: u64, len: usize) -> DriverResult<Vec<(u64, usize, usize)>> {
-        let mut out = Vec::new();
-        let (mut at, end) = (addr, addr + len as u64);
-        while at < end || out.is_empty() {
-            let (handle, offset) = self.at(at, 1)?;
-            let (&base, &(size, _)) = self
-                .mapped
-                .range(..=at)
-                .next_back()
-                .ok_or(Mock::fail("copy", Failure::Other))?;
-            let n = (end.min(base + size as u64) - at) as usize;
-            out.push((handle, offset, n));
-            at += n as u64;
-            if n == 0 {
-                break;
-            }
-        }
-        Ok(out)
-    }
 }
 
 #[derive(Debug)]
@@ -809,4 +740,5 @@ fn legacy_ipc_is_no_fallback_where_the_driver_says_so() {
 }
 
 mod grow;
+mod memory;
 mod split;
