@@ -1,6 +1,6 @@
 //! Byte stream -> a sequence of C API calls on the sim backend: malloc of random and bogus
 //! sizes (negative, huge), free with the right or a wrong size / device / pointer,
-//! record_stream, share, unshare, import, close, empty_cache, stats, validate, snapshot.
+//! record_stream, share, unshare, import, close, empty_cache, trim, stats, validate, snapshot.
 //!
 //! The calls go to the real exported `gpu_arena_*` functions (ffi/src/lib.rs compiled as an
 //! rlib by fuzz/capi). The pool is initialised once per process; each input cleans up what it
@@ -20,8 +20,8 @@ use libfuzzer_sys::fuzz_target;
 
 const DEVICES: c_int = 2;
 const CONF: &CStr = c"backend=sim,sim_devices=2,sim_capacity=64MiB,arena_size=4MiB";
-/// With `GPU_ARENA_FUZZ_GROW=1`: the same with arenas that grow (growth, chunked exports and
-/// `empty_cache`'s shrink under the same calls).
+/// With `GPU_ARENA_FUZZ_GROW=1`: the same with arenas that grow (growth, chunked exports,
+/// `empty_cache`'s shrink and `trim`'s split of grown arenas under the same calls).
 const CONF_GROW: &CStr =
     c"backend=sim,sim_devices=2,sim_capacity=64MiB,arena_size=4MiB,grow_arenas=1";
 
@@ -129,6 +129,11 @@ enum Op {
         raw: Option<usize>,
     },
     EmptyCache(Dev),
+    /// `gpu_arena_trim` (the sim is always idle, as its contract asks).
+    Trim {
+        dev: Dev,
+        null_out: bool,
+    },
     Stats {
         dev: Dev,
         null_out: bool,
@@ -446,6 +451,16 @@ impl State {
             Op::EmptyCache(d) => {
                 let rc = gpu_arena_empty_cache(d.get());
                 ok_or_clean_error("empty_cache", op, rc);
+            }
+            Op::Trim { dev, null_out } => {
+                let mut released = 0u64;
+                let out = if *null_out {
+                    std::ptr::null_mut()
+                } else {
+                    &mut released as *mut u64
+                };
+                let rc = gpu_arena_trim(dev.get(), out);
+                ok_or_clean_error("trim", op, rc);
             }
             Op::Stats { dev, null_out } => {
                 let mut s = PoolStats::default();
