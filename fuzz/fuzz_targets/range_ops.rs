@@ -353,7 +353,11 @@ fn step(r: &mut RangeAllocator, m: &mut Model, op: &Op) {
             if m.regions.is_empty() {
                 return;
             }
-            let (&off, &len) = m.regions.iter().nth(*pick as usize % m.regions.len()).unwrap();
+            let (&off, &len) = m
+                .regions
+                .iter()
+                .nth(*pick as usize % m.regions.len())
+                .unwrap();
             let page = (1 + *page as u64 % 8) * GRANULE;
             let mut windows: Vec<(u64, u64)> = Vec::new();
             for (&s, &l) in m.live.range(off..off + len) {
@@ -368,8 +372,8 @@ fn step(r: &mut RangeAllocator, m: &mut Model, op: &Op) {
                 windows.remove(0);
             }
             let covered = |s: u64, l: u64| windows.iter().any(|&(w, wl)| s >= w && s + l <= w + wl);
-            let ok = !windows.is_empty()
-                && m.live.range(off..off + len).all(|(&s, &l)| covered(s, l));
+            let ok =
+                !windows.is_empty() && m.live.range(off..off + len).all(|(&s, &l)| covered(s, l));
             let before = r.clone();
             let res = r.split_region(off, &windows);
             if ok {
@@ -377,7 +381,10 @@ fn step(r: &mut RangeAllocator, m: &mut Model, op: &Op) {
                 m.regions.remove(&off);
                 m.regions.extend(windows.iter().copied());
             } else {
-                assert!(res.is_err(), "split_region({off:#x}, {windows:?}) left a live range out");
+                assert!(
+                    res.is_err(),
+                    "split_region({off:#x}, {windows:?}) left a live range out"
+                );
                 assert_eq!(*r, before, "a refused split_region changed something");
             }
         }
