@@ -27,8 +27,9 @@
 //! only when all of them completed (as PyTorch's caching allocator does).
 //!
 //! **Cache.** A plain free (not shared, no other stream) of a block up to
-//! [`CACHE_MAX_BLOCK`] (with growing arenas one 2 MiB page: `growth::GROWING_CACHE_MAX`)
-//! keeps it whole: in the freeing thread's cache (or the cache that
+//! [`CACHE_MAX_BLOCK`] (with growing arenas one 2 MiB page: `growth::GROWING_CACHE_MAX`;
+//! up to [`CACHE_MAX_BLOCK`] again while the freeing thread finds the device lock contended,
+//! `thread_cache::LARGE_CREDIT`) keeps it whole: in the freeing thread's cache (or the cache that
 //! recorded the allocation), else in the device's exact-size cache (bounded at a quarter of
 //! the reserved bytes), each keyed by (stream, length): the next request of that length on
 //! that stream takes it with two hash operations and no sub-allocator call. A thread cache
