@@ -16,7 +16,7 @@ use gpu_arena::backend::sim::{SimBackend, SimConfig};
 use gpu_arena::config::Config;
 use gpu_arena::{Backend, DeviceId};
 use gpu_arena_bench::replay::TraceAllocator;
-use gpu_arena_bench::torch_trace::parse;
+use gpu_arena_bench::torch_trace::read_file;
 use gpu_arena_bench::{Op, PoolAllocator};
 
 fn mib(bytes: u64) -> f64 {
@@ -47,11 +47,7 @@ fn main() {
         std::process::exit(2);
     };
     for path in files {
-        let out = std::process::Command::new("gzip")
-            .args(["-dc", path])
-            .output()
-            .unwrap();
-        let trace = parse(&String::from_utf8(out.stdout).unwrap()).unwrap();
+        let trace = read_file(path).unwrap();
         let sim: Arc<dyn Backend> = Arc::new(
             SimBackend::new(SimConfig {
                 capacity: 256 << 30,

@@ -17,6 +17,23 @@ use std::collections::HashMap;
 
 use crate::trace::{Op, Trace};
 
+/// Read and parse a trace file (`.gz` through `gzip -dc`); errors name the file.
+pub fn read_file(path: &str) -> Result<Trace, String> {
+    let text = if path.ends_with(".gz") {
+        let out = std::process::Command::new("gzip")
+            .args(["-dc", path])
+            .output()
+            .map_err(|e| format!("{path}: gzip: {e}"))?;
+        if !out.status.success() {
+            return Err(format!("{path}: gzip -dc failed"));
+        }
+        String::from_utf8(out.stdout).map_err(|e| format!("{path}: {e}"))?
+    } else {
+        std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?
+    };
+    parse(&text).map_err(|e| format!("{path}: {e}"))
+}
+
 /// Parse the text of a recorded trace. Errors name the line.
 pub fn parse(text: &str) -> Result<Trace, String> {
     let mut ops = Vec::new();

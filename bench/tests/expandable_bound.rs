@@ -7,13 +7,12 @@
 //! `bench/results/sim-2026-12-02-expandable-model.md` says what closing that costs).
 #![allow(clippy::unwrap_used)]
 
-use std::process::Command;
 use std::sync::Arc;
 
 use gpu_arena::backend::sim::{SimBackend, SimConfig};
 use gpu_arena::config::Config;
 use gpu_arena::{Backend, DeviceId};
-use gpu_arena_bench::torch_trace::parse;
+use gpu_arena_bench::torch_trace::read_file;
 use gpu_arena_bench::{replay, ExpandableModel, PoolAllocator};
 
 const MIB: u64 = 1 << 20;
@@ -37,9 +36,7 @@ fn growing_arenas_reserve_about_what_expandable_segments_do_on_every_recorded_lo
     assert_eq!(files.len(), 6, "{files:?}");
     let mut report = Vec::new();
     for f in &files {
-        let text = Command::new("gzip").arg("-dc").arg(f).output().unwrap();
-        assert!(text.status.success(), "gzip -dc {f:?}");
-        let trace = parse(&String::from_utf8(text.stdout).unwrap()).unwrap();
+        let trace = read_file(&f.to_string_lossy()).unwrap();
         let sim: Arc<dyn Backend> = Arc::new(
             SimBackend::new(SimConfig {
                 capacity: 256 << 30,

@@ -14,36 +14,21 @@
 //! or replayed.
 #![allow(clippy::unwrap_used)]
 
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 use std::sync::Arc;
 
 use gpu_arena::backend::sim::{SimBackend, SimConfig};
 use gpu_arena::config::Config;
 use gpu_arena::{Backend, DeviceId};
-use gpu_arena_bench::torch_trace::parse;
+use gpu_arena_bench::torch_trace::read_file;
 use gpu_arena_bench::{replay, ExpandableModel, PoolAllocator};
 
 /// Sim capacity: held bytes are a ledger, memory is only used where written.
 const SIM_CAPACITY: u64 = 256 << 30;
 const MIB: f64 = (1u64 << 20) as f64;
 
-fn read(path: &str) -> Result<String, String> {
-    if path.ends_with(".gz") {
-        let out = Command::new("gzip")
-            .args(["-dc", path])
-            .output()
-            .map_err(|e| format!("{path}: gzip: {e}"))?;
-        if !out.status.success() {
-            return Err(format!("{path}: gzip -dc failed"));
-        }
-        String::from_utf8(out.stdout).map_err(|e| format!("{path}: {e}"))
-    } else {
-        std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))
-    }
-}
-
 fn replay_one(path: &str, config: &str, busy: bool) -> Result<String, String> {
-    let trace = parse(&read(path)?).map_err(|e| format!("{path}: {e}"))?;
+    let trace = read_file(path)?;
     let sim = Arc::new(
         SimBackend::new(SimConfig {
             capacity: SIM_CAPACITY,
