@@ -22,7 +22,11 @@ for s in "${steps[@]}"; do case $s in
   info) run info bash -c 'nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; date -u' ;;
   backend) run backend .gpu/bin/cuda_backend --ignored --test-threads=1 --nocapture ;;
   torch) run torch python3 -m pytest -q -rs tests/python ;;
+  torch_grow) run torch_grow env GPU_ARENA_CONF=grow_arenas=1 python3 -m pytest -q -rs tests/python ;;
   torch_check) run torch_check python3 tests/gpu/gpu_torch_check.py ;;
+  # Issue #23's pair figures and the KV traces' ratio in the same run (one call).
+  torch_perf) run torch_perf bash -c 'python3 tests/gpu/gpu_torch_native.py --only perf &&
+    python3 bench/gpu/kv_repeat.py --runs 5 && mkdir -p "$OUT/long" && OUT="$OUT/long" python3 bench/gpu/kv_repeat.py --runs 5 --trace .gpu/kv_trace_long.bin' ;;
   kvbench) run kvbench bash bench/gpu/run.sh .gpu/kv_trace.bin "$OUT/kv_bench.md" ;;
   # Arenas that grow (issue #24): the KV trace beside PyTorch, then beside PyTorch with
   # expandable segments, the second trace, share/open latency, and the reserved table.

@@ -64,13 +64,16 @@ mp         route="native" in a producer and in spawned receivers (torch.multipro
            dead receiver's deleters would have (torch's /dev/shm ref-counter file) and asserts
            that free memory comes back within 2 MiB (gpu-arena's leases of the dead importer
            reclaimed), polling ipc_collect + empty_cache for up to 20 s.
-perf       Measured, never failing the script. Each of 4 children (torch's allocator, native,
-           torch, native: interleaved) times (a) Python torch.empty((n,), dtype=uint8,
-           device="cuda") + del pairs for n = 4 KiB, 1 MiB, 64 MiB (7 rounds x 20000 pairs) and
-           (b) C++ at::empty({n}, kByte, kCUDA) + destruction pairs in a tiny library built
-           against torch (7 rounds x 100000), called through ctypes. Median ns/pair per mode over
-           both processes' rounds. Targets: Python native/torch <= 1.05 (no slower; 5% for
-           process-to-process noise), C++ native/torch <= 0.5, at every size.
+perf       Measured, never failing the script. --perf-rounds (3) rounds of two children, torch's
+           allocator then native, each pinned to one CPU (torch_native_perf.py), time (a) Python
+           torch.empty((n,), dtype=uint8, device="cuda") + del pairs for n = 4 KiB, 1 MiB, 64 MiB
+           (7 rounds x 20000 pairs), (b) C++ at::empty({n}, kByte, kCUDA) + destruction pairs
+           (7 rounds x 100000) in a tiny library built against torch, called through ctypes,
+           (c) the same with n = 0, the floor (both allocators return null for 0 bytes), and
+           (d) the installed allocator's allocate(n) + DataPtr destruction without a tensor.
+           Ratios are the median over rounds of native / torch. Targets: Python native/torch
+           <= 1.05 (no slower; 5% for process-to-process noise), C++ native/torch <= 0.5, at
+           every size; the floor's share of torch's pair says how low any allocator could go.
 behaviour  route="native", one process: OOM (2x the device) raises torch.OutOfMemoryError whose
            message starts "CUDA out of memory. Tried to allocate", exhausting the device in 16 GiB
            pieces raises it too, then a 16 GiB allocation and a matmul work; record_stream (a
@@ -93,6 +96,7 @@ import platform
 import shutil
 import signal
 import subprocess
+import statistics
 import sys
 import tempfile
 import time
@@ -488,45 +492,82 @@ def eval_perf(results, order):
         else:
             per[route].append(res)
     c.raw = per
-    ok_runs = all(len(v) == 2 for v in per.values())
-    c.expect(ok_runs, f"every perf child ran ({sum(len(v) for v in per.values())}/4)")
+    n_runs = len(order) // 2
+    ok_runs = all(len(v) == n_runs for v in per.values())
+    c.expect(ok_runs, f"every perf child ran ({sum(len(v) for v in per.values())}/{len(order)})")
     if not ok_runs:
         c.perf, c.figures = "not measured", "error"
         return c
 
-    def med(kind, route, size):
-        vals = [x for r in per[route] for x in r[kind].get(str(size), {}).get("rounds", [])]
-        vals.sort()
-        return vals[len(vals) // 2] if vals else None
+    def meds(kind, route, size):
+        """Each process's median, in run order."""
+        return [r[kind][str(size)]["median_ns"] for r in per[route] if str(size) in r.get(kind, {})]
+
+    def paired(kind, size):
+        """Median over rounds of native / torch, each round's two processes run back to back."""
+        t, n = meds(kind, "torch", size), meds(kind, "native", size)
+        return statistics.median(b / a for a, b in zip(t, n)) if t and len(t) == len(n) else None
+
+    def m(vals):
+        return statistics.median(vals) if vals else None
 
     has_cxx = all(r["cxx"] for v in per.values() for r in v)
-    c.add("| size | Python torch ns | Python native ns | ratio | C++ torch ns | C++ native ns | ratio |")
-    c.add("|---|---|---|---|---|---|---|")
+    c.add(f"{n_runs} rounds, each a torch process then a native one, every process pinned to one "
+          "CPU; ns/pair are medians of the processes' medians, ratios the median of each round's "
+          "native / torch.")
+    c.add("")
+    c.add("| size | Python torch ns | Python native ns | ratio | C++ at::empty torch ns | native ns | ratio "
+          "| allocator pair torch ns | native ns | ratio |")
+    c.add("|---|---|---|---|---|---|---|---|---|---|")
     py_ok = cxx_ok = True
     py_r, cxx_r = [], []
     for size in PERF_SIZES:
-        pt, pn = med("python", "torch", size), med("python", "native", size)
-        ct, cn = (med("cxx", "torch", size), med("cxx", "native", size)) if has_cxx else (None, None)
-        rp = pn / pt if pt else None
-        rc = cn / ct if ct and cn else None
+        rp = paired("python", size)
+        rc = paired("cxx", size) if has_cxx else None
+        ra = paired("cxx_allocator", size) if has_cxx else None
         py_ok &= rp is not None and rp <= PY_TARGET
         cxx_ok &= rc is not None and rc <= CXX_TARGET
         py_r.append(f"{fmt_bytes(size)} {rp:.2f}x" if rp else f"{fmt_bytes(size)} -")
         cxx_r.append(f"{rc:.2f}x" if rc else "-")
-        c.add(f"| {fmt_bytes(size)} | {pt:.0f} | {pn:.0f} | {rp:.2f} | "
-              + (f"{ct:.0f} | {cn:.0f} | {rc:.2f} |" if rc else "- | - | - |"))
+        cells = [m(meds("python", "torch", size)), m(meds("python", "native", size)), rp]
+        if has_cxx:
+            cells += [m(meds("cxx", "torch", size)), m(meds("cxx", "native", size)), rc,
+                      m(meds("cxx_allocator", "torch", size)), m(meds("cxx_allocator", "native", size)), ra]
+        else:
+            cells += [None] * 6
+        c.add(f"| {fmt_bytes(size)} | " + " | ".join(
+            "-" if v is None else (f"{v:.2f}" if i % 3 == 2 else f"{v:.0f}") for i, v in enumerate(cells)) + " |")
     c.add("")
+    floor_note = ""
+    if has_cxx:
+        ft, fn = m(meds("cxx_floor", "torch", 0)), m(meds("cxx_floor", "native", 0))
+        worst_t = min(m(meds("cxx", "torch", s)) for s in PERF_SIZES)
+        c.add(f"The floor, `at::empty` of 0 bytes (all of at::empty but the allocator's work; both "
+              f"allocators return a null pointer): {ft:.0f} ns in the torch processes, {fn:.0f} ns in "
+              f"the native ones. It is {ft / worst_t:.2f} of torch's fastest at::empty pair, so no "
+              f"allocator can make a pair cost less than {ft / worst_t:.2f}x torch's.")
+        c.add("")
+        c.add("| size | torch: pair - floor ns | native: pair - floor ns | ratio |")
+        c.add("|---|---|---|---|")
+        for size in PERF_SIZES:
+            at, an = m(meds("cxx", "torch", size)) - ft, m(meds("cxx", "native", size)) - fn
+            c.add(f"| {fmt_bytes(size)} | {at:.0f} | {an:.0f} | {an / at:.2f} |" if at > 0 else
+                  f"| {fmt_bytes(size)} | {at:.0f} | {an:.0f} | - |")
+        c.add("")
+        floor_note = f"; floor {ft:.0f}/{fn:.0f} ns = {ft / worst_t:.2f} of torch's pair"
     c.add("Per-process medians (ns/pair), in run order: "
           + "; ".join(f"{label}: py " + ", ".join(f"{v['median_ns']:.0f}" for v in results[label][0]['python'].values())
                       + (" / C++ " + ", ".join(f"{v['median_ns']:.0f}" for v in results[label][0]['cxx'].values())
+                         + " / floor " + ", ".join(f"{v['median_ns']:.0f}" for v in results[label][0]['cxx_floor'].values())
+                         + " / allocator " + ", ".join(f"{v['median_ns']:.0f}" for v in results[label][0]['cxx_allocator'].values())
                          if results[label][0]['cxx'] else "")
                       for label, _ in order))
     c.add("")
     c.add(f"Targets: Python native/torch <= {PY_TARGET} at every size: **{'met' if py_ok else 'NOT met'}**; "
           f"C++ native/torch <= {CXX_TARGET}: **{('met' if cxx_ok else 'NOT met') if has_cxx else 'not measured'}**. "
-          "The KV traces' 10x is bench/gpu's (not run here).")
+          "The KV traces' 10x is bench/gpu's (`scripts/gpu-check.sh torch_perf` runs both).")
     c.perf = (py_ok and cxx_ok) if has_cxx else "python only: " + ("met" if py_ok else "NOT met")
-    c.figures = f"Python native/torch {', '.join(py_r)}; C++ {', '.join(cxx_r)}"
+    c.figures = f"Python native/torch {', '.join(py_r)}; C++ {', '.join(cxx_r)}{floor_note}"
     return c
 
 
@@ -642,6 +683,7 @@ def main(argv=None):
     ap.add_argument("--graph-runs", type=int, default=10)
     ap.add_argument("--control-runs", type=int, default=2)
     ap.add_argument("--mp-n", type=int, default=1000)
+    ap.add_argument("--perf-rounds", type=int, default=3, help="perf: torch + native process pairs")
     ap.add_argument("--workers", type=int, default=6, help="children at once for graphs/compile")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "gpu-out"))
     args = ap.parse_args(argv)
@@ -680,9 +722,11 @@ def main(argv=None):
             if "behaviour" in only:
                 done(eval_behaviour(*runner.run("behaviour", "behaviour", {}, 240)))
             if "perf" in only:
-                order = [(f"perf-{r}-{i}", r) for i in (1, 2) for r in ("torch", "native")]
+                order = [(f"perf-{r}-{i}", r) for i in range(1, args.perf_rounds + 1)
+                         for r in ("torch", "native")]
+                cpus = sorted(os.sched_getaffinity(0))
                 base = {"sizes": list(PERF_SIZES), "rounds": 7, "py_n": 20000, "cxx_n": 100000,
-                        "cxx_lib": prep.get("cxx_lib")}
+                        "cxx_lib": prep.get("cxx_lib"), "cpu": cpus[len(cpus) // 2]}
                 res = {label: runner.run(label, "perf", dict(base, route=r), 180) for label, r in order}
                 done(eval_perf(res, order))
         except Exception:  # noqa: BLE001 - a bug here must still give a report

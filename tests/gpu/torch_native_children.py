@@ -22,6 +22,7 @@ import time
 import traceback
 
 from torch_native_behaviour import child_behaviour
+from torch_native_perf import build_cxx, child_perf
 
 from torch_native_common import MiB, TOL, ieee_fp32, info, maxdiff, setup, write_result
 
@@ -516,85 +517,6 @@ def child_mp(p):
     for q in (q_in, q_out, q2_in, q2_out):
         q.cancel_join_thread()
     return out
-
-
-# --------------------------------------------------------------------------------------
-# perf: torch.empty + del pairs from Python and at::empty pairs from C++
-# --------------------------------------------------------------------------------------
-
-
-def child_perf(p):
-    import ctypes
-    import statistics
-
-    torch, ga = setup(p["route"])
-    torch.cuda.init()
-    torch.empty(1, device="cuda")
-    out = {"python": {}, "cxx": {}}
-    empty, u8, dev = torch.empty, torch.uint8, torch.device("cuda")
-    for nbytes in p["sizes"]:
-        for _ in range(200):
-            x = empty((nbytes,), dtype=u8, device=dev)
-            del x
-        rounds = []
-        for _ in range(p["rounds"]):
-            t0 = time.perf_counter_ns()
-            for _ in range(p["py_n"]):
-                x = empty((nbytes,), dtype=u8, device=dev)
-                del x
-            rounds.append((time.perf_counter_ns() - t0) / p["py_n"])
-        out["python"][str(nbytes)] = {"median_ns": statistics.median(rounds), "rounds": rounds}
-    if p.get("cxx_lib"):
-        lib = ctypes.CDLL(p["cxx_lib"])
-        lib.pairs_ns.restype = ctypes.c_double
-        lib.pairs_ns.argtypes = [ctypes.c_long, ctypes.c_long]
-        for nbytes in p["sizes"]:
-            rounds = [lib.pairs_ns(p["cxx_n"], nbytes) for _ in range(p["rounds"])]
-            out["cxx"][str(nbytes)] = {"median_ns": statistics.median(rounds), "rounds": rounds}
-    torch.cuda.synchronize()
-    out["info"] = info(torch, ga, p["route"])
-    return out
-
-
-CXX_SOURCE = r"""
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/core/TensorOptions.h>
-#include <chrono>
-extern "C" __attribute__((visibility("default"))) double pairs_ns(long n, long bytes) {
-  const auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCUDA);
-  for (int i = 0; i < 256; ++i) { at::Tensor w = at::empty({bytes}, opts); }
-  const auto t0 = std::chrono::steady_clock::now();
-  for (long i = 0; i < n; ++i) { at::Tensor t = at::empty({bytes}, opts); }
-  const auto t1 = std::chrono::steady_clock::now();
-  return std::chrono::duration<double, std::nano>(t1 - t0).count() / static_cast<double>(n);
-}
-"""
-
-
-def build_cxx(torch, out_path):
-    """Compile CXX_SOURCE against the installed torch with torch_native's helpers."""
-    import subprocess
-
-    from gpu_arena import torch_native as tn
-
-    inc, libdirs = tn.torch_dirs(torch)
-    cuda_inc, _ = tn.find_cuda_includes(torch)
-    libdir = next((d for d in libdirs if any(d.glob("libtorch_cpu.*"))), libdirs[0])
-    cxx = tn.compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler")
-    flags = [f for f in tn.compile_flags(inc, cuda_inc, tn.cxx_std(tn.torch_version(torch)),
-                                         tn.abi_flag(torch)) if f != "-Werror"]
-    src = out_path + ".cpp"
-    with open(src, "w") as f:
-        f.write(CXX_SOURCE)
-    cmd = [cxx, "-O2", *flags, src, "-shared", "-o", out_path, "-L", str(libdir), "-lc10",
-           "-ltorch_cpu", f"-Wl,-rpath,{libdir}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}\n{proc.stderr[-3000:]}")
-    return out_path
 
 
 def child_prep(p):
