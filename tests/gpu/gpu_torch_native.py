@@ -64,16 +64,17 @@ mp         route="native" in a producer and in spawned receivers (torch.multipro
            dead receiver's deleters would have (torch's /dev/shm ref-counter file) and asserts
            that free memory comes back within 2 MiB (gpu-arena's leases of the dead importer
            reclaimed), polling ipc_collect + empty_cache for up to 20 s.
-perf       Measured, never failing the script. --perf-rounds (3) rounds of two children, torch's
-           allocator then native, each pinned to one CPU (torch_native_perf.py), time (a) Python
-           torch.empty((n,), dtype=uint8, device="cuda") + del pairs for n = 4 KiB, 1 MiB, 64 MiB
-           (7 rounds x 20000 pairs), (b) C++ at::empty({n}, kByte, kCUDA) + destruction pairs
-           (7 rounds x 100000) in a tiny library built against torch, called through ctypes,
-           (c) the same with n = 0, the floor (both allocators return null for 0 bytes), and
-           (d) the installed allocator's allocate(n) + DataPtr destruction without a tensor.
-           Ratios are the median over rounds of native / torch. Targets: Python native/torch
-           <= 1.05 (no slower; 5% for process-to-process noise), C++ native/torch <= 0.5, at
-           every size; the floor's share of torch's pair says how low any allocator could go.
+perf       Measured, never failing the script. --perf-runs (3) children, each pinned to one CPU,
+           with torch's caching allocator and gpu-arena's native one taking turns in one process
+           (torch_native_perf.py: CUDACachingAllocator's current allocator switched between
+           turns; 15 turns each), time (a) Python torch.empty((n,), dtype=uint8, device="cuda")
+           + del pairs for n = 4 KiB, 1 MiB, 64 MiB (10000 pairs a turn), (b) C++ at::empty({n},
+           kByte, kCUDA) + destruction pairs (20000 a turn) in a tiny library built against
+           torch, called through ctypes, (c) the same with n = 0, the floor (both allocators
+           return null for 0 bytes), and (d) each allocator's allocate(n) + DataPtr destruction
+           without a tensor. Ratios: the median of each couple of turns' native / torch.
+           Targets: Python native/torch <= 1.05 (no slower), C++ native/torch <= 0.5, at every
+           size; the floor's share of torch's pair says how low any allocator could go.
 behaviour  route="native", one process: OOM (2x the device) raises torch.OutOfMemoryError whose
            message starts "CUDA out of memory. Tried to allocate", exhausting the device in 16 GiB
            pieces raises it too, then a 16 GiB allocation and a matmul work; record_stream (a
@@ -482,39 +483,32 @@ def eval_mp(res, err):
 # =======================================================================================
 
 
-def eval_perf(results, order):
+def eval_perf(results, labels):
     c = Check("perf", "allocation pairs: torch.empty from Python, at::empty from C++")
-    per = {"torch": [], "native": []}
-    for label, route in order:
+    runs = []
+    for label in labels:
         res, err = results[label]
         if err:
             c.error(label, err)
         else:
-            per[route].append(res)
-    c.raw = per
-    n_runs = len(order) // 2
-    ok_runs = all(len(v) == n_runs for v in per.values())
-    c.expect(ok_runs, f"every perf child ran ({sum(len(v) for v in per.values())}/{len(order)})")
-    if not ok_runs:
+            runs.append(res)
+    c.raw = runs
+    c.expect(len(runs) == len(labels), f"every perf child ran ({len(runs)}/{len(labels)})")
+    c.expect(all(r["served_by_gpu_arena"] > 0 for r in runs), "gpu-arena served its turns")
+    if not runs:
         c.perf, c.figures = "not measured", "error"
         return c
 
-    def meds(kind, route, size):
-        """Each process's median, in run order."""
-        return [r[kind][str(size)]["median_ns"] for r in per[route] if str(size) in r.get(kind, {})]
+    def cell(kind, size, key):
+        """Median over the processes of each one's median (ns) or median turn ratio."""
+        return statistics.median(r[kind][str(size)][key] for r in runs)
 
-    def paired(kind, size):
-        """Median over rounds of native / torch, each round's two processes run back to back."""
-        t, n = meds(kind, "torch", size), meds(kind, "native", size)
-        return statistics.median(b / a for a, b in zip(t, n)) if t and len(t) == len(n) else None
-
-    def m(vals):
-        return statistics.median(vals) if vals else None
-
-    has_cxx = all(r["cxx"] for v in per.values() for r in v)
-    c.add(f"{n_runs} rounds, each a torch process then a native one, every process pinned to one "
-          "CPU; ns/pair are medians of the processes' medians, ratios the median of each round's "
-          "native / torch.")
+    turns = len(runs[0]["cxx"][str(PERF_SIZES[0])]["turns"]["torch"])
+    c.add(f"{len(runs)} processes, each pinned to one CPU, with torch's caching allocator and "
+          f"gpu-arena's native one taking turns ({turns} turns each per size; CUDACachingAllocator's "
+          "current allocator switched between turns). ns/pair: the median over processes of each "
+          "one's median turn; ratio: the median over processes of the median of each couple of "
+          "turns' native / torch.")
     c.add("")
     c.add("| size | Python torch ns | Python native ns | ratio | C++ at::empty torch ns | native ns | ratio "
           "| allocator pair torch ns | native ns | ratio |")
@@ -522,52 +516,42 @@ def eval_perf(results, order):
     py_ok = cxx_ok = True
     py_r, cxx_r = [], []
     for size in PERF_SIZES:
-        rp = paired("python", size)
-        rc = paired("cxx", size) if has_cxx else None
-        ra = paired("cxx_allocator", size) if has_cxx else None
-        py_ok &= rp is not None and rp <= PY_TARGET
-        cxx_ok &= rc is not None and rc <= CXX_TARGET
-        py_r.append(f"{fmt_bytes(size)} {rp:.2f}x" if rp else f"{fmt_bytes(size)} -")
-        cxx_r.append(f"{rc:.2f}x" if rc else "-")
-        cells = [m(meds("python", "torch", size)), m(meds("python", "native", size)), rp]
-        if has_cxx:
-            cells += [m(meds("cxx", "torch", size)), m(meds("cxx", "native", size)), rc,
-                      m(meds("cxx_allocator", "torch", size)), m(meds("cxx_allocator", "native", size)), ra]
-        else:
-            cells += [None] * 6
+        cells = [cell(k, size, key) for k in ("python", "cxx", "cxx_allocator")
+                 for key in ("torch_ns", "native_ns", "ratio")]
+        rp, rc = cells[2], cells[5]
+        py_ok &= rp <= PY_TARGET
+        cxx_ok &= rc <= CXX_TARGET
+        py_r.append(f"{fmt_bytes(size)} {rp:.2f}x")
+        cxx_r.append(f"{rc:.2f}x")
         c.add(f"| {fmt_bytes(size)} | " + " | ".join(
-            "-" if v is None else (f"{v:.2f}" if i % 3 == 2 else f"{v:.0f}") for i, v in enumerate(cells)) + " |")
+            f"{v:.2f}" if i % 3 == 2 else f"{v:.0f}" for i, v in enumerate(cells)) + " |")
     c.add("")
-    floor_note = ""
-    if has_cxx:
-        ft, fn = m(meds("cxx_floor", "torch", 0)), m(meds("cxx_floor", "native", 0))
-        worst_t = min(m(meds("cxx", "torch", s)) for s in PERF_SIZES)
-        c.add(f"The floor, `at::empty` of 0 bytes (all of at::empty but the allocator's work; both "
-              f"allocators return a null pointer): {ft:.0f} ns in the torch processes, {fn:.0f} ns in "
-              f"the native ones. It is {ft / worst_t:.2f} of torch's fastest at::empty pair, so no "
-              f"allocator can make a pair cost less than {ft / worst_t:.2f}x torch's.")
-        c.add("")
-        c.add("| size | torch: pair - floor ns | native: pair - floor ns | ratio |")
-        c.add("|---|---|---|---|")
-        for size in PERF_SIZES:
-            at, an = m(meds("cxx", "torch", size)) - ft, m(meds("cxx", "native", size)) - fn
-            c.add(f"| {fmt_bytes(size)} | {at:.0f} | {an:.0f} | {an / at:.2f} |" if at > 0 else
-                  f"| {fmt_bytes(size)} | {at:.0f} | {an:.0f} | - |")
-        c.add("")
-        floor_note = f"; floor {ft:.0f}/{fn:.0f} ns = {ft / worst_t:.2f} of torch's pair"
-    c.add("Per-process medians (ns/pair), in run order: "
-          + "; ".join(f"{label}: py " + ", ".join(f"{v['median_ns']:.0f}" for v in results[label][0]['python'].values())
-                      + (" / C++ " + ", ".join(f"{v['median_ns']:.0f}" for v in results[label][0]['cxx'].values())
-                         + " / floor " + ", ".join(f"{v['median_ns']:.0f}" for v in results[label][0]['cxx_floor'].values())
-                         + " / allocator " + ", ".join(f"{v['median_ns']:.0f}" for v in results[label][0]['cxx_allocator'].values())
-                         if results[label][0]['cxx'] else "")
-                      for label, _ in order))
+    ft, fn = cell("cxx_floor", 0, "torch_ns"), cell("cxx_floor", 0, "native_ns")
+    fastest_t = min(cell("cxx", s, "torch_ns") for s in PERF_SIZES)
+    c.add(f"The floor, `at::empty` of 0 bytes (all of at::empty but the allocator's work: both "
+          f"allocators return a null pointer for 0 bytes): {ft:.0f} ns in torch's turns, {fn:.0f} ns "
+          f"in gpu-arena's. It is {ft / fastest_t:.2f} of torch's fastest at::empty pair here, so no "
+          f"allocator can bring a pair under {ft / fastest_t:.2f}x torch's.")
+    c.add("")
+    c.add("| size | torch: pair - floor ns | native: pair - floor ns | ratio |")
+    c.add("|---|---|---|---|")
+    for size in PERF_SIZES:
+        at, an = cell("cxx", size, "torch_ns") - ft, cell("cxx", size, "native_ns") - fn
+        c.add(f"| {fmt_bytes(size)} | {at:.0f} | {an:.0f} | " + (f"{an / at:.2f} |" if at > 0 else "- |"))
+    c.add("")
+    c.add("Per process (ratio native / torch, median of its turns): " + "; ".join(
+        f"{labels[i]}: py " + ", ".join(f"{r['python'][str(s)]['ratio']:.2f}" for s in PERF_SIZES)
+        + " / at::empty " + ", ".join(f"{r['cxx'][str(s)]['ratio']:.2f}" for s in PERF_SIZES)
+        + " / allocator " + ", ".join(f"{r['cxx_allocator'][str(s)]['ratio']:.2f}" for s in PERF_SIZES)
+        + f" / floor {r['cxx_floor']['0']['torch_ns']:.0f} vs {r['cxx_floor']['0']['native_ns']:.0f} ns"
+        for i, r in enumerate(runs)))
     c.add("")
     c.add(f"Targets: Python native/torch <= {PY_TARGET} at every size: **{'met' if py_ok else 'NOT met'}**; "
-          f"C++ native/torch <= {CXX_TARGET}: **{('met' if cxx_ok else 'NOT met') if has_cxx else 'not measured'}**. "
+          f"C++ native/torch <= {CXX_TARGET}: **{'met' if cxx_ok else 'NOT met'}**. "
           "The KV traces' 10x is bench/gpu's (`scripts/gpu-check.sh torch_perf` runs both).")
-    c.perf = (py_ok and cxx_ok) if has_cxx else "python only: " + ("met" if py_ok else "NOT met")
-    c.figures = f"Python native/torch {', '.join(py_r)}; C++ {', '.join(cxx_r)}{floor_note}"
+    c.perf = py_ok and cxx_ok
+    c.figures = (f"Python native/torch {', '.join(py_r)}; at::empty {', '.join(cxx_r)}; "
+                 f"floor {ft:.0f} ns = {ft / fastest_t:.2f} of torch's pair")
     return c
 
 
@@ -683,7 +667,7 @@ def main(argv=None):
     ap.add_argument("--graph-runs", type=int, default=10)
     ap.add_argument("--control-runs", type=int, default=2)
     ap.add_argument("--mp-n", type=int, default=1000)
-    ap.add_argument("--perf-rounds", type=int, default=3, help="perf: torch + native process pairs")
+    ap.add_argument("--perf-runs", type=int, default=3, help="perf: processes (allocators taking turns in each)")
     ap.add_argument("--workers", type=int, default=6, help="children at once for graphs/compile")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "gpu-out"))
     args = ap.parse_args(argv)
@@ -722,13 +706,12 @@ def main(argv=None):
             if "behaviour" in only:
                 done(eval_behaviour(*runner.run("behaviour", "behaviour", {}, 240)))
             if "perf" in only:
-                order = [(f"perf-{r}-{i}", r) for i in range(1, args.perf_rounds + 1)
-                         for r in ("torch", "native")]
+                labels = [f"perf-{i}" for i in range(1, args.perf_runs + 1)]
                 cpus = sorted(os.sched_getaffinity(0))
-                base = {"sizes": list(PERF_SIZES), "rounds": 7, "py_n": 20000, "cxx_n": 100000,
-                        "cxx_lib": prep.get("cxx_lib"), "cpu": cpus[len(cpus) // 2]}
-                res = {label: runner.run(label, "perf", dict(base, route=r), 180) for label, r in order}
-                done(eval_perf(res, order))
+                params = {"sizes": list(PERF_SIZES), "turns": 15, "py_n": 10000, "cxx_n": 20000,
+                          "cxx_lib": prep.get("cxx_lib"), "cpu": cpus[len(cpus) // 2]}
+                res = {label: runner.run(label, "perf", params, 240) for label in labels}
+                done(eval_perf(res, labels))
         except Exception:  # noqa: BLE001 - a bug here must still give a report
             c = Check("script", "the script itself")
             c.error("script", traceback.format_exc())

@@ -1,5 +1,5 @@
-"""gpu_torch_native.py's perf child: allocation pairs through torch's own entry points, timed in
-one process per allocator. From Python: ``torch.empty((n,), dtype=uint8, device="cuda")`` + ``del``.
+"""gpu_torch_native.py's perf child: allocation pairs through torch's own entry points, torch's
+caching allocator and gpu-arena's native one taking turns in one process. From Python: ``torch.empty((n,), dtype=uint8, device="cuda")`` + ``del``.
 From C++ (a tiny library built against the installed torch, called through ctypes):
 ``at::empty({n}, kByte, kCUDA)`` + destruction, the same with n = 0 (every step of at::empty
 but the allocator's work: torch's caching allocator and gpu-arena both return a null pointer
@@ -42,6 +42,26 @@ extern "C" __attribute__((visibility("default"))) double allocator_pairs_ns(long
   c10::Allocator* a = c10::cuda::CUDACachingAllocator::get();
   return per_pair_ns(n, [&] { c10::DataPtr p = a->allocate(static_cast<size_t>(bytes)); });
 }
+
+// Both allocators in one process, taking turns (the machine's speed changes within a second:
+// a turn of each under the same conditions). capture_torch() before gpu-arena is installed
+// keeps torch's own caching allocator, capture_arena() after it keeps gpu-arena's and
+// initializes torch's (torch's lazy CUDA init only initializes the installed one). at::empty
+// takes its allocator from CUDACachingAllocator::get(), so use_allocator() decides which
+// one serves the pairs that follow; a DataPtr's deleter belongs to the allocator that made it.
+namespace cca = c10::cuda::CUDACachingAllocator;
+static cca::CUDAAllocator* g_torch = nullptr;
+static cca::CUDAAllocator* g_arena = nullptr;
+extern "C" __attribute__((visibility("default"))) void capture_torch() { g_torch = cca::get(); }
+extern "C" __attribute__((visibility("default"))) int capture_arena(int devices) {
+  g_arena = cca::get();
+  if (g_torch == nullptr || g_arena == g_torch) return -1;
+  g_torch->init(devices);
+  return 0;
+}
+extern "C" __attribute__((visibility("default"))) void use_allocator(int arena) {
+  cca::allocator.store(arena ? g_arena : g_torch);
+}
 """
 
 
@@ -70,45 +90,62 @@ def build_cxx(torch, out_path):
     return out_path
 
 
-def rounds_of(fn, rounds):
-    vals = [fn() for _ in range(rounds)]
-    return {"median_ns": statistics.median(vals), "rounds": vals}
-
-
 def child_perf(p):
-    """p: route, sizes, rounds, py_n, cxx_n, cxx_lib, cpu (pin to that CPU when given)."""
+    """Both allocators in one process, taking turns: p: sizes, turns, py_n, cxx_n, cxx_lib, cpu.
+    Per size and entry point, `turns` windows of each allocator, torch's and gpu-arena's
+    alternating (which goes first alternates too)."""
     import ctypes
 
     if p.get("cpu") is not None:
         os.sched_setaffinity(0, {p["cpu"]})
-    torch, ga = setup(p["route"])
+    import torch  # CUDA not initialized: torch's own allocator is still the current one
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError("CUDA was initialized before the check started")
+    lib = ctypes.CDLL(p["cxx_lib"])
+    for fn in (lib.pairs_ns, lib.allocator_pairs_ns):
+        fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_long, ctypes.c_long]
+    lib.capture_torch()
+    import gpu_arena
+    import gpu_arena.torch as gt
+
+    gt.install(route="native")
+    if gt.route_in_use() != "native":
+        raise RuntimeError(f"install(route='native') gave {gt.route_in_use()!r}")
     torch.cuda.init()
-    torch.empty(1, device="cuda")
-    out = {"python": {}, "cxx": {}, "cxx_floor": {}, "cxx_allocator": {}}
+    if lib.capture_arena(torch.cuda.device_count()) != 0:
+        raise RuntimeError("capture_arena: gpu-arena is not the installed allocator")
     empty, u8, dev = torch.empty, torch.uint8, torch.device("cuda")
-    for nbytes in p["sizes"]:
-        for _ in range(200):
+    n = p["cxx_n"]
+
+    def py_pairs(nbytes):
+        t0 = time.perf_counter_ns()
+        for _ in range(p["py_n"]):
             x = empty((nbytes,), dtype=u8, device=dev)
             del x
+        return (time.perf_counter_ns() - t0) / p["py_n"]
 
-        def py_round():
-            t0 = time.perf_counter_ns()
-            for _ in range(p["py_n"]):
-                x = empty((nbytes,), dtype=u8, device=dev)
-                del x
-            return (time.perf_counter_ns() - t0) / p["py_n"]
-
-        out["python"][str(nbytes)] = rounds_of(py_round, p["rounds"])
-    if p.get("cxx_lib"):
-        lib = ctypes.CDLL(p["cxx_lib"])
-        for fn in (lib.pairs_ns, lib.allocator_pairs_ns):
-            fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_long, ctypes.c_long]
-        n = p["cxx_n"]
-        out["cxx_floor"]["0"] = rounds_of(lambda: lib.pairs_ns(n, 0), p["rounds"])
-        for nbytes in p["sizes"]:
-            out["cxx"][str(nbytes)] = rounds_of(lambda: lib.pairs_ns(n, nbytes), p["rounds"])
-            out["cxx_allocator"][str(nbytes)] = rounds_of(
-                lambda: lib.allocator_pairs_ns(n, nbytes), p["rounds"])
+    entries = {"python": py_pairs, "cxx": lambda b: lib.pairs_ns(n, b),
+               "cxx_allocator": lambda b: lib.allocator_pairs_ns(n, b)}
+    out = {k: {} for k in (*entries, "cxx_floor")}
+    work = [(k, b) for k in entries for b in p["sizes"]] + [("cxx_floor", 0)]
+    for kind, nbytes in work:
+        fn = entries["cxx"] if kind == "cxx_floor" else entries[kind]
+        turns = {"torch": [], "native": []}
+        for w in range(p["turns"] + 1):  # the first turn of each warms up and is dropped
+            for arena in ((0, 1) if w % 2 == 0 else (1, 0)):
+                lib.use_allocator(arena)
+                v = fn(nbytes)
+                if w > 0:
+                    turns["native" if arena else "torch"].append(v)
+        lib.use_allocator(1)
+        out[kind][str(nbytes)] = {
+            "torch_ns": statistics.median(turns["torch"]),
+            "native_ns": statistics.median(turns["native"]),
+            "ratio": statistics.median(b / a for a, b in zip(turns["torch"], turns["native"])),
+            "turns": turns}
     torch.cuda.synchronize()
-    out["info"] = info(torch, ga, p["route"])
+    st = gpu_arena.stats(0)
+    out["served_by_gpu_arena"] = st["alloc_count"]
+    out["info"] = info(torch, gpu_arena, "native")
     return out
