@@ -90,6 +90,35 @@ def build_cxx(torch, out_path):
     return out_path
 
 
+def take_turns(lib, fn, nbytes, turns, with_floor):
+    """`turns` turns of each allocator timing fn(nbytes) (and fn(0) right after when
+    `with_floor`: the floor in the same turn), torch's and gpu-arena's alternating, which one
+    goes first alternating too; a first turn of each warms up and is dropped."""
+    t = {"torch": [], "native": [], "torch_floor": [], "native_floor": []}
+    for w in range(turns + 1):
+        for arena in ((0, 1) if w % 2 == 0 else (1, 0)):
+            lib.use_allocator(arena)
+            v = fn(nbytes)
+            f = fn(0) if with_floor else None
+            if w > 0:
+                who = "native" if arena else "torch"
+                t[who].append(v)
+                if with_floor:
+                    t[who + "_floor"].append(f)
+    lib.use_allocator(1)
+    med = statistics.median
+    out = {"torch_ns": med(t["torch"]), "native_ns": med(t["native"]),
+           "ratio": med(b / a for a, b in zip(t["torch"], t["native"])), "turns": t}
+    if with_floor:
+        out["torch_floor_ns"], out["native_floor_ns"] = med(t["torch_floor"]), med(t["native_floor"])
+        # Of torch's pair, the share that is not the allocator's work (turn by turn).
+        out["floor_share"] = med(f / a for f, a in zip(t["torch_floor"], t["torch"]))
+        # The allocator's work alone: pair - floor, gpu-arena's over torch's (turn by turn).
+        out["above_floor_ratio"] = med((b - fb) / (a - fa) for a, fa, b, fb in zip(
+            t["torch"], t["torch_floor"], t["native"], t["native_floor"]) if a > fa)
+    return out
+
+
 def child_perf(p):
     """Both allocators in one process, taking turns: p: sizes, turns, py_n, cxx_n, cxx_lib, cpu.
     Per size and entry point, `turns` windows of each allocator, torch's and gpu-arena's
@@ -127,23 +156,11 @@ def child_perf(p):
 
     entries = {"python": py_pairs, "cxx": lambda b: lib.pairs_ns(n, b),
                "cxx_allocator": lambda b: lib.allocator_pairs_ns(n, b)}
-    out = {k: {} for k in (*entries, "cxx_floor")}
-    work = [(k, b) for k in entries for b in p["sizes"]] + [("cxx_floor", 0)]
-    for kind, nbytes in work:
-        fn = entries["cxx"] if kind == "cxx_floor" else entries[kind]
-        turns = {"torch": [], "native": []}
-        for w in range(p["turns"] + 1):  # the first turn of each warms up and is dropped
-            for arena in ((0, 1) if w % 2 == 0 else (1, 0)):
-                lib.use_allocator(arena)
-                v = fn(nbytes)
-                if w > 0:
-                    turns["native" if arena else "torch"].append(v)
-        lib.use_allocator(1)
-        out[kind][str(nbytes)] = {
-            "torch_ns": statistics.median(turns["torch"]),
-            "native_ns": statistics.median(turns["native"]),
-            "ratio": statistics.median(b / a for a, b in zip(turns["torch"], turns["native"])),
-            "turns": turns}
+    out = {k: {} for k in entries}
+    for kind in entries:
+        for nbytes in p["sizes"]:
+            out[kind][str(nbytes)] = take_turns(lib, entries[kind], nbytes, p["turns"],
+                                                with_floor=kind == "cxx")
     torch.cuda.synchronize()
     st = gpu_arena.stats(0)
     out["served_by_gpu_arena"] = st["alloc_count"]
