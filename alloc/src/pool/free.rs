@@ -66,7 +66,7 @@ impl Pool {
 
     fn free_on(&self, dp: &DevicePool, ptr: u64, requested: Option<u64>) -> Result<()> {
         // Fast path: a plain allocation into this thread's cache, no device lock.
-        if let Some(seen) = dp.front.try_free(ptr, requested, dp.state.is_locked()) {
+        if let Some(seen) = dp.front.try_free(ptr, requested, || dp.state.is_locked()) {
             self.after_fast_free(dp, seen);
             return Ok(());
         }

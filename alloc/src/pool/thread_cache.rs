@@ -305,7 +305,8 @@ impl Front {
     /// recorded here, a size mismatch, gated, or too large): the caller
     /// takes the device lock's path. Else the allocated and requested bytes as seen.
     ///
-    /// `contended`: the device lock is held by another thread right now. A block above
+    /// `contended()`: whether the device lock is held by another thread right now (asked only
+    /// of a block above `cache_max`, so the fast free of a cached size reads no lock). A block above
     /// `cache_max` (with growing arenas: above 2 MiB, which otherwise goes straight back to
     /// its arena to coalesce) is then cached too, up to [`CACHE_MAX_BLOCK`], so that threads
     /// allocating large blocks at once do not queue on the device lock for every free and
@@ -316,16 +317,16 @@ impl Front {
         self: &Arc<Self>,
         ptr: u64,
         requested: Option<u64>,
-        contended: bool,
+        contended: impl Fn() -> bool,
     ) -> Option<[u64; 2]> {
-        let own = self.with_cache(|cache| Some(self.free_into(cache, ptr, requested, contended)));
+        let own = self.with_cache(|cache| Some(self.free_into(cache, ptr, requested, &contended)));
         match own {
             Some(FreeStep::Freed(seen)) => return Some(seen),
             Some(FreeStep::Declined) => return None,
             Some(FreeStep::Absent) | None => {}
         }
         for slot in self.caches.lock().iter() {
-            match self.free_into(&mut slot.lock(), ptr, requested, contended) {
+            match self.free_into(&mut slot.lock(), ptr, requested, &contended) {
                 FreeStep::Freed(seen) => return Some(seen),
                 FreeStep::Declined => return None,
                 FreeStep::Absent => {}
@@ -337,7 +338,7 @@ impl Front {
     /// [`Self::try_free`] in the calling thread's cache only (a pool of several devices tries
     /// each device's this way before it looks for the device).
     pub(crate) fn try_free_own(self: &Arc<Self>, ptr: u64) -> Option<[u64; 2]> {
-        match self.with_cache(|cache| Some(self.free_into(cache, ptr, None, false)))? {
+        match self.with_cache(|cache| Some(self.free_into(cache, ptr, None, &|| false)))? {
             FreeStep::Freed(seen) => Some(seen),
             FreeStep::Declined | FreeStep::Absent => None,
         }
@@ -350,19 +351,20 @@ impl Front {
         cache: &mut ThreadCache,
         ptr: u64,
         requested: Option<u64>,
-        contended: bool,
+        contended: &dyn Fn() -> bool,
     ) -> FreeStep {
         let cache_max = self.hot.cache_max;
-        let max = if contended || cache.large_credit > 0 {
-            CACHE_MAX_BLOCK.max(cache_max)
-        } else {
-            cache_max
-        };
+        let credit = cache.large_credit;
+        let mut contended_now = false;
         // One lookup: the record, which stays where it is (marked free) with the block.
         let step = cache.records.free_live(ptr, |rec| {
             let len = block_len(rec.requested).unwrap_or(u64::MAX);
-            let ours =
-                requested.is_none_or(|r| r == rec.requested) && !self.gated(rec.tag) && len <= max;
+            let fits = len <= cache_max
+                || (len <= CACHE_MAX_BLOCK && {
+                    contended_now = contended();
+                    contended_now || credit > 0
+                });
+            let ours = requested.is_none_or(|r| r == rec.requested) && !self.gated(rec.tag) && fits;
             ours.then_some(len)
         });
         let (rec, len) = match step {
@@ -371,10 +373,10 @@ impl Front {
             FreeOutcome::Absent => return FreeStep::Absent,
         };
         if len > cache_max {
-            cache.large_credit = if contended {
+            cache.large_credit = if contended_now {
                 LARGE_CREDIT
             } else {
-                cache.large_credit - 1
+                credit - 1
             };
         }
         cache.counts.free_count += 1;

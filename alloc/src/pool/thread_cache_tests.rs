@@ -220,13 +220,13 @@ fn large_blocks_of_a_growing_pool_are_cached_only_after_contention() {
     let len = 16 * MIB;
     let a = pool.alloc(0, len, s).unwrap();
     assert!(
-        dp.front.try_free(a.ptr, None, false).is_none(),
+        dp.front.try_free(a.ptr, None, || false).is_none(),
         "uncontended: declined"
     );
     pool.free(a.ptr).unwrap();
     let b = pool.alloc(0, len, s).unwrap();
     assert!(
-        dp.front.try_free(b.ptr, None, true).is_some(),
+        dp.front.try_free(b.ptr, None, || true).is_some(),
         "contended: cached"
     );
     let mut held = b.ptr;
@@ -241,7 +241,7 @@ fn large_blocks_of_a_growing_pool_are_cached_only_after_contention() {
         .try_alloc(s.0, len, 0, len)
         .expect("the last credit's block");
     assert!(
-        dp.front.try_free(last, None, false).is_none(),
+        dp.front.try_free(last, None, || false).is_none(),
         "credits spent"
     );
     pool.free(last).unwrap();
