@@ -13,6 +13,8 @@
 
 mod contract;
 
+use std::sync::Arc;
+
 use gpu_arena::backend::cuda::CudaBackend;
 use gpu_arena::backend::vmm::FabricHandles;
 use gpu_arena::backend::{Backend, ExportKind, ExportPayload, ImportSource};
@@ -369,6 +371,66 @@ fn grown_arena_splits_across_its_chunks_and_gives_the_rest_back() {
         b.destroy_arena(part).expect("destroy a window");
     }
     assert_near(free(&b), baseline, slack, "free after the windows");
+}
+
+/// `empty_cache` of a pool with growing arenas gives back the free chunks between live
+/// blocks without moving them: seven 16 MiB blocks (one chunk each), two kept, the driver's
+/// free memory up by the other five and the survivors' bytes where they were.
+#[test]
+#[ignore = "needs a CUDA GPU (run on the H200 with --ignored)"]
+fn empty_cache_gives_back_the_free_chunks_between_survivors() {
+    let _serial = contract::serial();
+    let b = Arc::new(CudaBackend::new().expect("needs a CUDA GPU"));
+    let g = b.granularity(0).expect("granularity");
+    let baseline = free(&b);
+    let config = gpu_arena::PoolConfig {
+        grow_arenas: true,
+        validate: true,
+        ..gpu_arena::PoolConfig::default()
+    };
+    let pool = gpu_arena::Pool::new(b.clone(), config).expect("pool");
+    let stream = gpu_arena::StreamId(0);
+    let mib16 = 16 << 20;
+    let blocks: Vec<_> = (0..7)
+        .map(|_| pool.alloc(0, mib16, stream).expect("alloc"))
+        .collect();
+    let keep = [1usize, 5];
+    let pattern = |i: usize| -> Vec<u8> {
+        (0..mib16 as usize)
+            .map(|j| (j as u8).wrapping_mul(13).wrapping_add(i as u8))
+            .collect()
+    };
+    for (i, a) in blocks.iter().enumerate() {
+        if keep.contains(&i) {
+            b.copy_from_host(0, a.ptr, &pattern(i)).expect("write");
+        } else {
+            pool.free(a.ptr).expect("free");
+        }
+    }
+    b.synchronize(0).expect("synchronize");
+    let held = free(&b);
+    let released = pool.empty_cache(None).expect("empty_cache");
+    assert_eq!(released, 5 * mib16, "the five free chunks");
+    assert_near(
+        free(&b).saturating_sub(held),
+        5 * mib16,
+        2 * g,
+        "freed by empty_cache",
+    );
+    let s = pool.stats(0).expect("stats");
+    assert_eq!((s.reserved_bytes, s.arenas), (2 * mib16, 2), "{s:?}");
+    for &i in &keep {
+        let mut back = vec![0u8; mib16 as usize];
+        b.copy_to_host(0, blocks[i].ptr, &mut back).expect("read");
+        assert!(back == pattern(i), "survivor {i} lost its bytes");
+    }
+    pool.validate(0).expect("validate");
+    for &i in &keep {
+        pool.free(blocks[i].ptr).expect("free a survivor");
+    }
+    pool.empty_cache(None).expect("empty_cache");
+    drop(pool);
+    assert_near(free(&b), baseline, 2 * g, "free after the pool");
 }
 
 contract::backend_contract_tests!(

@@ -2,7 +2,7 @@
 //! reserved follows live (a small program, the recorded PyTorch training loop), contents
 //! survive growth, a grown arena is shared with one fd per chunk and read by another
 //! process's importer, it sleeps and wakes as one allocation, `empty_cache` gives it back
-//! whole, or with survivors the chunks past the last of them, and an arena stops growing
+//! whole, or with survivors every chunk none of them touches, and an arena stops growing
 //! once shared.
 #![allow(clippy::unwrap_used)]
 
@@ -322,7 +322,7 @@ fn empty_cache_gives_back_the_chunks_past_the_last_survivor() {
 }
 
 #[test]
-fn trim_cuts_a_grown_arena_down_to_its_survivors_pages() {
+fn empty_cache_gives_back_the_free_chunks_between_survivors() {
     let (sim, pool) = growing_pool();
     // Seven chunks of 16 MiB; survivors in the second and the sixth, the rest freed.
     let blocks: Vec<_> = (0..7)
@@ -336,32 +336,82 @@ fn trim_cuts_a_grown_arena_down_to_its_survivors_pages() {
             pool.free(a.ptr).unwrap();
         }
     }
+    let before = pool.stats(0).unwrap();
     let held = sim.ledger(0).held_bytes;
-    let report = pool.trim(None).unwrap();
-    // empty_cache gives back the tail chunk; the split the free chunks between.
-    assert_eq!(report.emptied_bytes, 16 * MIB, "{report:?}");
-    assert_eq!(report.split_arenas, 1, "{report:?}");
-    assert_eq!(report.windows, 2, "{report:?}");
+    let released = pool.empty_cache(None).unwrap();
+    // The tail chunk, and the four between and before the survivors: no trim needed.
+    assert_eq!(released, 5 * 16 * MIB);
     let s = pool.stats(0).unwrap();
-    assert_eq!(s.reserved_bytes, 32 * MIB, "exactly the survivors: {s:?}");
+    assert_eq!(
+        s.reserved_bytes,
+        32 * MIB,
+        "exactly the survivors' chunks: {s:?}"
+    );
+    assert_eq!(s.arenas, 2, "one arena per run of kept chunks: {s:?}");
+    assert_eq!(s.backend_destroys - before.backend_destroys, 5, "{s:?}");
     assert_eq!(sim.ledger(0).held_bytes, held - 5 * 16 * MIB);
     for &i in &keep {
         let a = &blocks[i];
         assert_eq!(
             read(a.ptr, (16 * MIB) as usize),
             fill_vec((16 * MIB) as usize, i as u8),
+            "survivor {i}, at its address"
+        );
+    }
+    pool.validate(0).unwrap();
+    // The class's next arena starts at its request and grows in place from there.
+    let next = pool.alloc(0, 8 * MIB, S).unwrap();
+    let more = pool.alloc(0, 8 * MIB, S).unwrap();
+    assert_eq!(more.ptr, next.ptr + 8 * MIB, "grown in place");
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 48 * MIB);
+    for a in [next.ptr, more.ptr, blocks[1].ptr, blocks[5].ptr] {
+        pool.free(a).unwrap();
+    }
+    pool.empty_cache(None).unwrap();
+    assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+}
+
+#[test]
+fn trim_cuts_a_grown_arena_down_to_its_survivors_pages() {
+    let (sim, pool) = growing_pool();
+    // Seven chunks of 16 MiB, then two 4 MiB survivors in the second one.
+    let blocks: Vec<_> = (0..7)
+        .map(|_| pool.alloc(0, 16 * MIB, S).unwrap())
+        .collect();
+    pool.free(blocks[1].ptr).unwrap();
+    let survivors: Vec<_> = (0..2).map(|_| pool.alloc(0, 4 * MIB, S).unwrap()).collect();
+    for (i, a) in survivors.iter().enumerate() {
+        assert!(
+            blocks[1].ptr <= a.ptr && a.ptr < blocks[1].ptr + 16 * MIB,
+            "in chunk 1"
+        );
+        fill(a.ptr, (4 * MIB) as usize, i as u8);
+    }
+    for (i, a) in blocks.iter().enumerate() {
+        if i != 1 {
+            pool.free(a.ptr).unwrap();
+        }
+    }
+    let held = sim.ledger(0).held_bytes;
+    let report = pool.trim(None).unwrap();
+    // empty_cache gives back the six free chunks; the split the pages of the seventh that
+    // no survivor touches.
+    assert_eq!(report.emptied_bytes, 6 * 16 * MIB, "{report:?}");
+    assert_eq!(report.split_arenas, 1, "{report:?}");
+    assert_eq!(report.windows, 1, "{report:?}");
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.reserved_bytes, 8 * MIB, "exactly the survivors: {s:?}");
+    assert_eq!(sim.ledger(0).held_bytes, held - 7 * 16 * MIB + 8 * MIB);
+    for (i, a) in survivors.iter().enumerate() {
+        assert_eq!(
+            read(a.ptr, (4 * MIB) as usize),
+            fill_vec((4 * MIB) as usize, i as u8),
             "survivor {i}"
         );
     }
     pool.validate(0).unwrap();
-    // The class's next arena starts at its request (not at what the class holds), grows
-    // from there, and everything goes back at the end.
-    let next = pool.alloc(0, 8 * MIB, S).unwrap();
-    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 40 * MIB);
-    let more = pool.alloc(0, 8 * MIB, S).unwrap();
-    assert_eq!(more.ptr, next.ptr + 8 * MIB, "grown in place");
-    for a in [next.ptr, more.ptr, blocks[1].ptr, blocks[5].ptr] {
-        pool.free(a).unwrap();
+    for a in &survivors {
+        pool.free(a.ptr).unwrap();
     }
     pool.empty_cache(None).unwrap();
     assert!(sim.is_clean(0), "{:?}", sim.ledger(0));

@@ -192,6 +192,32 @@ pub(crate) fn check_split_windows(
     Ok(())
 }
 
+/// Check `doomed` (chunk indices of an arena of `chunks` chunks: sorted, unique, in range,
+/// not all of them, at least one) for [`Backend::drop_chunks`].
+pub(crate) fn check_dropped_chunks(chunks: usize, doomed: &[usize]) -> Result<()> {
+    let sorted = doomed.windows(2).all(|w| w[0] < w[1]);
+    if doomed.is_empty() || doomed.len() >= chunks || !sorted || doomed.iter().any(|&i| i >= chunks)
+    {
+        return Err(Error::invalid(format!(
+            "drop_chunks: {doomed:?} is not a sorted, non-empty strict subset of the arena's \
+             {chunks} chunks"
+        )));
+    }
+    Ok(())
+}
+
+/// The runs of consecutive chunks not in `dropped` (sorted): `(first index, count)` each.
+pub(crate) fn kept_runs(chunks: usize, dropped: &[usize]) -> Vec<(usize, usize)> {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for i in (0..chunks).filter(|i| dropped.binary_search(i).is_err()) {
+        match runs.last_mut() {
+            Some((first, n)) if *first + *n == i => *n += 1,
+            _ => runs.push((i, 1)),
+        }
+    }
+    runs
+}
+
 /// Physical device memory and its mapping, exports, imports, events, device info.
 ///
 /// Implementations are thread-safe; the pool never holds its own locks across these calls
@@ -248,6 +274,29 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn shrink_arena(&self, arena: &ArenaMem, keep: u64) -> Result<(ArenaMem, usize)> {
         let _ = keep;
         Ok((arena.clone(), 0))
+    }
+    /// The chunks of an arena, `(offset, bytes)` from its base in address order: one chunk
+    /// covering it unless it grew ([`Backend::grow_arena`]).
+    fn chunk_spans(&self, arena: &ArenaMem) -> Vec<(u64, u64)> {
+        vec![(0, arena.bytes)]
+    }
+    /// Give back the chunks of a grown arena whose indices (in [`Backend::chunk_spans`]
+    /// order) are in `doomed` (sorted, unique, not every chunk), without moving a byte: each
+    /// is unmapped and released; the chunks kept stay mapped where they are, and each run
+    /// of them becomes an arena of its own (its first chunk's handle, the run's other
+    /// chunks its chunks; they cannot grow) in the old reservation, which is freed with the
+    /// last of them. Returns the runs in address order with their chunk counts; afterwards
+    /// only they may be named. A chunk whose unmapping fails stays, in its run (logged).
+    /// The caller synchronized the device, uses no byte of the dropped chunks and has no
+    /// export of the arena. On error nothing changed.
+    fn drop_chunks(&self, arena: &ArenaMem, doomed: &[usize]) -> Result<Vec<(ArenaMem, usize)>> {
+        let _ = doomed;
+        Err(Error::Unavailable(format!(
+            "the {} backend cannot drop an arena's chunks (arena of {} bytes at {:#x})",
+            self.name(),
+            arena.bytes,
+            arena.base
+        )))
     }
     /// Unmap and release an arena. The caller synchronized the device and closed every
     /// export first. Memory stays held by the driver while exports or importers hold it.

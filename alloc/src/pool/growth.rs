@@ -24,6 +24,7 @@
 
 use super::classes::{Class, GENERAL};
 use super::limits::DeviceLimits;
+use super::trim::Made;
 use super::{DevicePool, DeviceState, Pool, ANY_STREAM};
 use crate::backend::{StreamId, MAX_ARENA_CHUNKS};
 use crate::error::{Error, Result};
@@ -277,6 +278,82 @@ impl Pool {
     }
 }
 
+impl Pool {
+    /// At `empty_cache`, after [`Pool::shrink_free_tails`] (device synchronized, every stream
+    /// settled, every live block recorded in the device's map, under the device lock): give
+    /// back each grown arena's chunks that free any-stream ranges cover whole, between live
+    /// blocks too, without moving a byte: the arena becomes the runs of its other chunks
+    /// (`Backend::drop_chunks`), arenas of their own in its reservation, so reserved follows
+    /// what live blocks touch chunk by chunk without a trim's idle point. Not an arena that is
+    /// exported, asleep, pinned, or seen by an observer (as `shrink_free_tails`). Returns the
+    /// bytes released.
+    pub(super) fn drop_free_chunks(&self, dp: &DevicePool, st: &mut DeviceState) -> u64 {
+        let grown: Vec<usize> = st
+            .arenas
+            .iter()
+            .filter(|(_, a)| {
+                a.chunks > 1
+                    && a.sleep.is_none()
+                    && a.lifetime.export().is_none()
+                    && !a.lifetime.pinned()
+            })
+            .map(|(k, _)| k)
+            .collect();
+        let mut released = 0;
+        for key in grown {
+            let Some(a) = st.arenas.get(key) else {
+                continue;
+            };
+            let (mem, t) = (a.mem.clone(), a.class().index());
+            let spans = self.backend.chunk_spans(&mem);
+            let doomed = free_chunks(&st.ranges[t].ranges(mem.base), mem.base, &spans);
+            if doomed.is_empty() || doomed.len() >= spans.len() {
+                continue;
+            }
+            let replaced = self
+                .observers
+                .replace_unobserved((dp.device, mem.base), || {
+                    let parts = self.backend.drop_chunks(&mem, &doomed)?;
+                    let kept: u64 = parts.iter().map(|(p, _)| p.bytes).sum();
+                    let kept_chunks: usize = parts.iter().map(|(_, n)| n).sum();
+                    let dropped = spans.len().saturating_sub(kept_chunks) as u64;
+                    let made = Made::ChunksKept { dropped };
+                    let out = st.replace_by_windows(key, parts, &dp.metrics, made)?;
+                    released += mem.bytes - kept;
+                    Ok(out)
+                });
+            if let Some(Err(e)) = replaced {
+                if !matches!(e, Error::Unavailable(_)) {
+                    tracing::error!(device = dp.device, base = mem.base, error = %e,
+                        "dropping a grown arena's free chunks failed; it stays whole");
+                }
+            }
+        }
+        released
+    }
+}
+
+/// The chunks of an arena at `base` (indices into `spans`, its chunks' `(offset, bytes)`)
+/// that free any-stream ranges cover whole (`ranges`: its region's, in address order).
+fn free_chunks(ranges: &[range::RangeInfo], base: u64, spans: &[(u64, u64)]) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut r = 0;
+    for (i, &(offset, bytes)) in spans.iter().enumerate() {
+        let (start, end) = (base + offset, base + offset + bytes);
+        while r < ranges.len() && ranges[r].offset + ranges[r].len <= start {
+            r += 1;
+        }
+        let free = ranges[r..]
+            .iter()
+            .take_while(|x| x.offset < end)
+            .all(|x| x.free_tag == Some(ANY_STREAM));
+        if free {
+            out.push(i);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -300,6 +377,36 @@ mod tests {
         // Always a granularity multiple covering the shortfall.
         assert_eq!(growth_step(0, 0, 9 * MIB + 1, g), Some(10 * MIB));
         assert_eq!(growth_step(0, 0, 1, g), Some(2 * MIB));
+    }
+
+    #[test]
+    fn a_chunk_is_free_when_free_any_stream_ranges_cover_it_whole() {
+        let r = |offset, len, free_tag| range::RangeInfo {
+            offset,
+            len,
+            free_tag,
+        };
+        let base = 1 << 40;
+        let spans = [
+            (0, 4 * MIB),
+            (4 * MIB, 4 * MIB),
+            (8 * MIB, 8 * MIB),
+            (16 * MIB, 4 * MIB),
+        ];
+        let ranges = [
+            r(base, MIB, None),
+            r(base + MIB, 7 * MIB, Some(ANY_STREAM)),
+            r(base + 8 * MIB, 2 * MIB, Some(ANY_STREAM)),
+            r(base + 10 * MIB, 6 * MIB, Some(ANY_STREAM)),
+            r(base + 16 * MIB, 2 * MIB, Some(7)),
+            r(base + 18 * MIB, 2 * MIB, Some(ANY_STREAM)),
+        ];
+        // Chunk 0 holds a live block, chunk 3 a range still tied to stream 7.
+        assert_eq!(free_chunks(&ranges, base, &spans), vec![1, 2]);
+        assert_eq!(
+            free_chunks(&ranges[..1], base, &spans[..1]),
+            Vec::<usize>::new()
+        );
     }
 
     #[test]

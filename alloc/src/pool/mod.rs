@@ -422,7 +422,7 @@ impl Pool {
     }
 
     /// Synchronize, release completed frees, destroy empty unshared arenas, give back grown
-    /// arenas' free tails.
+    /// arenas' free tails and their other free chunks.
     fn release_cached(&self, dp: &DevicePool) -> Result<u64> {
         {
             let st = dp.state.lock();
@@ -438,7 +438,9 @@ impl Pool {
             let mut doomed = std::mem::take(&mut st.orphans);
             let (empty, releases) = self.take_empty_observed(dp, &mut st);
             doomed.extend(empty);
-            let shrunk = self.shrink_free_tails(dp, &mut st);
+            let mut shrunk = self.shrink_free_tails(dp, &mut st);
+            st.promote_all();
+            shrunk += self.drop_free_chunks(dp, &mut st);
             (doomed, releases, shrunk)
         };
         // Observers' on_release, with the lock released, before the arenas are destroyed.

@@ -353,6 +353,42 @@ impl Observers {
         Some(resized)
     }
 
+    /// An arena at `key` replaced by arenas of its own memory (`pool/growth.rs`: a grown
+    /// arena's free chunks dropped, under the device lock): made by `replace` with the
+    /// registry locked, so no observer can come meanwhile; `None` (nothing done) while any
+    /// observer is registered (they would be owed an `on_release` of the arena and an
+    /// `on_ready` of each part) or a call about the arena is under way. On success the
+    /// registry holds the parts instead (`replace` returns them with their ids).
+    pub(crate) fn replace_unobserved(
+        &self,
+        key: ArenaKey,
+        replace: impl FnOnce() -> Result<Vec<(u64, ArenaMem)>>,
+    ) -> Option<Result<Vec<(u64, ArenaMem)>>> {
+        let mut reg = self.reg.lock();
+        if !reg.observers.is_empty()
+            || reg
+                .arenas
+                .get(&key)
+                .is_none_or(|a| !a.ready.is_empty() || !a.delivering.is_empty())
+        {
+            return None;
+        }
+        let parts = replace();
+        if let Ok(parts) = &parts {
+            reg.arenas.remove(&key);
+            for (id, mem) in parts {
+                let info = ArenaInfo::mapped(mem.device, *id, mem);
+                let entry = ArenaEntry {
+                    info,
+                    ready: Vec::new(),
+                    delivering: Vec::new(),
+                };
+                reg.arenas.insert((mem.device, mem.base), entry);
+            }
+        }
+        Some(parts)
+    }
+
     /// Whether an `on_ready` of the arena at `key` runs now (it must not be released).
     fn busy(reg: &Registry, key: ArenaKey) -> bool {
         reg.arenas

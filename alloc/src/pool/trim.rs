@@ -158,7 +158,8 @@ impl Pool {
                         report.released_bytes += mem.bytes - kept;
                         report.split_arenas += 1;
                         report.windows += parts.len() as u64;
-                        match st.replace_by_windows(key, parts, &dp.metrics) {
+                        let parts = parts.into_iter().map(|w| (w, 1)).collect();
+                        match st.replace_by_windows(key, parts, &dp.metrics, Made::NewMemory) {
                             Ok(windows) => announce.extend(windows),
                             // A bug (the windows come from the sub-allocator itself):
                             // reported after the other arenas are done and announced.
@@ -262,21 +263,32 @@ fn windows_of(st: &DeviceState, a: &Arena, granularity: u64) -> Option<Vec<(u64,
     (!windows.is_empty() && kept < a.mem.bytes).then_some(windows)
 }
 
+/// How the windows of [`DeviceState::replace_by_windows`] were made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Made {
+    /// A trim's: each window a new allocation, the arena's memory released.
+    NewMemory,
+    /// `empty_cache`'s: a grown arena's chunks kept in place, this many others released.
+    ChunksKept { dropped: u64 },
+}
+
 impl DeviceState {
-    /// Replace arena `key` by its windows `parts` (just split by the backend): new arena
-    /// records and ids, sub-allocator regions, address lookup, each allocation's arena, the
-    /// stats. Returns the windows with their ids, to announce to observers.
-    fn replace_by_windows(
+    /// Replace arena `key` by its windows `parts` (just split by the backend; each with its
+    /// number of chunks): new arena records and ids, sub-allocator regions, address lookup,
+    /// each allocation's arena, the stats. Returns the windows with their ids, to announce
+    /// to observers.
+    pub(super) fn replace_by_windows(
         &mut self,
         key: usize,
-        parts: Vec<ArenaMem>,
+        parts: Vec<(ArenaMem, usize)>,
         metrics: &crate::pool::DeviceMetrics,
+        made: Made,
     ) -> Result<Vec<(u64, ArenaMem)>> {
         let old = self.arenas.remove(key);
         self.forget_growing(key);
         let (base, bytes) = (old.mem.base, old.mem.bytes);
         let class = old.class();
-        let abs: Vec<(u64, u64)> = parts.iter().map(|w| (w.base, w.bytes)).collect();
+        let abs: Vec<(u64, u64)> = parts.iter().map(|(w, _)| (w.base, w.bytes)).collect();
         self.ranges_mut(class)
             .split_region(base, &abs)
             .map_err(|e| {
@@ -285,7 +297,7 @@ impl DeviceState {
         self.arena_at.remove(base..base + bytes);
         let mut keys = Vec::with_capacity(parts.len());
         let mut out = Vec::with_capacity(parts.len());
-        for w in parts {
+        for (w, chunks) in parts {
             let id = self.reserve_arena_id();
             let k = self.arenas.insert(Arena {
                 mem: w.clone(),
@@ -297,7 +309,7 @@ impl DeviceState {
                 huge: old.huge,
                 graph_pool: old.graph_pool,
                 sleep: None,
-                chunks: 1,
+                chunks: u16::try_from(chunks).unwrap_or(u16::MAX),
             });
             self.arena_at.insert(w.base..w.base + w.bytes, k);
             keys.push((w.base, w.bytes, k));
@@ -322,10 +334,14 @@ impl DeviceState {
         let s = &mut self.stats;
         s.reserved_bytes -= bytes - kept;
         s.arenas += out.len() as u64 - 1;
-        s.backend_creates += out.len() as u64;
-        s.backend_destroys += 1;
-        metrics.creates.increment(out.len() as u64);
-        metrics.destroys.increment(1);
+        let (creates, destroys) = match made {
+            Made::NewMemory => (out.len() as u64, 1),
+            Made::ChunksKept { dropped } => (0, dropped),
+        };
+        s.backend_creates += creates;
+        s.backend_destroys += destroys;
+        metrics.creates.increment(creates);
+        metrics.destroys.increment(destroys);
         if self.history.recording {
             self.history.record(Action::SegmentFree, base, bytes, 0, 0);
             for (_, w) in &out {

@@ -311,6 +311,25 @@ impl Backend for SimBackend {
         self.shrink(arena, keep)
     }
 
+    fn chunk_spans(&self, arena: &ArenaMem) -> Vec<(u64, u64)> {
+        let mut inner = self.inner.lock();
+        let lens = match inner.arena_mut(arena, "chunk_spans") {
+            Ok(entry) => entry.chunks.clone(),
+            Err(_) => vec![arena.bytes],
+        };
+        let mut at = 0;
+        lens.into_iter()
+            .map(|len| {
+                at += len;
+                (at - len, len)
+            })
+            .collect()
+    }
+
+    fn drop_chunks(&self, arena: &ArenaMem, doomed: &[usize]) -> Result<Vec<(ArenaMem, usize)>> {
+        SimBackend::drop_chunks(self, arena, doomed)
+    }
+
     fn destroy_arena(&self, arena: ArenaMem) -> Result<()> {
         let mut inner = self.inner.lock();
         inner.enter(SimCall::DestroyArena)?;

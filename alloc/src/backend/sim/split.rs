@@ -9,12 +9,57 @@ use std::os::fd::{AsFd, OwnedFd};
 use super::state::{ArenaEntry, Owner};
 use super::sys::{self, file_info, map_shared, sys_err, unmap};
 use super::{SimBackend, SimCall, NAME};
-use crate::backend::{check_split_windows, ArenaMem};
+use crate::backend::{check_dropped_chunks, check_split_windows, kept_runs, ArenaMem};
 use crate::error::{Error, Result};
 
 impl SimBackend {
     /// See the module docs and the trait's contract.
     pub(super) fn split(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {
+        self.split_windows(arena, windows, true)
+    }
+
+    /// [`Backend::drop_chunks`](crate::backend::Backend::drop_chunks): the runs of kept
+    /// chunks become windows as a split's (their bytes copied to memfds of their own, which
+    /// on a GPU would be the chunks themselves left in place: no new memory is counted), each
+    /// keeping its chunks' lengths.
+    pub(super) fn drop_chunks(
+        &self,
+        arena: &ArenaMem,
+        doomed: &[usize],
+    ) -> Result<Vec<(ArenaMem, usize)>> {
+        let lens = self
+            .inner
+            .lock()
+            .arena_mut(arena, "drop_chunks")?
+            .chunks
+            .clone();
+        check_dropped_chunks(lens.len(), doomed)?;
+        let runs = kept_runs(lens.len(), doomed);
+        let offset = |i: usize| lens[..i].iter().sum::<u64>();
+        let windows: Vec<(u64, u64)> = runs
+            .iter()
+            .map(|&(at, n)| (offset(at), lens[at..at + n].iter().sum()))
+            .collect();
+        let parts = self.split_windows(arena, &windows, false)?;
+        let mut inner = self.inner.lock();
+        let mut out = Vec::with_capacity(parts.len());
+        for (part, &(at, n)) in parts.into_iter().zip(&runs) {
+            if let Some(entry) = inner.arenas.get_mut(&part.handle) {
+                entry.chunks = lens[at..at + n].to_vec();
+            }
+            out.push((part, n));
+        }
+        Ok(out)
+    }
+
+    /// A split; `new_memory`: its windows are new allocations (a trim's: each one a driver
+    /// call that may fail, and room on the device), else the chunks kept where they are.
+    fn split_windows(
+        &self,
+        arena: &ArenaMem,
+        windows: &[(u64, u64)],
+        new_memory: bool,
+    ) -> Result<Vec<ArenaMem>> {
         let mut inner = self.inner.lock();
         check_split_windows(arena.bytes, self.config.granularity, windows)?;
         {
@@ -32,17 +77,19 @@ impl SimBackend {
                 )));
             }
         }
-        for _ in windows {
-            inner.enter(SimCall::CreateArena)?;
-        }
-        let kept: u64 = windows.iter().map(|w| w.1).sum();
-        if inner.held_bytes(arena.device).saturating_add(kept) > self.config.capacity {
-            return Err(Error::DriverOutOfMemory {
-                backend: NAME,
-                call: "split_arena",
-                device: arena.device,
-                bytes: kept,
-            });
+        if new_memory {
+            for _ in windows {
+                inner.enter(SimCall::CreateArena)?;
+            }
+            let kept: u64 = windows.iter().map(|w| w.1).sum();
+            if inner.held_bytes(arena.device).saturating_add(kept) > self.config.capacity {
+                return Err(Error::DriverOutOfMemory {
+                    backend: NAME,
+                    call: "split_arena",
+                    device: arena.device,
+                    bytes: kept,
+                });
+            }
         }
         // The new memfds with the windows' bytes (nothing replaced yet: errors drop them).
         let mut made: Vec<(OwnedFd, (u64, u64))> = Vec::with_capacity(windows.len());

@@ -92,6 +92,7 @@
 //! be 0, one of the vendor's special handles, or a live stream of the device.
 
 mod access;
+mod chunk_drop;
 mod copies;
 mod device;
 pub mod driver;
@@ -395,6 +396,14 @@ impl<D: Driver> Backend for VmmBackend<D> {
 
     fn shrink_arena(&self, arena: &ArenaMem, keep: u64) -> Result<(ArenaMem, usize)> {
         self.shrink(arena, keep)
+    }
+
+    fn chunk_spans(&self, arena: &ArenaMem) -> Vec<(u64, u64)> {
+        self.spans(arena)
+    }
+
+    fn drop_chunks(&self, arena: &ArenaMem, doomed: &[usize]) -> Result<Vec<(ArenaMem, usize)>> {
+        self.drop_arena_chunks(arena, doomed)
     }
 
     fn destroy_arena(&self, arena: ArenaMem) -> Result<()> {

@@ -1,8 +1,8 @@
 //! Growable arenas on the mock driver: each growth one more allocation mapped right after
 //! the arena, the export one fd per chunk, its import mapped back to back and unmapped
 //! chunk by chunk, sleep and wake as one allocation, teardown of every chunk and the
-//! reservation, growth refused past the reservation with nothing changed, and a split
-//! (trim) across chunks.
+//! reservation, growth refused past the reservation with nothing changed, a split (trim)
+//! across chunks, and free chunks dropped in place (`empty_cache`).
 
 use super::split::assert_nothing_held;
 use super::*;
@@ -213,5 +213,86 @@ fn a_failed_split_of_a_grown_arena_maps_its_chunks_back() {
     // Still whole and grown: it grows again, and is destroyed with every chunk.
     let a = b.grow_arena(&a, G).unwrap();
     b.destroy_arena(a).unwrap();
+    assert_nothing_held(&b.driver.memory);
+}
+
+#[test]
+fn free_chunks_drop_in_place_and_the_runs_kept_are_arenas() {
+    let b = backend(Setup::default());
+    // Chunks 2 G, G, 3 G and G; the second dropped: runs [0] and [2, 3].
+    let a = grown_and_filled(&b);
+    let a = b.grow_arena(&a, G).unwrap();
+    let spans = b.chunk_spans(&a);
+    assert_eq!(spans, [(0, 2 * G), (2 * G, G), (3 * G, 3 * G), (6 * G, G)]);
+    b.driver.calls.lock().clear();
+    let runs = b.drop_chunks(&a, &[1]).unwrap();
+    // Nothing copied or mapped: the chunk's mapping goes, then its allocation.
+    let calls = std::mem::take(&mut *b.driver.calls.lock());
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert!(
+        matches!(calls[0], Call::Unmap(at) if at == a.base + 2 * G),
+        "{calls:?}"
+    );
+    assert!(matches!(calls[1], Call::Release(_)), "{calls:?}");
+    let shape: Vec<_> = runs
+        .iter()
+        .map(|(m, n)| (m.base - a.base, m.bytes, *n))
+        .collect();
+    assert_eq!(shape, [(0, 2 * G, 1), (3 * G, 4 * G, 2)]);
+    let (live, reserved, maps) = held(&b);
+    assert_eq!((live, reserved), (3, 1));
+    let expect = [(0, 2 * G), (3 * G, 3 * G), (6 * G, G)];
+    let expect: Vec<_> = expect
+        .iter()
+        .map(|&(o, n)| (a.base + o, n as usize))
+        .collect();
+    assert_eq!(maps, expect, "the kept chunks, where they were");
+    for i in [0u8, 1, 3, 4, 5] {
+        let mut back = vec![0u8; G as usize];
+        b.memcpy_dtoh(&mut back, a.base + u64::from(i) * G).unwrap();
+        assert!(back.iter().all(|&x| x == 0x40 + i), "granule {i}");
+    }
+    // A run of two chunks is an arena of two chunks: exported as two fds; it cannot grow.
+    let (two, _) = runs[1].clone();
+    assert_eq!(b.chunk_spans(&two), [(0, 3 * G), (3 * G, G)]);
+    let export = b.export(&two).unwrap();
+    assert_eq!(export.chunk_fds(two.bytes).len(), 2);
+    b.close_export(&two, export).unwrap();
+    assert!(!b.can_grow(&two, G));
+    // The old arena is gone; bad lists are refused with nothing changed.
+    assert!(b.drop_chunks(&a, &[1]).is_err());
+    for bad in [&[][..], &[0, 1][..], &[1, 0][..], &[2][..]] {
+        assert!(b.drop_chunks(&two, bad).is_err(), "{bad:?}");
+    }
+    assert_eq!(held(&b).2, expect);
+    // Dropped again, then everything destroyed: the reservation goes with the last run.
+    let rest = b.drop_chunks(&two, &[0]).unwrap();
+    assert_eq!(rest.len(), 1);
+    assert_eq!((rest[0].0.base, rest[0].0.bytes), (a.base + 6 * G, G));
+    b.destroy_arena(runs[0].0.clone()).unwrap();
+    assert_eq!(held(&b).1, 1, "the last run holds the reservation");
+    b.destroy_arena(rest[0].0.clone()).unwrap();
+    assert_nothing_held(&b.driver.memory);
+}
+
+#[test]
+fn a_chunk_that_will_not_unmap_stays_in_its_run() {
+    let b = backend(Setup::default());
+    let a = grown_and_filled(&b);
+    // Chunks 0 and 2 asked; chunk 0's unmap fails: it stays, with chunk 1, in one run.
+    b.driver.fail_on("unmap", 0);
+    let runs = b.drop_chunks(&a, &[0, 2]).unwrap();
+    let shape: Vec<_> = runs
+        .iter()
+        .map(|(m, n)| (m.base - a.base, m.bytes, *n))
+        .collect();
+    assert_eq!(shape, [(0, 3 * G, 2)]);
+    assert_eq!(held(&b).0, 2, "chunk 2's allocation released");
+    // Every unmap failing: nothing dropped, the arena unchanged and still whole.
+    let (run, _) = runs[0].clone();
+    b.driver.fail_on("unmap", 0);
+    assert!(b.drop_chunks(&run, &[1]).is_err());
+    assert_eq!(b.chunk_spans(&run), [(0, 2 * G), (2 * G, G)]);
+    b.destroy_arena(run).unwrap();
     assert_nothing_held(&b.driver.memory);
 }
