@@ -30,6 +30,10 @@ TESTS_GPU = ROOT / "tests" / "gpu"  # this file, naive_export.py
 # A child that loads gpu-arena must configure it itself (its own backend, conf, torch's
 # allocator settings): none of the caller's.
 DROP_ENV = ("GPU_ARENA_BACKEND", "GPU_ARENA_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+# ... except this one: gpu-arena configuration keys that every child of a GPU check (and the
+# GPU tests of tests/python) gets as its GPU_ARENA_CONF, so that a whole check runs on them
+# (scripts/gpu-check.sh's *_grow steps: grow_arenas=1).
+CHECK_CONF = "GPU_ARENA_CHECK_CONF"
 
 if PYDIR.is_dir() and str(PYDIR) not in sys.path:
     sys.path.insert(0, str(PYDIR))
@@ -39,10 +43,13 @@ if str(TESTS_PYTHON) not in sys.path:
 
 def child_env(drop=DROP_ENV) -> dict:
     """os.environ for a child process: the checkout's python/ first on PYTHONPATH (before the
-    caller's), the variables in `drop` removed."""
+    caller's), the variables in `drop` removed; GPU_ARENA_CONF set to GPU_ARENA_CHECK_CONF
+    when that is set (the configuration a whole check runs on, e.g. grow_arenas=1)."""
     env = dict(os.environ)
     for k in drop:
         env.pop(k, None)
+    if env.get(CHECK_CONF):
+        env["GPU_ARENA_CONF"] = env[CHECK_CONF]
     if PYDIR.is_dir():
         env["PYTHONPATH"] = str(PYDIR) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env

@@ -63,6 +63,14 @@ def child_env(env: dict | None = None, drop=()) -> dict:
     return e
 
 
+def gpu_check_env() -> dict:
+    """For a GPU test's child, which drops the caller's GPU_ARENA_CONF: GPU_ARENA_CHECK_CONF as
+    its GPU_ARENA_CONF when set (tests/gpu/gpu_common.py: the configuration a whole GPU check
+    runs on, e.g. grow_arenas=1), else nothing."""
+    conf = os.environ.get("GPU_ARENA_CHECK_CONF")
+    return {"GPU_ARENA_CONF": conf} if conf else {}
+
+
 def start_python(code: str, args=(), env: dict | None = None, drop=(), **popen):
     """Start `code` in a fresh interpreter that imports the package under test, with
     `args` as sys.argv[1:], `env` and `drop` as for `child_env`, stdout and stderr piped

@@ -8,7 +8,7 @@ import importlib.util
 import subprocess
 
 import pytest
-from conftest import finish, result_of, run_python, start_python
+from conftest import finish, gpu_check_env, result_of, run_python, start_python
 from result_channel import ReplyPipe
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -75,7 +75,7 @@ DROP = ("GPU_ARENA_BACKEND", "GPU_ARENA_CONF")
 def test_share_open_close_across_processes():
     replies = ReplyPipe()
     try:
-        prod = start_python(PRODUCER, drop=DROP, env=replies.env, stdin=subprocess.PIPE,
+        prod = start_python(PRODUCER, drop=DROP, env={**replies.env, **gpu_check_env()}, stdin=subprocess.PIPE,
                             pass_fds=(replies.fd,))
     finally:
         replies.started()
@@ -84,7 +84,7 @@ def test_share_open_close_across_processes():
         if not line.startswith("SHARE "):
             p = finish(prod, timeout=60)
             raise AssertionError(f"no share from the producer ({line!r}):\n{p.stdout}{p.stderr}")
-        c = result_of(run_python(CONSUMER, drop=DROP, args=[line.split()[1]], timeout=300))
+        c = result_of(run_python(CONSUMER, drop=DROP, env=gpu_check_env(), args=[line.split()[1]], timeout=300))
         p = result_of(finish(prod, "done\n", timeout=300))
     finally:
         replies.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from conftest import result_of, run_python
+from conftest import gpu_check_env, result_of, run_python
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -170,6 +170,7 @@ torch.save(workload(), {str(ref_file)!r})
 report(torch.cuda.memory._get_current_allocator() is not None)
 """,
         drop=DROP,
+        env=gpu_check_env(),
     )
     result_of(ref)
 
@@ -210,6 +211,7 @@ gpu_arena.validate(dev)
 report(out)
 """,
         drop=DROP,
+        env=gpu_check_env(),
     )
     r = result_of(proc)
     assert r["backend"] in ("cuda", "hip") and r["initialized_by_install"]
@@ -243,6 +245,7 @@ def test_install_after_cuda_init_is_refused():
         report([r, gt.installed()])
         """,
         drop=DROP,
+        env=gpu_check_env(),
     )
     msg, installed = result_of(proc)
     assert msg and "call install() before the first CUDA allocation" in msg
@@ -288,6 +291,7 @@ gpu_arena.validate(dev)
 report(out)
 """,
         drop=DROP,
+        env=gpu_check_env(),
     )
     r = result_of(proc)
     assert r["x_in"] and r["y_in"], "pool allocations are not in gpu-arena's arenas"
