@@ -4,8 +4,10 @@
 //!
 //! ```text
 //! cargo run --release -p gpu-arena-bench --example replay_pool -- \
-//!     [--replays 3] [--arena-mib 1024] [--seed N] [--pairs 1000000] [--long 1]
-//! (`--long 1`: the second trace, `TraceConfig::long_context`.)
+//!     [--replays 3] [--arena-mib 1024] [--seed N] [--pairs 1000000] [--long 1] [--grow 1]
+//!     [--capacity-gib 256]
+//! (`--long 1`: the second trace, `TraceConfig::long_context`; `--grow 1`: growing arenas, each
+//! reserving the sim device's capacity: under valgrind give a smaller one, e.g. 32.)
 //! ```
 //!
 //! Prints the 2 MiB alloc+free pair time, then per replay ns/op, peak reserved and arenas.
@@ -24,6 +26,8 @@ fn main() {
     let (mut replays, mut arena_mib, mut pairs) = (3usize, 1024u64, 1_000_000u64);
     let mut seed = None;
     let mut long = false;
+    let mut grow = false;
+    let mut capacity_gib = 256u64;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().unwrap_or_default();
@@ -35,6 +39,8 @@ fn main() {
             "--arena-mib" => arena_mib = n,
             "--seed" => seed = Some(n),
             "--long" => long = n != 0,
+            "--grow" => grow = n != 0,
+            "--capacity-gib" => capacity_gib = n,
             "--pairs" => pairs = n,
             other => panic!("unknown flag {other}"),
         }
@@ -49,13 +55,14 @@ fn main() {
         ..base
     });
     let backend = SimBackend::new(SimConfig {
-        capacity: 256 << 30,
+        capacity: capacity_gib << 30,
         ..SimConfig::default()
     })
     .unwrap();
     let config = PoolConfig {
         validate: false,
         arena_size: arena_mib << 20,
+        grow_arenas: grow,
         ..PoolConfig::default()
     };
     let backend = Arc::new(backend);
