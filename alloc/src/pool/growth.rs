@@ -26,7 +26,7 @@ use super::classes::{Class, GENERAL};
 use super::limits::DeviceLimits;
 use super::trim::Made;
 use super::{DevicePool, DeviceState, Pool, ANY_STREAM};
-use crate::backend::{StreamId, MAX_ARENA_CHUNKS};
+use crate::backend::{ArenaMem, StreamId, MAX_ARENA_CHUNKS};
 use crate::error::{Error, Result};
 use crate::history::Action;
 use crate::range;
@@ -216,23 +216,8 @@ impl Pool {
     /// exported (its export covers every chunk), asleep, pinned, or seen by an observer
     /// (they are told of arenas, not of their sizes changing). Returns the bytes released.
     pub(super) fn shrink_free_tails(&self, dp: &DevicePool, st: &mut DeviceState) -> u64 {
-        let grown: Vec<usize> = st
-            .arenas
-            .iter()
-            .filter(|(_, a)| {
-                a.chunks > 1
-                    && a.sleep.is_none()
-                    && a.lifetime.export().is_none()
-                    && !a.lifetime.pinned()
-            })
-            .map(|(k, _)| k)
-            .collect();
         let mut released = 0;
-        for key in grown {
-            let Some(a) = st.arenas.get(key) else {
-                continue;
-            };
-            let (mem, t) = (a.mem.clone(), a.class().index());
+        for (key, mem, t) in grown_arenas_to_cut(st) {
             let keep = match st.ranges.get(t).and_then(|r| r.free_tail(mem.base)) {
                 Some((tail, ANY_STREAM)) if tail > 0 => mem.bytes - tail,
                 _ => continue,
@@ -288,23 +273,8 @@ impl Pool {
     /// exported, asleep, pinned, or seen by an observer (as `shrink_free_tails`). Returns the
     /// bytes released.
     pub(super) fn drop_free_chunks(&self, dp: &DevicePool, st: &mut DeviceState) -> u64 {
-        let grown: Vec<usize> = st
-            .arenas
-            .iter()
-            .filter(|(_, a)| {
-                a.chunks > 1
-                    && a.sleep.is_none()
-                    && a.lifetime.export().is_none()
-                    && !a.lifetime.pinned()
-            })
-            .map(|(k, _)| k)
-            .collect();
         let mut released = 0;
-        for key in grown {
-            let Some(a) = st.arenas.get(key) else {
-                continue;
-            };
-            let (mem, t) = (a.mem.clone(), a.class().index());
+        for (key, mem, t) in grown_arenas_to_cut(st) {
             let spans = self.backend.chunk_spans(&mem);
             let doomed = free_chunks(&st.ranges[t].ranges(mem.base), mem.base, &spans);
             if doomed.is_empty() || doomed.len() >= spans.len() {
@@ -331,6 +301,21 @@ impl Pool {
         }
         released
     }
+}
+
+/// The grown arenas whose chunks `empty_cache` may give back (not exported: the export
+/// covers every chunk; not asleep or pinned): key, memory and size class of each.
+fn grown_arenas_to_cut(st: &DeviceState) -> Vec<(usize, ArenaMem, usize)> {
+    st.arenas
+        .iter()
+        .filter(|(_, a)| {
+            a.chunks > 1
+                && a.sleep.is_none()
+                && a.lifetime.export().is_none()
+                && !a.lifetime.pinned()
+        })
+        .map(|(k, a)| (k, a.mem.clone(), a.class().index()))
+        .collect()
 }
 
 /// The chunks of an arena at `base` (indices into `spans`, its chunks' `(offset, bytes)`)

@@ -338,12 +338,7 @@ impl Observers {
         resize: impl FnOnce() -> Result<ArenaMem>,
     ) -> Option<Result<ArenaMem>> {
         let mut reg = self.reg.lock();
-        if !reg.observers.is_empty()
-            || reg
-                .arenas
-                .get(&key)
-                .is_none_or(|a| !a.ready.is_empty() || !a.delivering.is_empty())
-        {
+        if !Self::unobserved(&reg, key) {
             return None;
         }
         let resized = resize();
@@ -365,12 +360,7 @@ impl Observers {
         replace: impl FnOnce() -> Result<Vec<(u64, ArenaMem)>>,
     ) -> Option<Result<Vec<(u64, ArenaMem)>>> {
         let mut reg = self.reg.lock();
-        if !reg.observers.is_empty()
-            || reg
-                .arenas
-                .get(&key)
-                .is_none_or(|a| !a.ready.is_empty() || !a.delivering.is_empty())
-        {
+        if !Self::unobserved(&reg, key) {
             return None;
         }
         let parts = replace();
@@ -387,6 +377,16 @@ impl Observers {
             }
         }
         Some(parts)
+    }
+
+    /// Whether no observer is registered and no call about the arena at `key` is owed or
+    /// under way (it may change shape untold).
+    fn unobserved(reg: &Registry, key: ArenaKey) -> bool {
+        reg.observers.is_empty()
+            && reg
+                .arenas
+                .get(&key)
+                .is_some_and(|a| a.ready.is_empty() && a.delivering.is_empty())
     }
 
     /// Whether an `on_ready` of the arena at `key` runs now (it must not be released).
