@@ -292,15 +292,15 @@ def child_pools(p):
     big_dst = [torch.empty(nb, dtype=torch.int32, device=d) for d in range(n)]
     path, how = find_cudart()
     res["cudart"] = {"path": path, "how": how}
-    cud, raw = None, {}
+    cud, raw, lib = None, {}, None
     if path:
         try:
-            cud = Cudart(path)
+            lib = Cudart(path)
             for d in range(n):
-                raw[d] = (cud.malloc(d, nbytes), cud.malloc(d, nbytes))
+                raw[d] = (lib.malloc(d, nbytes), lib.malloc(d, nbytes))
+            cud = lib
         except Exception as e:  # noqa: BLE001 - reported: the baseline is then the torch child
             res["cudart"]["error"] = f"{type(e).__name__}: {e}"
-            cud = None
     for r, (i, j) in zip(rows, pairs):
         r["copy_gbps"] = bandwidth(torch, lambda: big_dst[j].copy_(big_src[i]), nbytes, (i, j), reps, rounds)
         exp = pattern(torch, nb, j, 100 + i)
@@ -315,9 +315,9 @@ def child_pools(p):
                                            (i, j), reps, rounds)
         del exp
     for a, b in raw.values():
-        cud.free(a)
-        cud.free(b)
-    del big_src, big_dst
+        lib.free(a)
+        lib.free(b)
+    big_src = big_dst = None
     empty_all(torch, ga)
     res["rows"] = rows
     # 4. At scale, per device: a fraction of its free memory in 1 GiB tensors, each verified,
@@ -416,6 +416,7 @@ def child_import_producer(p):
     tensors = t = w1 = w2 = None
     gt.empty_cache()
     time.sleep(0.2)  # the driver frees asynchronously on some paths
+    gt.empty_cache()
     after = ga.stats(i)
     alive = [_alive(v["pid"]) for k, v in ups.items() if k.startswith("up-c")]
     out = {"dev": i, "base_free": base, "free_after": free_mem(torch, i), "exports_live": exports,

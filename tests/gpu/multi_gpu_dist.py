@@ -24,19 +24,20 @@ from torch_native_common import setup
 MiB, GiB = 1 << 20, 1 << 30
 
 
-def _init(torch, mode):
+def _init(mode):
+    """gpu-arena installed first (mode "arena") or not, GPU `rank` current, NCCL initialized."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch_, ga = setup("native" if mode == "arena" else "torch")
+    torch, ga = setup("native" if mode == "arena" else "torch")
     import torch.distributed as dist
 
-    dev = torch_.device("cuda", rank)
-    torch_.cuda.set_device(dev)
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
     t0 = time.perf_counter()
     try:
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
     except TypeError:  # a torch without device_id
         dist.init_process_group("nccl", rank=rank, world_size=world)
-    return torch_, ga, dist, rank, world, dev, round(time.perf_counter() - t0, 2)
+    return torch, ga, dist, rank, world, dev, round(time.perf_counter() - t0, 2)
 
 
 def _common_info(torch, ga, rank):
@@ -61,7 +62,7 @@ def _common_info(torch, ga, rank):
 
 
 def child_ddp(p):
-    torch, ga, dist, rank, world, dev, init_s = _init(None, p["mode"])
+    torch, ga, dist, rank, world, dev, init_s = _init(p["mode"])
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch_children import _sdpa_math, _sha
 
@@ -133,8 +134,9 @@ def child_ddp(p):
 
 
 def child_tp(p):
-    torch, ga, dist, rank, world, dev, init_s = _init(None, "arena")
+    torch, ga, dist, rank, world, dev, init_s = _init("arena")
     import gpu_arena.torch as gt
+    from torch_children import _sha
 
     gloo = dist.new_group(backend="gloo")  # host-side barriers and gathers
 
@@ -266,11 +268,9 @@ def child_tp(p):
                 dist.all_reduce(part)
 
     o_graph, graph_s = run(step_graph)
-    digest = hashlib.sha256(o_graph.cpu().numpy().tobytes()).hexdigest()
-    ranks_digests = gather(digest)
+    ranks_digests = gather(_sha(o_graph))
 
-    def checksums():
-        v = [w.view(torch.int16).to(torch.int64) for w in weights[:0]]  # noqa: F841 (none kept)
+    def checksums():  # two sums over each weight's bits, on its GPU
         sums = torch.stack([w.view(torch.int16).sum(dtype=torch.int64) for w in weights]
                            + [w.view(torch.int16)[::7].pow(2).sum(dtype=torch.int64) for w in weights])
         return sums.cpu().tolist()
@@ -280,7 +280,7 @@ def child_tp(p):
     barrier()
     free_before = free_mem(torch, rank)
     t0 = time.perf_counter()
-    gt.sleep(offload_tags=["weights"], tags=["weights", "kv_cache"])
+    gt.sleep(offload_tags=["weights"], device=rank, tags=["weights", "kv_cache"])
     sleep_s = time.perf_counter() - t0
     free_asleep = free_mem(torch, rank)
     st_asleep = ga.stats(rank)
@@ -288,7 +288,7 @@ def child_tp(p):
     barrier()  # every rank asleep here
     wake_at = time.time()
     t0 = time.perf_counter()
-    gt.wake()
+    gt.wake(device=rank)
     wake_s = time.perf_counter() - t0
     free_awake = free_mem(torch, rank)
     st_awake = ga.stats(rank)
@@ -310,7 +310,7 @@ def child_tp(p):
            "replay_after_wake_bitwise": bool(torch.equal(o_wake, o_graph)),
            "info": _common_info(torch, ga, rank), "world": world}
     barrier()
-    del graphs, g
+    graphs.clear()
     dist.destroy_process_group()
     return res
 
