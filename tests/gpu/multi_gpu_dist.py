@@ -292,6 +292,10 @@ def child_tp(p):
     wake_s = time.perf_counter() - t0
     free_awake = free_mem(torch, rank)
     st_awake = ga.stats(rank)
+    # The pinned host buffers stay for the next sleep (their registration holds some device
+    # memory for the mappings); an engine that will not sleep again frees them.
+    ga.sleep_release_host(rank)
+    free_released = free_mem(torch, rank)
     sums_after, ptrs_after = checksums(), [w.data_ptr() for w in weights + kv]
     o_wake, _ = run(step_graph)  # the KV cache is zeroed by reset(): an engine re-initialises it
     res = {"init_s": init_s, "graph": mode, "graphs": len(graphs), "capture_error": capture_error,
@@ -304,6 +308,7 @@ def child_tp(p):
            "ranks_identical": len(set(ranks_digests)) == 1, "eager_step_ms": round(eager_s * 1e3, 3),
            "graph_step_ms": round(graph_s * 1e3, 3), "free_before_sleep": free_before,
            "free_asleep": free_asleep, "free_awake": free_awake, "freed_by_sleep": free_asleep - free_before,
+           "free_host_released": free_released,
            "sleeping_bytes": st_asleep["sleeping_bytes"], "sleeping_after_wake": st_awake["sleeping_bytes"],
            "sleep_s": round(sleep_s, 3), "wake_s": round(wake_s, 3), "asleep_at": asleep_at, "wake_at": wake_at,
            "weights_same": sums_before == sums_after, "addresses_same": ptrs_before == ptrs_after,
