@@ -50,10 +50,13 @@ _newest_build()
 
 def child_env(env: dict | None = None, drop=()) -> dict:
     """The environment of a child interpreter that imports the package under test: a copy of
-    os.environ, names in `drop` removed, `env` added, (unless INSTALLED) this checkout's
-    python/ first on PYTHONPATH and tests/python (result_channel) last."""
+    os.environ without the caller's GPU_ARENA_CONF (a test's child configures gpu-arena
+    itself: a configuration of the shell running pytest, say grow_arenas=1, must not change
+    what a test expects; GPU tests pass `gpu_check_env()`), names in `drop` removed, `env`
+    added, (unless INSTALLED) this checkout's python/ first on PYTHONPATH and tests/python
+    (result_channel) last."""
     e = dict(os.environ)
-    for name in drop:
+    for name in ("GPU_ARENA_CONF", *drop):
         e.pop(name, None)
     e.update(env or {})
     path = [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p]
