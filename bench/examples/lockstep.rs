@@ -9,11 +9,7 @@
 //! e.g. `-- grow_arenas=1 bench/traces/small_train.trace.gz 60`.
 #![allow(clippy::unwrap_used)]
 
-use std::sync::Arc;
-
-use gpu_arena::backend::sim::{SimBackend, SimConfig};
-use gpu_arena::config::Config;
-use gpu_arena::{Backend, DeviceId};
+use gpu_arena_bench::pool_adapter::replay_sim;
 use gpu_arena_bench::replay::TraceAllocator;
 use gpu_arena_bench::torch_trace::read_file;
 use gpu_arena_bench::{ExpandableModel, Op, PoolAllocator};
@@ -26,15 +22,7 @@ fn main() {
     };
     let max_lines: usize = args.get(2).map_or(60, |n| n.parse().unwrap());
     let trace = read_file(path).unwrap();
-    let sim: Arc<dyn Backend> = Arc::new(
-        SimBackend::new(SimConfig {
-            capacity: 256 << 30,
-            ..SimConfig::default()
-        })
-        .unwrap(),
-    );
-    let pool_config = Config::parse(config).unwrap().pool;
-    let mut pool = PoolAllocator::new(sim, pool_config, DeviceId::default()).unwrap();
+    let mut pool = PoolAllocator::from_config(replay_sim().unwrap(), config).unwrap();
     let mut model = ExpandableModel::new();
     // id -> (gpu-arena's address, the model's, bytes, stream)
     let mut slots = vec![(0u64, 0u64, 0u64, 0u64); trace.allocs as usize];

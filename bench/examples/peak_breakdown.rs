@@ -10,11 +10,8 @@
 //! configuration string, `""` for the defaults).
 #![allow(clippy::unwrap_used)]
 
-use std::sync::Arc;
-
-use gpu_arena::backend::sim::{SimBackend, SimConfig};
-use gpu_arena::config::Config;
-use gpu_arena::{Backend, DeviceId};
+use gpu_arena::DeviceId;
+use gpu_arena_bench::pool_adapter::replay_sim;
 use gpu_arena_bench::replay::TraceAllocator;
 use gpu_arena_bench::torch_trace::read_file;
 use gpu_arena_bench::{Op, PoolAllocator};
@@ -48,15 +45,7 @@ fn main() {
     };
     for path in files {
         let trace = read_file(path).unwrap();
-        let sim: Arc<dyn Backend> = Arc::new(
-            SimBackend::new(SimConfig {
-                capacity: 256 << 30,
-                ..SimConfig::default()
-            })
-            .unwrap(),
-        );
-        let pool_config = Config::parse(config).unwrap().pool;
-        let mut pool = PoolAllocator::new(sim, pool_config, DeviceId::default()).unwrap();
+        let mut pool = PoolAllocator::from_config(replay_sim().unwrap(), config).unwrap();
         let mut slots = vec![(0u64, 0u64, 0u64); trace.allocs as usize];
         let (mut peak, mut live, mut at_peak) = (0u64, 0u64, String::new());
         for op in &trace.ops {

@@ -3,6 +3,8 @@
 use std::cell::Cell;
 use std::sync::Arc;
 
+use gpu_arena::backend::sim::{SimBackend, SimConfig};
+use gpu_arena::config::Config;
 use gpu_arena::{Backend, DeviceId, Pool, PoolConfig, PoolStats, StreamId};
 
 use crate::replay::TraceAllocator;
@@ -28,6 +30,13 @@ impl PoolAllocator {
     ) -> Result<Self, String> {
         let pool = Pool::new(backend, config).map_err(|e| e.to_string())?;
         Ok(Self::with_pool(Arc::new(pool), device))
+    }
+
+    /// A new pool over `backend` configured by `config` (`Config` keys, e.g.
+    /// `"grow_arenas=1"`), serving device 0: what the trace tools replay through.
+    pub fn from_config(backend: Arc<dyn Backend>, config: &str) -> Result<Self, String> {
+        let pool = Config::parse(config).map_err(|e| e.to_string())?.pool;
+        Self::new(backend, pool, DeviceId::default())
     }
 
     /// Wrap an existing pool.
@@ -97,6 +106,18 @@ impl TraceAllocator for PoolAllocator {
             ),
         ]
     }
+}
+
+/// The sim device the trace tools replay on: 256 GiB (held bytes are a ledger; memory is
+/// only used where written), so no recorded loop runs out of it.
+pub fn replay_sim() -> Result<Arc<SimBackend>, String> {
+    let config = SimConfig {
+        capacity: 256 << 30,
+        ..SimConfig::default()
+    };
+    Ok(Arc::new(
+        SimBackend::new(config).map_err(|e| e.to_string())?,
+    ))
 }
 
 #[cfg(test)]

@@ -7,11 +7,7 @@
 //! `bench/results/sim-2026-12-02-expandable-model.md` says what closing that costs).
 #![allow(clippy::unwrap_used)]
 
-use std::sync::Arc;
-
-use gpu_arena::backend::sim::{SimBackend, SimConfig};
-use gpu_arena::config::Config;
-use gpu_arena::{Backend, DeviceId};
+use gpu_arena_bench::pool_adapter::replay_sim;
 use gpu_arena_bench::torch_trace::read_file;
 use gpu_arena_bench::{replay, ExpandableModel, PoolAllocator};
 
@@ -37,15 +33,8 @@ fn growing_arenas_reserve_about_what_expandable_segments_do_on_every_recorded_lo
     let mut report = Vec::new();
     for f in &files {
         let trace = read_file(&f.to_string_lossy()).unwrap();
-        let sim: Arc<dyn Backend> = Arc::new(
-            SimBackend::new(SimConfig {
-                capacity: 256 << 30,
-                ..SimConfig::default()
-            })
-            .unwrap(),
-        );
-        let config = Config::parse("grow_arenas=1,validate=0").unwrap().pool;
-        let mut pool = PoolAllocator::new(sim, config, DeviceId::default()).unwrap();
+        let sim = replay_sim().unwrap();
+        let mut pool = PoolAllocator::from_config(sim, "grow_arenas=1,validate=0").unwrap();
         let ours = replay(&trace, &mut pool).unwrap().peak_reserved;
         let model = replay(&trace, &mut ExpandableModel::new())
             .unwrap()

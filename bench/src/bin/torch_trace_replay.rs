@@ -14,28 +14,16 @@
 //! or replayed.
 #![allow(clippy::unwrap_used)]
 
-use std::process::ExitCode;
-use std::sync::Arc;
-
-use gpu_arena::backend::sim::{SimBackend, SimConfig};
-use gpu_arena::config::Config;
-use gpu_arena::{Backend, DeviceId};
+use gpu_arena_bench::pool_adapter::replay_sim;
 use gpu_arena_bench::torch_trace::read_file;
 use gpu_arena_bench::{replay, ExpandableModel, PoolAllocator};
+use std::process::ExitCode;
 
-/// Sim capacity: held bytes are a ledger, memory is only used where written.
-const SIM_CAPACITY: u64 = 256 << 30;
 const MIB: f64 = (1u64 << 20) as f64;
 
 fn replay_one(path: &str, config: &str, busy: bool) -> Result<String, String> {
     let trace = read_file(path)?;
-    let sim = Arc::new(
-        SimBackend::new(SimConfig {
-            capacity: SIM_CAPACITY,
-            ..SimConfig::default()
-        })
-        .map_err(|e| e.to_string())?,
-    );
+    let sim = replay_sim()?;
     if busy {
         // Events recorded on the trace's streams stay pending, as on a GPU that is behind.
         for op in &trace.ops {
@@ -44,9 +32,7 @@ fn replay_one(path: &str, config: &str, busy: bool) -> Result<String, String> {
             }
         }
     }
-    let backend: Arc<dyn Backend> = sim;
-    let pool_config = Config::parse(config).map_err(|e| e.to_string())?.pool;
-    let mut pool = PoolAllocator::new(backend, pool_config, DeviceId::default())?;
+    let mut pool = PoolAllocator::from_config(sim, config)?;
     let r = replay(&trace, &mut pool).map_err(|e| format!("{path}: {e}"))?;
     let model = replay(&trace, &mut ExpandableModel::new()).map_err(|e| format!("{path}: {e}"))?;
     let name = std::path::Path::new(path)
