@@ -503,3 +503,50 @@ fn an_observed_pool_grows_by_announced_arenas_of_doubling_sizes() {
     pool.unobserve_arenas(id).unwrap();
     assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 24, ..Default::default() })]
+
+    /// Whatever blocks of a growing pool survive, `empty_cache` keeps them at their
+    /// addresses with their bytes, leaves no arena without a survivor, gives back nothing
+    /// more when called again, and the pool keeps working; with the survivors freed too,
+    /// everything goes back.
+    #[test]
+    fn empty_cache_keeps_every_survivor_and_no_arena_without_one(
+        sizes in proptest::collection::vec(proptest::sample::select(vec![2u64, 3, 8, 16, 24, 40]), 4..40),
+        keep in proptest::collection::vec(proptest::prelude::any::<bool>(), 40),
+    ) {
+        let (sim, pool) = growing_pool();
+        let blocks: Vec<_> = sizes.iter().map(|&m| pool.alloc(0, m * MIB, S).unwrap()).collect();
+        let mut kept = Vec::new();
+        for (i, a) in blocks.iter().enumerate() {
+            if keep[i] {
+                fill(a.ptr, 4096, i as u8);
+                kept.push((i, a.ptr));
+            } else {
+                pool.free(a.ptr).unwrap();
+            }
+        }
+        let before = pool.stats(0).unwrap().reserved_bytes;
+        pool.empty_cache(None).unwrap();
+        let after = pool.stats(0).unwrap().reserved_bytes;
+        proptest::prop_assert!(after <= before, "{after} > {before}");
+        pool.validate(0).unwrap();
+        for &(i, ptr) in &kept {
+            proptest::prop_assert_eq!(read(ptr, 4096), fill_vec(4096, i as u8), "survivor {}", i);
+        }
+        for seg in pool.segments(0).unwrap() {
+            let holds = kept.iter().any(|&(_, p)| seg.base <= p && p < seg.base + seg.bytes);
+            proptest::prop_assert!(holds, "an arena without a survivor: {:#x} +{}", seg.base, seg.bytes);
+        }
+        proptest::prop_assert_eq!(pool.empty_cache(None).unwrap(), 0);
+        let more = pool.alloc(0, 8 * MIB, S).unwrap();
+        fill(more.ptr, 4096, 0xee);
+        pool.free(more.ptr).unwrap();
+        for &(_, ptr) in &kept {
+            pool.free(ptr).unwrap();
+        }
+        pool.empty_cache(None).unwrap();
+        proptest::prop_assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+    }
+}
