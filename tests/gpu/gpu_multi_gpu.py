@@ -59,7 +59,9 @@ tp      One process per GPU under gpu-arena: a decode loop with weights sharded 
         and identical on every rank; then every rank sleeps at once (weights offloaded, KV
         discarded: >= 90% of their bytes back to the driver on each GPU) and wakes: same
         addresses, weights bitwise equal, the graph's replay bitwise equal to before, free
-        memory within tol of before the sleep.
+        memory within tol of before the sleep once sleep's kept host buffers are released
+        (gpu_arena.sleep_release_host: their registration holds device memory, about 2 MiB
+        per GiB; the figure while they are kept is reported beside).
 nixl    NIXL's GPU_ARENA backend between GPU pairs: a prefill process per GPU i and a decode
         process per GPU j, round k pairing i -> (i + k) % N, so every ordered pair is covered
         in N-1 rounds (the pair (0, 0) on one GPU). Each round: 8 x 1.5 GiB KV, 2 MiB blocks
