@@ -4,6 +4,9 @@
 # measurements (bench/gpu/: kv_bench, share_bench and the Python ones, e.g. `kv_repeat`).
 # Every step's full log goes to $OUT (or ./gpu-out); a short table is printed last.
 # Usage: bash scripts/gpu-check.sh [step ...]   (default: all steps)
+# Any tests/gpu/gpu_NAME.py is a step NAME (e.g. `trim`, `multi_gpu`: issue #27's checks on every
+# GPU of the host), any bench/gpu/NAME.py too; `torch_perf` is issue #23's pairs with the KV
+# repeats in one call, `torch_grow` the torch checks on growing arenas.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export GPU_ARENA_LIB=$PWD/.gpu/libgpu_arena.so PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
