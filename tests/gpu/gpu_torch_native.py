@@ -96,8 +96,8 @@ import os
 import platform
 import shutil
 import signal
-import subprocess
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -485,13 +485,14 @@ def eval_mp(res, err):
 
 def eval_perf(results, labels):
     c = Check("perf", "allocation pairs: torch.empty from Python, at::empty from C++")
-    runs = []
+    runs, ran = [], []
     for label in labels:
         res, err = results[label]
         if err:
             c.error(label, err)
         else:
             runs.append(res)
+            ran.append(label)
     c.raw = runs
     c.expect(len(runs) == len(labels), f"every perf child ran ({len(runs)}/{len(labels)})")
     c.expect(all(r["served_by_gpu_arena"] > 0 for r in runs), "gpu-arena served its turns")
@@ -540,7 +541,7 @@ def eval_perf(results, labels):
     c.add("")
     floor_share = min(cell("cxx", s, "floor_share") for s in PERF_SIZES)
     c.add("Per process (ratio native / torch, median of its turns): " + "; ".join(
-        f"{labels[i]}: py " + ", ".join(f"{r['python'][str(s)]['ratio']:.2f}" for s in PERF_SIZES)
+        f"{ran[i]}: py " + ", ".join(f"{r['python'][str(s)]['ratio']:.2f}" for s in PERF_SIZES)
         + " / at::empty " + ", ".join(f"{r['cxx'][str(s)]['ratio']:.2f}" for s in PERF_SIZES)
         + " / allocator " + ", ".join(f"{r['cxx_allocator'][str(s)]['ratio']:.2f}" for s in PERF_SIZES)
         + " / floor share " + ", ".join(f"{r['cxx'][str(s)]['floor_share']:.2f}" for s in PERF_SIZES)
