@@ -238,8 +238,10 @@ impl PublicData {
             return Err(bad_md("bad socket name"));
         }
         let num = |s: &str| s.parse::<u64>().map_err(|_| bad_md("bad number"));
-        if hex.len() != 2 * HANDLE_BYTES {
-            return Err(bad_md("bad share handle length"));
+        // ASCII first: the pairs below are sliced by byte (a multi-byte character would
+        // split; found by the transfer_wire fuzz target).
+        if hex.len() != 2 * HANDLE_BYTES || !hex.is_ascii() {
+            return Err(bad_md("bad share handle length or characters"));
         }
         let mut raw = [0u8; HANDLE_BYTES];
         for (i, b) in raw.iter_mut().enumerate() {
@@ -359,5 +361,17 @@ mod tests {
         huge.extend_from_slice(&u32::MAX.to_le_bytes());
         assert!(Message::decode(&huge).is_err());
         assert!(Message::decode(b"GAX1\x09").is_err());
+    }
+
+    #[test]
+    fn public_data_with_a_multibyte_character_in_its_handle_is_refused() {
+        // The transfer_wire fuzz target's crash-8e4b1e61: a 'Ⱦ' (2 bytes) where the hex of
+        // the share handle goes, at an odd byte offset.
+        let mut hex = "A".repeat(5) + "\u{23e}";
+        hex.push_str(&"A".repeat(2 * HANDLE_BYTES - hex.len()));
+        assert_eq!(hex.len(), 2 * HANDLE_BYTES);
+        let text = format!("{PUBLIC_PREFIX};sock;1;4096;4096;{hex}");
+        let e = PublicData::decode(&text).unwrap_err();
+        assert!(e.to_string().contains("share handle"), "{e}");
     }
 }
