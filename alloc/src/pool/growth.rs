@@ -265,7 +265,7 @@ impl Pool {
 
 impl Pool {
     /// At `empty_cache`, after [`Pool::shrink_free_tails`] (device synchronized, every stream
-    /// settled, every live block recorded in the device's map, under the device lock): give
+    /// settled, under the device lock): give
     /// back each grown arena's chunks that free any-stream ranges cover whole, between live
     /// blocks too, without moving a byte: the arena becomes the runs of its other chunks
     /// (`Backend::drop_chunks`), arenas of their own in its reservation, so reserved follows
@@ -280,6 +280,10 @@ impl Pool {
             if doomed.is_empty() || doomed.len() >= spans.len() {
                 continue;
             }
+            // The runs' allocations are found in the device's map: the thread caches' live
+            // records go there first (only when an arena is cut: a free of a promoted block
+            // takes the device lock once).
+            st.promote_all();
             let replaced = self
                 .observers
                 .replace_unobserved((dp.device, mem.base), || {

@@ -438,9 +438,7 @@ impl Pool {
             let mut doomed = std::mem::take(&mut st.orphans);
             let (empty, releases) = self.take_empty_observed(dp, &mut st);
             doomed.extend(empty);
-            let mut shrunk = self.shrink_free_tails(dp, &mut st);
-            st.promote_all();
-            shrunk += self.drop_free_chunks(dp, &mut st);
+            let shrunk = self.shrink_free_tails(dp, &mut st) + self.drop_free_chunks(dp, &mut st);
             (doomed, releases, shrunk)
         };
         // Observers' on_release, with the lock released, before the arenas are destroyed.

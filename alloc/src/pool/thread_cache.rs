@@ -306,8 +306,8 @@ impl Front {
     /// takes the device lock's path. Else the allocated and requested bytes as seen.
     ///
     /// `contended()`: whether the device lock is held by another thread right now (asked only
-    /// of a block above `cache_max`, so the fast free of a cached size reads no lock). A block above
-    /// `cache_max` (with growing arenas: above 2 MiB, which otherwise goes straight back to
+    /// of a block above `cache_max`, so the fast free of a cached size reads no lock). A
+    /// block above `cache_max` (with growing arenas: above 2 MiB, which otherwise goes back to
     /// its arena to coalesce) is then cached too, up to [`CACHE_MAX_BLOCK`], so that threads
     /// allocating large blocks at once do not queue on the device lock for every free and
     /// the next allocation of that size (8 threads of mixed sizes with growing arenas took
