@@ -131,6 +131,38 @@ fn a_training_loop_reserves_at_most_105_percent_of_live() {
     assert!(peak_live > 13 << 30, "the trace's peak is 13.6 GiB");
 }
 
+/// Free space of two streams side by side serves a request larger than each piece without
+/// growth: stream A's frees take in the space beside them that A may use (free for any
+/// stream once B's work is done), and A's request takes the best fit of all it may use. With
+/// each stream's pieces kept apart, a KV trace of two streams reserved 1.206 of its live
+/// bytes (`bench/results/sim-2026-12-02-take-in.md`).
+#[test]
+fn a_streams_pieces_between_another_streams_free_space_serve_a_larger_request() {
+    let (_sim, pool) = growing_pool();
+    let (a, b) = (StreamId(1), StreamId(2));
+    // [A 4][B 4][A 4][B 4][A 4][live 4]: 20 MiB freed in five 4 MiB pieces of two tags.
+    let blocks: Vec<_> = [a, b, a, b, a]
+        .iter()
+        .map(|&s| (pool.alloc(0, 4 * MIB, s).unwrap(), s))
+        .collect();
+    let keep = pool.alloc(0, 4 * MIB, a).unwrap();
+    let reserved = pool.stats(0).unwrap().reserved_bytes;
+    // Past the thread caches' 2 MiB: each goes back to the ranges, under its stream's tag.
+    for (blk, _) in &blocks {
+        pool.free(blk.ptr).unwrap();
+    }
+    let big = pool.alloc(0, 20 * MIB, a).unwrap();
+    assert_eq!(
+        pool.stats(0).unwrap().reserved_bytes,
+        reserved,
+        "the five pieces served 20 MiB without growth"
+    );
+    assert_eq!(big.ptr, blocks[0].0.ptr);
+    pool.free(big.ptr).unwrap();
+    pool.free(keep.ptr).unwrap();
+    pool.validate(0).unwrap();
+}
+
 fn growing_pool_of(capacity: u64) -> (Arc<SimBackend>, Arc<Pool>) {
     let sim = Arc::new(
         SimBackend::new(SimConfig {

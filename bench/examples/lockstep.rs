@@ -4,9 +4,10 @@
 //! was found: `bench/results/sim-2026-12-02-expandable-model.md`).
 //!
 //! ```text
-//! cargo run --release -p gpu-arena-bench --example lockstep -- CONFIG FILE [MAX_LINES]
+//! cargo run --release -p gpu-arena-bench --example lockstep -- CONFIG FILE [MAX_LINES] [grows]
 //! ```
-//! e.g. `-- grow_arenas=1 bench/traces/small_train.trace.gz 60`.
+//! e.g. `-- grow_arenas=1 bench/traces/small_train.trace.gz 60`; with `grows`, only the ops
+//! where gpu-arena's reserved bytes rise (`-- grow_arenas=1 kv:long 200 grows`).
 #![allow(clippy::unwrap_used)]
 
 use gpu_arena_bench::pool_adapter::replay_sim;
@@ -21,6 +22,7 @@ fn main() {
         std::process::exit(2);
     };
     let max_lines: usize = args.get(2).map_or(60, |n| n.parse().unwrap());
+    let ours_growing_only = args.get(3).is_some_and(|a| a == "grows");
     let trace = read_file(path).unwrap();
     let mut pool = PoolAllocator::from_config(replay_sim().unwrap(), config).unwrap();
     let mut model = ExpandableModel::new();
@@ -44,7 +46,12 @@ fn main() {
             }
         }
         let after = (pool.reserved_bytes(), model.reserved_bytes());
-        if after != before && shown < max_lines {
+        let shown_op = if ours_growing_only {
+            after.0 > before.0
+        } else {
+            after != before
+        };
+        if shown_op && shown < max_lines {
             shown += 1;
             println!(
                 "op {i} {op:?}: gpu-arena {} -> {} MiB, model {} -> {} MiB, live {:.1} MiB",

@@ -15,10 +15,18 @@
 
 use std::collections::HashMap;
 
-use crate::trace::{Op, Trace};
+use crate::trace::{generate, Op, Trace, TraceConfig};
 
-/// Read and parse a trace file (`.gz` through `gzip -dc`); errors name the file.
+/// Read and parse a trace file (`.gz` through `gzip -dc`); errors name the file. The names
+/// `kv:default` and `kv:long` give the generated KV-cache traces instead (`kv_replay`'s and
+/// its second, [`TraceConfig::long_context`]), so that every tool reading recorded loops
+/// replays them too.
 pub fn read_file(path: &str) -> Result<Trace, String> {
+    match path {
+        "kv:default" => return Ok(generate(&TraceConfig::default())),
+        "kv:long" => return Ok(generate(&TraceConfig::long_context())),
+        _ => {}
+    }
     let text = if path.ends_with(".gz") {
         let out = std::process::Command::new("gzip")
             .args(["-dc", path])

@@ -18,7 +18,9 @@
 //!
 //! **Streams.** Free ranges are tagged with the stream they were freed on. An allocation on
 //! stream S takes, best fit, a range tagged S (reuse at once is safe: S's later work runs
-//! after S's earlier work), else a range tagged [`ANY_STREAM`] (safe for every stream).
+//! after S's earlier work), else a range tagged [`ANY_STREAM`] (safe for every stream); in a
+//! growing arena the best fit of both (`pool/growth.rs`), and S's frees there take in the
+//! free space beside them that S may use.
 //! When neither fits, the pool records an event on each other stream that holds free ranges
 //! and, once it completed, retags that stream's ranges to `ANY_STREAM`. Recording the event
 //! when it is needed rather than at every free is safe (it covers all earlier work on that

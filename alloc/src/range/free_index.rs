@@ -219,26 +219,62 @@ impl FreeIndex {
         }
     }
 
-    /// Remove and return, as `(length, offset)`, the smallest free range of `tag` at least
-    /// `len` bytes long, the lowest offset among equal lengths.
-    pub(super) fn take_best_fit(&mut self, tag: u64, len: u64) -> Option<(u64, u64)> {
-        let t = self.tags.get_mut(&tag)?;
+    /// The smallest free range of `tag` at least `len` bytes long, the lowest offset among
+    /// equal lengths, as `(length, offset, size class)`.
+    fn find_best_fit(&self, tag: u64, len: u64) -> Option<(u64, u64, usize)> {
+        let t = self.tags.get(&tag)?;
         let own = class_of(len);
-        let in_own = t.classes.get(own).and_then(|set| set.first_from((len, 0)));
-        let (flen, offset, class) = match in_own {
-            Some((flen, offset)) => (flen, offset, own),
+        match t.classes.get(own).and_then(|set| set.first_from((len, 0))) {
+            Some((flen, offset)) => Some((flen, offset, own)),
             None => {
                 let class = t.nonempty_from(own + 1)?;
                 let (flen, offset) = t.classes[class].first()?;
-                (flen, offset, class)
+                Some((flen, offset, class))
             }
+        }
+    }
+
+    /// Of the free ranges of `tags`, remove and return the smallest at least `len` bytes
+    /// long as `(tag, length, offset)`: the first tag's among equal lengths, the lowest
+    /// offset within a tag. A fit of exactly `len` ends the search.
+    pub(super) fn take_best_fit_of(&mut self, tags: &[u64], len: u64) -> Option<(u64, u64, u64)> {
+        let mut best: Option<(u64, u64, u64, usize)> = None;
+        for (i, &tag) in tags.iter().enumerate() {
+            if tags[..i].contains(&tag) {
+                continue;
+            }
+            if let Some((flen, offset, class)) = self.find_best_fit(tag, len) {
+                if best.is_none_or(|(_, l, ..)| flen < l) {
+                    best = Some((tag, flen, offset, class));
+                    if flen == len {
+                        break;
+                    }
+                }
+            }
+        }
+        let (tag, flen, offset, class) = best?;
+        self.take(tag, flen, offset, class);
+        Some((tag, flen, offset))
+    }
+
+    /// Remove and return, as `(length, offset)`, the smallest free range of `tag` at least
+    /// `len` bytes long, the lowest offset among equal lengths.
+    pub(super) fn take_best_fit(&mut self, tag: u64, len: u64) -> Option<(u64, u64)> {
+        let (flen, offset, class) = self.find_best_fit(tag, len)?;
+        self.take(tag, flen, offset, class);
+        Some((flen, offset))
+    }
+
+    /// Remove a range [`Self::find_best_fit`] found.
+    fn take(&mut self, tag: u64, flen: u64, offset: u64, class: usize) {
+        let Some(t) = self.tags.get_mut(&tag) else {
+            return;
         };
         t.remove(class, flen, offset);
         if t.newly_emptied() {
             self.emptied(tag);
         }
         self.ranges -= 1;
-        Some((flen, offset))
     }
 
     /// The length of the longest free range of `tag` (0 when none).

@@ -35,6 +35,7 @@ use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
 
+mod across_tags;
 mod class_set;
 mod free_index;
 mod grow;
@@ -231,6 +232,12 @@ impl RangeAllocator {
             return None;
         }
         let (flen, offset) = self.free_index.take_best_fit(tag, len)?;
+        self.carve(offset, flen, len, tag)
+    }
+
+    /// Allocate `len` bytes at `offset`, the start of a free range of `flen` bytes under
+    /// `tag` just taken from the free index; the rest stays free under `tag`.
+    fn carve(&mut self, offset: u64, flen: u64, len: u64, tag: u64) -> Option<u64> {
         let b = self.blocks.get_mut(&offset)?;
         b.len = len;
         b.state = State::Used;

@@ -8,7 +8,8 @@
 //! torch_trace_replay [--config KEY=VALUE,...] [--busy] FILE...
 //! ```
 //!
-//! A `FILE` ending in `.gz` is read through `gzip -dc`. `--busy` keeps every event recorded
+//! A `FILE` ending in `.gz` is read through `gzip -dc`; `kv:default` and `kv:long` name the
+//! generated KV-cache traces. `--busy` keeps every event recorded
 //! on the trace's streams pending (a GPU that is behind the host: what settling leaves). `--config` takes gpu-arena's
 //! configuration string (`arena_size=256M`, ...). Exit status 1 when a trace cannot be read
 //! or replayed.
