@@ -7,7 +7,7 @@
 //! space free for any stream, its own frees waiting for their event), so the pieces become
 //! one range.
 
-use super::{RangeAllocator, RangeError, State, GRANULE, NO_PREV};
+use super::{RangeAllocator, RangeError, State, GRANULE};
 
 impl RangeAllocator {
     /// [`Self::alloc`] from the best fit among the free ranges of all `tags`: the shortest
@@ -26,72 +26,37 @@ impl RangeAllocator {
     /// caller passes only tags whose ranges `tag`'s user may use (retagging to `tag` only
     /// narrows who may use them).
     pub fn take_in(&mut self, tag: u64, from: &[u64]) -> u64 {
-        self.free_index
-            .ranges_of(tag)
-            .into_iter()
-            .map(|(start, _)| self.take_in_range(start, tag, from))
-            .sum()
+        let before = self.free_index.tag_bytes_of(tag);
+        for (start, len) in self.free_index.ranges_of(tag) {
+            // A range merged into an earlier one of the list is gone (that one took its
+            // neighbours in).
+            let Some(&b) = self.blocks.get(&start) else {
+                continue;
+            };
+            if b.state == State::Free(tag) && b.len == len {
+                self.free_index.remove(tag, len, start);
+                self.insert_free_taking_in(start, len, b.prev, b.last, tag, false, from);
+            }
+        }
+        self.free_index.tag_bytes_of(tag) - before
     }
 
-    /// [`Self::free`], then the freed range (merged with its neighbours of `tag`) takes in
-    /// the free ranges beside it whose tag is in `from`, as [`Self::take_in`] does. Returns
-    /// the freed length.
+    /// [`Self::free`], merging the freed range also with the free ranges beside it whose tag
+    /// is in `from`, as [`Self::take_in`] does. Returns the freed length.
     pub fn free_taking_in(
         &mut self,
         offset: u64,
         tag: u64,
         from: &[u64],
     ) -> Result<u64, RangeError> {
-        let prev = self.blocks.get(&offset).map_or(NO_PREV, |b| b.prev);
-        let len = self.free(offset, tag)?;
-        let merged_back = prev != NO_PREV
-            && self
-                .blocks
-                .get(&prev)
-                .is_some_and(|p| p.state == State::Free(tag));
-        self.take_in_range(if merged_back { prev } else { offset }, tag, from);
-        Ok(len)
-    }
-
-    /// The free range of `tag` starting at `start` takes in its neighbours of the `from`
-    /// tags until none is left; the bytes retagged. Nothing happens when no free range of
-    /// `tag` starts there (it merged into an earlier one: that one took them in).
-    fn take_in_range(&mut self, start: u64, tag: u64, from: &[u64]) -> u64 {
-        let (mut at, mut moved) = (start, 0);
-        loop {
-            let Some(&b) = self.blocks.get(&at) else {
-                return moved;
-            };
-            if b.state != State::Free(tag) {
-                return moved;
-            }
-            let before = (b.prev != NO_PREV)
-                .then(|| (b.prev, self.blocks[&b.prev]))
-                .filter(|(_, p)| matches!(p.state, State::Free(t) if from.contains(&t)));
-            let after = (!b.last)
-                .then(|| (at + b.len, self.blocks[&(at + b.len)]))
-                .filter(|(_, n)| matches!(n.state, State::Free(t) if from.contains(&t)));
-            let Some((off, n)) = before.or(after) else {
-                return moved;
-            };
-            let State::Free(old) = n.state else {
-                return moved;
-            };
-            // Retagged, the neighbour merges with `tag`'s range (and whatever else of `tag`
-            // lies beyond it).
-            self.free_index.remove(old, n.len, off);
-            self.insert_free(off, n.len, n.prev, n.last, tag, false);
-            moved += n.len;
-            // Merged with the range before, the range starts at that neighbour, or before
-            // it when the neighbour had a range of `tag` before it in turn.
-            if before.is_some() {
-                let kept = self
-                    .blocks
-                    .get(&off)
-                    .is_some_and(|m| m.state == State::Free(tag));
-                at = if kept { off } else { n.prev };
-            }
-        }
+        let b = match self.blocks.get(&offset) {
+            Some(b) if b.state == State::Used => *b,
+            _ => return Err(RangeError::NotAllocated(offset)),
+        };
+        self.used_bytes -= b.len;
+        self.used_ranges -= 1;
+        self.insert_free_taking_in(offset, b.len, b.prev, b.last, tag, false, from);
+        Ok(b.len)
     }
 }
 

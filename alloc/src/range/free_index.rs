@@ -309,6 +309,11 @@ impl FreeIndex {
         self.ranges
     }
 
+    /// The free bytes of `tag`.
+    pub(super) fn tag_bytes_of(&self, tag: u64) -> u64 {
+        self.tags.get(&tag).map_or(0, |t| t.bytes)
+    }
+
     /// Tags with free ranges and their free bytes, in no order.
     pub(super) fn tag_bytes(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.holding().map(|(tag, t)| (tag, t.bytes))

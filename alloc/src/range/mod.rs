@@ -41,6 +41,7 @@ mod free_index;
 mod grow;
 mod place;
 mod split;
+mod validate;
 
 use free_index::FreeIndex;
 
@@ -485,35 +486,65 @@ impl RangeAllocator {
         &mut self,
         offset: u64,
         len: u64,
+        prev: u64,
+        last: bool,
+        tag: u64,
+        joined: bool,
+    ) {
+        self.insert_free_taking_in(offset, len, prev, last, tag, joined, &[]);
+    }
+
+    /// [`Self::insert_free`], merging also with free neighbours whose tag is in `from`
+    /// (retagged `tag`), and with what lies beyond them while it is free under `tag` or one
+    /// of `from` (`across_tags.rs`; with `from` empty, one neighbour a side at most: two
+    /// free ranges of one tag are never neighbours).
+    #[allow(clippy::too_many_arguments)]
+    fn insert_free_taking_in(
+        &mut self,
+        offset: u64,
+        len: u64,
         mut prev: u64,
         mut last: bool,
         tag: u64,
         joined: bool,
+        from: &[u64],
     ) {
+        let merges =
+            |state: State| matches!(state, State::Free(t) if t == tag || from.contains(&t));
         let (mut start, mut total) = (offset, len);
-        if prev != NO_PREV {
-            if let Some(&p) = self.blocks.get(&prev) {
-                if p.state == State::Free(tag) {
-                    self.free_index.remove(tag, p.len, prev);
-                    self.blocks.remove(&offset);
-                    start = prev;
-                    total += p.len;
-                    prev = p.prev;
-                }
+        while prev != NO_PREV {
+            let Some(&p) = self.blocks.get(&prev) else {
+                break;
+            };
+            let State::Free(t) = p.state else {
+                break;
+            };
+            if !merges(p.state) {
+                break;
             }
+            self.free_index.remove(t, p.len, prev);
+            self.blocks.remove(&start);
+            start = prev;
+            total += p.len;
+            prev = p.prev;
         }
         let mut next_moved = joined || start != offset;
-        if !last {
-            let next = offset + len;
-            if let Some(&n) = self.blocks.get(&next) {
-                if n.state == State::Free(tag) {
-                    self.free_index.remove(tag, n.len, next);
-                    self.blocks.remove(&next);
-                    total += n.len;
-                    last = n.last;
-                    next_moved = true;
-                }
+        while !last {
+            let next = start + total;
+            let Some(&n) = self.blocks.get(&next) else {
+                break;
+            };
+            let State::Free(t) = n.state else {
+                break;
+            };
+            if !merges(n.state) {
+                break;
             }
+            self.free_index.remove(t, n.len, next);
+            self.blocks.remove(&next);
+            total += n.len;
+            last = n.last;
+            next_moved = true;
         }
         self.put(
             start,
@@ -528,105 +559,6 @@ impl RangeAllocator {
             self.set_prev(start + total, start);
         }
         self.free_index.insert(tag, total, start);
-    }
-
-    /// Check every invariant: regions disjoint and granule-aligned; ranges tile each region
-    /// exactly and their links agree; no two neighbouring free ranges with the same tag
-    /// inside a region; the free index and the per-tag bytes hold exactly the free ranges;
-    /// the counters match. Returns the first violation.
-    pub fn validate(&self) -> Result<(), String> {
-        let mut prev_end = 0u64;
-        let (mut used, mut used_n, mut free_n, mut seen) = (0u64, 0u64, 0u64, 0usize);
-        let mut tag_bytes: FxHashMap<u64, u64> = FxHashMap::default();
-        for (&start, &rlen) in &self.regions {
-            if start < prev_end {
-                return Err(format!("region {start:#x} overlaps the previous one"));
-            }
-            if start % GRANULE != 0 || rlen % GRANULE != 0 || rlen == 0 {
-                return Err(format!("region {start:#x}+{rlen} misaligned"));
-            }
-            let end = start + rlen;
-            let mut at = start;
-            let mut prev = NO_PREV;
-            let mut prev_free: Option<u64> = None;
-            loop {
-                let Some(&b) = self.blocks.get(&at) else {
-                    return Err(format!("region {start:#x}: no range at {at:#x}"));
-                };
-                seen += 1;
-                if b.len == 0 || b.len % GRANULE != 0 || at + b.len > end {
-                    return Err(format!("range {at:#x} has bad length {}", b.len));
-                }
-                if b.prev != prev {
-                    return Err(format!(
-                        "range {at:#x} links to {:#x}, not {prev:#x}",
-                        b.prev
-                    ));
-                }
-                if b.last != (at + b.len == end) {
-                    return Err(format!("range {at:#x}: wrong last-in-region flag"));
-                }
-                match b.state {
-                    State::Used => {
-                        used += b.len;
-                        used_n += 1;
-                        prev_free = None;
-                    }
-                    State::Free(tag) => {
-                        if prev_free == Some(tag) {
-                            return Err(format!(
-                                "free range {at:#x} not merged with its same-tag neighbour"
-                            ));
-                        }
-                        if !self.free_index.contains(tag, b.len, at) {
-                            return Err(format!("free range {at:#x} missing from the index"));
-                        }
-                        *tag_bytes.entry(tag).or_insert(0) += b.len;
-                        free_n += 1;
-                        prev_free = Some(tag);
-                    }
-                }
-                if b.last {
-                    if self.last_at_end.get(&end) != Some(&at) {
-                        return Err(format!("region {start:#x}: its last range is not recorded"));
-                    }
-                    break;
-                }
-                prev = at;
-                at += b.len;
-            }
-            prev_end = end;
-        }
-        if self.last_at_end.len() != self.regions.len() {
-            return Err(format!(
-                "{} last ranges recorded for {} regions",
-                self.last_at_end.len(),
-                self.regions.len()
-            ));
-        }
-        if seen != self.blocks.len() {
-            return Err(format!(
-                "{} ranges recorded, {seen} reachable from the regions",
-                self.blocks.len()
-            ));
-        }
-        self.free_index.validate()?;
-        if free_n != self.free_index.len() {
-            return Err(format!(
-                "free index has {} entries, {free_n} free ranges exist",
-                self.free_index.len()
-            ));
-        }
-        if tag_bytes != self.free_index.tag_bytes().collect::<FxHashMap<u64, u64>>() {
-            return Err("free bytes per tag disagree with the free ranges".into());
-        }
-        if used != self.used_bytes || used_n != self.used_ranges {
-            return Err(format!(
-                "counters say {} bytes in {} ranges, walk found {used} in {used_n}",
-                self.used_bytes, self.used_ranges
-            ));
-        }
-        Ok(())
     }
 }
 
