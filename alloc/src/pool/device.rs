@@ -232,10 +232,10 @@ impl DeviceState {
 
     /// In sub-allocator `t` (a growing class's), the best fit for `len` bytes among the
     /// ranges `stream` may use at once: its own frees, its frees waiting for their event,
-    /// and space free for any stream. Taking its own first, wherever they were, left the
-    /// better-fitting holes around them empty: a KV trace of two streams reserved 1.206 of
-    /// its live bytes that way, 1.040 with the best fit of all
-    /// (bench/results/sim-2026-12-02-take-in.md).
+    /// and space free for any stream; its own fit is taken at once when at most twice
+    /// `len`. Taking its own first, wherever they were, left the better-fitting holes
+    /// around them empty: a KV trace of two streams reserved 1.206 of its live bytes that
+    /// way, 1.012 with this rule and the take-ins (bench/results/sim-2026-12-02-take-in.md).
     fn best_fit_usable(&mut self, t: usize, len: u64, stream: StreamId) -> Option<u64> {
         let [any, limbo] = self.usable_by(stream.0);
         self.ranges[t]

@@ -129,6 +129,25 @@ mod tests {
     }
 
     #[test]
+    fn the_first_tags_fit_up_to_twice_the_length_ends_the_search() {
+        let (mut r, o) = eight();
+        let unit = GRANULE * 4;
+        // [S S][used][ANY][used][S S S][used]: S fits one unit in 2 or 3, ANY exactly.
+        for (i, t) in [(0, S), (1, S), (3, ANY), (5, S), (6, S), (7, S)] {
+            r.free(o[i], t).unwrap();
+        }
+        // S's best fit (2 units) is at most twice 1 unit: taken, though ANY fits exactly.
+        assert_eq!(r.alloc_best_of(unit, &[S, ANY]), Some((o[0], S)));
+        // S's best fit for 1 unit is now the 1 unit left at o[1]; for S's 3 units against a
+        // request of 1 (more than twice) ANY's exact fit wins once o[1] is taken.
+        assert_eq!(r.alloc_best_of(unit, &[S, ANY]), Some((o[1], S)));
+        assert_eq!(r.alloc_best_of(unit, &[S, ANY]), Some((o[3], ANY)));
+        // ANY first: its rule, not S's.
+        assert_eq!(r.alloc_best_of(unit, &[ANY, S]), Some((o[5], S)));
+        r.validate().unwrap();
+    }
+
+    #[test]
     fn several_source_tags_and_a_chain_become_one_range() {
         let (mut r, o) = eight();
         let unit = GRANULE * 4;

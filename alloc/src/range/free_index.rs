@@ -236,7 +236,12 @@ impl FreeIndex {
 
     /// Of the free ranges of `tags`, remove and return the smallest at least `len` bytes
     /// long as `(tag, length, offset)`: the first tag's among equal lengths, the lowest
-    /// offset within a tag. A fit of exactly `len` ends the search.
+    /// offset within a tag. A fit of exactly `len` ends the search, and so does a fit of the
+    /// first tag at most twice `len` long: the first tag is the caller's own (a stream's
+    /// frees), and taking the other tags' space whenever it fits better made two streams
+    /// take each other's room in turn (each miss settling the other stream: the second KV
+    /// trace's warm replay ran 1.3x the instructions), and reserved more
+    /// (`bench/results/sim-2026-12-02-take-in.md`).
     pub(super) fn take_best_fit_of(&mut self, tags: &[u64], len: u64) -> Option<(u64, u64, u64)> {
         let mut best: Option<(u64, u64, u64, usize)> = None;
         for (i, &tag) in tags.iter().enumerate() {
@@ -246,7 +251,7 @@ impl FreeIndex {
             if let Some((flen, offset, class)) = self.find_best_fit(tag, len) {
                 if best.is_none_or(|(_, l, ..)| flen < l) {
                     best = Some((tag, flen, offset, class));
-                    if flen == len {
+                    if flen == len || (i == 0 && flen / 2 <= len) {
                         break;
                     }
                 }
