@@ -115,21 +115,19 @@ impl DeviceState {
         self.ranges_mut(class);
         // The stream's own frees first (safe at once, and it keeps shared space for others),
         // then ranges any stream may use; in a growing arena the best fit of them all.
-        if self.grows(class) {
-            if let Some(p) = self.best_fit_usable(t, len, stream) {
-                return Some(p);
-            }
-        } else if let Some(p) = self.ranges[t].alloc(len, stream.0) {
-            return Some(p);
-        }
-        if let Some(p) = self
-            .limbo_of(stream.0)
-            .and_then(|l| self.ranges[t].alloc(len, l))
-        {
-            return Some(p);
-        }
-        if let Some(p) = self.ranges[t].alloc(len, ANY_STREAM) {
-            return Some(p);
+        let found = if self.grows(class) {
+            self.best_fit_usable(t, len, stream)
+        } else {
+            self.ranges[t]
+                .alloc(len, stream.0)
+                .or_else(|| {
+                    self.limbo_of(stream.0)
+                        .and_then(|l| self.ranges[t].alloc(len, l))
+                })
+                .or_else(|| self.ranges[t].alloc(len, ANY_STREAM))
+        };
+        if found.is_some() {
+            return found;
         }
         // Miss: give this class's cached blocks, the device's and the thread caches', back
         // to the ranges, where they coalesce, and retry: the large ones first, then all (see
