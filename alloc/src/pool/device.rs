@@ -507,7 +507,11 @@ impl DeviceState {
         // stream may use (`usable_by`): one stream's pieces between other free space stay
         // one range, as in one of PyTorch's per-stream segments.
         let take_in = tag < LIMBO_BASE && class.is_some_and(|c| self.grows(c));
-        let usable = self.usable_by(tag);
+        let usable = if take_in {
+            self.usable_by(tag)
+        } else {
+            [tag; 2]
+        };
         self.ranges
             .get_mut(t)
             .ok_or(crate::range::RangeError::NotAllocated(ptr))

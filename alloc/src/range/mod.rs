@@ -333,14 +333,7 @@ impl RangeAllocator {
     /// Free the allocation starting at `offset`, tagging the range `tag`, and merge it with
     /// free neighbours of the same tag in its region. Returns the freed length.
     pub fn free(&mut self, offset: u64, tag: u64) -> Result<u64, RangeError> {
-        let b = match self.blocks.get(&offset) {
-            Some(b) if b.state == State::Used => *b,
-            _ => return Err(RangeError::NotAllocated(offset)),
-        };
-        self.used_bytes -= b.len;
-        self.used_ranges -= 1;
-        self.insert_free(offset, b.len, b.prev, b.last, tag, false);
-        Ok(b.len)
+        self.free_taking_in(offset, tag, &[])
     }
 
     /// Free many allocations under one `tag` at once: the same result as freeing them one
