@@ -248,8 +248,12 @@ def test_a_registered_buffer_sleeps_and_wakes_between_transfers(tmp_path):
             finish(producer)
     cons, prod = result_of(consumer), result_of(prod)
     assert cons["before"] and cons["after"], cons
-    # Asleep: the consumer's mapping closed, its READ refused in words.
-    assert cons["imports_asleep"] == 0 and "asleep" in cons["while_asleep"], cons
+    # Asleep: the consumer's mapping closed, its READ refused in words: "asleep", or, when
+    # the producer's notice has not reached the consumer yet (a busy machine), the
+    # registration "being closed or reloaded" (both refusals; found under load 2026-12-02).
+    words = cons["while_asleep"]
+    assert cons["imports_asleep"] == 0, cons
+    assert "asleep" in words or "being closed or reloaded" in words, cons
     assert "NIXL_ERR_NOT_ALLOWED" in cons["while_asleep"], cons
     # The registration did not keep its arena awake.
     assert prod["kept"] == 0 and prod["sleeping_bytes"] >= 4 << 20, prod
