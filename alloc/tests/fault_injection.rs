@@ -16,19 +16,28 @@ use gpu_arena::StreamId;
 const MIB: u64 = 1 << 20;
 
 /// The scenario: allocations on two streams, record_stream, a share imported in-process,
-/// frees while shared, unshare, close, empty_cache. Returns how many steps failed.
-fn scenario(sim: &Arc<SimBackend>) -> usize {
+/// frees while shared, unshare, close, empty_cache; in growing arenas when `grow` (the
+/// 24 MiB block then grows the arena the 8 MiB one started), else in fixed 64 MiB ones.
+/// Returns how many steps failed.
+fn scenario(sim: &Arc<SimBackend>, grow: bool) -> usize {
     let failed = std::cell::Cell::new(0);
     let note = |r: Result<(), gpu_arena::Error>| {
         if r.is_err() {
             failed.set(failed.get() + 1);
         }
     };
-    let pool = common::validating_pool(sim, 64 * MIB);
+    let config = gpu_arena::PoolConfig {
+        arena_size: 64 * MIB,
+        validate: true,
+        grow_arenas: grow,
+        ..gpu_arena::PoolConfig::default()
+    };
+    let pool = Arc::new(gpu_arena::Pool::new(sim.clone(), config).unwrap());
     let (s1, s2) = (StreamId(1), StreamId(2));
     let a = pool.alloc(0, 8 * MIB, s1);
-    let b = pool.alloc(0, 100 * MIB, s2); // a dedicated arena
+    let b = pool.alloc(0, 100 * MIB, s2); // a dedicated arena (fixed arenas)
     let c = pool.alloc(0, 4096, s1);
+    let d = pool.alloc(0, 24 * MIB, s1);
     if let Ok(a) = &a {
         note(pool.record_stream(a.ptr, s2));
     }
@@ -42,7 +51,7 @@ fn scenario(sim: &Arc<SimBackend>) -> usize {
             Err(_) => note(Err(gpu_arena::Error::Internal(String::new()))),
         }
     }
-    for x in [&a, &b, &c] {
+    for x in [&a, &b, &c, &d] {
         match x {
             Ok(x) => note(pool.free(x.ptr)),
             Err(_) => note(Err(gpu_arena::Error::Internal(String::new()))),
@@ -65,11 +74,18 @@ fn scenario(sim: &Arc<SimBackend>) -> usize {
     failed.get()
 }
 
+/// In growing arenas (the default) and in fixed ones, one after the other: the fd count is
+/// the process's, so no other test of this file may run meanwhile.
 #[test]
 fn every_backend_call_fails_at_every_position_and_nothing_leaks() {
+    fail_every_call(true);
+    fail_every_call(false);
+}
+
+fn fail_every_call(grow: bool) {
     // A clean run first: how many calls of each kind the scenario makes.
     let clean = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
-    assert_eq!(scenario(&clean), 0, "the scenario passes without faults");
+    assert_eq!(scenario(&clean, grow), 0, "the scenario passes without faults");
     assert!(clean.is_clean(0), "{:?}", clean.ledger(0));
     let mut runs = 0;
     for kind in SimCall::ALL {
@@ -78,7 +94,7 @@ fn every_backend_call_fails_at_every_position_and_nothing_leaks() {
             let fds = fd_count();
             let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
             sim.fail_nth(kind, n);
-            let failed = scenario(&sim);
+            let failed = scenario(&sim, grow);
             let ledger = sim.ledger(0);
             // What the sim kept for a failed close_export (the export is not handed back)
             // is the caller's loss by contract; the backend's Drop closes it.

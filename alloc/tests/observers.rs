@@ -20,6 +20,7 @@ fn pool_with(sim: SimConfig, arena_size: u64, validate: bool) -> (Arc<SimBackend
     let backend = Arc::new(SimBackend::new(sim).unwrap());
     let config = PoolConfig {
         arena_size,
+        grow_arenas: false,
         validate,
         ..PoolConfig::default()
     };

@@ -20,6 +20,7 @@ fn pool_with(sim: SimConfig, arena_size: u64) -> (Arc<SimBackend>, Pool) {
         backend.clone(),
         PoolConfig {
             arena_size,
+            grow_arenas: false,
             validate: true,
             ..PoolConfig::default()
         },
@@ -170,6 +171,7 @@ fn capped_pool(sim: SimConfig, arena_size: u64, cap: MaxReserved) -> Pool {
         backend,
         PoolConfig {
             arena_size,
+            grow_arenas: false,
             max_reserved: Some(cap),
             validate: true,
             ..PoolConfig::default()
@@ -354,6 +356,7 @@ fn arena_size_below_the_minimum_is_refused() {
             backend.clone(),
             PoolConfig {
                 arena_size: tiny,
+                grow_arenas: false,
                 ..PoolConfig::default()
             },
         )
@@ -471,6 +474,7 @@ fn many_threads_share_one_pool() {
     let backend = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
     let config = PoolConfig {
         arena_size: 256 * MIB,
+        grow_arenas: false,
         validate: false, // a full walk per operation would dominate; checked at the end
         ..PoolConfig::default()
     };

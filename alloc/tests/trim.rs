@@ -597,6 +597,7 @@ fn a_backend_without_split_keeps_arenas_whole_without_an_error() {
     let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
     let config = gpu_arena::PoolConfig {
         arena_size: 64 * MIB,
+        grow_arenas: false,
         validate: true,
         ..Default::default()
     };

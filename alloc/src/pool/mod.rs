@@ -213,8 +213,8 @@ pub struct PoolConfig {
     pub trim_on_empty_cache: bool,
     /// Large blocks live in arenas that grow with the work (`pool/growth.rs`): each reserves
     /// the device's address range and maps memory chunk by chunk. Off: every arena is
-    /// `arena_size` bytes, mapped whole. Default off for now (issue #24: on once the
-    /// fixed-arena tests are reworked).
+    /// `arena_size` bytes, mapped whole: the fastest per operation, but a class's last arena
+    /// is partly empty (default on since issue #24).
     pub grow_arenas: bool,
 }
 
@@ -226,7 +226,7 @@ impl Default for PoolConfig {
             validate: cfg!(debug_assertions),
             unsafe_ignore_streams: false,
             trim_on_empty_cache: false,
-            grow_arenas: false,
+            grow_arenas: true,
         }
     }
 }

@@ -51,7 +51,8 @@ pub fn seqpacket_socket() -> std::os::fd::OwnedFd {
     .expect("socket(AF_UNIX, SOCK_SEQPACKET)")
 }
 
-/// A pool over `sim` with `arena_size` arenas, validating itself after every operation
+/// A pool over `sim` with fixed arenas of `arena_size` bytes (not the default growing ones:
+/// the tests using it count and cut whole arenas), validating itself after every operation
 /// when `validate`.
 pub fn pool_on(
     sim: &std::sync::Arc<gpu_arena::backend::sim::SimBackend>,
@@ -61,12 +62,13 @@ pub fn pool_on(
     let config = gpu_arena::PoolConfig {
         arena_size,
         validate,
+        grow_arenas: false,
         ..gpu_arena::PoolConfig::default()
     };
     gpu_arena::Pool::new(sim.clone(), config).expect("pool on the sim")
 }
 
-/// A pool over `sim` with `arena_size` arenas, validating itself after every operation.
+/// A pool over `sim` with fixed `arena_size` arenas, validating itself after every operation.
 pub fn validating_pool(
     sim: &std::sync::Arc<gpu_arena::backend::sim::SimBackend>,
     arena_size: u64,
