@@ -28,6 +28,8 @@ fn replays(trace_config: &TraceConfig, arena_size: u64, replays: usize) -> (Vec<
     .unwrap();
     let config = PoolConfig {
         arena_size,
+        // Whole arenas of `arena_size` (growing arenas' bounds: `expandable_bound.rs`).
+        grow_arenas: false,
         // The test checks placement, not invariants (the unit tests do): keep it fast.
         validate: false,
         ..PoolConfig::default()

@@ -97,11 +97,11 @@ _Static_assert(sizeof(ssize_t) == sizeof(void *), "ssize_t is pointer-sized");
 #define SSIZE_MIN (-SSIZE_MAX - 1)
 #endif
 
-/* Configuration of mode api: 2 simulated devices, 1 GiB each, 64 MiB arenas. */
+/* Configuration of mode api: 2 simulated devices, 1 GiB each, fixed 64 MiB arenas. */
 #define NDEV 2
 #define ARENA_SIZE (64 * MiB)
 #define API_CONF "backend=sim,sim_devices=2,sim_capacity=1GiB,sim_granularity=2MiB," \
-                 "arena_size=64MiB,validate=1"
+                 "arena_size=64MiB,grow_arenas=0,validate=1"
 
 /* "0x7f..." as Rust's {:p} and {:#x} print it. */
 static const char *hex(const void *p, char buf[32]) {

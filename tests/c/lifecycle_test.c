@@ -80,7 +80,7 @@ static void mode_before_init(void) {
                "none of the calls above initialized gpu-arena");
 
     /* Still before first use: configure works, and the first malloc initializes with it. */
-    CHECK_CODE(gpu_arena_configure("backend=sim,arena_size=4MiB"), GPU_ARENA_OK,
+    CHECK_CODE(gpu_arena_configure("backend=sim,arena_size=4MiB,grow_arenas=0"), GPU_ARENA_OK,
                "configure after the refused calls (still before first use)");
     void *p = gpu_arena_malloc(2 * MiB, 0, NULL); /* large: from an arena_size arena */
     CHECK(p != NULL, "malloc(2 MiB) before init initializes lazily: %p", p);

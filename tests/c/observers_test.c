@@ -38,7 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define CONF "backend=sim,sim_capacity=1GiB,sim_granularity=2MiB,arena_size=8MiB,validate=1"
+#define CONF "backend=sim,sim_capacity=1GiB,sim_granularity=2MiB,arena_size=8MiB,grow_arenas=0,validate=1"
 
 static gpu_arena_stats_t stats(void) {
     gpu_arena_stats_t s;
