@@ -46,7 +46,7 @@ static std::string throws(ssize_t size, void** out) {
 
 int main() {
   // 64 MiB arenas, at most 256 MiB reserved on the one sim device.
-  CHECK(gpu_arena_configure("backend=sim,arena_size=64MiB,max_reserved=256MiB") == GPU_ARENA_OK,
+  CHECK(gpu_arena_configure("backend=sim,arena_size=64MiB,grow_arenas=0,max_reserved=256MiB") == GPU_ARENA_OK,
         "configure");
   gpu_arena_init(-1);
   CHECK(gpu_arena_init_status() == GPU_ARENA_OK, "init");

@@ -355,7 +355,7 @@ def test_configure_then_init_applies():
         """
         import gpu_arena
         from result_channel import report
-        gpu_arena.configure("arena_size=8MiB")
+        gpu_arena.configure("arena_size=8MiB,grow_arenas=0")
         gpu_arena.configure("sim_devices=3")     # calls accumulate
         gpu_arena.init(device_count=3)
         gpu_arena.init()                         # idempotent

@@ -67,7 +67,7 @@ SERVER = """
 import sys, gpu_arena, gpu_arena.prometheus as gp
 from result_channel import reply_stream
 replies = reply_stream()          # line buffered: each answer is flushed
-gpu_arena.configure("backend=sim,arena_size=64MiB,sim_devices=2,sim_capacity=1GiB")
+gpu_arena.configure("backend=sim,arena_size=64MiB,grow_arenas=0,sim_devices=2,sim_capacity=1GiB")
 server, _ = gp.start_http_server(0)
 print("PORT=%d" % server.server_port, file=replies)
 ptrs = []

@@ -16,7 +16,7 @@ import ctypes
 import gpu_arena
 from result_channel import report
 from gpu_arena import InvalidArgumentError, InvalidStateError, InvalidDeviceError
-gpu_arena.configure("backend=sim,arena_size=8MiB,sim_capacity=1GiB,validate=1")
+gpu_arena.configure("backend=sim,arena_size=8MiB,grow_arenas=0,sim_capacity=1GiB,validate=1")
 gpu_arena.init()
 MiB = 1 << 20
 def raises(exc, fn, *a, **k):

@@ -15,7 +15,7 @@ import pickle, pickletools, sys
 import gpu_arena, gpu_arena.torch as gt
 from result_channel import report
 from gpu_arena.torch_snapshot import check_snapshot
-gpu_arena.configure("backend=sim,arena_size=64MiB,max_reserved=512MiB,sim_capacity=1GiB")
+gpu_arena.configure("backend=sim,arena_size=64MiB,grow_arenas=0,max_reserved=512MiB,sim_capacity=1GiB")
 gpu_arena.init()
 MiB = 1 << 20
 """
