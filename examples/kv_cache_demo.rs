@@ -5,12 +5,12 @@
 //!
 //! 1. Replays a seeded KV trace (2 MiB blocks as sequences grow, temporaries per step)
 //!    through the pool: ns per operation, peak reserved / peak live. It is the README
-//!    headline's setup (`TraceConfig::default()`: 2240 requests, a 16 GiB KV budget, 1 GiB
-//!    arenas; 1.055 in `bench/results/sim-2026-11-29.md`) whenever the device has room for
-//!    it; the sim device gets 64 GiB of capacity for it (a ledger: only memory that is
-//!    written uses RAM) unless `GPU_ARENA_CONF` sets `sim_capacity`. On a smaller device the budget shrinks
-//!    to half its free memory and the demo says so: reserved is a whole number of arenas,
-//!    so a smaller peak reads a larger ratio.
+//!    headline's setup (`TraceConfig::default()`: 2240 requests, a 16 GiB KV budget, the
+//!    default growing arenas: 1.039 on sim and on the H200; `GPU_ARENA_CONF=grow_arenas=0`
+//!    for fixed 1 GiB arenas: 1.056) whenever the device has room for it; the sim device
+//!    gets 64 GiB of capacity for it (a ledger: only memory that is written uses RAM) unless
+//!    `GPU_ARENA_CONF` sets `sim_capacity`. On a smaller device the budget shrinks to half
+//!    its free memory and the demo says so.
 //! 2. Shares every live KV block (as a prefill/decode split would): one driver export per
 //!    arena, not per block.
 //! 3. Tears down: unshare, free, `empty_cache`; the device's free memory returns to the
@@ -60,14 +60,18 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         tc.kv_budget_bytes = baseline.free / 2;
     }
     let trace = generate(&tc);
-    let arena = pool.config().arena_size;
+    let config = pool.config();
+    let arenas = if config.grow_arenas {
+        "growing arenas".to_string()
+    } else {
+        format!("fixed arenas of {:.2} GiB", gib(config.arena_size))
+    };
     println!(
-        "KV trace: seed {:#x}, {} requests, KV budget {:.2} GiB, arena_size {:.2} GiB{}",
+        "KV trace: seed {:#x}, {} requests, KV budget {:.2} GiB, {arenas}{}",
         tc.seed,
         tc.requests,
         gib(tc.kv_budget_bytes),
-        gib(arena),
-        if headline && arena == 1 << 30 {
+        if headline && config.grow_arenas {
             " (the README headline's setup)"
         } else {
             ""
@@ -100,16 +104,21 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         s.peak_reserved_bytes as f64 / trace.peak_live_bytes as f64
     );
     println!("| arenas created | {} |", s.backend_creates);
-    // Reserved is a whole number of arenas: the least it can be for this peak.
-    let floor = trace.peak_live_bytes.div_ceil(arena) * arena;
-    let note = (!(headline && arena == 1 << 30)).then(|| {
-        format!(
-            "\nNot the README's setup (16 GiB KV budget, 1 GiB arenas: 1.055): reserved is a \
-             whole number of {:.2} GiB arenas, so this {:.2} GiB peak cannot read below {:.3}.",
-            gib(arena),
-            gib(trace.peak_live_bytes),
-            floor as f64 / trace.peak_live_bytes as f64
-        )
+    // With fixed arenas reserved is a whole number of them: the least it can be for this peak.
+    let note = (!headline || !config.grow_arenas).then(|| {
+        let arena = config.arena_size;
+        let floor = trace.peak_live_bytes.div_ceil(arena) * arena;
+        let mut note = String::from("\nNot the README's setup (16 GiB KV budget, growing arenas: 1.039)");
+        if !config.grow_arenas {
+            note += &format!(
+                ": reserved is a whole number of {:.2} GiB arenas, so this {:.2} GiB peak \
+                 cannot read below {:.3}",
+                gib(arena),
+                gib(trace.peak_live_bytes),
+                floor as f64 / trace.peak_live_bytes as f64
+            );
+        }
+        note + "."
     });
 
     // 2. Share what is still live, block by block.

@@ -9,8 +9,10 @@ generation loops of transformer encoders; on the GPU machine:
 Each (workload, mode) is a fresh process, the modes of a workload back to back: ``torch``
 (PYTORCH_CUDA_ALLOC_CONF unset), ``torch-expandable`` (PYTORCH_CUDA_ALLOC_CONF=
 expandable_segments:True in the child's environment) and ``gpu-arena`` (``gpu_arena.torch.
-install(route="native")`` before any CUDA use, so torch.cuda.memory_stats() is gpu-arena's;
-``gpu-arena-grow``: the same with ``GPU_ARENA_CONF=grow_arenas=1``, arenas that grow).
+install(route="native")`` before any CUDA use, so torch.cuda.memory_stats() is gpu-arena's:
+its default, arenas that grow; ``gpu-arena-grow``: the same with ``GPU_ARENA_CONF=grow_arenas=1``
+said explicitly (as the results before growth became the default were taken);
+``gpu-arena-fixed``: ``GPU_ARENA_CONF=grow_arenas=0``, fixed 1 GiB arenas).
 Every model is a ``nn.TransformerEncoder`` of ``nn.TransformerEncoderLayer(d, heads, 4*d,
 dropout=0.0, batch_first=True)``, fp32 parameters made on the GPU, seed 0, run under
 ``torch.autocast("cuda", dtype=torch.bfloat16)``:
@@ -69,7 +71,7 @@ from gpu_common import child_env, out_path  # noqa: E402  (tests/gpu/gpu_common.
 from result_channel import NO_RESULT, report, run_reporting  # noqa: E402  (tests/python: a child's own channel)
 
 MIB = 1 << 20
-MODES = ("torch", "torch-expandable", "gpu-arena", "gpu-arena-grow")
+MODES = ("torch", "torch-expandable", "gpu-arena", "gpu-arena-grow", "gpu-arena-fixed")
 TRACE_MAX_ENTRIES = 2_000_000
 DECODE_STEPS = 4  # one-token passes after each prefill of a workload with a KV cache
 
@@ -254,6 +256,8 @@ def run(mode: str, workload: str, a, trace: bool = False) -> dict:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if mode == "gpu-arena-grow":
         env["GPU_ARENA_CONF"] = "grow_arenas=1"
+    if mode == "gpu-arena-fixed":
+        env["GPU_ARENA_CONF"] = "grow_arenas=0"
     cmd = [sys.executable, __file__, "--child", mode, "--workloads", workload, "--scale", str(a.scale)]
     if trace:
         cmd += ["--trace-dir", a.trace_dir]

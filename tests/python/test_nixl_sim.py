@@ -28,7 +28,7 @@ PRELUDE = """
 import ctypes, json, os, sys, time
 import gpu_arena, gpu_arena.nixl as gn
 from result_channel import report
-gpu_arena.configure("backend=sim,arena_size=8MiB,sim_capacity=1GiB,validate=1")
+gpu_arena.configure("backend=sim,arena_size=8MiB,grow_arenas=0,sim_capacity=1GiB,validate=1")
 gpu_arena.init()
 nixl = gn.import_nixl()
 MiB = 1 << 20
