@@ -108,7 +108,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let note = (!headline || !config.grow_arenas).then(|| {
         let arena = config.arena_size;
         let floor = trace.peak_live_bytes.div_ceil(arena) * arena;
-        let mut note = String::from("\nNot the README's setup (16 GiB KV budget, growing arenas: 1.039)");
+        let mut note =
+            String::from("\nNot the README's setup (16 GiB KV budget, growing arenas: 1.039)");
         if !config.grow_arenas {
             note += &format!(
                 ": reserved is a whole number of {:.2} GiB arenas, so this {:.2} GiB peak \

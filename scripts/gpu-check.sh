@@ -25,7 +25,8 @@ for s in "${steps[@]}"; do case $s in
   info) run info bash -c 'nvidia-smi; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; date -u' ;;
   backend) run backend .gpu/bin/cuda_backend --ignored --test-threads=1 --nocapture ;;
   torch) run torch python3 -m pytest -q -rs tests/python ;;
-  # The torch checks on growing arenas (issue #24): every child gets GPU_ARENA_CONF=grow_arenas=1.
+  # The torch checks on growing arenas (issue #24): every child gets GPU_ARENA_CONF=grow_arenas=1
+  # (the default since 9173c80; the *grow* steps still say it, as their results were taken).
   torch_grow) run torch_grow env GPU_ARENA_CHECK_CONF=grow_arenas=1 bash -c 'python3 -m pytest -q -rs tests/python/test_torch_gpu.py tests/python/test_ipc_torch_gpu.py &&
     python3 tests/gpu/gpu_torch_native.py --only graphs,compile,stats,mp,behaviour --graph-runs 4' ;;
   torch_check) run torch_check python3 tests/gpu/gpu_torch_check.py ;;

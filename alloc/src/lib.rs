@@ -1,8 +1,9 @@
 //! A GPU memory pool for LLM serving engines whose memory, once shared with another
 //! process, still comes back when everyone is done with it.
 //!
-//! gpu-arena carves large arenas from the driver (VMM: `cuMemCreate` + map, 1 GiB by default)
-//! and sub-allocates them, stream-ordered, with per-thread caches. It exports an arena at most
+//! gpu-arena carves arenas from the driver (VMM: `cuMemCreate` + map; by default each grows
+//! chunk by chunk with the work under one reserved address range, `grow_arenas=0` for fixed
+//! 1 GiB ones) and sub-allocates them, stream-ordered, with per-thread caches. It exports an arena at most
 //! once, on its first share, hands out 128-byte share handles for sub-ranges that any process
 //! can import, and frees the arena when the last share and the last consumer are done (a
 //! consumer that dies drops its leases with its socket). The same pool serves PyTorch

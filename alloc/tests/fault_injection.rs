@@ -85,7 +85,11 @@ fn every_backend_call_fails_at_every_position_and_nothing_leaks() {
 fn fail_every_call(grow: bool) {
     // A clean run first: how many calls of each kind the scenario makes.
     let clean = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
-    assert_eq!(scenario(&clean, grow), 0, "the scenario passes without faults");
+    assert_eq!(
+        scenario(&clean, grow),
+        0,
+        "the scenario passes without faults"
+    );
     assert!(clean.is_clean(0), "{:?}", clean.ledger(0));
     let mut runs = 0;
     for kind in SimCall::ALL {

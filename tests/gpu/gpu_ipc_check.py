@@ -642,7 +642,7 @@ def section_d(ctx: Ctx, rep: Report) -> None:
     imp_total = sum(imp["times"])
     export_ms = med(first, 0) - med(again, 0)
     rep.p(f"A KV cache of {human(blocks * block)} as {blocks} blocks of {human(block)} "
-          f"(`gpu_arena.malloc`, arena_size {human(arena)}), each block shared on its own "
+          f"(`gpu_arena.malloc`, producer `{ctx.producer_conf}`), each block shared on its own "
           f"(`gpu_arena.share_ptr`) and imported on its own (`gpu_arena.import_handle`).")
     rep.table(["blocks", "arenas", "driver exports", "share all", "share median",
                "import all", "import median", "close all"], [[
