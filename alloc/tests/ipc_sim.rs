@@ -456,37 +456,11 @@ fn legacy_pin_arenas_are_recycled_while_naive_export_per_allocation_grows() {
         legacy_pin: true,
         ..SimConfig::default()
     };
-    // gpu-arena: 10 cycles of "KV cache of half the capacity, share it, free it, empty_cache".
-    let (backend, pool, broker) = producer(sim.clone(), GIB);
-    assert_eq!(
-        pool.export_semantics(0).unwrap(),
-        ExportKind::Pinning,
-        "the self-test detects pinning"
-    );
-    let mut held = Vec::new();
-    for _cycle in 0..10 {
-        let blocks: Vec<_> = (0..(capacity / 2 / (256 * MIB)))
-            .map(|_| pool.alloc(0, 256 * MIB, S).unwrap())
-            .collect();
-        let hs: Vec<_> = blocks
-            .iter()
-            .map(|b| broker.share(b.ptr, b.bytes).unwrap())
-            .collect();
-        for h in &hs {
-            broker.unshare(h).unwrap();
-        }
-        for b in &blocks {
-            pool.free(b.ptr).unwrap();
-        }
-        pool.empty_cache(None).unwrap();
-        held.push(backend.ledger(0).held_bytes);
+    // gpu-arena: 10 cycles of "KV cache of half the capacity, share it, free it, empty_cache",
+    // in fixed 1 GiB arenas and in growing ones (the default).
+    for grow in [false, true] {
+        pinned_arenas_are_recycled(&sim, grow);
     }
-    eprintln!(
-        "gpu-arena held per cycle (GiB): {:?}",
-        held.iter().map(|h| h / GIB).collect::<Vec<_>>()
-    );
-    assert_eq!(held[9], held[0], "no growth after cycle 1");
-    assert_eq!(pool.stats(0).unwrap().pinned_bytes, capacity / 2);
     // The naive flow: one export per allocation, never ended (it cannot be), then free.
     let naive = SimBackend::new(sim).unwrap();
     let mut naive_held = Vec::new();
@@ -518,6 +492,54 @@ fn legacy_pin_arenas_are_recycled_while_naive_export_per_allocation_grows() {
     );
     assert!(naive_held[1] > naive_held[0], "naive grows every cycle");
     assert_eq!(oom_at, Some(3), "and runs out of memory in cycle 3");
+}
+
+/// 10 cycles of "KV cache of half the capacity, share it, free it, empty_cache" on a device
+/// whose exports pin (`sim`): the pinned arenas are recycled, so what the device holds stops
+/// growing after the first cycle. In growing arenas when `grow`, else fixed 1 GiB ones.
+fn pinned_arenas_are_recycled(sim: &SimConfig, grow: bool) {
+    let capacity = sim.capacity;
+    let backend = Arc::new(SimBackend::new(sim.clone()).unwrap());
+    let config = PoolConfig {
+        arena_size: GIB,
+        validate: true,
+        grow_arenas: grow,
+        ..PoolConfig::default()
+    };
+    let pool = Arc::new(Pool::new(backend.clone(), config).unwrap());
+    let broker = Broker::start(pool.clone(), BrokerConfig::default()).unwrap();
+    assert_eq!(
+        pool.export_semantics(0).unwrap(),
+        ExportKind::Pinning,
+        "the self-test detects pinning"
+    );
+    let mut held = Vec::new();
+    for _cycle in 0..10 {
+        let blocks: Vec<_> = (0..(capacity / 2 / (256 * MIB)))
+            .map(|_| pool.alloc(0, 256 * MIB, S).unwrap())
+            .collect();
+        let hs: Vec<_> = blocks
+            .iter()
+            .map(|b| broker.share(b.ptr, b.bytes).unwrap())
+            .collect();
+        for h in &hs {
+            broker.unshare(h).unwrap();
+        }
+        for b in &blocks {
+            pool.free(b.ptr).unwrap();
+        }
+        pool.empty_cache(None).unwrap();
+        held.push(backend.ledger(0).held_bytes);
+    }
+    eprintln!(
+        "gpu-arena (grow_arenas={grow}) held per cycle (GiB): {:?}",
+        held.iter().map(|h| h / GIB).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        held[9], held[0],
+        "no growth after cycle 1 (grow_arenas={grow})"
+    );
+    assert_eq!(pool.stats(0).unwrap().pinned_bytes, capacity / 2);
 }
 
 /// A "producer" socket that accepts connections and never answers (a hung producer).
