@@ -2,7 +2,8 @@
 # Run one cargo-fuzz (libFuzzer) target for a time budget.
 #   scripts/fuzz.sh TARGET SECONDS [extra libFuzzer args...]
 # TARGET: range_ops | c_api_ops | share_handle | transfer_wire (fuzz/fuzz_targets/). CI runs each for 60 s,
-# and c_api_ops once more with GPU_ARENA_FUZZ_GROW=1 (arenas that grow).
+# c_api_ops on fixed arenas (grow_arenas=0), and once more with GPU_ARENA_FUZZ_GROW=1 (arenas
+# that grow, the default).
 # Needs cargo-fuzz (`cargo install cargo-fuzz --locked`) and a C++ compiler (libfuzzer-sys
 # builds libFuzzer). The toolchain here is stable Rust: cargo-fuzz passes nightly-only flags
 # (-Z...), so RUSTC_BOOTSTRAP=1 is set for this build only. No sanitizer (-s none: the code

@@ -19,8 +19,9 @@ use gpu_arena_capi::*;
 use libfuzzer_sys::fuzz_target;
 
 const DEVICES: c_int = 2;
-const CONF: &CStr = c"backend=sim,sim_devices=2,sim_capacity=64MiB,arena_size=4MiB";
-/// With `GPU_ARENA_FUZZ_GROW=1`: the same with arenas that grow (growth, chunked exports,
+/// Fixed 4 MiB arenas.
+const CONF: &CStr = c"backend=sim,sim_devices=2,sim_capacity=64MiB,arena_size=4MiB,grow_arenas=0";
+/// With `GPU_ARENA_FUZZ_GROW=1`: arenas that grow, the default (growth, chunked exports,
 /// `empty_cache`'s shrink and `trim`'s split of grown arenas under the same calls).
 const CONF_GROW: &CStr =
     c"backend=sim,sim_devices=2,sim_capacity=64MiB,arena_size=4MiB,grow_arenas=1";
