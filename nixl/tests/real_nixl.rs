@@ -34,7 +34,17 @@ fn every_arena_is_registered_with_a_real_nixl_agent_and_deregistered_before_it_g
         eprintln!("NIXL is not installed here: not run (CI runs it)");
         return;
     }
-    let agent = nixl_sys::Agent::new("gpu-arena-registrar-test").unwrap();
+    // Fixed 8 MiB arenas, then growing ones (the default: an observed growing class makes
+    // new arenas of doubling sizes instead of growing one in place).
+    for grow in [false, true] {
+        registers_every_arena(grow);
+    }
+}
+
+/// Blocks of 2 MiB and one of 20 MiB under a registrar over a real NIXL agent: one
+/// registration per arena, each arena deregistered before it goes.
+fn registers_every_arena(grow: bool) {
+    let agent = nixl_sys::Agent::new(&format!("gpu-arena-registrar-test-{grow}")).unwrap();
     let plugins = agent.get_available_plugins().unwrap();
     let names: Vec<String> = (0..plugins.len().unwrap())
         .map(|i| plugins.get(i).unwrap().to_string())
@@ -46,6 +56,7 @@ fn every_arena_is_registered_with_a_real_nixl_agent_and_deregistered_before_it_g
     let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
     let config = PoolConfig {
         arena_size: 8 * MIB,
+        grow_arenas: grow,
         ..PoolConfig::default()
     };
     let pool = Pool::new(sim, config).unwrap();
@@ -53,19 +64,25 @@ fn every_arena_is_registered_with_a_real_nixl_agent_and_deregistered_before_it_g
         agent, "sim",
     )));
     let id = pool.observe_arenas(reg.clone());
+    let arenas = || pool.stats(0).unwrap().arenas as usize;
     let blocks: Vec<_> = (0..4).map(|_| pool.alloc(0, 2 * MIB, S).unwrap()).collect();
     assert_eq!(
         reg.registered().len(),
-        1,
-        "4 blocks, one arena, one NIXL registration"
+        arenas(),
+        "one NIXL registration per arena"
     );
+    if !grow {
+        assert_eq!(arenas(), 1, "4 blocks, one 8 MiB arena");
+    }
     let big = pool.alloc(0, 20 * MIB, S).unwrap();
-    assert_eq!(reg.registered().len(), 2);
+    let with_big = arenas();
+    assert_eq!(reg.registered().len(), with_big);
     pool.free(big.ptr).unwrap();
     pool.empty_cache(None).unwrap();
+    assert!(arenas() < with_big, "the 20 MiB block's arena went");
     assert_eq!(
         reg.registered().len(),
-        1,
+        arenas(),
         "deregistered before the arena went"
     );
     for b in blocks {
