@@ -29,9 +29,10 @@ pub struct PoolStats {
     pub peak_allocated_bytes: u64,
     /// Arenas held.
     pub arenas: u64,
-    /// Arenas created through the backend, ever.
+    /// Driver allocations created through the backend, ever: arenas and a grown arena's
+    /// chunks (a sleep's release and a wake's restore are not counted).
     pub backend_creates: u64,
-    /// Arenas handed back to the backend, ever.
+    /// Driver allocations handed back to the backend, ever: arenas and a grown arena's chunks.
     pub backend_destroys: u64,
     /// Arenas exported right now.
     pub exports_live: u64,

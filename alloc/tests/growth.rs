@@ -90,6 +90,11 @@ fn contents_survive_growth_and_the_tail_joins_the_new_chunk() {
     pool.free(c.ptr).unwrap();
     pool.empty_cache(None).unwrap();
     assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+    // The counters count driver allocations: every chunk created was handed back.
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.arenas, 0);
+    assert!(s.arena_growths >= 2, "{s:?}");
+    assert_eq!(s.backend_creates, s.backend_destroys, "{s:?}");
 }
 
 /// The recorded PyTorch training loop (medium: d=2048, 12 layers, AdamW, bf16; recorded

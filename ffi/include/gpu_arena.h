@@ -155,11 +155,12 @@ typedef struct gpu_arena_stats_t {
      */
     uint64_t arenas;
     /**
-     * Arenas created through the backend, ever.
+     * Driver allocations created through the backend, ever: arenas and a grown arena's
+     * chunks (a sleep's release and a wake's restore are not counted).
      */
     uint64_t backend_creates;
     /**
-     * Arenas handed back to the backend, ever.
+     * Driver allocations handed back to the backend, ever: arenas and a grown arena's chunks.
      */
     uint64_t backend_destroys;
     /**

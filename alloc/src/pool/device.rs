@@ -630,7 +630,8 @@ impl DeviceState {
             self.arena_at.remove(base..base + a.mem.bytes);
             self.stats.reserved_bytes -= a.mem.bytes;
             self.stats.arenas -= 1;
-            self.stats.backend_destroys += 1;
+            // Driver allocations, as `backend_creates` counts them: a grown arena's chunks.
+            self.stats.backend_destroys += u64::from(a.chunks);
             if self.history.recording {
                 self.history
                     .record(Action::SegmentFree, base, a.mem.bytes, 0, 0);

@@ -449,7 +449,10 @@ impl Pool {
         let mut first_err = None;
         for mem in doomed {
             let bytes = mem.bytes;
-            dp.metrics.destroys.increment(1);
+            // Driver allocations (the stats' `backend_destroys`): a grown arena's chunks.
+            dp.metrics
+                .destroys
+                .increment(self.backend.chunk_spans(&mem).len() as u64);
             match self.backend.destroy_arena(mem.clone()) {
                 Ok(()) => released += bytes,
                 Err(e) => {

@@ -335,7 +335,7 @@ impl DeviceState {
         s.reserved_bytes -= bytes - kept;
         s.arenas += out.len() as u64 - 1;
         let (creates, destroys) = match made {
-            Made::NewMemory => (out.len() as u64, 1),
+            Made::NewMemory => (out.len() as u64, u64::from(old.chunks)),
             Made::ChunksKept { dropped } => (0, dropped),
         };
         s.backend_creates += creates;
