@@ -3,11 +3,12 @@
 //!
 //! gpu-arena carves arenas from the driver (VMM: `cuMemCreate` + map; by default each grows
 //! chunk by chunk with the work under one reserved address range, `grow_arenas=0` for fixed
-//! 1 GiB ones) and sub-allocates them, stream-ordered, with per-thread caches. It exports an arena at most
-//! once, on its first share, hands out 128-byte share handles for sub-ranges that any process
-//! can import, and frees the arena when the last share and the last consumer are done (a
-//! consumer that dies drops its leases with its socket). The same pool serves PyTorch
-//! (`libgpu_arena.so` and the `gpu_arena` Python package), C, and Rust through this crate.
+//! 1 GiB ones) and sub-allocates them, stream-ordered, with per-thread caches. It exports an
+//! arena at most once, on its first share, hands out 128-byte share handles for sub-ranges
+//! that any process can import, and frees the arena when the last share and the last
+//! consumer are done (a consumer that dies drops its leases with its socket). The same pool
+//! serves PyTorch (`libgpu_arena.so` and the `gpu_arena` Python package), C, and Rust through
+//! this crate.
 //!
 //! # Main types
 //!
