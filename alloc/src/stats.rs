@@ -29,10 +29,11 @@ pub struct PoolStats {
     pub peak_allocated_bytes: u64,
     /// Arenas held.
     pub arenas: u64,
-    /// Driver allocations created through the backend, ever: arenas and a grown arena's
-    /// chunks (a sleep's release and a wake's restore are not counted).
+    /// Driver allocations created through the backend, ever: arenas, a grown arena's chunks,
+    /// a wake's restored memory.
     pub backend_creates: u64,
-    /// Driver allocations handed back to the backend, ever: arenas and a grown arena's chunks.
+    /// Driver allocations handed back to the backend, ever: arenas, a grown arena's chunks, a
+    /// sleep's released memory.
     pub backend_destroys: u64,
     /// Arenas exported right now.
     pub exports_live: u64,

@@ -211,6 +211,9 @@ fn a_grown_arena_sleeps_and_wakes_with_its_contents() {
     pool.empty_cache(None).unwrap();
     pool.release_host_buffers(None).unwrap();
     assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+    // Driver allocations: the chunks the sleep gave back, the one the wake made.
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.backend_creates, s.backend_destroys, "{s:?}");
 }
 
 /// The child role: import the handle given on stdin, check the bytes across the chunks,

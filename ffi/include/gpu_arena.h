@@ -155,12 +155,13 @@ typedef struct gpu_arena_stats_t {
      */
     uint64_t arenas;
     /**
-     * Driver allocations created through the backend, ever: arenas and a grown arena's
-     * chunks (a sleep's release and a wake's restore are not counted).
+     * Driver allocations created through the backend, ever: arenas, a grown arena's chunks,
+     * a wake's restored memory.
      */
     uint64_t backend_creates;
     /**
-     * Driver allocations handed back to the backend, ever: arenas and a grown arena's chunks.
+     * Driver allocations handed back to the backend, ever: arenas, a grown arena's chunks, a
+     * sleep's released memory.
      */
     uint64_t backend_destroys;
     /**

@@ -285,11 +285,17 @@ impl Pool {
             let mut st = dp.state.lock();
             match released {
                 Ok(kept) => {
+                    // Its driver allocations went back (a wake makes one): counted as
+                    // `backend_destroys`, as a destroy counts them.
+                    let mut released_chunks = 0;
                     if let Some(a) = st.arenas.get_mut(k) {
                         a.sleep = Some(Asleep { offload: kept });
+                        released_chunks = u64::from(std::mem::take(&mut a.chunks));
                     } else if let Some(o) = kept {
                         st.keep_host_buffer(o.buf);
                     }
+                    st.stats.backend_destroys += released_chunks;
+                    dp.metrics.destroys.increment(released_chunks);
                     report.arena_bytes += mem.bytes;
                     report.copied_bytes += live;
                     report.arenas += 1;

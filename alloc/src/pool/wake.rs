@@ -152,6 +152,9 @@ impl Pool {
                 a.chunks = 1;
                 a.sleep.take().and_then(|s| s.offload)
             });
+            // One driver allocation made (the sleep counted the ones it gave back).
+            st.stats.backend_creates += 1;
+            dp.metrics.creates.increment(1);
             st.stats.reserved_bytes += new.bytes;
             st.stats.peak_reserved_bytes =
                 st.stats.peak_reserved_bytes.max(st.stats.reserved_bytes);
@@ -171,10 +174,15 @@ impl Pool {
             let dp = plan[d].0;
             match self.backend.release_physical(&new) {
                 Ok(()) => {
-                    if let Some(a) = dp.state.lock().arenas.get_mut(k) {
+                    let mut st = dp.state.lock();
+                    if let Some(a) = st.arenas.get_mut(k) {
                         a.mem = new.clone();
-                        a.chunks = 1;
                     }
+                    // Made and given back again: asleep, it holds no driver allocation.
+                    st.stats.backend_creates += 1;
+                    st.stats.backend_destroys += 1;
+                    dp.metrics.creates.increment(1);
+                    dp.metrics.destroys.increment(1);
                     undone += new.bytes;
                 }
                 Err(e) => {
