@@ -48,8 +48,8 @@ gpu_arena_allocated_bytes | gauge | allocated_bytes | Bytes in live allocations 
 gpu_arena_peak_reserved_bytes | gauge | peak_reserved_bytes | Highest reserved bytes seen.
 gpu_arena_peak_allocated_bytes | gauge | peak_allocated_bytes | Highest allocated bytes seen.
 gpu_arena_arenas | gauge | arenas | Arenas held.
-gpu_arena_backend_creates_total | counter | backend_creates | Driver allocations created through the backend (arenas, a grown arena's chunks).
-gpu_arena_backend_destroys_total | counter | backend_destroys | Driver allocations handed back to the backend (arenas, a grown arena's chunks).
+gpu_arena_backend_creates_total | counter | backend_creates | Driver allocations created through the backend (arenas, a grown arena's chunks, a wake's memory).
+gpu_arena_backend_destroys_total | counter | backend_destroys | Driver allocations handed back to the backend (arenas, a grown arena's chunks, a sleep's memory).
 gpu_arena_exports_live | gauge | exports_live | Arenas exported right now.
 gpu_arena_exports_total | counter | exports_total | Driver exports made.
 gpu_arena_shares_live | gauge | shares_live | Shares handed out and not yet unshared.
