@@ -3,8 +3,9 @@
 //!
 //! A transfer of an allocation or a share is then described by (the arena's registration,
 //! offset, length) ([`ArenaRegistrar::descriptor`], [`ArenaRegistrar::share_descriptor`]):
-//! one registration per arena (a few per device at the default 1 GiB arena size), none per
-//! allocation, and nothing registered outlives the memory (the ROCm IPC pin of a KV cache
+//! one registration per arena (an observed class of the default growing arenas makes arenas
+//! of doubling sizes up to 1 GiB: about a dozen for the first 2 GiB, then one per GiB; fixed
+//! arenas: one per `arena_size`), none per allocation, and nothing registered outlives the memory (the ROCm IPC pin of a KV cache
 //! registered with UCX, which then cannot be released, is what this prevents).
 //!
 //! ```ignore

@@ -18,8 +18,9 @@ observers (:func:`gpu_arena.observe_arenas`)::
     reg.detach()                                 # deregisters every arena
     del kv; gpu_arena.torch.empty_cache()        # the memory goes back to the driver
 
-- One registration per arena (a few per device at the default 1 GiB arena size), none per
-  tensor; ``registrations`` counts them. An arena that ``empty_cache``, a share's end, sleep
+- One registration per arena (an observed class of the default growing arenas makes arenas of
+  doubling sizes up to 1 GiB: about a dozen for the first 2 GiB, then one per GiB; fixed arenas:
+  one per ``arena_size``), none per tensor; ``registrations`` counts them. An arena that ``empty_cache``, a share's end, sleep
   or the OOM retry releases is deregistered first, while it is still mapped.
 - Memory type: ``VRAM`` on the cuda and hip backends, ``DRAM`` on the sim backend (host
   memory: NIXL's UCX backend moves it between processes like any host buffer).
