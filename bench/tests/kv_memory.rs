@@ -4,9 +4,9 @@
 //! (bench/results/), for fixed 1 GiB arenas (the default before growing arenas) and for
 //! 256 MiB ones. (Before the exact-size cache gave its large blocks back first, the second
 //! replay grew an 18th 1 GiB arena: 1.117; caching no large block at all made 256 MiB
-//! arenas 1.257. Since small blocks have arenas of their own, the first replay with 256 MiB arenas peaks lower
-//! (16,918 MiB), the second 17,174 MiB, and the third and fourth reach the 17,430 MiB of
-//! 1 GiB arenas: bench/results/sim-2026-11-30-small-survivors.md.)
+//! arenas 1.257. Since small blocks have arenas of their own, the first replay with 256 MiB
+//! arenas peaks lower (16,918 MiB), the second 17,174 MiB, and the third and fourth reach
+//! the 17,430 MiB of 1 GiB arenas: bench/results/sim-2026-11-30-small-survivors.md.)
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
