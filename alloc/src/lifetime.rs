@@ -38,6 +38,10 @@
 //! | `Private`, refs = 0, not pinned | [`destroyable`](ArenaLifetime::destroyable) | with no allocation left, the arena may go back to the driver | (gone) |
 //! | pinned | `destroyable` is false | recycled: its ranges serve later allocations | pinned |
 //!
+//! While `Exporting` or `Exported` ([`export_begun`](ArenaLifetime::export_begun)) the
+//! arena's memory stays as it is: it does not grow and `empty_cache` cuts none of its chunks
+//! (an export covers every chunk the arena had when it began).
+//!
 //! Rules that follow: an arena is exported at most once at a time (a second `begin_export`
 //! waits, a second `finish_export` is refused); its export is closed only when no share or
 //! lease holds it, and before it may be destroyed; a pinned arena is never destroyed; a
@@ -250,6 +254,12 @@ impl<E> ArenaLifetime<E> {
             ExportState::Exporting => "exporting",
             ExportState::Exported(_) => "exported",
         }
+    }
+
+    /// Whether an export exists or is being made (with the lock released): the arena must
+    /// keep its memory as it is, since an export covers every chunk it had when it began.
+    pub fn export_begun(&self) -> bool {
+        !matches!(self.state, ExportState::Private)
     }
 
     /// The current export, if any.
@@ -546,8 +556,14 @@ mod tests {
         let mut lt = ArenaLifetime::<u8>::new();
         let mut a = AllocHold::default();
         lt.take_ref(&mut a).unwrap();
+        assert!(!lt.export_begun());
         assert_eq!(lt.begin_export(), Ok(ExportStep::Export));
+        assert!(
+            lt.export_begun() && lt.export().is_none(),
+            "exporting, lock released"
+        );
         lt.export_failed().unwrap();
+        assert!(!lt.export_begun());
         assert_eq!(lt.export_failed(), Err(LifetimeError::NotExporting));
         assert_eq!(lt.new_share(), Err(LifetimeError::NotExported));
         assert_eq!(lt.begin_export(), Ok(ExportStep::Export));

@@ -130,7 +130,7 @@ impl Pool {
             st.growing.remove(&t);
             return Ok(None);
         };
-        if a.sleep.is_some() || a.lifetime.export().is_some() || a.lifetime.pinned() {
+        if a.sleep.is_some() || a.lifetime.export_begun() || a.lifetime.pinned() {
             return Ok(None);
         }
         if usize::from(a.chunks) >= MAX_ARENA_CHUNKS {
@@ -313,10 +313,7 @@ fn grown_arenas_to_cut(st: &DeviceState) -> Vec<(usize, ArenaMem, usize)> {
     st.arenas
         .iter()
         .filter(|(_, a)| {
-            a.chunks > 1
-                && a.sleep.is_none()
-                && a.lifetime.export().is_none()
-                && !a.lifetime.pinned()
+            a.chunks > 1 && a.sleep.is_none() && !a.lifetime.export_begun() && !a.lifetime.pinned()
         })
         .map(|(k, a)| (k, a.mem.clone(), a.class().index()))
         .collect()
