@@ -4,12 +4,13 @@
 //! field.
 #![allow(clippy::unwrap_used)]
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use gpu_arena::backend::sim::{SimBackend, SimConfig};
-use gpu_arena::{Pool, PoolConfig, PoolStats};
+use gpu_arena::backend::sim::{SimBackend, SimCall, SimConfig};
+use gpu_arena::{Pool, PoolConfig, PoolStats, StreamId};
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 
 /// A row of the table: (name, type, field, rust).
@@ -109,4 +110,71 @@ fn every_row_is_a_pool_stats_field_and_every_field_a_row() {
     for (name, kind, _, _) in &rows {
         assert_eq!(name.ends_with("_total"), kind == "counter", "{name}");
     }
+}
+
+/// Keeps every counter's value, by name.
+#[derive(Default)]
+struct Counts(Mutex<BTreeMap<String, Arc<AtomicU64>>>);
+
+impl Counts {
+    fn get(&self, name: &str) -> u64 {
+        self.0.lock().unwrap()[name].load(Ordering::Relaxed)
+    }
+}
+
+impl Recorder for Counts {
+    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+        let mut map = self.0.lock().unwrap();
+        let c = map.entry(key.name().to_string()).or_default();
+        Counter::from_arc(Arc::clone(c))
+    }
+    fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+        Gauge::noop()
+    }
+    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+        Histogram::noop()
+    }
+}
+
+/// The create and destroy counters have one source: the metrics say what the stats say,
+/// for a grown arena (its chunks are driver allocations) whose destroy failed once and was
+/// retried by the next `empty_cache` (counted once, when the pool gave the arena up).
+#[test]
+fn driver_allocation_counters_agree_with_the_stats_across_a_failed_destroy() {
+    const MIB: u64 = 1 << 20;
+    let counts = Counts::default();
+    let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+    let pool = metrics::with_local_recorder(&counts, || {
+        Pool::new(sim.clone(), PoolConfig::default()).unwrap()
+    });
+    // Three requests of 20 MiB: one growing arena of three chunks.
+    let blocks: Vec<_> = (0..3)
+        .map(|_| pool.alloc(0, 20 * MIB, StreamId(1)).unwrap())
+        .collect();
+    for b in &blocks {
+        pool.free(b.ptr).unwrap();
+    }
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.arenas, s.arena_growths, s.backend_creates),
+        (1, 2, 3),
+        "{s:?}"
+    );
+    sim.fail_nth(SimCall::DestroyArena, 1);
+    assert!(pool.empty_cache(None).is_err());
+    pool.empty_cache(None).unwrap();
+    assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.backend_creates, s.backend_destroys), (3, 3), "{s:?}");
+    assert_eq!(
+        counts.get("gpu_arena_backend_creates_total"),
+        s.backend_creates
+    );
+    assert_eq!(
+        counts.get("gpu_arena_backend_destroys_total"),
+        s.backend_destroys
+    );
 }

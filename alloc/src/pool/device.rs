@@ -605,8 +605,14 @@ impl DeviceState {
 
     /// Take every arena that can go back to the backend: no allocation, no share, no
     /// export, not pinned, and not `busy` (by base: an observer's `on_ready` of it runs).
-    /// Called after `settle_all`.
-    pub(super) fn take_empty_arenas(&mut self, busy: impl Fn(u64) -> bool) -> Vec<ArenaMem> {
+    /// Called after `settle_all`. Counted here, in the stats and the metrics alike, as
+    /// `backend_destroys` (a grown arena's chunks): a destroy that fails is retried from the
+    /// orphans without being counted again.
+    pub(super) fn take_empty_arenas(
+        &mut self,
+        busy: impl Fn(u64) -> bool,
+        metrics: &DeviceMetrics,
+    ) -> Vec<ArenaMem> {
         let keys: Vec<usize> = self
             .arenas
             .iter()
@@ -632,6 +638,7 @@ impl DeviceState {
             self.stats.arenas -= 1;
             // Driver allocations, as `backend_creates` counts them: a grown arena's chunks.
             self.stats.backend_destroys += u64::from(a.chunks);
+            metrics.destroys.increment(u64::from(a.chunks));
             if self.history.recording {
                 self.history
                     .record(Action::SegmentFree, base, a.mem.bytes, 0, 0);

@@ -449,10 +449,7 @@ impl Pool {
         let mut first_err = None;
         for mem in doomed {
             let bytes = mem.bytes;
-            // Driver allocations (the stats' `backend_destroys`): a grown arena's chunks.
-            dp.metrics
-                .destroys
-                .increment(self.backend.chunk_spans(&mem).len() as u64);
+            // (Counted as `backend_destroys` when taken: `DeviceState::take_empty_arenas`.)
             match self.backend.destroy_arena(mem.clone()) {
                 Ok(()) => released += bytes,
                 Err(e) => {

@@ -642,7 +642,8 @@ impl Pool {
         st: &mut DeviceState,
     ) -> (Vec<ArenaMem>, Vec<Call>) {
         let mut reg = self.observers.reg.lock();
-        let taken = st.take_empty_arenas(|base| Observers::busy(&reg, (dp.device, base)));
+        let taken =
+            st.take_empty_arenas(|base| Observers::busy(&reg, (dp.device, base)), &dp.metrics);
         let calls = taken
             .iter()
             .flat_map(|m| Observers::claim_release_in(&mut reg, (dp.device, m.base), 0))
