@@ -4,6 +4,9 @@ Measures, on one GPU, for SIZE GiB: cuMemHostAlloc; mmap + cuMemHostRegister in 
 the same split over 1..N threads (each a chunk, the context current in each); with the pages
 touched first (MAP_POPULATE); the pinned device-to-host copy; a copy into pageable memory;
 and a pipeline where threads pin chunks ahead while the copy runs into the pinned ones.
+`--only-driver`: the driver's own pinned memory made from several threads at once
+(cuMemHostAlloc of --chunk-mib chunks; cuMemCreate of host-located memory, mapped), each
+followed by a copy into it.
 
 Usage (GPU machine): python3 bench/gpu/pin_probe.py [--gib 16] [--threads 1,4,8,16]
 Prints one JSON line; libcuda only (ctypes), no torch.
@@ -160,6 +163,7 @@ def main():
     ap.add_argument("--workers", default="", help="pin-ahead emulation: worker counts, e.g. 1,2,4")
     ap.add_argument("--fault-threads", default="16", help="pin-ahead emulation: faulting threads per buffer")
     ap.add_argument("--buf-gib", type=float, default=1.0)
+    ap.add_argument("--only-driver", action="store_true", help="only the driver's pinned memory from threads")
     a = ap.parse_args()
     size = int(a.gib * GIB)
     res = {"gib": a.gib, "cpus": os.cpu_count()}
@@ -167,6 +171,9 @@ def main():
     ck(cu.cuMemAlloc_v2(ctypes.byref(d), ctypes.c_size_t(size)), "cuMemAlloc")
     ck(cu.cuMemsetD8_v2(d, 7, ctypes.c_size_t(size)), "memset")
     cu.cuCtxSynchronize()
+    if a.only_driver:
+        driver_modes(a, res, size, d)
+        return finish(res, size)
     if a.only_ahead:
         ahead(a, res, size, d)
         # The copy it serves, same run: into memory pinned beforehand.
@@ -271,10 +278,132 @@ def rest(a, res, size, d):
     if a.workers:
         ahead(a, res, size, d)
     cu.cuMemFree_v2(d)
+    finish(res, size)
+
+
+def finish(res, size):
     for k in list(res):
         if k.endswith("_s") and res[k]:
             res[k.replace("_s", "_gbps")] = round(size / res[k] / 1e9, 1)
     print(json.dumps(res))
+
+
+class Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class AllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class AllocProp(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", Location),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", AllocFlags)]
+
+
+class AccessDesc(ctypes.Structure):
+    _fields_ = [("location", Location), ("flags", ctypes.c_int)]
+
+
+def parallel(n, count, fn):
+    """Run fn(i) for i in 0..count on n threads (the context current in each); seconds."""
+    nxt = [0]
+    lock = threading.Lock()
+    errs = []
+
+    def one():
+        current()
+        while True:
+            with lock:
+                i = nxt[0]
+                nxt[0] += 1
+            if i >= count:
+                return
+            try:
+                fn(i)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errs.append(repr(e))
+    ts = [threading.Thread(target=one) for _ in range(n)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errs:
+        raise RuntimeError(errs[0])
+    return time.perf_counter() - t0
+
+
+def driver_modes(a, res, size, d):
+    chunk = a.chunk_mib << 20
+    count = size // chunk
+    threads = [int(x) for x in a.threads.split(",")]
+    # cuMemHostAlloc, chunk by chunk from n threads.
+    for n in threads:
+        ptrs = [0] * count
+
+        def alloc(i):
+            h = ctypes.c_void_p()
+            ck(cu.cuMemHostAlloc(ctypes.byref(h), ctypes.c_size_t(chunk), PORTABLE), "cuMemHostAlloc")
+            ptrs[i] = h.value
+        res[f"hostalloc_{n}t_s"] = round(parallel(n, count, alloc), 3)
+        t0 = time.perf_counter()
+        for i, p in enumerate(ptrs):
+            ck(cu.cuMemcpyDtoH_v2(ctypes.c_void_p(p), u64(d.value + i * chunk), ctypes.c_size_t(chunk)), "DtoH")
+        res[f"hostalloc_{n}t_copy_s"] = round(time.perf_counter() - t0, 3)
+        for p in ptrs:
+            cu.cuMemFreeHost(ctypes.c_void_p(p))
+    # cuMemCreate of host-located memory (CU_MEM_LOCATION_TYPE_HOST_NUMA, node 0), mapped and
+    # made accessible to the device, chunk by chunk from n threads.
+    prop = AllocProp()
+    prop.type = 1  # PINNED
+    prop.location = Location(3, 0)  # HOST_NUMA, node 0
+    gran = ctypes.c_size_t()
+    r = cu.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(prop), 0)
+    res["host_numa_granularity"] = gran.value if r == 0 else f"CUresult {r}"
+    if r != 0:
+        return
+    va = u64()
+    ck(cu.cuMemAddressReserve(ctypes.byref(va), ctypes.c_size_t(size), ctypes.c_size_t(0), u64(0), u64(0)), "reserve")
+    for n in threads:
+        handles = [0] * count
+
+        def create(i):
+            h = u64()
+            ck(cu.cuMemCreate(ctypes.byref(h), ctypes.c_size_t(chunk), ctypes.byref(prop), u64(0)), "cuMemCreate host")
+            handles[i] = h.value
+            ck(cu.cuMemMap(u64(va.value + i * chunk), ctypes.c_size_t(chunk), ctypes.c_size_t(0), u64(h.value), u64(0)), "map")
+            acc = AccessDesc(Location(1, 0), 3)  # the device, read-write (the copy engine's side)
+            ck(cu.cuMemSetAccess(u64(va.value + i * chunk), ctypes.c_size_t(chunk), ctypes.byref(acc), ctypes.c_size_t(1)), "access")
+        try:
+            res[f"host_numa_{n}t_s"] = round(parallel(n, count, create), 3)
+        except RuntimeError as e:
+            res[f"host_numa_{n}t_error"] = str(e)
+            for i, h in enumerate(handles):
+                if h:
+                    cu.cuMemUnmap(u64(va.value + i * chunk), ctypes.c_size_t(chunk))
+                    cu.cuMemRelease(u64(h))
+            break
+        t0 = time.perf_counter()
+        ck(cu.cuMemcpy(u64(va.value), u64(d.value), ctypes.c_size_t(size)), "copy into host numa")
+        res[f"host_numa_{n}t_copy_s"] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
+        for i, h in enumerate(handles):
+            cu.cuMemUnmap(u64(va.value + i * chunk), ctypes.c_size_t(chunk))
+            cu.cuMemRelease(u64(h))
+        res[f"host_numa_{n}t_free_s"] = round(time.perf_counter() - t0, 3)
+    cu.cuMemAddressFree(va, ctypes.c_size_t(size))
+    # The copy they serve, same run: into huge pages faulted and pinned beforehand.
+    p = anon(size)
+    libc.madvise(ctypes.c_void_p(p), ctypes.c_size_t(size), 14)
+    touch(p, size, 16)
+    reg, _ = register(p, size, 1)
+    res["huge_16t_register_s"] = round(reg, 3)
+    dtoh(p, d.value, size)
+    res["copy_pinned_s"] = round(dtoh(p, d.value, size), 3)
+    cu.cuMemHostUnregister(ctypes.c_void_p(p))
+    libc.munmap(ctypes.c_void_p(p), size)
 
 
 if __name__ == "__main__":
