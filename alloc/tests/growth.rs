@@ -216,6 +216,62 @@ fn a_grown_arena_sleeps_and_wakes_with_its_contents() {
     assert_eq!(s.backend_creates, s.backend_destroys, "{s:?}");
 }
 
+/// A grown arena holding more than one offload piece (`pool/offload.rs`, 1 GiB) sleeps into
+/// several host buffers, made one per piece so that pinning overlaps the copies, wakes with
+/// every byte back (a block split across two pieces included), and its next sleep reuses
+/// them all.
+#[test]
+fn a_grown_arena_offloads_in_pieces_and_reuses_them() {
+    use gpu_arena::pool::OFFLOAD_PIECE;
+    let (sim, pool) = growing_pool();
+    tags::set_current(Some("growth_pieces")).unwrap();
+    let sizes = [600 * MIB, 600 * MIB, 100 * MIB];
+    let blocks: Vec<_> = sizes
+        .iter()
+        .map(|&n| pool.alloc(0, n, S).unwrap())
+        .collect();
+    tags::set_current(None).unwrap();
+    assert_eq!(pool.stats(0).unwrap().arenas, 1, "one grown arena");
+    // Bytes checked (filling 1.3 GiB byte by byte is slow in a debug build): each block's
+    // first and last MiB, and 2 MiB across the first piece's end (inside the second block).
+    let cut = blocks[0].ptr + OFFLOAD_PIECE;
+    assert!(blocks[1].ptr < cut - MIB && cut + MIB <= blocks[1].ptr + sizes[1]);
+    let mut windows = vec![(cut - MIB, 2 * MIB)];
+    for (b, &n) in blocks.iter().zip(&sizes) {
+        windows.extend([(b.ptr, MIB), (b.ptr + n - MIB, MIB)]);
+    }
+    for (i, &(p, n)) in windows.iter().enumerate() {
+        fill(p, n as usize, i as u8 + 1);
+    }
+    let live: u64 = sizes.iter().sum();
+    let idx = tags::index(Some("growth_pieces")).unwrap();
+    let host = |pool: &Pool| pool.stats(0).unwrap().offload_host_bytes;
+    for cycle in 0..2 {
+        let r = pool.sleep(Some(0), &[idx]).unwrap();
+        assert_eq!(r.copied_bytes, live);
+        assert_eq!(sim.ledger(0).held_bytes, 0, "{:?}", sim.ledger(0));
+        assert_eq!(
+            sim.host_buffers(),
+            live.div_ceil(OFFLOAD_PIECE),
+            "cycle {cycle}"
+        );
+        assert_eq!(host(&pool), live, "cycle {cycle}: made once, then reused");
+        pool.wake(Some(0), None).unwrap();
+        for (i, &(p, n)) in windows.iter().enumerate() {
+            let mut want = vec![0u8; n as usize];
+            fill(want.as_mut_ptr() as u64, want.len(), i as u8 + 1);
+            assert!(read(p, want.len()) == want, "cycle {cycle}: window {i}");
+        }
+    }
+    for b in &blocks {
+        pool.free(b.ptr).unwrap();
+    }
+    pool.empty_cache(None).unwrap();
+    pool.release_host_buffers(None).unwrap();
+    assert_eq!(sim.host_buffers(), 0);
+    assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+}
+
 /// The child role: import the handle given on stdin, check the bytes across the chunks,
 /// write a marker into the last chunk, close, and report on its own file.
 #[test]

@@ -114,6 +114,7 @@ pub use observers::{
     ArenaInfo, ArenaObserver, ObserverError, ObserverId, ARENA_EXPORTED, ARENA_PINNED,
     MAX_NESTED_ARENAS,
 };
+pub use offload::OFFLOAD_PIECE;
 pub use share_tables::{LeaseGrant, ShareInfo};
 pub use sleep::SleepReport;
 pub use snapshot::{BlockInfo, SegmentInfo};

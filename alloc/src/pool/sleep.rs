@@ -10,7 +10,8 @@
 //!   ([`SleepReport::kept_shared_bytes`], `PoolStats::sleep_kept_shared_bytes` while the
 //!   tag sleeps) and logged;
 //! - otherwise its observers get `on_release`, the live allocations of a tag in `offload`
-//!   are copied into one host buffer per arena (`Backend::alloc_host`: pinned memory where
+//!   are copied into host buffers of up to 1 GiB each (`pool/offload.rs`'s pieces, made
+//!   ahead of the copies by `pool/pin_ahead.rs`; `Backend::alloc_host`: pinned memory where
 //!   the backend has it, so the copies run at link speed; a buffer kept from an earlier
 //!   sleep when one is large enough, `pool/offload.rs`), one copy per segment (live
 //!   allocations merged across gaps of at most [`super::offload::GAP`]: copying a small gap is cheaper than
@@ -28,7 +29,7 @@
 
 use crate::backend::{ArenaMem, Backend, DeviceId};
 use crate::error::{Error, Result};
-use crate::pool::offload::Offload;
+use crate::pool::offload::{piece_bytes, pieces, Offload};
 use crate::pool::{DevicePool, DeviceState, Pool};
 use crate::tags;
 
@@ -39,16 +40,16 @@ pub(crate) struct Asleep {
 }
 
 impl Asleep {
-    /// Give the host buffer back (pool teardown of a sleeping arena).
+    /// Give the host buffers back (pool teardown of a sleeping arena).
     pub(crate) fn free(self, backend: &dyn Backend) {
-        if let Some(o) = self.offload {
-            backend.free_host(o.buf);
+        for buf in self.offload.into_iter().flat_map(Offload::into_buffers) {
+            backend.free_host(buf);
         }
     }
 
-    /// Bytes of its host buffer, if it has one.
+    /// Bytes of its host buffers, if it has any.
     pub(crate) fn offload_bytes(&self) -> Option<u64> {
-        self.offload.as_ref().map(|o| o.buf.len() as u64)
+        self.offload.as_ref().map(Offload::host_bytes)
     }
 }
 
@@ -262,22 +263,63 @@ impl Pool {
         // Observers first: the arenas are still mapped.
         self.count_failures(self.observers.deliver(calls));
         let mut first_err = None;
-        // Host buffers are made ahead of the copies (pool/pin_ahead.rs), in work's order.
-        let totals: Vec<u64> = work.iter().map(|w| w.2.iter().map(|s| s.1).sum()).collect();
+        // Host buffers are made ahead of the copies (pool/pin_ahead.rs), piece by piece in
+        // work's order (pool/offload.rs: a grown arena's offload is many pieces); an arena
+        // with nothing to copy has one empty entry. Its memory goes back after its last.
+        let mut plan: Vec<(usize, Vec<(u64, u64)>, bool)> = Vec::new();
+        for (w, (_, _, segments, _)) in work.iter().enumerate() {
+            let mut cut = pieces(segments);
+            if cut.is_empty() {
+                cut.push(Vec::new());
+            }
+            let n = cut.len();
+            plan.extend(cut.into_iter().enumerate().map(|(i, c)| (w, c, i + 1 == n)));
+        }
+        let totals: Vec<u64> = plan.iter().map(|(_, c, _)| piece_bytes(c)).collect();
+        let mut plan = plan.into_iter();
         let mut work = work.into_iter();
+        let (mut parts, mut failed) = (Vec::new(), None);
         self.with_host_buffers(dp, &totals, |_, buf| {
-            let Some((k, mem, segments, live)) = work.next() else {
+            let Some((_, piece, last)) = plan.next() else {
                 return;
             };
-            let offloaded = match buf {
-                None => Ok(None),
-                Some(buf) => buf.and_then(|b| self.copy_out(dp, b, segments, live).map(Some)),
+            match (buf, &failed) {
+                (None, _) => {}
+                (Some(Ok(b)), None) => match self.copy_out(dp, b, piece) {
+                    Ok(part) => parts.push(part),
+                    Err(e) => failed = Some(e),
+                },
+                // A piece after a failed one of the same arena: its buffer is kept.
+                (Some(Ok(b)), Some(_)) => dp.state.lock().keep_host_buffer(b),
+                (Some(Err(e)), None) => failed = Some(e),
+                (Some(Err(_)), Some(_)) => {}
+            }
+            if !last {
+                return;
+            }
+            let Some((k, mem, _, live)) = work.next() else {
+                return;
+            };
+            let done = std::mem::take(&mut parts);
+            let offloaded = match failed.take() {
+                Some(e) => {
+                    let mut st = dp.state.lock();
+                    for part in done {
+                        st.keep_host_buffer(part.buf);
+                    }
+                    Err(e)
+                }
+                None if done.is_empty() => Ok(None),
+                None => Ok(Some(Offload { parts: done, live })),
             };
             let released = offloaded.and_then(|kept| match self.backend.release_physical(&mem) {
                 Ok(()) => Ok(kept),
                 Err(e) => {
                     if let Some(o) = kept {
-                        dp.state.lock().keep_host_buffer(o.buf);
+                        let mut st = dp.state.lock();
+                        for buf in o.into_buffers() {
+                            st.keep_host_buffer(buf);
+                        }
                     }
                     Err(e)
                 }
@@ -292,7 +334,9 @@ impl Pool {
                         a.sleep = Some(Asleep { offload: kept });
                         released_chunks = u64::from(std::mem::take(&mut a.chunks));
                     } else if let Some(o) = kept {
-                        st.keep_host_buffer(o.buf);
+                        for buf in o.into_buffers() {
+                            st.keep_host_buffer(buf);
+                        }
                     }
                     st.stats.backend_destroys += released_chunks;
                     dp.metrics.destroys.increment(released_chunks);
