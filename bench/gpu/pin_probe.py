@@ -7,6 +7,9 @@ and a pipeline where threads pin chunks ahead while the copy runs into the pinne
 `--only-driver`: the driver's own pinned memory made from several threads at once
 (cuMemHostAlloc of --chunk-mib chunks; cuMemCreate of host-located memory, mapped), each
 followed by a copy into it.
+`--only-overlap`: whether pinning and copying can run at once: registering fresh faulted
+pieces alone, the copy alone, and both at once with synchronous copies, with asynchronous
+copies (a stream, synchronized per piece), and faulting (no register) beside the copy.
 
 Usage (GPU machine): python3 bench/gpu/pin_probe.py [--gib 16] [--threads 1,4,8,16]
 Prints one JSON line; libcuda only (ctypes), no torch.
@@ -163,6 +166,8 @@ def main():
     ap.add_argument("--workers", default="", help="pin-ahead emulation: worker counts, e.g. 1,2,4")
     ap.add_argument("--fault-threads", default="16", help="pin-ahead emulation: faulting threads per buffer")
     ap.add_argument("--buf-gib", type=float, default=1.0)
+    ap.add_argument("--only-overlap", action="store_true", help="only the pin/copy overlap modes")
+    ap.add_argument("--piece-gib", default="1", help="--only-overlap: piece sizes to register, e.g. 1,4,16")
     ap.add_argument("--only-driver", action="store_true", help="only the driver's pinned memory from threads")
     a = ap.parse_args()
     size = int(a.gib * GIB)
@@ -171,6 +176,9 @@ def main():
     ck(cu.cuMemAlloc_v2(ctypes.byref(d), ctypes.c_size_t(size)), "cuMemAlloc")
     ck(cu.cuMemsetD8_v2(d, 7, ctypes.c_size_t(size)), "memset")
     cu.cuCtxSynchronize()
+    if a.only_overlap:
+        overlap_modes(a, res, size, d)
+        return finish(res, size)
     if a.only_driver:
         driver_modes(a, res, size, d)
         return finish(res, size)
@@ -404,6 +412,87 @@ def driver_modes(a, res, size, d):
     res["copy_pinned_s"] = round(dtoh(p, d.value, size), 3)
     cu.cuMemHostUnregister(ctypes.c_void_p(p))
     libc.munmap(ctypes.c_void_p(p), size)
+
+
+
+def overlap_modes(a, res, size, d):
+    for g in [float(x) for x in a.piece_gib.split(",")]:
+        one_piece_size(res, size, d, int(g * GIB), f"_{g:g}g" if "," in a.piece_gib else "")
+
+
+def one_piece_size(res, size, d, piece, sfx):
+    n = size // piece
+    dst = anon(size)  # the copies' destination, pinned once
+    libc.madvise(ctypes.c_void_p(dst), ctypes.c_size_t(size), 14)
+    touch(dst, size, 16)
+    register(dst, size, 1)
+    stream = ctypes.c_void_p()
+    ck(cu.cuStreamCreate(ctypes.byref(stream), 1), "stream")  # non-blocking
+
+    def fresh(register_too=False):
+        p = anon(size)
+        libc.madvise(ctypes.c_void_p(p), ctypes.c_size_t(size), 14)
+        touch(p, size, 16)
+        return p
+
+    def reg_pieces(p):
+        current()
+        for i in range(n):
+            ck(cu.cuMemHostRegister_v2(ctypes.c_void_p(p + i * piece), ctypes.c_size_t(piece), PORTABLE), "register")
+
+    def drop(p):
+        for i in range(n):
+            cu.cuMemHostUnregister(ctypes.c_void_p(p + i * piece))
+        libc.munmap(ctypes.c_void_p(p), size)
+
+    def copy(asynchronous):
+        for i in range(n):
+            off = i * piece
+            if asynchronous:
+                ck(cu.cuMemcpyDtoHAsync_v2(ctypes.c_void_p(dst + off), u64(d.value + off), ctypes.c_size_t(piece), stream), "DtoHAsync")
+                ck(cu.cuStreamSynchronize(stream), "sync")
+            else:
+                ck(cu.cuMemcpyDtoH_v2(ctypes.c_void_p(dst + off), u64(d.value + off), ctypes.c_size_t(piece)), "DtoH")
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        fn()
+        return round(time.perf_counter() - t0, 3)
+
+    def both(side, asynchronous):
+        th = threading.Thread(target=side)
+        t0 = time.perf_counter()
+        th.start()
+        copy(asynchronous)
+        tc = time.perf_counter() - t0
+        th.join()
+        return round(time.perf_counter() - t0, 3), round(tc, 3)
+
+    copy(False)  # warm
+    res["copy_sync" + sfx + "_s"] = timed(lambda: copy(False))
+    res["copy_async" + sfx + "_s"] = timed(lambda: copy(True))
+    p = fresh()
+    res["register_alone" + sfx + "_s"] = timed(lambda: reg_pieces(p))
+    drop(p)
+    for asynchronous in (False, True):
+        p = fresh()
+        total, tc = both(lambda: reg_pieces(p), asynchronous)
+        k = "async" if asynchronous else "sync"
+        res[f"register_beside_copy_{k}{sfx}_s"], res[f"copy_{k}_beside_register{sfx}_s"] = total, tc
+        drop(p)
+    # Faulting fresh huge pages (16 threads) beside the copy, nothing registered.
+    q = anon(size)
+    libc.madvise(ctypes.c_void_p(q), ctypes.c_size_t(size), 14)
+    t0 = time.perf_counter()
+    touch(q, size, 16)
+    res["fault_alone" + sfx + "_s"] = round(time.perf_counter() - t0, 3)
+    libc.munmap(ctypes.c_void_p(q), size)
+    q = anon(size)
+    libc.madvise(ctypes.c_void_p(q), ctypes.c_size_t(size), 14)
+    res["fault_beside_copy" + sfx + "_s"], res["copy_beside_fault" + sfx + "_s"] = both(lambda: touch(q, size, 16), True)
+    libc.munmap(ctypes.c_void_p(q), size)
+    cu.cuMemHostUnregister(ctypes.c_void_p(dst))
+    libc.munmap(ctypes.c_void_p(dst), size)
 
 
 if __name__ == "__main__":

@@ -38,56 +38,7 @@ use crate::ids::DeviceId;
 /// The backend's name in errors.
 pub(super) const NAME: &str = "cuda";
 
-/// The symbols the wrappers below make cudarc resolve, exactly as cudarc looks them up.
-///
-/// Keep in step with the wrappers: [`load_library`] checks them all before the first call.
-const SYMBOLS: &[&str] = &[
-    "cuGetErrorName",
-    "cuGetErrorString",
-    "cuInit",
-    "cuDriverGetVersion",
-    "cuDeviceGetCount",
-    "cuDeviceGet",
-    "cuDeviceGetAttribute",
-    "cuDeviceCanAccessPeer",
-    "cuDevicePrimaryCtxRetain",
-    "cuDevicePrimaryCtxRelease_v2",
-    "cuCtxPushCurrent_v2",
-    "cuCtxPopCurrent_v2",
-    "cuCtxGetCurrent",
-    "cuCtxSynchronize",
-    "cuMemGetInfo_v2",
-    "cuMemGetAllocationGranularity",
-    "cuMemCreate",
-    "cuMemRelease",
-    "cuMemAddressReserve",
-    "cuMemAddressFree",
-    "cuMemMap",
-    "cuMemUnmap",
-    "cuMemSetAccess",
-    "cuMemExportToShareableHandle",
-    "cuMemImportFromShareableHandle",
-    "cuEventCreate",
-    "cuEventRecord",
-    "cuEventQuery",
-    "cuEventDestroy_v2",
-    "cuMemcpyHtoD_v2",
-    "cuMemcpyDtoH_v2",
-    "cuMemcpyDtoD_v2",
-    "cuMemsetD8_v2",
-    "cuStreamCreate",
-    "cuStreamDestroy_v2",
-    "cuMemcpyDtoDAsync_v2",
-    "cuMemHostAlloc",
-    "cuMemFreeHost",
-    "cuMemHostRegister_v2",
-    "cuMemHostUnregister",
-    "cuMemAlloc_v2",
-    "cuMemFree_v2",
-    "cuIpcGetMemHandle",
-    "cuIpcOpenMemHandle_v2",
-    "cuIpcCloseMemHandle",
-];
+use super::symbols::SYMBOLS;
 
 /// The size of a legacy IPC handle (`CUipcMemHandle`, `CU_IPC_HANDLE_SIZE`).
 const IPC_HANDLE_BYTES: usize = 64;
@@ -354,6 +305,23 @@ fn allocation_prop(
 }
 
 /// A `CUevent` from its integer form.
+/// `CU_STREAM_LEGACY`, the stream the synchronous copies are ordered on.
+const LEGACY: sys::CUstream = 1 as sys::CUstream;
+
+/// The host copies queue on the legacy default stream (ordered as `cuMemcpyDtoH` /
+/// `cuMemcpyHtoD` are) and then wait for it: a synchronous copy held the driver for its whole
+/// length, so that a sleep's pinning of its next host buffer (`cuMemHostRegister`, on a
+/// worker thread) waited for each copy and the two never overlapped (the H200 probe:
+/// register + copy 0.68-0.77 s with synchronous copies, 0.38-0.70 s asynchronous, for a
+/// 0.43 s register and a 0.31 s copy; `bench/results/h200-2026-12-02-pin-overlap.md`).
+fn wait_on_legacy(call: &'static str, queued: sys::CUresult) -> DriverResult<()> {
+    check(call, queued)?;
+    // SAFETY: the legacy default stream of the current context (made current by the caller).
+    check("cuStreamSynchronize", unsafe {
+        sys::cuStreamSynchronize(LEGACY)
+    })
+}
+
 fn event_ptr(raw: u64) -> sys::CUevent {
     raw as usize as sys::CUevent
 }
@@ -705,21 +673,23 @@ impl Driver for CudaDriver {
         })
     }
 
-    /// `cuMemcpyHtoD` (the source may be reused or freed once it returns).
+    /// A copy from the host, done when it returns (the source may be reused or freed then);
+    /// see [`wait_on_legacy`].
     unsafe fn memcpy_htod(&self, dst: u64, src: &[u8]) -> DriverResult<()> {
-        // SAFETY: `src` is valid for reads of src.len() bytes; the caller guarantees the
-        // destination range.
-        check("cuMemcpyHtoD", unsafe {
-            sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len())
-        })
+        // SAFETY: `src` is valid for reads of src.len() bytes until the wait below returns;
+        // the caller guarantees the destination range.
+        let queued =
+            unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), LEGACY) };
+        wait_on_legacy("cuMemcpyHtoDAsync", queued)
     }
 
+    /// A copy to the host, done when it returns; see [`wait_on_legacy`].
     unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> DriverResult<()> {
-        // SAFETY: `dst` is valid for writes of dst.len() bytes and borrowed mutably for the
-        // (synchronous) copy; the caller guarantees the source range.
-        check("cuMemcpyDtoH", unsafe {
-            sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len())
-        })
+        // SAFETY: `dst` is valid for writes of dst.len() bytes and borrowed mutably until the
+        // wait below returns; the caller guarantees the source range.
+        let queued =
+            unsafe { sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src, dst.len(), LEGACY) };
+        wait_on_legacy("cuMemcpyDtoHAsync", queued)
     }
 
     /// `cuMemcpyDtoD` (device to device: no host synchronisation, the caller synchronizes).

@@ -45,6 +45,7 @@
 //! to this path on its own.
 
 mod driver;
+mod symbols;
 
 use crate::backend::vmm::VmmBackend;
 #[cfg(doc)]
