@@ -71,6 +71,10 @@ pub struct SleepReport {
 /// and the live bytes in them.
 type SleepWork = (usize, ArenaMem, Vec<(u64, u64)>, u64);
 
+/// One piece of a sleep's offload: the index of its arena in the work, its segments, and
+/// whether it is the arena's last piece.
+type PlannedPiece = (usize, Vec<(u64, u64)>, bool);
+
 impl DeviceState {
     /// Refuse an allocation of `bytes` with tag `tag` while that tag sleeps.
     #[inline]
@@ -266,7 +270,7 @@ impl Pool {
         // Host buffers are made ahead of the copies (pool/pin_ahead.rs), piece by piece in
         // work's order (pool/offload.rs: a grown arena's offload is many pieces); an arena
         // with nothing to copy has one empty entry. Its memory goes back after its last.
-        let mut plan: Vec<(usize, Vec<(u64, u64)>, bool)> = Vec::new();
+        let mut plan: Vec<PlannedPiece> = Vec::new();
         for (w, (_, _, segments, _)) in work.iter().enumerate() {
             let mut cut = pieces(segments);
             if cut.is_empty() {
