@@ -10,7 +10,7 @@ use std::io::{BufRead, Write};
 use std::process::Command;
 use std::sync::Arc;
 
-use gpu_arena::backend::sim::{SimBackend, SimConfig};
+use gpu_arena::backend::sim::{SimBackend, SimCall, SimConfig};
 use gpu_arena::ipc::{Broker, BrokerConfig, Importer, ShareHandle};
 use gpu_arena::{tags, Pool, PoolConfig, StreamId};
 
@@ -219,7 +219,7 @@ fn a_grown_arena_sleeps_and_wakes_with_its_contents() {
 /// A grown arena holding more than one offload piece (`pool/offload.rs`, 1 GiB) sleeps into
 /// several host buffers, made one per piece so that pinning overlaps the copies, wakes with
 /// every byte back (a block split across two pieces included), and its next sleep reuses
-/// them all.
+/// them all; a sleep whose second piece fails to copy leaves it awake and whole.
 #[test]
 fn a_grown_arena_offloads_in_pieces_and_reuses_them() {
     use gpu_arena::pool::OFFLOAD_PIECE;
@@ -246,6 +246,25 @@ fn a_grown_arena_offloads_in_pieces_and_reuses_them() {
     let live: u64 = sizes.iter().sum();
     let idx = tags::index(Some("growth_pieces")).unwrap();
     let host = |pool: &Pool| pool.stats(0).unwrap().offload_host_bytes;
+    let holds_all = |what: &str| {
+        for (i, &(p, n)) in windows.iter().enumerate() {
+            let mut want = vec![0u8; n as usize];
+            fill(want.as_mut_ptr() as u64, want.len(), i as u8 + 1);
+            assert!(read(p, want.len()) == want, "{what}: window {i}");
+        }
+    };
+    // The second piece's copy fails (the blocks are one segment of 1.3 GiB, so 2 copies):
+    // the sleep fails, the arena stays awake with its bytes, and both pieces' buffers are
+    // kept for the next sleep. The tag counts as asleep until woken, as after any sleep
+    // that failed for some of its arenas.
+    let reserved = pool.stats(0).unwrap().reserved_bytes;
+    sim.fail_nth(SimCall::CopyToHost, 2);
+    assert!(pool.sleep(Some(0), &[idx]).is_err());
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, reserved);
+    assert_eq!((sim.host_buffers(), host(&pool)), (2, live));
+    holds_all("after the failed sleep");
+    pool.wake(Some(0), None).unwrap();
+    holds_all("after the wake of the failed sleep");
     for cycle in 0..2 {
         let r = pool.sleep(Some(0), &[idx]).unwrap();
         assert_eq!(r.copied_bytes, live);
@@ -257,11 +276,7 @@ fn a_grown_arena_offloads_in_pieces_and_reuses_them() {
         );
         assert_eq!(host(&pool), live, "cycle {cycle}: made once, then reused");
         pool.wake(Some(0), None).unwrap();
-        for (i, &(p, n)) in windows.iter().enumerate() {
-            let mut want = vec![0u8; n as usize];
-            fill(want.as_mut_ptr() as u64, want.len(), i as u8 + 1);
-            assert!(read(p, want.len()) == want, "cycle {cycle}: window {i}");
-        }
+        holds_all(&format!("cycle {cycle}"));
     }
     for b in &blocks {
         pool.free(b.ptr).unwrap();

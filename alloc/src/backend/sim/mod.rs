@@ -650,14 +650,16 @@ impl Backend for SimBackend {
     }
 
     fn copy_to_host(&self, device: DeviceId, src: u64, dst: &mut [u8]) -> Result<()> {
-        let inner = self.inner.lock();
+        let mut inner = self.inner.lock();
+        inner.enter(SimCall::CopyToHost)?;
         inner.check_awake_range(device, src, dst.len() as u64)?;
         sys::read_at(src, dst);
         Ok(())
     }
 
     fn copy_from_host(&self, device: DeviceId, dst: u64, src: &[u8]) -> Result<()> {
-        let inner = self.inner.lock();
+        let mut inner = self.inner.lock();
+        inner.enter(SimCall::CopyFromHost)?;
         inner.check_awake_range(device, dst, src.len() as u64)?;
         sys::write_at(dst, src);
         Ok(())

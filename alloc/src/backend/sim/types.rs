@@ -88,11 +88,15 @@ pub enum SimCall {
     Synchronize,
     /// [`Backend::mem_info`].
     MemInfo,
+    /// [`Backend::copy_to_host`] (sleep's offload).
+    CopyToHost,
+    /// [`Backend::copy_from_host`] (wake's copy back).
+    CopyFromHost,
 }
 
 impl SimCall {
     /// Every kind, in declaration order.
-    pub const ALL: [SimCall; 10] = [
+    pub const ALL: [SimCall; 12] = [
         SimCall::CreateArena,
         SimCall::DestroyArena,
         SimCall::Export,
@@ -103,6 +107,8 @@ impl SimCall {
         SimCall::EventQuery,
         SimCall::Synchronize,
         SimCall::MemInfo,
+        SimCall::CopyToHost,
+        SimCall::CopyFromHost,
     ];
 
     /// The call's name as it appears in the `call` field of [`Error::Backend`]: the
@@ -119,6 +125,8 @@ impl SimCall {
             SimCall::EventQuery => "event_done",
             SimCall::Synchronize => "synchronize",
             SimCall::MemInfo => "mem_info",
+            SimCall::CopyToHost => "copy_to_host",
+            SimCall::CopyFromHost => "copy_from_host",
         }
     }
 
