@@ -1,8 +1,8 @@
 //! The libcuda symbols the CUDA driver's wrappers call (`driver.rs`).
 
-/// The symbols the wrappers below make cudarc resolve, exactly as cudarc looks them up.
-///
-/// Keep in step with the wrappers (`driver.rs`): its `load_library` checks them all before the first call.
+/// The symbols the wrappers in `driver.rs` make cudarc resolve, exactly as cudarc looks them
+/// up. Keep in step with the wrappers: `load_library` checks them all before the first call,
+/// and a unit test there that every `sys::cu*` call it makes is listed.
 pub(super) const SYMBOLS: &[&str] = &[
     "cuGetErrorName",
     "cuGetErrorString",
