@@ -674,7 +674,7 @@ impl Driver for CudaDriver {
     }
 
     /// A copy from the host, done when it returns (the source may be reused or freed then);
-    /// see [`wait_on_legacy`].
+    /// see `wait_on_legacy`.
     unsafe fn memcpy_htod(&self, dst: u64, src: &[u8]) -> DriverResult<()> {
         // SAFETY: `src` is valid for reads of src.len() bytes until the wait below returns;
         // the caller guarantees the destination range.
@@ -683,7 +683,7 @@ impl Driver for CudaDriver {
         wait_on_legacy("cuMemcpyHtoDAsync", queued)
     }
 
-    /// A copy to the host, done when it returns; see [`wait_on_legacy`].
+    /// A copy to the host, done when it returns; see `wait_on_legacy`.
     unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> DriverResult<()> {
         // SAFETY: `dst` is valid for writes of dst.len() bytes and borrowed mutably until the
         // wait below returns; the caller guarantees the source range.
