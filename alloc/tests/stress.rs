@@ -1,8 +1,9 @@
 //! Stress: 8 threads x N mixed operations on one sim [`Pool`] — alloc, free, record_stream
 //! on several streams, share / unshare, open_lease / close_lease (through the pool's API,
 //! as the broker calls it, on this thread's and other threads' shares), occasional
-//! empty_cache — then `validate()`, and after closing everything and `empty_cache` every
-//! byte is back and the sim ledger is clean.
+//! empty_cache and trim, and in [`stress_sleep_and_wake_beside_mixed_ops`] each thread's tag
+//! put to sleep and woken — then `validate()`, and after closing everything and
+//! `empty_cache` every byte is back and the sim ledger is clean.
 //!
 //! N is [`DEFAULT_OPS`] per thread (fast in debug CI) or `GPU_ARENA_STRESS_OPS`; the
 //! `#[ignore]`d [`stress_8_threads_million_ops`] runs 10^6 per thread (issue 6):
@@ -13,10 +14,10 @@ use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use gpu_arena::backend::sim::{SimBackend, SimConfig};
-use gpu_arena::{Pool, PoolConfig, ShareInfo, StreamId};
+use gpu_arena::{tags, Pool, PoolConfig, ShareInfo, StreamId};
 
 mod common;
-use common::{stress_ops, Rng};
+use common::{fill, read, stress_ops, Rng};
 
 const MIB: u64 = 1 << 20;
 const THREADS: usize = 8;
@@ -35,6 +36,8 @@ struct Counts {
     lease_refusals: u64,
     closes: u64,
     empties: u64,
+    trims: u64,
+    sleeps: u64,
 }
 
 fn pool() -> (Arc<SimBackend>, Arc<Pool>) {
@@ -61,10 +64,26 @@ fn size(rng: &mut Rng) -> u64 {
     }
 }
 
-/// One thread's work. Shares made here go to `board` so other threads lease them.
-fn worker(pool: &Pool, board: &parking_lot::Mutex<Vec<ShareInfo>>, seed: u64, ops: u64) -> Counts {
+/// One thread's work. Shares made here go to `board` so other threads lease them. With
+/// `sleeper`, the thread allocates with a tag of its own and now and then puts it to sleep
+/// (offloaded), finds an allocation with it refused, wakes it and checks a canary's bytes.
+fn worker(
+    pool: &Pool,
+    board: &parking_lot::Mutex<Vec<ShareInfo>>,
+    seed: u64,
+    ops: u64,
+    sleeper: bool,
+) -> Counts {
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let mut c = Counts::default();
+    let own = sleeper.then(|| {
+        let name = format!("stress_sleeper_{seed}");
+        tags::set_current(Some(&name)).unwrap();
+        let tag = tags::index(Some(&name)).unwrap();
+        let canary = pool.alloc(0, 64 << 10, StreamId(0)).unwrap();
+        fill(canary.ptr, 64 << 10, seed as u8);
+        (tag, canary.ptr)
+    });
     let streams = [
         StreamId(0),
         StreamId(11 + seed),
@@ -140,9 +159,29 @@ fn worker(pool: &Pool, board: &parking_lot::Mutex<Vec<ShareInfo>>, seed: u64, op
                 pool.close_lease(0, l).unwrap();
                 c.closes += 1;
             }
+            98 if own.is_some() && rng.below(10) == 0 => {
+                let (tag, canary) = own.unwrap_or_default();
+                pool.sleep_tags(Some(0), Some(&[tag]), &[tag]).unwrap();
+                assert!(
+                    pool.alloc(0, 4096, streams[0]).is_err(),
+                    "allocated while asleep"
+                );
+                pool.wake(Some(0), Some(&[tag])).unwrap();
+                let mut want = vec![0u8; 64 << 10];
+                fill(want.as_mut_ptr() as u64, want.len(), seed as u8);
+                assert!(read(canary, want.len()) == want, "the canary changed");
+                c.sleeps += 1;
+            }
             99 if rng.below(20) == 0 => {
-                pool.empty_cache(Some(0)).unwrap();
-                c.empties += 1;
+                // Now and then a trim instead: it splits arenas with survivors while the
+                // other threads allocate, free and share (they wait for the device lock).
+                if rng.below(4) == 0 {
+                    pool.trim(Some(0)).unwrap();
+                    c.trims += 1;
+                } else {
+                    pool.empty_cache(Some(0)).unwrap();
+                    c.empties += 1;
+                }
             }
             _ => {}
         }
@@ -156,13 +195,17 @@ fn worker(pool: &Pool, board: &parking_lot::Mutex<Vec<ShareInfo>>, seed: u64, op
     for (p, _) in live {
         pool.free(p).unwrap();
     }
+    if let Some((_, canary)) = own {
+        pool.free(canary).unwrap();
+        tags::set_current(None).unwrap();
+    }
     c
 }
 
-fn run(ops_per_thread: u64) {
+fn run(ops_per_thread: u64, sleepers: bool) {
     let (sim, pool) = pool();
-    // Run the export self-test once before the threads start: racing first shares hit
-    // the known bug in `ensure_exported` (first_shares_race_the_export_self_test below).
+    // Run the export self-test once before the threads start (racing first shares are
+    // their own test: first_shares_race_the_export_self_test below).
     pool.export_semantics(0).unwrap();
     let board = Arc::new(parking_lot::Mutex::new(Vec::new()));
     let barrier = Arc::new(Barrier::new(THREADS));
@@ -172,7 +215,7 @@ fn run(ops_per_thread: u64) {
             let (pool, board, barrier) = (pool.clone(), board.clone(), barrier.clone());
             std::thread::spawn(move || {
                 barrier.wait();
-                worker(&pool, &board, i + 1, ops_per_thread)
+                worker(&pool, &board, i + 1, ops_per_thread, sleepers)
             })
         })
         .collect();
@@ -188,6 +231,8 @@ fn run(ops_per_thread: u64) {
         total.lease_refusals += c.lease_refusals;
         total.closes += c.closes;
         total.empties += c.empties;
+        total.trims += c.trims;
+        total.sleeps += c.sleeps;
     }
     let elapsed = t0.elapsed();
     pool.validate(0).unwrap();
@@ -207,6 +252,7 @@ fn run(ops_per_thread: u64) {
         "{s:?}"
     );
     assert!(total.shares > 0 && total.leases > 0 && total.records > 0);
+    assert_eq!(total.sleeps > 0, sleepers, "{total:?}");
     // Frees recorded on other streams wait for events until the synchronize of empty_cache.
     pool.empty_cache(None).unwrap();
     pool.validate(0).unwrap();
@@ -228,14 +274,21 @@ fn run(ops_per_thread: u64) {
 
 #[test]
 fn stress_8_threads_mixed_ops() {
-    run(stress_ops(DEFAULT_OPS));
+    run(stress_ops(DEFAULT_OPS), false);
+}
+
+/// The same with every thread on a tag of its own, put to sleep and woken now and then while
+/// the others work.
+#[test]
+fn stress_sleep_and_wake_beside_mixed_ops() {
+    run(stress_ops(DEFAULT_OPS) / 4, true);
 }
 
 /// Issue 6's figure: 8 threads x 10^6 operations. Run in release.
 #[test]
 #[ignore = "long: cargo test --release -p gpu-arena --test stress -- --ignored"]
 fn stress_8_threads_million_ops() {
-    run(stress_ops(1_000_000));
+    run(stress_ops(1_000_000), false);
 }
 
 /// The first shares of a device race: the export self-test runs inside the first one with
