@@ -146,7 +146,11 @@ def ahead(a, res, size, d):
                 t.start()
             for i in range(n):
                 ready[i].wait()
-                ck(cu.cuMemcpyDtoH_v2(ctypes.c_void_p(ptrs[i]), u64(d.value + i * buf), ctypes.c_size_t(buf)), "DtoH")
+                if a.async_copy:  # queued on the legacy stream and waited for (the library's way)
+                    ck(cu.cuMemcpyDtoHAsync_v2(ctypes.c_void_p(ptrs[i]), u64(d.value + i * buf), ctypes.c_size_t(buf), ctypes.c_void_p(1)), "DtoHAsync")
+                    ck(cu.cuStreamSynchronize(ctypes.c_void_p(1)), "sync")
+                else:
+                    ck(cu.cuMemcpyDtoH_v2(ctypes.c_void_p(ptrs[i]), u64(d.value + i * buf), ctypes.c_size_t(buf)), "DtoH")
             for t in ts:
                 t.join()
             res[f"ahead_{w}w_{k}t_s"] = round(time.perf_counter() - t0, 3)
@@ -166,6 +170,7 @@ def main():
     ap.add_argument("--workers", default="", help="pin-ahead emulation: worker counts, e.g. 1,2,4")
     ap.add_argument("--fault-threads", default="16", help="pin-ahead emulation: faulting threads per buffer")
     ap.add_argument("--buf-gib", type=float, default=1.0)
+    ap.add_argument("--async-copy", action="store_true", help="pin-ahead emulation: asynchronous copies")
     ap.add_argument("--only-overlap", action="store_true", help="only the pin/copy overlap modes")
     ap.add_argument("--piece-gib", default="1", help="--only-overlap: piece sizes to register, e.g. 1,4,16")
     ap.add_argument("--only-driver", action="store_true", help="only the driver's pinned memory from threads")
