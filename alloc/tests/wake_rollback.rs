@@ -168,3 +168,46 @@ fn a_wake_of_every_device_is_undone_on_every_device() {
         assert_eq!(&read(*p, want.len()), want);
     }
 }
+
+#[test]
+fn a_copy_back_that_fails_undoes_the_wake_too() {
+    // Found by `pool_model.rs`: the copy back ran after the arenas were recorded awake, so a
+    // failed copy returned an error with the tag awake and its contents partly lost.
+    let (sim, pool) = pool(1 << 30);
+    let blocks = two_asleep(&pool);
+    let w = tags::index(Some("wr_w")).unwrap();
+    let before = pool.stats(0).unwrap();
+    // The second arena's copy back fails.
+    sim.fail_nth(SimCall::CopyFromHost, 2);
+    let e = pool.wake(Some(0), None).unwrap_err();
+    assert!(
+        matches!(e, Error::Backend { ref message, .. } if message.contains("injected")),
+        "{e}"
+    );
+    assert_eq!(pool.asleep_tags(0).unwrap(), 1 << w, "the tag still sleeps");
+    let after = pool.stats(0).unwrap();
+    assert_eq!(
+        (
+            after.reserved_bytes,
+            after.sleeping_bytes,
+            after.offload_host_bytes
+        ),
+        (
+            before.reserved_bytes,
+            before.sleeping_bytes,
+            before.offload_host_bytes
+        )
+    );
+    assert_eq!(sim.ledger(0).held_bytes, 0, "both arenas' memory went back");
+    tags::set_current(Some("wr_w")).unwrap();
+    assert!(pool.alloc(0, MIB, S).is_err(), "allocations still refused");
+    tags::set_current(None).unwrap();
+    pool.validate(0).unwrap();
+    // Tried again: everything back, bitwise.
+    let r = pool.wake(Some(0), None).unwrap();
+    assert_eq!((r.arenas, r.copied_bytes), (2, 12 * MIB));
+    for (p, want) in &blocks {
+        assert_eq!(&read(*p, want.len()), want);
+    }
+    pool.validate(0).unwrap();
+}

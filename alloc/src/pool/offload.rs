@@ -204,28 +204,29 @@ impl Pool {
         Ok(OffloadPart { buf, segments })
     }
 
-    /// Copy offloaded contents back to the device (woken at the same addresses) and keep
-    /// the buffer for the next sleep. Returns the live bytes and the first copy error.
-    pub(super) fn copy_back(&self, dp: &DevicePool, o: Offload) -> (u64, Option<crate::Error>) {
-        let mut first_err = None;
+    /// Copy offloaded contents back to the device (woken at the same addresses), stopping
+    /// at the first copy that fails. Returns the live bytes. The buffers stay with `o`.
+    pub(super) fn copy_back(&self, dp: &DevicePool, o: &Offload) -> Result<u64> {
         for part in &o.parts {
             let mut off = 0usize;
             for &(p, len) in &part.segments {
                 let n = usize::try_from(len).unwrap_or(usize::MAX);
                 let src = &part.buf.as_slice()[off..off + n];
-                if let Err(e) = self.backend.copy_from_host(dp.device, p, src) {
-                    tracing::error!(device = dp.device, ptr = p, error = %e, "copying offloaded memory back failed");
-                    first_err.get_or_insert(e);
-                }
+                self.backend
+                    .copy_from_host(dp.device, p, src)
+                    .inspect_err(|e| tracing::error!(device = dp.device, ptr = p, error = %e, "copying offloaded memory back failed"))?;
                 off += n;
             }
         }
-        let live = o.live;
+        Ok(o.live)
+    }
+
+    /// Keep the buffers of an offload copied back for the next sleep.
+    pub(super) fn keep_offload_buffers(&self, dp: &DevicePool, o: Offload) {
         let mut st = dp.state.lock();
         for buf in o.into_buffers() {
             st.keep_host_buffer(buf);
         }
-        (live, first_err)
     }
 
     /// Free one host buffer of `dp` (no longer kept nor in use).

@@ -3,18 +3,21 @@
 //! allocate again (`pool/sleep.rs` for sleep).
 //!
 //! **All or nothing.** First every arena the call wakes, on every device it touches, gets
-//! its memory (`Backend::restore_physical`); only when all have it are contents copied back
-//! and the arenas announced. When the driver refuses one (typically out of memory: the
-//! trainer still holds the GPU), the arenas this call already restored give their memory
-//! back (`Backend::release_physical`) and stay asleep with their offloaded contents, so
-//! nothing changed: out of memory is [`Error::OutOfMemory`] with [`OomCause::Wake`] (what
-//! the wake needed, what is free, what went back to sleep), another failure is returned as
-//! the backend said it. (Should giving memory back fail as well, that arena is woken after
-//! all, contents copied back, and stays awake while its tag sleeps; logged.)
+//! its memory (`Backend::restore_physical`), then its offloaded contents are copied back;
+//! only when all have both are the arenas recorded awake and announced. When the driver
+//! refuses one (typically out of memory: the trainer still holds the GPU) or a copy back
+//! fails, the arenas this call already restored give their memory back
+//! (`Backend::release_physical`) and stay asleep with their offloaded contents, so nothing
+//! changed and the wake can be tried again: out of memory is [`Error::OutOfMemory`] with
+//! [`OomCause::Wake`] (what the wake needed, what is free, what went back to sleep), another
+//! failure is returned as the backend said it. (Should giving memory back fail as well, that
+//! arena is woken after all, contents copied back, and stays awake while its tag sleeps;
+//! logged.)
 
 use crate::backend::{ArenaMem, DeviceId};
 use crate::error::{Error, OomCause, Result};
 use crate::pool::observers::ArenaInfo;
+use crate::pool::offload::Offload;
 use crate::pool::sleep::{mask, names, SleepReport};
 use crate::pool::{DevicePool, Pool};
 
@@ -89,19 +92,34 @@ impl Pool {
                 }
             }
         }
+        // Contents back before anything is committed: a copy that fails undoes the wake as a
+        // refused restore does (each offload goes back to its sleeping arena).
+        let mut offloads: Vec<Option<Offload>> = Vec::with_capacity(restored.len());
+        for &(d, k, _, _) in &restored {
+            let dp = plan[d].0;
+            let offload = take_offload(dp, k);
+            let copied = offload.as_ref().map_or(Ok(0), |o| self.copy_back(dp, o));
+            offloads.push(offload);
+            if let Err(e) = copied {
+                for (&(d, k, ..), o) in restored.iter().zip(offloads) {
+                    if let Some(o) = o {
+                        put_offload(plan[d].0, k, o);
+                    }
+                }
+                tracing::error!(device = dp.device, error = %e, "copying an arena's contents back failed: the wake is undone");
+                self.undo_wake(&plan, restored);
+                return Err(e);
+            }
+        }
+        let mut woken: Vec<(WakeWork, Option<Offload>)> =
+            restored.into_iter().zip(offloads).collect();
         let mut report = SleepReport::default();
-        let mut first_err = None;
         for (d, &(dp, want)) in plan.iter().enumerate() {
             let mut dev_report = SleepReport::default();
-            let mut dev_err = None;
-            for (_, k, id, new) in restored.iter().filter(|r| r.0 == d) {
-                let (copied, err) = self.commit_wake(dp, *k, *id, new);
-                dev_report.copied_bytes += copied;
+            for ((_, k, id, new), offload) in woken.iter_mut().filter(|(w, _)| w.0 == d) {
+                dev_report.copied_bytes += self.commit_wake(dp, *k, *id, new, offload.take());
                 dev_report.arena_bytes += new.bytes;
                 dev_report.arenas += 1;
-                if let Some(e) = err {
-                    dev_err.get_or_insert(e);
-                }
             }
             let mut st = dp.state.lock();
             st.asleep_tags &= !want;
@@ -114,44 +132,36 @@ impl Pool {
                 copied_back_bytes = dev_report.copied_bytes,
                 "gpu-arena wake"
             );
-            match self.settle(dp, &st, dev_err, dev_report) {
-                Ok(r) => {
-                    report.arena_bytes += r.arena_bytes;
-                    report.copied_bytes += r.copied_bytes;
-                    report.arenas += r.arenas;
-                }
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
-            }
+            let r = self.settle(dp, &st, None, dev_report)?;
+            report.arena_bytes += r.arena_bytes;
+            report.copied_bytes += r.copied_bytes;
+            report.arenas += r.arenas;
         }
         // Holders of shares share these tags' memory again (pool/hooks.rs).
         for &(dp, want) in &plan {
             self.hooks_after_wake(dp.device, want);
         }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(report),
-        }
+        Ok(report)
     }
 
-    /// An arena has its memory again (`new`): record it awake, copy its offloaded contents
-    /// back (keeping the host buffer), tell the observers. Returns the live bytes copied and
-    /// the first copy error.
+    /// An arena has its memory again (`new`) and its contents copied back from `offload`:
+    /// record it awake, keep the offload's host buffers for the next sleep, tell the
+    /// observers. Returns the live bytes copied back.
     fn commit_wake(
         &self,
         dp: &DevicePool,
         k: usize,
         id: u64,
         new: &ArenaMem,
-    ) -> (u64, Option<Error>) {
-        let offload = {
+        offload: Option<Offload>,
+    ) -> u64 {
+        {
             let mut st = dp.state.lock();
-            let offload = st.arenas.get_mut(k).and_then(|a| {
+            if let Some(a) = st.arenas.get_mut(k) {
                 a.mem = new.clone();
                 a.chunks = 1;
-                a.sleep.take().and_then(|s| s.offload)
-            });
+                a.sleep = None;
+            }
             // One driver allocation made (the sleep counted the ones it gave back).
             st.stats.backend_creates += 1;
             dp.metrics.creates.increment(1);
@@ -159,9 +169,12 @@ impl Pool {
             st.stats.peak_reserved_bytes =
                 st.stats.peak_reserved_bytes.max(st.stats.reserved_bytes);
             st.stats.sleeping_bytes -= new.bytes;
-            offload
-        };
-        let copied = offload.map_or((0, None), |o| self.copy_back(dp, o));
+        }
+        let copied = offload.map_or(0, |o| {
+            let live = o.live;
+            self.keep_offload_buffers(dp, o);
+            live
+        });
         self.announce(dp, id, new);
         copied
     }
@@ -188,9 +201,11 @@ impl Pool {
                 Err(e) => {
                     // Mapped and cannot be given back: wake it after all (its tag sleeps).
                     tracing::error!(device = dp.device, base = new.base, error = %e, "undoing a wake: the arena could not give its memory back; it stays awake while its tag sleeps");
-                    if let (_, Some(e)) = self.commit_wake(dp, k, id, &new) {
+                    let offload = take_offload(dp, k);
+                    if let Some(Err(e)) = offload.as_ref().map(|o| self.copy_back(dp, o)) {
                         tracing::error!(device = dp.device, error = %e, "copying back failed too");
                     }
+                    self.commit_wake(dp, k, id, &new, offload);
                 }
             }
         }
@@ -219,5 +234,22 @@ impl Pool {
                 tags: names(want),
             },
         }
+    }
+}
+
+/// Take the offload out of sleeping arena `k` of `dp` (its contents on the host), if any.
+fn take_offload(dp: &DevicePool, k: usize) -> Option<Offload> {
+    let mut st = dp.state.lock();
+    st.arenas
+        .get_mut(k)
+        .and_then(|a| a.sleep.as_mut())
+        .and_then(|s| s.offload.take())
+}
+
+/// Give sleeping arena `k` of `dp` its offload back (a wake undone).
+fn put_offload(dp: &DevicePool, k: usize, offload: Offload) {
+    let mut st = dp.state.lock();
+    if let Some(sleep) = st.arenas.get_mut(k).and_then(|a| a.sleep.as_mut()) {
+        sleep.offload = Some(offload);
     }
 }

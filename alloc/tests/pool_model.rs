@@ -1,0 +1,806 @@
+//! A model-based property test of the whole pool on the sim backend: random sequences of
+//! every operation a user can mix — allocations of every class on three streams and three
+//! tags, frees, `record_stream`, streams whose work does not finish (events pending), shares,
+//! leases and unshares, `empty_cache`, `trim`, sleep and wake of some tags (offloaded or
+//! not), graph pools (begin, allocate, end, release) — with a fault injected into the next
+//! backend call now and then, on growing arenas (the default) and on fixed ones.
+//!
+//! After every operation, whether it succeeded or failed, the pool must agree with the
+//! model: `validate` passes; no two live blocks overlap; every awake block (and every range
+//! freed while shared) holds the bytes written into it; `allocated_bytes` is the sum of the
+//! live blocks; the asleep tags are the model's. A new block must never land on memory that
+//! another stream's unfinished work may still use (freed on a stream whose events are
+//! pending, or `record_stream`ed on one), on a range still shared, or on a graph pool's
+//! memory while that pool is in use. An operation that fails must change nothing the model
+//! sees. At the end everything is freed, unshared and woken, and after `empty_cache` the sim
+//! device holds nothing.
+//!
+//! `GPU_ARENA_MODEL_CASES` sets the number of cases (default 48 per mode).
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use gpu_arena::backend::sim::{SimBackend, SimCall, SimConfig};
+use gpu_arena::pool::{block_len, GraphPoolId};
+use gpu_arena::{tags, Pool, PoolConfig, ShareInfo, StreamId};
+use proptest::prelude::*;
+
+mod common;
+use common::{fill, read};
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+/// Requested sizes: small blocks, KV-sized pages, odd large ones, a few big ones.
+#[rustfmt::skip]
+const SIZES: [u64; 12] = [
+    512, 3 * KIB, 100 * KIB, MIB, MIB + 512, 2 * MIB, 2 * MIB, 3 * MIB + 4 * KIB, 6 * MIB,
+    9 * MIB, 24 * MIB, 40 * MIB,
+];
+const STREAMS: u64 = 3;
+/// The bytes of a block checked: its first and last `CANARY` bytes.
+const CANARY: usize = 64;
+/// Backend calls a fault may be injected into.
+const FAULTS: [SimCall; 8] = [
+    SimCall::CreateArena,
+    SimCall::DestroyArena,
+    SimCall::Export,
+    SimCall::RecordEvent,
+    SimCall::EventQuery,
+    SimCall::Synchronize,
+    SimCall::CopyToHost,
+    SimCall::CopyFromHost,
+];
+
+#[derive(Debug, Clone)]
+enum Op {
+    Alloc {
+        size: usize,
+        stream: u64,
+        tag: usize,
+    },
+    Free(usize),
+    RecordStream(usize, u64),
+    Block(u64),
+    Unblock(u64),
+    Share(usize),
+    Unshare(usize),
+    Lease(usize),
+    CloseLease(usize),
+    EmptyCache,
+    Trim,
+    /// `prepare_offload` of the tags (pins host buffers ahead of a sleep).
+    PrepareOffload(u8),
+    ReleaseHostBuffers,
+    Sleep {
+        tags: u8,
+        offload: u8,
+    },
+    Wake {
+        tags: u8,
+    },
+    GraphBegin(u64),
+    GraphAlloc {
+        pool: u64,
+        size: usize,
+    },
+    GraphEnd(u64),
+    GraphRelease(u64),
+    /// Fail the `n`-th backend call of this kind during the next operation.
+    Fault {
+        call: usize,
+        n: u64,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        10 => (0..SIZES.len(), 1..=STREAMS, 0..3usize)
+            .prop_map(|(size, stream, tag)| Op::Alloc { size, stream, tag }),
+        7 => any::<usize>().prop_map(Op::Free),
+        1 => (any::<usize>(), 1..=STREAMS).prop_map(|(i, s)| Op::RecordStream(i, s)),
+        1 => (1..=STREAMS).prop_map(Op::Block),
+        1 => (1..=STREAMS).prop_map(Op::Unblock),
+        1 => any::<usize>().prop_map(Op::Share),
+        1 => any::<usize>().prop_map(Op::Unshare),
+        1 => any::<usize>().prop_map(Op::Lease),
+        1 => any::<usize>().prop_map(Op::CloseLease),
+        1 => Just(Op::EmptyCache),
+        1 => Just(Op::Trim),
+        1 => (1..8u8).prop_map(Op::PrepareOffload),
+        1 => Just(Op::ReleaseHostBuffers),
+        1 => (1..8u8, 0..8u8).prop_map(|(tags, offload)| Op::Sleep { tags, offload: offload & tags }),
+        1 => (0..8u8).prop_map(|tags| Op::Wake { tags }),
+        1 => (1..3u64).prop_map(Op::GraphBegin),
+        2 => (1..3u64, 0..SIZES.len()).prop_map(|(pool, size)| Op::GraphAlloc { pool, size }),
+        1 => (1..3u64).prop_map(Op::GraphEnd),
+        1 => (1..3u64).prop_map(Op::GraphRelease),
+        1 => (0..FAULTS.len(), 1..3u64).prop_map(|(call, n)| Op::Fault { call, n }),
+    ]
+}
+
+#[derive(Debug, Clone)]
+struct Block {
+    ptr: u64,
+    /// Bytes asked for, and the block's length.
+    bytes: u64,
+    len: u64,
+    stream: u64,
+    tag: u8,
+    seed: u8,
+    /// Streams it was `record_stream`ed on.
+    recorded: Vec<u64>,
+    graph: Option<u64>,
+    /// Shares of it (by key) and their open leases.
+    shares: Vec<(ShareInfo, Vec<u32>)>,
+    /// Freed by its owner while shared: the range waits for its shares.
+    freed: bool,
+}
+
+/// Memory a new block of another stream must not take: freed while `guards` (streams with
+/// unfinished work) were blocked.
+#[derive(Debug)]
+struct Fence {
+    ptr: u64,
+    len: u64,
+    guards: Vec<u64>,
+}
+
+/// A graph pool in use.
+#[derive(Debug, Default)]
+struct GraphUse {
+    uses: u32,
+    /// Open routing contexts (captures).
+    open: u32,
+    /// The ranges it held: no other allocation may take them while it is in use.
+    ranges: Vec<(u64, u64)>,
+}
+
+struct Model {
+    sim: Arc<SimBackend>,
+    pool: Pool,
+    tags: [u8; 3],
+    blocks: Vec<Block>,
+    fences: Vec<Fence>,
+    blocked: [bool; STREAMS as usize + 1],
+    /// Asleep tags (bit = tag index) and which of them were offloaded.
+    asleep: u64,
+    offloaded: u64,
+    graphs: BTreeMap<u64, GraphUse>,
+    /// Faults scheduled for the next operation: the call and which of its calls fails.
+    faults: Vec<(SimCall, u64)>,
+    /// The sim's synchronize calls when the operation began.
+    syncs_before: u64,
+    next_seed: u8,
+}
+
+fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 < b.0 + b.1 && b.0 < a.0 + a.1
+}
+
+fn canary(ptr: u64, len: u64, seed: u8) {
+    let n = CANARY.min(len as usize);
+    fill(ptr, n, seed);
+    fill(ptr + len - n as u64, n, seed ^ 0x5a);
+}
+
+fn canary_ok(ptr: u64, len: u64, seed: u8) -> bool {
+    let n = CANARY.min(len as usize);
+    let mut head = vec![0u8; n];
+    let mut tail = vec![0u8; n];
+    for i in 0..n {
+        head[i] = (i as u8).wrapping_mul(31).wrapping_add(seed);
+        tail[i] = (i as u8).wrapping_mul(31).wrapping_add(seed ^ 0x5a);
+    }
+    read(ptr, n) == head && read(ptr + len - n as u64, n) == tail
+}
+
+impl Model {
+    fn new(grow: bool) -> Model {
+        let sim = Arc::new(
+            SimBackend::new(SimConfig {
+                capacity: 512 * MIB,
+                ..SimConfig::default()
+            })
+            .unwrap(),
+        );
+        let pool = Pool::new(
+            sim.clone(),
+            PoolConfig {
+                grow_arenas: grow,
+                arena_size: 64 * MIB,
+                validate: false,
+                ..PoolConfig::default()
+            },
+        )
+        .unwrap();
+        let tags = [
+            0,
+            tags::index(Some("model_weights")).unwrap(),
+            tags::index(Some("model_kv")).unwrap(),
+        ];
+        Model {
+            sim,
+            pool,
+            tags,
+            blocks: Vec::new(),
+            fences: Vec::new(),
+            blocked: [false; STREAMS as usize + 1],
+            asleep: 0,
+            offloaded: 0,
+            graphs: BTreeMap::new(),
+            faults: Vec::new(),
+            syncs_before: 0,
+            next_seed: 1,
+        }
+    }
+
+    fn tag_mask(&self, sel: u8) -> Vec<u8> {
+        (0..3)
+            .filter(|i| sel & (1 << i) != 0)
+            .map(|i| self.tags[i])
+            .collect()
+    }
+
+    /// A synchronize that succeeded since the operation began finished every stream's work
+    /// queued before it: the fences go (a pool synchronizes before it reuses memory that way,
+    /// e.g. out of memory: cached arenas released, then a new one made).
+    fn settle_fences(&mut self) {
+        let mut synced = self.sim.calls(SimCall::Synchronize) - self.syncs_before;
+        // A call made to fail counts as a call too.
+        let mut failing: Vec<u64> = self
+            .faults
+            .iter()
+            .filter(|(c, _)| *c == SimCall::Synchronize)
+            .map(|&(_, n)| n)
+            .collect();
+        failing.sort_unstable();
+        failing.dedup();
+        synced -= failing.iter().filter(|&&n| synced >= n).count() as u64;
+        if synced > 0 {
+            self.fences.clear();
+        }
+    }
+
+    /// Whether a call may refuse with `e`: the device is out of memory, or a fault was
+    /// injected into this operation's backend calls. Never an internal error.
+    fn may_refuse(&self, e: &gpu_arena::Error) -> bool {
+        use gpu_arena::Error;
+        match e {
+            Error::Internal(_) => false,
+            Error::OutOfMemory { .. } | Error::DriverOutOfMemory { .. } => true,
+            _ => !self.faults.is_empty(),
+        }
+    }
+
+    /// Whether a graph pool routing context (a capture) is open.
+    fn routing(&self) -> bool {
+        self.graphs.values().any(|g| g.open > 0)
+    }
+
+    fn awake(&self, tag: u8) -> bool {
+        self.asleep & (1u64 << tag) == 0
+    }
+
+    fn seed(&mut self) -> u8 {
+        self.next_seed = self.next_seed.wrapping_add(37) | 1;
+        self.next_seed
+    }
+
+    /// A new block at `ptr` for `stream` (in graph pool `graph`): checked against every
+    /// rule before it joins the model.
+    fn place(
+        &mut self,
+        ptr: u64,
+        bytes: u64,
+        stream: u64,
+        tag: u8,
+        graph: Option<u64>,
+    ) -> Result<(), String> {
+        let len = block_len(bytes).unwrap();
+        let r = (ptr, len);
+        self.settle_fences();
+        if let Some(b) = self.blocks.iter().find(|b| overlaps(r, (b.ptr, b.len))) {
+            return Err(format!("new block {r:x?} overlaps {b:x?}"));
+        }
+        for f in &self.fences {
+            if overlaps(r, (f.ptr, f.len)) && f.guards.iter().any(|&g| g != stream) {
+                return Err(format!(
+                    "new block {r:x?} on stream {stream} takes memory freed while streams {:?} had unfinished work: {f:x?}",
+                    f.guards
+                ));
+            }
+        }
+        for (&id, g) in &self.graphs {
+            let (uses, open, ranges) = (g.uses, g.open, &g.ranges);
+            if (uses > 0 || open > 0) && graph != Some(id) && ranges.iter().any(|&g| overlaps(r, g))
+            {
+                return Err(format!("new block {r:x?} (pool {graph:?}) lands on graph pool {id}'s memory while in use"));
+            }
+        }
+        if let Some(id) = graph {
+            if let Some(g) = self.graphs.get_mut(&id) {
+                g.ranges.push(r);
+            }
+        }
+        let seed = self.seed();
+        canary(ptr, len, seed);
+        self.blocks.push(Block {
+            ptr,
+            bytes,
+            len,
+            stream,
+            tag,
+            seed,
+            recorded: Vec::new(),
+            graph,
+            shares: Vec::new(),
+            freed: false,
+        });
+        Ok(())
+    }
+
+    /// The range of block `i` goes back to the pool: fenced while a stream that used it is
+    /// blocked (graph pools' blocks are guarded by the pool's use count instead).
+    fn release(&mut self, i: usize) {
+        let b = self.blocks.remove(i);
+        if b.graph.is_some() {
+            return;
+        }
+        let guards: Vec<u64> = std::iter::once(b.stream)
+            .chain(b.recorded.iter().copied())
+            .filter(|&s| self.blocked[s as usize])
+            .collect();
+        if !guards.is_empty() {
+            self.fences.push(Fence {
+                ptr: b.ptr,
+                len: b.len,
+                guards,
+            });
+        }
+    }
+
+    fn live(&self, i: usize) -> Option<usize> {
+        let live: Vec<usize> = (0..self.blocks.len())
+            .filter(|&j| !self.blocks[j].freed)
+            .collect();
+        if live.is_empty() {
+            None
+        } else {
+            Some(live[i % live.len()])
+        }
+    }
+
+    fn shared(&self, i: usize) -> Option<(usize, usize)> {
+        let all: Vec<(usize, usize)> = self
+            .blocks
+            .iter()
+            .enumerate()
+            .flat_map(|(b, blk)| (0..blk.shares.len()).map(move |s| (b, s)))
+            .collect();
+        (!all.is_empty()).then(|| all[i % all.len()])
+    }
+
+    /// Run one operation; `Err` when the pool broke a rule (a refused call is not one).
+    fn apply(&mut self, op: &Op) -> Result<(), String> {
+        if let Op::Fault { call, n } = *op {
+            self.faults.push((FAULTS[call], n));
+            self.sim.fail_nth(FAULTS[call], n);
+            return Ok(());
+        }
+        self.syncs_before = self.sim.calls(SimCall::Synchronize);
+        let result = self.apply_call(op);
+        self.settle_fences();
+        for (call, _) in std::mem::take(&mut self.faults) {
+            self.sim.fail_nth(call, 0);
+        }
+        result?;
+        self.check(op)
+    }
+
+    fn apply_call(&mut self, op: &Op) -> Result<(), String> {
+        let pool = &self.pool;
+        match *op {
+            Op::Alloc { size, stream, tag } => {
+                let tag = self.tags[tag];
+                tags::set_current_index(tag);
+                let got = pool.alloc(0, SIZES[size], StreamId(stream));
+                tags::set_current_index(0);
+                match got {
+                    Ok(a) => {
+                        if !self.awake(tag) {
+                            return Err(format!("allocation of asleep tag {tag} granted"));
+                        }
+                        self.place(a.ptr, SIZES[size], stream, tag, None)?;
+                    }
+                    Err(e) => {
+                        if self.awake(tag) && !self.may_refuse(&e) {
+                            return Err(format!("allocation refused: {e}"));
+                        }
+                    }
+                }
+            }
+            Op::Free(i) => {
+                let Some(i) = self.live(i) else { return Ok(()) };
+                let ptr = self.blocks[i].ptr;
+                if pool.free(ptr).is_ok() {
+                    if self.blocks[i].shares.is_empty() {
+                        self.release(i);
+                    } else {
+                        self.blocks[i].freed = true;
+                    }
+                } else if self.faults.is_empty() {
+                    return Err(format!("free of live block {ptr:#x} refused"));
+                }
+            }
+            Op::RecordStream(i, s) => {
+                let Some(i) = self.live(i) else { return Ok(()) };
+                if pool.record_stream(self.blocks[i].ptr, StreamId(s)).is_ok() {
+                    self.blocks[i].recorded.push(s);
+                }
+            }
+            Op::Block(s) => {
+                self.sim.block_stream(0, StreamId(s));
+                self.blocked[s as usize] = true;
+            }
+            Op::Unblock(s) => {
+                self.sim.unblock_stream(0, StreamId(s));
+                self.blocked[s as usize] = false;
+                for f in &mut self.fences {
+                    f.guards.retain(|&g| g != s);
+                }
+                self.fences.retain(|f| !f.guards.is_empty());
+            }
+            Op::Share(i) => {
+                let Some(i) = self.live(i) else { return Ok(()) };
+                let b = &self.blocks[i];
+                match pool.share(b.ptr, b.bytes) {
+                    Ok(info) => {
+                        if !self.awake(b.tag) {
+                            return Err(format!("share of asleep tag {} granted", b.tag));
+                        }
+                        self.blocks[i].shares.push((info, Vec::new()));
+                    }
+                    Err(e) => {
+                        if self.awake(b.tag) && !self.may_refuse(&e) {
+                            return Err(format!("share refused: {e}"));
+                        }
+                    }
+                }
+            }
+            Op::Unshare(i) => {
+                let Some((b, s)) = self.shared(i) else {
+                    return Ok(());
+                };
+                let (info, leases) = self.blocks[b].shares[s].clone();
+                for l in leases {
+                    pool.close_lease(0, l)
+                        .map_err(|e| format!("close_lease: {e}"))?;
+                }
+                match pool.unshare(0, info.share_key, &info.token) {
+                    Ok(()) => {
+                        self.blocks[b].shares.remove(s);
+                    }
+                    Err(e) => {
+                        self.blocks[b].shares[s].1.clear();
+                        if self.faults.is_empty() {
+                            return Err(format!("unshare: {e}"));
+                        }
+                    }
+                }
+                if self.blocks[b].freed && self.blocks[b].shares.is_empty() {
+                    self.release(b);
+                }
+            }
+            Op::Lease(i) => {
+                let Some((b, s)) = self.shared(i) else {
+                    return Ok(());
+                };
+                let info = &self.blocks[b].shares[s].0;
+                if let Ok(grant) = pool.open_lease(0, info.share_key, &info.token) {
+                    self.blocks[b].shares[s].1.push(grant.lease_key);
+                }
+            }
+            Op::CloseLease(i) => {
+                let Some((b, s)) = self.shared(i) else {
+                    return Ok(());
+                };
+                if let Some(l) = self.blocks[b].shares[s].1.pop() {
+                    pool.close_lease(0, l)
+                        .map_err(|e| format!("close_lease: {e}"))?;
+                }
+            }
+            Op::EmptyCache => {
+                let _ = pool.empty_cache(Some(0));
+            }
+            Op::Trim => {
+                let _ = pool.trim(Some(0));
+            }
+            Op::PrepareOffload(sel) => {
+                let tags = self.tag_mask(sel);
+                if let Err(e) = pool.prepare_offload(Some(0), &tags) {
+                    if !self.may_refuse(&e) {
+                        return Err(format!("prepare_offload refused: {e}"));
+                    }
+                }
+            }
+            Op::ReleaseHostBuffers => {
+                pool.release_host_buffers(Some(0))
+                    .map_err(|e| format!("release_host_buffers: {e}"))?;
+            }
+            Op::Sleep { tags: sel, offload } => {
+                let names = self.tag_mask(sel);
+                let keep = self.tag_mask(offload);
+                let before = self.asleep;
+                let got = pool.sleep_tags(Some(0), Some(&names), &keep);
+                let now = pool.asleep_tags(0).map_err(|e| e.to_string())?;
+                if self.routing() {
+                    // It would synchronize inside a capture: refused, nothing done.
+                    if got.is_ok() || now != before {
+                        return Err("sleep while a graph pool context is open not refused".into());
+                    }
+                    return Ok(());
+                }
+                let want: u64 = names.iter().map(|&t| 1u64 << t).sum();
+                let keep_mask: u64 = keep.iter().map(|&t| 1u64 << t).sum();
+                match got {
+                    Ok(_) => {
+                        if before & want != 0 {
+                            return Err(format!(
+                                "sleep of asleep tags {:#b} granted",
+                                before & want
+                            ));
+                        }
+                        if now != before | want {
+                            return Err(format!(
+                                "asleep {now:#b} after sleeping {want:#b} from {before:#b}"
+                            ));
+                        }
+                    }
+                    Err(e) => {
+                        if before & want == 0 && !self.may_refuse(&e) {
+                            return Err(format!("sleep refused: {e}"));
+                        }
+                        // Documented: a sleep that fails midway leaves its tags marked asleep
+                        // (their arenas whole); anything else must be as before.
+                        if now != before && now != before | want {
+                            return Err(format!(
+                                "failed sleep left asleep {now:#b} (before {before:#b})"
+                            ));
+                        }
+                    }
+                }
+                self.offloaded |= (now & !before) & keep_mask;
+                self.offloaded &= now;
+                // Tags asleep without offload lose their contents (kept arenas aside).
+                self.asleep = now;
+            }
+            Op::Wake { tags: sel } => {
+                let names = self.tag_mask(sel);
+                let before = self.asleep;
+                let got = if names.is_empty() {
+                    pool.wake(Some(0), None)
+                } else {
+                    pool.wake(Some(0), Some(&names))
+                };
+                let now = pool.asleep_tags(0).map_err(|e| e.to_string())?;
+                match got {
+                    Ok(_) => {}
+                    Err(e) => {
+                        if now != before {
+                            return Err(format!(
+                                "failed wake changed asleep tags {before:#b} -> {now:#b}: {e}"
+                            ));
+                        }
+                    }
+                }
+                let woke = before & !now;
+                for b in &mut self.blocks {
+                    let bit = 1u64 << b.tag;
+                    if woke & bit != 0 && self.offloaded & bit == 0 {
+                        // Not offloaded: its bytes are whatever the new memory holds.
+                        canary(b.ptr, b.len, b.seed);
+                    }
+                }
+                self.offloaded &= now;
+                self.asleep = now;
+            }
+            Op::GraphBegin(id) => {
+                if pool.graph_pool_begin(0, GraphPoolId(id, 0)).is_ok() {
+                    let g = self.graphs.entry(id).or_default();
+                    g.uses += 1;
+                    g.open += 1;
+                }
+            }
+            Op::GraphAlloc { pool: id, size } => {
+                if !self
+                    .graphs
+                    .get(&id)
+                    .is_some_and(|g| g.uses > 0 || g.open > 0)
+                {
+                    return Ok(());
+                }
+                match pool.graph_pool_alloc(0, GraphPoolId(id, 0), SIZES[size], StreamId(1)) {
+                    Ok(a) => {
+                        if !self.awake(0) {
+                            return Err("graph pool allocation granted while tag 0 sleeps".into());
+                        }
+                        self.place(a.ptr, SIZES[size], 1, 0, Some(id))?;
+                    }
+                    Err(e) => {
+                        if self.awake(0) && !self.may_refuse(&e) {
+                            return Err(format!("graph pool allocation refused: {e}"));
+                        }
+                    }
+                }
+            }
+            Op::GraphEnd(id) => {
+                let open = self.graphs.get(&id).map_or(0, |g| g.open);
+                let got = pool.graph_pool_end(0, GraphPoolId(id, 0));
+                if open > 0 {
+                    got.map_err(|e| format!("graph_pool_end: {e}"))?;
+                    let g = self.graphs.get_mut(&id).unwrap();
+                    g.open -= 1;
+                    if g.uses == 0 && g.open == 0 {
+                        self.graphs.remove(&id);
+                    }
+                } else if got.is_ok() {
+                    return Err(format!(
+                        "graph_pool_end of pool {id} with no open context granted"
+                    ));
+                }
+            }
+            Op::GraphRelease(id) => {
+                let uses = self.graphs.get(&id).map_or(0, |g| g.uses);
+                let got = pool.graph_pool_release(0, GraphPoolId(id, 0));
+                if uses > 0 {
+                    let after = got.map_err(|e| format!("graph_pool_release: {e}"))?;
+                    let g = self.graphs.get_mut(&id).unwrap();
+                    g.uses -= 1;
+                    if after != g.uses {
+                        return Err(format!("pool {id}: use count {after}, model {}", g.uses));
+                    }
+                    if g.uses == 0 && g.open == 0 {
+                        self.graphs.remove(&id);
+                    }
+                } else if got.is_ok() {
+                    return Err(format!("graph_pool_release of unknown pool {id} granted"));
+                }
+            }
+            Op::Fault { .. } => unreachable!(),
+        }
+        Ok(())
+    }
+
+    /// What must hold after every operation.
+    fn check(&self, op: &Op) -> Result<(), String> {
+        self.pool
+            .validate(0)
+            .map_err(|e| format!("validate after {op:?}: {e}"))?;
+        let mut sorted: Vec<&Block> = self.blocks.iter().collect();
+        sorted.sort_by_key(|b| b.ptr);
+        for w in sorted.windows(2) {
+            if w[0].ptr + w[0].len > w[1].ptr {
+                return Err(format!("blocks overlap: {:x?} and {:x?}", w[0], w[1]));
+            }
+        }
+        for b in &self.blocks {
+            if self.awake(b.tag) && !canary_ok(b.ptr, b.len, b.seed) {
+                return Err(format!("bytes of {b:x?} changed (after {op:?})"));
+            }
+        }
+        // Freed blocks still shared count as allocated (`deferred_free_bytes`), and so do
+        // blocks freed with `record_stream` streams until their events are seen
+        // (`pending_free_bytes`).
+        let held: u64 = self.blocks.iter().map(|b| b.len).sum();
+        let deferred: u64 = self.blocks.iter().filter(|b| b.freed).map(|b| b.len).sum();
+        let stats = self.pool.stats(0).map_err(|e| e.to_string())?;
+        if stats.allocated_bytes - stats.pending_free_bytes != held
+            || stats.deferred_free_bytes != deferred
+        {
+            return Err(format!(
+                "allocated {} (pending {}, deferred {}) against the model's {held} (deferred {deferred}) after {op:?}",
+                stats.allocated_bytes, stats.pending_free_bytes, stats.deferred_free_bytes
+            ));
+        }
+        Ok(())
+    }
+
+    /// Free and unshare everything, wake every tag, unblock every stream, end every graph
+    /// pool: the sim device must then hold nothing after `empty_cache`.
+    fn teardown(mut self) -> Result<(), String> {
+        for (call, _) in std::mem::take(&mut self.faults) {
+            self.sim.fail_nth(call, 0);
+        }
+        for s in 1..=STREAMS {
+            self.sim.unblock_stream(0, StreamId(s));
+        }
+        self.sim.close_stranded_exports();
+        for (&id, &GraphUse { uses, open, .. }) in &self.graphs {
+            for _ in 0..open {
+                self.pool
+                    .graph_pool_end(0, GraphPoolId(id, 0))
+                    .map_err(|e| e.to_string())?;
+            }
+            for _ in 0..uses {
+                self.pool
+                    .graph_pool_release(0, GraphPoolId(id, 0))
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        for b in std::mem::take(&mut self.blocks) {
+            for (info, leases) in &b.shares {
+                for &l in leases {
+                    self.pool
+                        .close_lease(0, l)
+                        .map_err(|e| format!("final close_lease: {e}"))?;
+                }
+                self.pool
+                    .unshare(0, info.share_key, &info.token)
+                    .map_err(|e| format!("final unshare: {e}"))?;
+            }
+            if !b.freed {
+                self.pool
+                    .free(b.ptr)
+                    .map_err(|e| format!("final free of {b:x?}: {e}"))?;
+            }
+        }
+        // Frees work while a tag sleeps; what is awake went back first, so the wake finds
+        // room.
+        self.pool
+            .empty_cache(None)
+            .map_err(|e| format!("final empty_cache: {e}"))?;
+        if self.asleep != 0 {
+            self.pool
+                .wake(Some(0), None)
+                .map_err(|e| format!("final wake: {e}"))?;
+            self.pool
+                .empty_cache(None)
+                .map_err(|e| format!("final empty_cache after the wake: {e}"))?;
+        }
+        self.pool
+            .release_host_buffers(None)
+            .map_err(|e| e.to_string())?;
+        self.pool.validate(0).map_err(|e| e.to_string())?;
+        if !self.sim.is_clean(0) {
+            return Err(format!(
+                "device not clean at the end: {:?}",
+                self.sim.ledger(0)
+            ));
+        }
+        if self.sim.host_buffers() != 0 {
+            return Err(format!("{} host buffers left", self.sim.host_buffers()));
+        }
+        Ok(())
+    }
+}
+
+fn run(grow: bool, ops: &[Op]) -> Result<(), TestCaseError> {
+    let mut m = Model::new(grow);
+    for (n, op) in ops.iter().enumerate() {
+        m.apply(op)
+            .map_err(|e| TestCaseError::fail(format!("op {n} {op:?}: {e}")))?;
+    }
+    m.teardown().map_err(TestCaseError::fail)
+}
+
+fn cases() -> u32 {
+    std::env::var("GPU_ARENA_MODEL_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(48)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+
+    #[test]
+    fn growing_arenas_follow_the_model(ops in prop::collection::vec(op(), 1..160)) {
+        run(true, &ops)?;
+    }
+
+    #[test]
+    fn fixed_arenas_follow_the_model(ops in prop::collection::vec(op(), 1..160)) {
+        run(false, &ops)?;
+    }
+}
