@@ -165,7 +165,15 @@ fn driver_allocation_counters_agree_with_the_stats_across_a_failed_destroy() {
     );
     sim.fail_nth(SimCall::DestroyArena, 1);
     assert!(pool.empty_cache(None).is_err());
+    // The device still holds the arena whose destroy failed: it stays in reserved_bytes
+    // (found by pool_model.rs: reserved had dropped to 0 while the device held 60 MiB).
+    assert_eq!(
+        pool.stats(0).unwrap().reserved_bytes,
+        sim.ledger(0).held_bytes
+    );
+    assert_eq!(sim.ledger(0).held_bytes, 60 * MIB);
     pool.empty_cache(None).unwrap();
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 0);
     assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
     let s = pool.stats(0).unwrap();
     assert_eq!((s.backend_creates, s.backend_destroys), (3, 3), "{s:?}");

@@ -695,6 +695,19 @@ impl Model {
         let held: u64 = self.blocks.iter().map(|b| b.len).sum();
         let deferred: u64 = self.blocks.iter().filter(|b| b.freed).map(|b| b.len).sum();
         let stats = self.pool.stats(0).map_err(|e| e.to_string())?;
+        // What the pool says it holds is what the device holds, awake and asleep.
+        let ledger = self.sim.ledger(0);
+        if (stats.reserved_bytes, stats.sleeping_bytes)
+            != (ledger.held_bytes, ledger.sleeping_bytes)
+        {
+            return Err(format!(
+                "reserved {} / sleeping {} against the device's held {} / sleeping {} after {op:?}",
+                stats.reserved_bytes,
+                stats.sleeping_bytes,
+                ledger.held_bytes,
+                ledger.sleeping_bytes
+            ));
+        }
         if stats.allocated_bytes - stats.pending_free_bytes != held
             || stats.deferred_free_bytes != deferred
         {

@@ -51,7 +51,7 @@ pub(crate) struct DeviceState {
     pub(crate) stats: PoolStats,
     pub(crate) next_arena_id: u64,
     /// Arenas out of the pool whose destroy failed: retried by `empty_cache` and teardown.
-    pub(crate) orphans: Vec<ArenaMem>,
+    pub(crate) orphans: super::orphans::Orphans,
     /// Shares and leases (`share_tables.rs`, `share.rs`).
     pub(crate) shares: ShareTables,
     /// The event ring (`crate::history`); off unless `record_history` turned it on.
@@ -479,6 +479,7 @@ impl DeviceState {
             s.peak_allocated_bytes,
             s.peak_requested_bytes,
         ] = self.front.byte_counts(&caches);
+        s.reserved_bytes += self.orphans.bytes();
         if self.asleep_tags != 0 {
             s.sleep_kept_shared_bytes = self
                 .arenas

@@ -94,6 +94,7 @@ mod hooks;
 mod limits;
 mod observers;
 mod offload;
+mod orphans;
 mod pin_ahead;
 mod share;
 mod share_tables;
@@ -438,7 +439,7 @@ impl Pool {
         let (doomed, releases, shrunk) = {
             let mut st = dp.state.lock();
             st.settle_all(self.backend.as_ref());
-            let mut doomed = std::mem::take(&mut st.orphans);
+            let mut doomed = st.orphans.take_all();
             let (empty, releases) = self.take_empty_observed(dp, &mut st);
             doomed.extend(empty);
             let shrunk = self.shrink_free_tails(dp, &mut st) + self.drop_free_chunks(dp, &mut st);

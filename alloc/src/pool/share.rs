@@ -667,7 +667,7 @@ impl Pool {
                     tracing::error!(error = %e, "destroying an arena at teardown failed");
                 }
             }
-            for mem in std::mem::take(&mut st.orphans) {
+            for mem in st.orphans.take_all() {
                 if let Err(e) = self.backend.destroy_arena(mem) {
                     tracing::error!(error = %e, "destroying an arena at teardown failed (twice)");
                 }
