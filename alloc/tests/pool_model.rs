@@ -27,7 +27,10 @@ use gpu_arena::{tags, Pool, PoolConfig, ShareInfo, StreamId};
 use proptest::prelude::*;
 
 mod common;
+#[path = "pool_model/observer.rs"]
+mod observer;
 use common::{fill, read};
+use observer::Registrar;
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -172,6 +175,9 @@ struct Model {
     /// The sim's synchronize calls when the operation began.
     syncs_before: u64,
     next_seed: u8,
+    /// An arena observer, when the case runs with one (growing arenas then grow by new
+    /// arenas, each told to it before use).
+    observer: Option<Arc<Registrar>>,
 }
 
 fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
@@ -196,7 +202,7 @@ fn canary_ok(ptr: u64, len: u64, seed: u8) -> bool {
 }
 
 impl Model {
-    fn new(grow: bool) -> Model {
+    fn new(grow: bool, observe: bool) -> Model {
         let sim = Arc::new(
             SimBackend::new(SimConfig {
                 capacity: 512 * MIB,
@@ -219,6 +225,11 @@ impl Model {
             tags::index(Some("model_weights")).unwrap(),
             tags::index(Some("model_kv")).unwrap(),
         ];
+        let observer = observe.then(|| {
+            let r = Arc::new(Registrar::default());
+            pool.observe_arenas(r.clone());
+            r
+        });
         Model {
             sim,
             pool,
@@ -231,6 +242,7 @@ impl Model {
             graphs: BTreeMap::new(),
             faults: Vec::new(),
             syncs_before: 0,
+            observer,
             next_seed: 1,
         }
     }
@@ -689,6 +701,22 @@ impl Model {
                 return Err(format!("bytes of {b:x?} changed (after {op:?})"));
             }
         }
+        if let Some(obs) = &self.observer {
+            if let Some(e) = obs.broken() {
+                return Err(format!("observer: {e} (after {op:?})"));
+            }
+            // Every awake block's memory was told to the observer before use, and stays
+            // registered while it is there.
+            if let Some(b) = self
+                .blocks
+                .iter()
+                .find(|b| self.awake(b.tag) && !obs.covers(b.ptr, b.len))
+            {
+                return Err(format!(
+                    "{b:x?} is in no arena told to the observer (after {op:?})"
+                ));
+            }
+        }
         // Freed blocks still shared count as allocated (`deferred_free_bytes`), and so do
         // blocks freed with `record_stream` streams until their events are seen
         // (`pending_free_bytes`).
@@ -781,6 +809,17 @@ impl Model {
                 self.sim.ledger(0)
             ));
         }
+        if let Some(obs) = &self.observer {
+            if let Some(e) = obs.broken() {
+                return Err(format!("observer at the end: {e}"));
+            }
+            if obs.registered() != 0 {
+                return Err(format!(
+                    "{} arenas still registered with the observer when none is left",
+                    obs.registered()
+                ));
+            }
+        }
         if self.sim.host_buffers() != 0 {
             return Err(format!("{} host buffers left", self.sim.host_buffers()));
         }
@@ -788,8 +827,8 @@ impl Model {
     }
 }
 
-fn run(grow: bool, ops: &[Op]) -> Result<(), TestCaseError> {
-    let mut m = Model::new(grow);
+fn run(grow: bool, observe: bool, ops: &[Op]) -> Result<(), TestCaseError> {
+    let mut m = Model::new(grow, observe);
     for (n, op) in ops.iter().enumerate() {
         m.apply(op)
             .map_err(|e| TestCaseError::fail(format!("op {n} {op:?}: {e}")))?;
@@ -809,11 +848,16 @@ proptest! {
 
     #[test]
     fn growing_arenas_follow_the_model(ops in prop::collection::vec(op(), 1..160)) {
-        run(true, &ops)?;
+        run(true, false, &ops)?;
+    }
+
+    #[test]
+    fn growing_arenas_with_an_observer_follow_the_model(ops in prop::collection::vec(op(), 1..160)) {
+        run(true, true, &ops)?;
     }
 
     #[test]
     fn fixed_arenas_follow_the_model(ops in prop::collection::vec(op(), 1..160)) {
-        run(false, &ops)?;
+        run(false, false, &ops)?;
     }
 }

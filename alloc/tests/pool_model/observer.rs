@@ -1,0 +1,72 @@
+//! An arena observer for the model test: it keeps what it was told is mapped, and checks
+//! that it is told once per arena, in order: no two registrations overlap, and a release
+//! names a registration.
+
+use std::collections::BTreeMap;
+
+use gpu_arena::pool::ObserverError;
+use gpu_arena::{ArenaInfo, ArenaObserver};
+use parking_lot::Mutex;
+
+#[derive(Default)]
+pub struct Registrar {
+    /// Registered arenas: base -> size.
+    ranges: Mutex<BTreeMap<u64, u64>>,
+    /// The first broken rule seen in a callback (a callback cannot fail the test itself).
+    broken: Mutex<Option<String>>,
+}
+
+impl Registrar {
+    fn broke(&self, what: String) {
+        self.broken.lock().get_or_insert(what);
+    }
+
+    /// The first broken rule, if any.
+    pub fn broken(&self) -> Option<String> {
+        self.broken.lock().clone()
+    }
+
+    /// Whether `[ptr, ptr + len)` lies inside one registered arena.
+    pub fn covers(&self, ptr: u64, len: u64) -> bool {
+        let ranges = self.ranges.lock();
+        ranges
+            .range(..=ptr)
+            .next_back()
+            .is_some_and(|(&base, &size)| ptr + len <= base + size)
+    }
+
+    /// Registered arenas now.
+    pub fn registered(&self) -> usize {
+        self.ranges.lock().len()
+    }
+}
+
+impl ArenaObserver for Registrar {
+    fn on_ready(&self, a: &ArenaInfo) -> Result<(), ObserverError> {
+        let mut ranges = self.ranges.lock();
+        let clash = ranges
+            .range(..a.base + a.size)
+            .next_back()
+            .filter(|(&base, &size)| base + size > a.base);
+        if let Some((&base, &size)) = clash {
+            drop(ranges);
+            self.broke(format!(
+                "on_ready of {:#x} +{} overlaps the registered {base:#x} +{size}",
+                a.base, a.size
+            ));
+            return Ok(());
+        }
+        ranges.insert(a.base, a.size);
+        Ok(())
+    }
+
+    fn on_release(&self, a: &ArenaInfo) {
+        let removed = self.ranges.lock().remove(&a.base);
+        if removed != Some(a.size) {
+            self.broke(format!(
+                "on_release of {:#x} +{}: registered as {removed:?}",
+                a.base, a.size
+            ));
+        }
+    }
+}
