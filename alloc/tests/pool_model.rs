@@ -29,98 +29,10 @@ use proptest::prelude::*;
 mod common;
 #[path = "pool_model/observer.rs"]
 mod observer;
-use common::{fill, read};
+#[path = "pool_model/ops.rs"]
+mod ops;
 use observer::Registrar;
-
-const KIB: u64 = 1 << 10;
-const MIB: u64 = 1 << 20;
-/// Requested sizes: small blocks, KV-sized pages, odd large ones, a few big ones.
-#[rustfmt::skip]
-const SIZES: [u64; 12] = [
-    512, 3 * KIB, 100 * KIB, MIB, MIB + 512, 2 * MIB, 2 * MIB, 3 * MIB + 4 * KIB, 6 * MIB,
-    9 * MIB, 24 * MIB, 40 * MIB,
-];
-const STREAMS: u64 = 3;
-/// The bytes of a block checked: its first and last `CANARY` bytes.
-const CANARY: usize = 64;
-/// Backend calls a fault may be injected into.
-const FAULTS: [SimCall; 8] = [
-    SimCall::CreateArena,
-    SimCall::DestroyArena,
-    SimCall::Export,
-    SimCall::RecordEvent,
-    SimCall::EventQuery,
-    SimCall::Synchronize,
-    SimCall::CopyToHost,
-    SimCall::CopyFromHost,
-];
-
-#[derive(Debug, Clone)]
-enum Op {
-    Alloc {
-        size: usize,
-        stream: u64,
-        tag: usize,
-    },
-    Free(usize),
-    RecordStream(usize, u64),
-    Block(u64),
-    Unblock(u64),
-    Share(usize),
-    Unshare(usize),
-    Lease(usize),
-    CloseLease(usize),
-    EmptyCache,
-    Trim,
-    /// `prepare_offload` of the tags (pins host buffers ahead of a sleep).
-    PrepareOffload(u8),
-    ReleaseHostBuffers,
-    Sleep {
-        tags: u8,
-        offload: u8,
-    },
-    Wake {
-        tags: u8,
-    },
-    GraphBegin(u64),
-    GraphAlloc {
-        pool: u64,
-        size: usize,
-    },
-    GraphEnd(u64),
-    GraphRelease(u64),
-    /// Fail the `n`-th backend call of this kind during the next operation.
-    Fault {
-        call: usize,
-        n: u64,
-    },
-}
-
-fn op() -> impl Strategy<Value = Op> {
-    prop_oneof![
-        10 => (0..SIZES.len(), 1..=STREAMS, 0..3usize)
-            .prop_map(|(size, stream, tag)| Op::Alloc { size, stream, tag }),
-        7 => any::<usize>().prop_map(Op::Free),
-        1 => (any::<usize>(), 1..=STREAMS).prop_map(|(i, s)| Op::RecordStream(i, s)),
-        1 => (1..=STREAMS).prop_map(Op::Block),
-        1 => (1..=STREAMS).prop_map(Op::Unblock),
-        1 => any::<usize>().prop_map(Op::Share),
-        1 => any::<usize>().prop_map(Op::Unshare),
-        1 => any::<usize>().prop_map(Op::Lease),
-        1 => any::<usize>().prop_map(Op::CloseLease),
-        1 => Just(Op::EmptyCache),
-        1 => Just(Op::Trim),
-        1 => (1..8u8).prop_map(Op::PrepareOffload),
-        1 => Just(Op::ReleaseHostBuffers),
-        1 => (1..8u8, 0..8u8).prop_map(|(tags, offload)| Op::Sleep { tags, offload: offload & tags }),
-        1 => (0..8u8).prop_map(|tags| Op::Wake { tags }),
-        1 => (1..3u64).prop_map(Op::GraphBegin),
-        2 => (1..3u64, 0..SIZES.len()).prop_map(|(pool, size)| Op::GraphAlloc { pool, size }),
-        1 => (1..3u64).prop_map(Op::GraphEnd),
-        1 => (1..3u64).prop_map(Op::GraphRelease),
-        1 => (0..FAULTS.len(), 1..3u64).prop_map(|(call, n)| Op::Fault { call, n }),
-    ]
-}
+use ops::{canary, canary_ok, op, overlaps, Op, FAULTS, MIB, SIZES, STREAMS};
 
 #[derive(Debug, Clone)]
 struct Block {
@@ -178,27 +90,6 @@ struct Model {
     /// An arena observer, when the case runs with one (growing arenas then grow by new
     /// arenas, each told to it before use).
     observer: Option<Arc<Registrar>>,
-}
-
-fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
-    a.0 < b.0 + b.1 && b.0 < a.0 + a.1
-}
-
-fn canary(ptr: u64, len: u64, seed: u8) {
-    let n = CANARY.min(len as usize);
-    fill(ptr, n, seed);
-    fill(ptr + len - n as u64, n, seed ^ 0x5a);
-}
-
-fn canary_ok(ptr: u64, len: u64, seed: u8) -> bool {
-    let n = CANARY.min(len as usize);
-    let mut head = vec![0u8; n];
-    let mut tail = vec![0u8; n];
-    for i in 0..n {
-        head[i] = (i as u8).wrapping_mul(31).wrapping_add(seed);
-        tail[i] = (i as u8).wrapping_mul(31).wrapping_add(seed ^ 0x5a);
-    }
-    read(ptr, n) == head && read(ptr + len - n as u64, n) == tail
 }
 
 impl Model {
