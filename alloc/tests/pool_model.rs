@@ -336,6 +336,7 @@ impl Model {
                     return Err(format!("free of live block {ptr:#x} refused"));
                 }
             }
+            Op::Bad { kind, i } => self.bad_call(kind, i)?,
             Op::RecordStream(i, s) => {
                 let Some(i) = self.live(i) else { return Ok(()) };
                 if pool.record_stream(self.blocks[i].ptr, StreamId(s)).is_ok() {
@@ -573,6 +574,57 @@ impl Model {
             Op::Fault { .. } => unreachable!(),
         }
         Ok(())
+    }
+
+    /// A call with bad input, which must be refused (and, by the checks after it, change
+    /// nothing): a free of a block's interior, of memory freed before (not live again), of a
+    /// block with the wrong size; `record_stream` of no allocation; a share past the block's
+    /// end; an unshare with a wrong token.
+    fn bad_call(&mut self, kind: u8, i: usize) -> Result<(), String> {
+        let pool = &self.pool;
+        let Some(i) = self.live(i) else { return Ok(()) };
+        let b = self.blocks[i].clone();
+        let live_at = |p: u64| self.blocks.iter().any(|x| x.ptr <= p && p < x.ptr + x.len);
+        let (what, got) = match kind {
+            0 if b.len > 512 => ("free of a block's interior", pool.free(b.ptr + 512)),
+            1 => {
+                // Past every block: memory no allocation holds now (or none at all).
+                let p = self.blocks.iter().map(|x| x.ptr + x.len).max().unwrap_or(0) + (64 << 20);
+                if live_at(p) {
+                    return Ok(());
+                }
+                ("free of no allocation", pool.free(p))
+            }
+            2 => (
+                "free with the wrong size",
+                pool.free_checked(b.ptr, b.bytes + 4096, 0),
+            ),
+            3 => (
+                "record_stream of no allocation",
+                pool.record_stream(0x1000, StreamId(1)),
+            ),
+            4 => (
+                "share past the block's end",
+                pool.share(b.ptr, b.len + 1).map(|_| ()),
+            ),
+            5 => match b.shares.first() {
+                Some((info, _)) => {
+                    let mut token = info.token;
+                    token[0] ^= 1;
+                    (
+                        "unshare with a wrong token",
+                        pool.unshare(0, info.share_key, &token),
+                    )
+                }
+                None => return Ok(()),
+            },
+            _ => return Ok(()),
+        };
+        match got {
+            Ok(()) => Err(format!("{what} on {b:x?} granted")),
+            Err(gpu_arena::Error::Internal(e)) => Err(format!("{what}: internal error {e}")),
+            Err(_) => Ok(()),
+        }
     }
 
     /// What must hold after every operation.

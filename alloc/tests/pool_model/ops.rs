@@ -37,6 +37,11 @@ pub enum Op {
         tag: usize,
     },
     Free(usize),
+    /// A call with bad input on block `i`: refused, nothing changes (kinds in `Model`).
+    Bad {
+        kind: u8,
+        i: usize,
+    },
     RecordStream(usize, u64),
     Block(u64),
     Unblock(u64),
@@ -75,6 +80,7 @@ pub fn op() -> impl Strategy<Value = Op> {
         10 => (0..SIZES.len(), 1..=STREAMS, 0..3usize)
             .prop_map(|(size, stream, tag)| Op::Alloc { size, stream, tag }),
         7 => any::<usize>().prop_map(Op::Free),
+        2 => (0..6u8, any::<usize>()).prop_map(|(kind, i)| Op::Bad { kind, i }),
         1 => (any::<usize>(), 1..=STREAMS).prop_map(|(i, s)| Op::RecordStream(i, s)),
         1 => (1..=STREAMS).prop_map(Op::Block),
         1 => (1..=STREAMS).prop_map(Op::Unblock),
