@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use gpu_arena::backend::sim::{SimBackend, SimCall, SimConfig};
-use gpu_arena::pool::{block_len, GraphPoolId};
+use gpu_arena::pool::{block_len, GraphPoolId, MaxReserved};
 use gpu_arena::{tags, Pool, PoolConfig, ShareInfo, StreamId};
 use proptest::prelude::*;
 
@@ -90,10 +90,12 @@ struct Model {
     /// An arena observer, when the case runs with one (growing arenas then grow by new
     /// arenas, each told to it before use).
     observer: Option<Arc<Registrar>>,
+    /// `max_reserved` in bytes, if set.
+    cap: Option<u64>,
 }
 
 impl Model {
-    fn new(grow: bool, observe: bool) -> Model {
+    fn new(grow: bool, observe: bool, conf: &Conf) -> Model {
         let sim = Arc::new(
             SimBackend::new(SimConfig {
                 capacity: 512 * MIB,
@@ -105,7 +107,9 @@ impl Model {
             sim.clone(),
             PoolConfig {
                 grow_arenas: grow,
-                arena_size: 64 * MIB,
+                arena_size: conf.arena_mib * MIB,
+                max_reserved: conf.cap_mib.map(|m| MaxReserved::Bytes(m * MIB)),
+                trim_on_empty_cache: conf.trim_on_empty_cache,
                 validate: false,
                 ..PoolConfig::default()
             },
@@ -134,6 +138,7 @@ impl Model {
             faults: Vec::new(),
             syncs_before: 0,
             observer,
+            cap: conf.cap_mib.map(|m| m * MIB),
             next_seed: 1,
         }
     }
@@ -666,6 +671,14 @@ impl Model {
         let held: u64 = self.blocks.iter().map(|b| b.len).sum();
         let deferred: u64 = self.blocks.iter().filter(|b| b.freed).map(|b| b.len).sum();
         let stats = self.pool.stats(0).map_err(|e| e.to_string())?;
+        if let Some(cap) = self.cap {
+            if stats.reserved_bytes > cap {
+                return Err(format!(
+                    "reserved {} past max_reserved {cap} after {op:?}",
+                    stats.reserved_bytes
+                ));
+            }
+        }
         // What the pool says it holds is what the device holds, awake and asleep.
         let ledger = self.sim.ledger(0);
         if (stats.reserved_bytes, stats.sleeping_bytes)
@@ -734,10 +747,15 @@ impl Model {
         self.pool
             .empty_cache(None)
             .map_err(|e| format!("final empty_cache: {e}"))?;
-        if self.asleep != 0 {
+        // One tag at a time: each tag's arenas fit under `max_reserved` (they were all awake
+        // at once when it went to sleep), all of them together need not.
+        for tag in self.tags {
+            if self.asleep & (1 << tag) == 0 {
+                continue;
+            }
             self.pool
-                .wake(Some(0), None)
-                .map_err(|e| format!("final wake: {e}"))?;
+                .wake(Some(0), Some(&[tag]))
+                .map_err(|e| format!("final wake of tag {tag}: {e}"))?;
             self.pool
                 .empty_cache(None)
                 .map_err(|e| format!("final empty_cache after the wake: {e}"))?;
@@ -770,8 +788,32 @@ impl Model {
     }
 }
 
-fn run(grow: bool, observe: bool, ops: &[Op]) -> Result<(), TestCaseError> {
-    let mut m = Model::new(grow, observe);
+/// The configuration a case runs with, besides growing or fixed arenas.
+#[derive(Debug, Clone)]
+struct Conf {
+    /// Fixed arenas' size (small ones: more arenas, dedicated arenas for large blocks).
+    arena_mib: u64,
+    /// `max_reserved`: allocations past it are refused as out of memory.
+    cap_mib: Option<u64>,
+    /// Every `empty_cache` is a `trim` (the sim is always at an idle point).
+    trim_on_empty_cache: bool,
+}
+
+fn conf() -> impl Strategy<Value = Conf> {
+    (
+        prop::sample::select(vec![8u64, 64]),
+        prop::option::weighted(0.3, prop::sample::select(vec![96u64, 256])),
+        prop::bool::weighted(0.3),
+    )
+        .prop_map(|(arena_mib, cap_mib, trim_on_empty_cache)| Conf {
+            arena_mib,
+            cap_mib,
+            trim_on_empty_cache,
+        })
+}
+
+fn run(grow: bool, observe: bool, conf: &Conf, ops: &[Op]) -> Result<(), TestCaseError> {
+    let mut m = Model::new(grow, observe, conf);
     for (n, op) in ops.iter().enumerate() {
         m.apply(op)
             .map_err(|e| TestCaseError::fail(format!("op {n} {op:?}: {e}")))?;
@@ -790,17 +832,17 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
 
     #[test]
-    fn growing_arenas_follow_the_model(ops in prop::collection::vec(op(), 1..160)) {
-        run(true, false, &ops)?;
+    fn growing_arenas_follow_the_model(conf in conf(), ops in prop::collection::vec(op(), 1..160)) {
+        run(true, false, &conf, &ops)?;
     }
 
     #[test]
-    fn growing_arenas_with_an_observer_follow_the_model(ops in prop::collection::vec(op(), 1..160)) {
-        run(true, true, &ops)?;
+    fn growing_arenas_with_an_observer_follow_the_model(conf in conf(), ops in prop::collection::vec(op(), 1..160)) {
+        run(true, true, &conf, &ops)?;
     }
 
     #[test]
-    fn fixed_arenas_follow_the_model(ops in prop::collection::vec(op(), 1..160)) {
-        run(false, false, &ops)?;
+    fn fixed_arenas_follow_the_model(conf in conf(), ops in prop::collection::vec(op(), 1..160)) {
+        run(false, false, &conf, &ops)?;
     }
 }

@@ -211,3 +211,53 @@ fn a_copy_back_that_fails_undoes_the_wake_too() {
     }
     pool.validate(0).unwrap();
 }
+
+#[test]
+fn a_wake_past_max_reserved_is_refused_and_changes_nothing() {
+    // Found by `pool_model.rs`: a wake restored its arenas past the cap that every other
+    // growth honours.
+    let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+    let pool = Pool::new(
+        sim.clone(),
+        gpu_arena::PoolConfig {
+            arena_size: 8 * MIB,
+            max_reserved: Some(gpu_arena::pool::MaxReserved::Bytes(24 * MIB)),
+            grow_arenas: false,
+            ..gpu_arena::PoolConfig::default()
+        },
+    )
+    .unwrap();
+    let blocks = two_asleep(&pool);
+    // Another tag takes the room meanwhile: 16 of the 24 MiB.
+    let other: Vec<u64> = (0..2)
+        .map(|_| alloc_with(&pool, "wr_cap", 6 * MIB, S))
+        .collect();
+    let before = pool.stats(0).unwrap();
+    let e = pool.wake(Some(0), None).unwrap_err();
+    match &e {
+        Error::OutOfMemory {
+            cause: OomCause::MaxReserved { needed, .. },
+            ..
+        } => assert_eq!(*needed, 16 * MIB),
+        other => panic!("not a max_reserved refusal: {other}"),
+    }
+    assert!(e.to_string().contains("max_reserved"), "{e}");
+    let w = tags::index(Some("wr_w")).unwrap();
+    assert_eq!(pool.asleep_tags(0).unwrap(), 1 << w);
+    let after = pool.stats(0).unwrap();
+    assert_eq!(
+        (after.reserved_bytes, after.sleeping_bytes),
+        (before.reserved_bytes, before.sleeping_bytes)
+    );
+    assert!(after.reserved_bytes <= 24 * MIB);
+    // Room again: the wake restores everything, bitwise.
+    for p in other {
+        pool.free(p).unwrap();
+    }
+    pool.empty_cache(None).unwrap();
+    pool.wake(Some(0), None).unwrap();
+    for (p, want) in &blocks {
+        assert_eq!(&read(*p, want.len()), want);
+    }
+    pool.validate(0).unwrap();
+}

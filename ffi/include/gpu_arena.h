@@ -920,7 +920,9 @@ int gpu_arena_sleep_tags(int device, const char *tags, const char *offload_tags)
  * waking when nothing sleeps, is `GPU_ARENA_ERR_INVALID_STATE` and changes nothing. A wake
  * is all or nothing: when the driver refuses memory midway, what this call already woke
  * goes back to sleep (contents kept on the host) and nothing changes;
- * `GPU_ARENA_ERR_OUT_OF_MEMORY` says what the wake needed and what is free.
+ * `GPU_ARENA_ERR_OUT_OF_MEMORY` says what the wake needed and what is free. A wake that
+ * would pass `max_reserved` is refused the same way before anything is mapped. A copy back
+ * that fails undoes the wake too (the driver's error).
  */
 int gpu_arena_wake(int device, const char *tags);
 

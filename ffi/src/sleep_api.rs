@@ -93,7 +93,9 @@ pub extern "C" fn gpu_arena_sleep_tags(
 /// waking when nothing sleeps, is `GPU_ARENA_ERR_INVALID_STATE` and changes nothing. A wake
 /// is all or nothing: when the driver refuses memory midway, what this call already woke
 /// goes back to sleep (contents kept on the host) and nothing changes;
-/// `GPU_ARENA_ERR_OUT_OF_MEMORY` says what the wake needed and what is free.
+/// `GPU_ARENA_ERR_OUT_OF_MEMORY` says what the wake needed and what is free. A wake that
+/// would pass `max_reserved` is refused the same way before anything is mapped. A copy back
+/// that fails undoes the wake too (the driver's error).
 #[no_mangle]
 pub extern "C" fn gpu_arena_wake(device: c_int, tags: *const c_char) -> c_int {
     let call = format!("gpu_arena_wake(device={device})");

@@ -166,7 +166,8 @@ pub(crate) fn arena_bytes_for(
     if class.small {
         range::round_up_to(SMALL_ARENA, granularity)
     } else if class.pool != GENERAL && len <= GRAPH_POOL_ARENA / 2 {
-        range::round_up_to(GRAPH_POOL_ARENA.min(arena_bytes), granularity)
+        // Never smaller than the block (an `arena_size` below it would be).
+        range::round_up_to(GRAPH_POOL_ARENA.min(arena_bytes).max(len), granularity)
     } else if class.pool != GENERAL || len > arena_bytes {
         range::round_up_to(len, granularity)
     } else {
@@ -220,5 +221,10 @@ mod tests {
         assert_eq!(pool(512), Some(SMALL_ARENA));
         let general = arena_bytes_for(Class::of(0, 4 * MIB, HUGE_MIN), 4 * MIB, 1024 * MIB, g);
         assert_eq!(general, Some(1024 * MIB));
+        // An `arena_size` below the block (found by pool_model.rs: 8 MiB arenas, a 10 MiB
+        // block of a graph pool: "fresh arena cannot fit", an internal error).
+        let small = |len| arena_bytes_for(Class::in_graph_pool(1, len), len, 8 * MIB, g);
+        assert_eq!(small(4 * MIB), Some(8 * MIB));
+        assert_eq!(small(10 * MIB), Some(10 * MIB));
     }
 }

@@ -10,9 +10,10 @@
 //! (`Backend::release_physical`) and stay asleep with their offloaded contents, so nothing
 //! changed and the wake can be tried again: out of memory is [`Error::OutOfMemory`] with
 //! [`OomCause::Wake`] (what the wake needed, what is free, what went back to sleep), another
-//! failure is returned as the backend said it. (Should giving memory back fail as well, that
-//! arena is woken after all, contents copied back, and stays awake while its tag sleeps;
-//! logged.)
+//! failure is returned as the backend said it. A wake that would pass `max_reserved` is
+//! refused the same way before anything is restored ([`OomCause::MaxReserved`]). (Should
+//! giving memory back fail as well, that arena is woken after all, contents copied back, and
+//! stays awake while its tag sleeps; logged.)
 
 use crate::backend::{ArenaMem, DeviceId};
 use crate::error::{Error, OomCause, Result};
@@ -77,6 +78,23 @@ impl Pool {
                     .map(|(k, a)| (plan.len(), k, a.id, a.mem.clone())),
             );
             plan.push((dp, want));
+        }
+        // The cap on reserved bytes (`max_reserved`) holds for a wake as for any growth:
+        // refused before anything is restored.
+        for (d, &(dp, _)) in plan.iter().enumerate() {
+            let needed: u64 = work.iter().filter(|w| w.0 == d).map(|w| w.3.bytes).sum();
+            let (limits, setting) = self.limits_now(dp)?;
+            let stats = dp.state.lock().stats_now();
+            if limits.over_cap(|| stats.reserved_bytes, needed) {
+                let free = self.backend.mem_info(dp.device).map_or(0, |m| m.free);
+                return Err(Error::OutOfMemory {
+                    device: dp.device,
+                    requested: needed,
+                    reserved: stats.reserved_bytes,
+                    free,
+                    cause: limits.oom_cause(setting, needed, true, &stats, free),
+                });
+            }
         }
         // Memory for every arena first, or for none.
         let mut restored: Vec<WakeWork> = Vec::with_capacity(work.len());
