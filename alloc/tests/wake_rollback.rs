@@ -261,3 +261,44 @@ fn a_wake_past_max_reserved_is_refused_and_changes_nothing() {
     }
     pool.validate(0).unwrap();
 }
+
+#[test]
+fn validate_beside_sleeps_and_wakes_sees_no_broken_invariant() {
+    // While a sleep, wake, `prepare_offload` or `release_host_buffers` moves host buffers,
+    // they are counted but in neither an arena nor the kept list: a `validate` from
+    // another thread meanwhile reported a broken invariant (a panic in debug builds).
+    let (_sim, pool) = pool(1 << 30);
+    let pool = Arc::new(pool);
+    let w = tags::index(Some("wr_v")).unwrap();
+    let blocks: Vec<u64> = (0..8)
+        .map(|_| alloc_with(&pool, "wr_v", 6 * MIB, S))
+        .collect();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let checker = {
+        let (pool, stop) = (pool.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Err(e) = pool.validate(0) {
+                    return Err(format!("validate #{n} beside a wake: {e}"));
+                }
+                n += 1;
+            }
+            Ok(n)
+        })
+    };
+    for i in 0..20 {
+        pool.sleep_tags(Some(0), Some(&[w]), &[w]).unwrap();
+        pool.wake(Some(0), Some(&[w])).unwrap();
+        if i % 5 == 4 {
+            pool.release_host_buffers(Some(0)).unwrap();
+            pool.prepare_offload(Some(0), &[w]).unwrap();
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let checks = checker.join().unwrap().unwrap();
+    assert!(checks > 0);
+    for p in blocks {
+        pool.free(p).unwrap();
+    }
+}

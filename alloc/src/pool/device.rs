@@ -61,6 +61,8 @@ pub(crate) struct DeviceState {
     pub(crate) front: Arc<Front>,
     /// Host buffers kept for the next sleep's offload (`pool/offload.rs`).
     pub(crate) host_buffers: Vec<crate::backend::HostBuffer>,
+    /// Sleeps, wakes and `prepare_offload`s moving host buffers now (`pool/offload.rs`).
+    pub(crate) host_buffers_moving: u32,
     /// Graph pools, their use counts and the routing contexts open (`pool/graph_pools.rs`).
     pub(crate) graph_pools: super::graph_pool_ids::GraphPools,
     /// Per class (by `Class::index`): its growing arena's key (`pool/growth.rs`).
@@ -692,13 +694,7 @@ impl DeviceState {
                 self.stats.reserved_bytes, self.stats.sleeping_bytes, rs.region_bytes
             ));
         }
-        if self.host_bytes_held() != self.stats.offload_host_bytes {
-            return Err(format!(
-                "host buffers hold {} bytes, offload_host_bytes says {}",
-                self.host_bytes_held(),
-                self.stats.offload_host_bytes
-            ));
-        }
+        self.check_host_bytes()?;
         // Every block the pool holds allocated in the ranges, each exactly once: live in
         // the device's map or a thread cache's records, or cached by the device or a
         // thread. (With every thread cache locked: no fast path runs meanwhile.)

@@ -142,8 +142,23 @@ impl DeviceState {
         self.host_buffers.push(buf);
     }
 
+    /// `offload_host_bytes` is what the host buffers hold: those of sleeping arenas and the
+    /// kept ones. While a sleep, wake or `prepare_offload` moves buffers (made and not yet
+    /// placed, out of an arena being copied back, ...) they are counted but held by
+    /// neither: then at most.
+    pub(crate) fn check_host_bytes(&self) -> Result<(), String> {
+        let held = self.host_bytes_held();
+        let counted = self.stats.offload_host_bytes;
+        if held > counted || (held != counted && self.host_buffers_moving == 0) {
+            return Err(format!(
+                "host buffers hold {held} bytes, offload_host_bytes says {counted}"
+            ));
+        }
+        Ok(())
+    }
+
     /// Bytes of every host buffer the device holds: those of sleeping arenas and the kept
-    /// ones (what `offload_host_bytes` must say; `validate()` checks it).
+    /// ones.
     pub(crate) fn host_bytes_held(&self) -> u64 {
         let asleep: u64 = self
             .arenas
@@ -257,6 +272,7 @@ impl Pool {
             None => self.devices.iter().collect(),
         };
         let mut made = 0;
+        let _moving = HostBuffersMoving::new(devices.iter().copied());
         for dp in devices {
             let totals: Vec<u64> = {
                 let mut st = dp.state.lock();
@@ -305,6 +321,7 @@ impl Pool {
             None => self.devices.iter().collect(),
         };
         let mut freed = 0;
+        let _moving = HostBuffersMoving::new(devices.iter().copied());
         for dp in devices {
             let kept = std::mem::take(&mut dp.state.lock().host_buffers);
             for buf in kept {
@@ -357,5 +374,27 @@ mod tests {
             got.iter().map(|p| piece_bytes(p)).sum::<u64>(),
             MIB + 5 * half
         );
+    }
+}
+
+/// Marks `devices` as moving host buffers (a sleep, wake or `prepare_offload`) until
+/// dropped: `DeviceState::check_host_bytes` then checks at most, not equal.
+pub(super) struct HostBuffersMoving<'a>(Vec<&'a DevicePool>);
+
+impl<'a> HostBuffersMoving<'a> {
+    pub(super) fn new(devices: impl IntoIterator<Item = &'a DevicePool>) -> Self {
+        let devices: Vec<&DevicePool> = devices.into_iter().collect();
+        for dp in &devices {
+            dp.state.lock().host_buffers_moving += 1;
+        }
+        HostBuffersMoving(devices)
+    }
+}
+
+impl Drop for HostBuffersMoving<'_> {
+    fn drop(&mut self) {
+        for dp in &self.0 {
+            dp.state.lock().host_buffers_moving -= 1;
+        }
     }
 }

@@ -29,7 +29,7 @@
 
 use crate::backend::{ArenaMem, Backend, DeviceId};
 use crate::error::{Error, Result};
-use crate::pool::offload::{piece_bytes, pieces, Offload};
+use crate::pool::offload::{piece_bytes, pieces, HostBuffersMoving, Offload};
 use crate::pool::{DevicePool, DeviceState, Pool};
 use crate::tags;
 
@@ -141,6 +141,7 @@ impl Pool {
     ) -> Result<SleepReport> {
         let _serial = self.sleep_lock.lock();
         let devices = self.sleep_devices(device)?;
+        let _moving = HostBuffersMoving::new(devices.iter().copied());
         let all = if tags::count() >= 64 {
             u64::MAX
         } else {

@@ -18,6 +18,7 @@
 use crate::backend::{ArenaMem, DeviceId};
 use crate::error::{Error, OomCause, Result};
 use crate::pool::observers::ArenaInfo;
+use crate::pool::offload::HostBuffersMoving;
 use crate::pool::offload::Offload;
 use crate::pool::sleep::{mask, names, SleepReport};
 use crate::pool::{DevicePool, Pool};
@@ -41,6 +42,7 @@ impl Pool {
     pub fn wake(&self, device: Option<DeviceId>, wake_tags: Option<&[u8]>) -> Result<SleepReport> {
         let _serial = self.sleep_lock.lock();
         let devices = self.sleep_devices(device)?;
+        let _moving = HostBuffersMoving::new(devices.iter().copied());
         // One device: every named tag (or something) must be asleep there. Every device
         // (`None`): each device wakes what of it sleeps there, and every named tag (or
         // something) must be asleep on some device. Checked first: an error changes nothing.
