@@ -342,6 +342,28 @@ impl Pool {
     }
 }
 
+/// Marks `devices` as moving host buffers (a sleep, wake or `prepare_offload`) until
+/// dropped: `DeviceState::check_host_bytes` then checks at most, not equal.
+pub(super) struct HostBuffersMoving<'a>(Vec<&'a DevicePool>);
+
+impl<'a> HostBuffersMoving<'a> {
+    pub(super) fn new(devices: impl IntoIterator<Item = &'a DevicePool>) -> Self {
+        let devices: Vec<&DevicePool> = devices.into_iter().collect();
+        for dp in &devices {
+            dp.state.lock().host_buffers_moving += 1;
+        }
+        HostBuffersMoving(devices)
+    }
+}
+
+impl Drop for HostBuffersMoving<'_> {
+    fn drop(&mut self) {
+        for dp in &self.0 {
+            dp.state.lock().host_buffers_moving -= 1;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -374,27 +396,5 @@ mod tests {
             got.iter().map(|p| piece_bytes(p)).sum::<u64>(),
             MIB + 5 * half
         );
-    }
-}
-
-/// Marks `devices` as moving host buffers (a sleep, wake or `prepare_offload`) until
-/// dropped: `DeviceState::check_host_bytes` then checks at most, not equal.
-pub(super) struct HostBuffersMoving<'a>(Vec<&'a DevicePool>);
-
-impl<'a> HostBuffersMoving<'a> {
-    pub(super) fn new(devices: impl IntoIterator<Item = &'a DevicePool>) -> Self {
-        let devices: Vec<&DevicePool> = devices.into_iter().collect();
-        for dp in &devices {
-            dp.state.lock().host_buffers_moving += 1;
-        }
-        HostBuffersMoving(devices)
-    }
-}
-
-impl Drop for HostBuffersMoving<'_> {
-    fn drop(&mut self) {
-        for dp in &self.0 {
-            dp.state.lock().host_buffers_moving -= 1;
-        }
     }
 }
