@@ -420,3 +420,44 @@ fn a_pool_released_during_its_capture_stays_until_the_capture_ends() {
     );
     assert_eq!(sim.ledger(0).held_bytes, 0);
 }
+
+/// Found by `pool_model.rs`: a sleep of every device with a capture open on one of them
+/// put the others to sleep before refusing ("nothing was done"); and a wake ran inside a
+/// capture (its copies back would invalidate it). Both are refused before anything changes.
+#[test]
+fn sleep_and_wake_are_refused_while_a_capture_is_open_and_change_nothing() {
+    let sim = Arc::new(
+        SimBackend::new(SimConfig {
+            devices: 2,
+            ..SimConfig::default()
+        })
+        .unwrap(),
+    );
+    let pool = Pool::new(sim.clone(), PoolConfig::default()).unwrap();
+    let blocks: Vec<u64> = (0..2)
+        .map(|d| pool.alloc(d, 4 * MIB, S1).unwrap().ptr)
+        .collect();
+    pool.graph_pool_begin(1, G1).unwrap();
+    let e = pool.sleep(None, &[0]).unwrap_err();
+    assert!(e.to_string().contains("nothing was done"), "{e}");
+    for d in 0..2 {
+        assert_eq!(pool.asleep_tags(d).unwrap(), 0, "device {d} went to sleep");
+    }
+    pool.graph_pool_end(1, G1).unwrap();
+    pool.sleep(None, &[0]).unwrap();
+    pool.graph_pool_begin(1, G1).unwrap();
+    let e = pool.wake(None, None).unwrap_err();
+    assert!(e.to_string().contains("wake on device 1"), "{e}");
+    for d in 0..2 {
+        assert_eq!(pool.asleep_tags(d).unwrap(), 1, "device {d} woke");
+    }
+    pool.graph_pool_end(1, G1).unwrap();
+    pool.wake(None, None).unwrap();
+    pool.graph_pool_release(1, G1).unwrap();
+    for (d, p) in blocks.into_iter().enumerate() {
+        pool.free(p).unwrap();
+        pool.validate(d as i32).unwrap();
+    }
+    pool.empty_cache(None).unwrap();
+    assert!(sim.is_clean(0) && sim.is_clean(1));
+}

@@ -203,6 +203,42 @@ fn max_reserved_caps_the_pool_and_says_so() {
     assert_eq!(pool.stats(0).unwrap().oom_count, 1);
 }
 
+/// Found by `pool_model.rs`: an arena whose destroy failed is still held by the device,
+/// and the cap counted it out: the next arena passed `max_reserved`.
+#[test]
+fn max_reserved_counts_an_arena_whose_destroy_failed() {
+    let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+    let pool = Pool::new(
+        sim.clone(),
+        PoolConfig {
+            arena_size: 64 * MIB,
+            max_reserved: Some(MaxReserved::Bytes(128 * MIB)),
+            grow_arenas: false,
+            validate: true,
+            ..PoolConfig::default()
+        },
+    )
+    .unwrap();
+    let a = pool.alloc(0, 64 * MIB, S1).unwrap();
+    pool.free(a.ptr).unwrap();
+    sim.fail_nth(SimCall::DestroyArena, 1);
+    assert!(pool.empty_cache(None).is_err());
+    let _b = pool.alloc(0, 64 * MIB, S1).unwrap();
+    assert_eq!(sim.ledger(0).held_bytes, 128 * MIB);
+    // (The out-of-memory retry tries the orphan's destroy again: it fails again here.)
+    sim.fail_always(SimCall::DestroyArena, true);
+    assert_oom(
+        &pool.alloc(0, 64 * MIB, S1).unwrap_err(),
+        |c| matches!(c, OomCause::MaxReserved { .. }),
+        &["128 MiB reserved"],
+    );
+    assert!(sim.ledger(0).held_bytes <= 128 * MIB);
+    // A retry that works gives the orphan back: room for one more arena.
+    sim.fail_always(SimCall::DestroyArena, false);
+    pool.empty_cache(None).unwrap();
+    let _c = pool.alloc(0, 64 * MIB, S1).unwrap();
+}
+
 #[test]
 fn max_reserved_fraction_is_resolved_against_the_device() {
     // 0.25 of a 1 GiB device: 256 MiB, four 64 MiB arenas.

@@ -89,8 +89,9 @@ pub extern "C" fn gpu_arena_sleep_tags(
 
 /// Wake the tags named in `tags` (comma-separated; NULL or "": every sleeping tag) on
 /// `device` (-1: every device): memory is mapped again at the same addresses and offloaded
-/// contents are copied back. Waking a tag that is awake (with -1: asleep on no device), or
-/// waking when nothing sleeps, is `GPU_ARENA_ERR_INVALID_STATE` and changes nothing. A wake
+/// contents are copied back. Waking a tag that is awake (with -1: asleep on no device),
+/// waking when nothing sleeps, or waking a device while a CUDA graph capture (a graph pool
+/// context) is open on it, is `GPU_ARENA_ERR_INVALID_STATE` and changes nothing. A wake
 /// is all or nothing: when the driver refuses memory midway, what this call already woke
 /// goes back to sleep (contents kept on the host) and nothing changes;
 /// `GPU_ARENA_ERR_OUT_OF_MEMORY` says what the wake needed and what is free. A wake that

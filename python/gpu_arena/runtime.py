@@ -197,7 +197,7 @@ def sleep_prepare(offload_tags, device: int = -1) -> int:
 def wake(tags=None, device: int = -1) -> None:
     """Wake ``tags`` (None: every sleeping tag) on ``device`` (-1: all): memory mapped again
     at the same addresses, offloaded contents copied back. Raises InvalidStateError for a
-    tag that is awake, OutOfMemoryError when the device has no room or the wake would pass
+    tag that is awake or a CUDA graph capture open on the device, OutOfMemoryError when the device has no room or the wake would pass
     ``max_reserved`` (what the wake had already woken goes back to sleep): either way nothing
     changes."""
     _lib.check(

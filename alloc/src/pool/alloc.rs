@@ -134,7 +134,7 @@ impl Pool {
                 drop(st);
                 std::thread::yield_now();
             };
-            let capped = limits.over_cap(|| dp.state.lock().stats.reserved_bytes, arena_bytes);
+            let capped = limits.over_cap(|| dp.state.lock().reserved_now(), arena_bytes);
             // An arena larger than the device fails at once, without a driver call.
             let created = if capped || arena_bytes > limits.total {
                 Err(Error::DriverOutOfMemory {
@@ -171,7 +171,11 @@ impl Pool {
                         len,
                         "out of memory: releasing cached arenas and retrying"
                     );
-                    self.release_cached(dp)?;
+                    // A destroy that fails there keeps its arena (an orphan, retried later):
+                    // the retry then says out of memory, not what the destroy said.
+                    if let Err(e) = self.release_cached(dp) {
+                        tracing::warn!(device, error = %e, "releasing cached arenas before the retry failed");
+                    }
                 }
                 Err(Error::DriverOutOfMemory { .. }) => {
                     let mut st = dp.state.lock();
@@ -187,7 +191,7 @@ impl Pool {
                     return Err(Error::OutOfMemory {
                         device,
                         requested: len,
-                        reserved: st.stats.reserved_bytes,
+                        reserved: st.reserved_now(),
                         free,
                         cause,
                     });

@@ -82,6 +82,11 @@ impl DeviceState {
         }
     }
 
+    /// Bytes the device holds for the pool: its arenas, and those whose destroy failed.
+    pub(crate) fn reserved_now(&self) -> u64 {
+        self.stats.reserved_bytes + self.orphans.bytes()
+    }
+
     /// Blocks above this many bytes are huge (`Class::of`): `classes::HUGE_MIN`, none when
     /// arenas grow (`classes::NO_HUGE`).
     pub(crate) fn huge_min(&self) -> u64 {
@@ -481,7 +486,7 @@ impl DeviceState {
             s.peak_allocated_bytes,
             s.peak_requested_bytes,
         ] = self.front.byte_counts(&caches);
-        s.reserved_bytes += self.orphans.bytes();
+        s.reserved_bytes = self.reserved_now();
         if self.asleep_tags != 0 {
             s.sleep_kept_shared_bytes = self
                 .arenas

@@ -159,9 +159,7 @@ impl Pool {
             &[step, exact][..]
         };
         for &extra in tries {
-            if limits.over_cap(|| st.stats.reserved_bytes, extra)
-                || !self.backend.can_grow(&mem, extra)
-            {
+            if limits.over_cap(|| st.reserved_now(), extra) || !self.backend.can_grow(&mem, extra) {
                 continue;
             }
             let key_at = (dp.device, mem.base);

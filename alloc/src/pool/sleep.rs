@@ -191,6 +191,11 @@ impl Pool {
                 "sleep of every device: every tag to sleep is already asleep".into(),
             ));
         }
+        // A capture open on any of them refuses the whole call before anything sleeps (a
+        // sleep synchronizes its device).
+        for dp in &awake {
+            dp.state.lock().check_not_routing(dp.device, "sleep")?;
+        }
         // Holders of shares end the ones in these tags first (pool/hooks.rs): a shared
         // arena would stay awake.
         for dp in &awake {

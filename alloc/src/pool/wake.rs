@@ -11,7 +11,9 @@
 //! changed and the wake can be tried again: out of memory is [`Error::OutOfMemory`] with
 //! [`OomCause::Wake`] (what the wake needed, what is free, what went back to sleep), another
 //! failure is returned as the backend said it. A wake that would pass `max_reserved` is
-//! refused the same way before anything is restored ([`OomCause::MaxReserved`]). (Should
+//! refused the same way before anything is restored ([`OomCause::MaxReserved`]), and so is
+//! a wake of a device with a graph pool context open (a capture: the copies back would
+//! invalidate it; `InvalidState`). (Should
 //! giving memory back fail as well, that arena is woken after all, contents copied back, and
 //! stays awake while its tag sleeps; logged.)
 
@@ -81,9 +83,11 @@ impl Pool {
             );
             plan.push((dp, want));
         }
-        // The cap on reserved bytes (`max_reserved`) holds for a wake as for any growth:
-        // refused before anything is restored.
+        // The cap on reserved bytes (`max_reserved`) holds for a wake as for any growth, and
+        // no wake runs inside a capture (its copies back would invalidate it): refused
+        // before anything is restored.
         for (d, &(dp, _)) in plan.iter().enumerate() {
+            dp.state.lock().check_not_routing(dp.device, "wake")?;
             let needed: u64 = work.iter().filter(|w| w.0 == d).map(|w| w.3.bytes).sum();
             let (limits, setting) = self.limits_now(dp)?;
             let stats = dp.state.lock().stats_now();
