@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use gpu_arena::backend::sim::{SimBackend, SimCall, SimConfig};
 use gpu_arena::error::OomCause;
-use gpu_arena::{tags, Error, Pool, StreamId};
+use gpu_arena::{tags, Error, Pool, PoolStats, StreamId};
 
 mod common;
 use common::{alloc_with, fill, read, sim_pool};
@@ -40,6 +40,20 @@ fn two_asleep(pool: &Pool) -> Vec<(u64, Vec<u8>)> {
     let r = pool.sleep_tags(Some(0), Some(&[w]), &[w]).unwrap();
     assert_eq!((r.arenas, r.copied_bytes), (2, 12 * MIB));
     blocks
+}
+
+/// A wake undone changed nothing: reserved, sleeping and host bytes as `before`.
+fn assert_memory_unchanged(before: &PoolStats, after: &PoolStats) {
+    let bytes = |s: &PoolStats| (s.reserved_bytes, s.sleeping_bytes, s.offload_host_bytes);
+    assert_eq!(bytes(after), bytes(before));
+}
+
+/// Every block holds the bytes it held before its sleep, and the pool validates.
+fn assert_bytes_back(pool: &Pool, blocks: &[(u64, Vec<u8>)]) {
+    for (p, want) in blocks {
+        assert_eq!(&read(*p, want.len()), want);
+    }
+    pool.validate(0).unwrap();
 }
 
 #[test]
@@ -76,19 +90,7 @@ fn a_wake_out_of_memory_midway_is_undone_and_says_so() {
     // Nothing changed: still asleep, stats and the driver's ledger as before.
     let w = tags::index(Some("wr_w")).unwrap();
     assert_eq!(pool.asleep_tags(0).unwrap(), 1 << w);
-    let after = pool.stats(0).unwrap();
-    assert_eq!(
-        (
-            after.reserved_bytes,
-            after.sleeping_bytes,
-            after.offload_host_bytes
-        ),
-        (
-            before.reserved_bytes,
-            before.sleeping_bytes,
-            before.offload_host_bytes
-        )
-    );
+    assert_memory_unchanged(&before, &pool.stats(0).unwrap());
     assert_eq!(sim.ledger(0).held_bytes, 24 * MIB);
     pool.validate(0).unwrap();
     // The trainer gives memory back: the wake succeeds, contents bitwise identical.
@@ -98,10 +100,7 @@ fn a_wake_out_of_memory_midway_is_undone_and_says_so() {
     pool.empty_cache(None).unwrap();
     let r = pool.wake(Some(0), None).unwrap();
     assert_eq!((r.arenas, r.copied_bytes), (2, 12 * MIB));
-    for (p, want) in &blocks {
-        assert_eq!(&read(*p, want.len()), want);
-    }
-    pool.validate(0).unwrap();
+    assert_bytes_back(&pool, &blocks);
 }
 
 #[test]
@@ -185,19 +184,7 @@ fn a_copy_back_that_fails_undoes_the_wake_too() {
         "{e}"
     );
     assert_eq!(pool.asleep_tags(0).unwrap(), 1 << w, "the tag still sleeps");
-    let after = pool.stats(0).unwrap();
-    assert_eq!(
-        (
-            after.reserved_bytes,
-            after.sleeping_bytes,
-            after.offload_host_bytes
-        ),
-        (
-            before.reserved_bytes,
-            before.sleeping_bytes,
-            before.offload_host_bytes
-        )
-    );
+    assert_memory_unchanged(&before, &pool.stats(0).unwrap());
     assert_eq!(sim.ledger(0).held_bytes, 0, "both arenas' memory went back");
     tags::set_current(Some("wr_w")).unwrap();
     assert!(pool.alloc(0, MIB, S).is_err(), "allocations still refused");
@@ -206,10 +193,7 @@ fn a_copy_back_that_fails_undoes_the_wake_too() {
     // Tried again: everything back, bitwise.
     let r = pool.wake(Some(0), None).unwrap();
     assert_eq!((r.arenas, r.copied_bytes), (2, 12 * MIB));
-    for (p, want) in &blocks {
-        assert_eq!(&read(*p, want.len()), want);
-    }
-    pool.validate(0).unwrap();
+    assert_bytes_back(&pool, &blocks);
 }
 
 #[test]
@@ -256,10 +240,7 @@ fn a_wake_past_max_reserved_is_refused_and_changes_nothing() {
     }
     pool.empty_cache(None).unwrap();
     pool.wake(Some(0), None).unwrap();
-    for (p, want) in &blocks {
-        assert_eq!(&read(*p, want.len()), want);
-    }
-    pool.validate(0).unwrap();
+    assert_bytes_back(&pool, &blocks);
 }
 
 #[test]
