@@ -21,7 +21,8 @@
 //! sees. At the end everything is freed, unshared and woken, and after `empty_cache` the sim
 //! devices hold nothing.
 //!
-//! `GPU_ARENA_MODEL_CASES` sets the number of cases (default 48 per mode).
+//! `GPU_ARENA_MODEL_CASES` sets the number of cases (default 48 per run),
+//! `GPU_ARENA_MODEL_STEPS` the longest sequence (default 160).
 #![allow(clippy::unwrap_used)]
 
 use proptest::prelude::*;
@@ -46,6 +47,14 @@ fn run(grow: bool, observe: bool, conf: &Conf, steps: &[Step]) -> Result<(), Tes
     w.teardown().map_err(TestCaseError::fail)
 }
 
+/// The longest sequence: `GPU_ARENA_MODEL_STEPS` (default 160).
+fn max_steps() -> usize {
+    std::env::var("GPU_ARENA_MODEL_STEPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(160)
+}
+
 fn cases() -> u32 {
     std::env::var("GPU_ARENA_MODEL_CASES")
         .ok()
@@ -57,17 +66,17 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
 
     #[test]
-    fn growing_arenas_follow_the_model(conf in conf(), steps in prop::collection::vec(step(), 1..160)) {
+    fn growing_arenas_follow_the_model(conf in conf(), steps in prop::collection::vec(step(), 1..max_steps())) {
         run(true, false, &conf, &steps)?;
     }
 
     #[test]
-    fn growing_arenas_with_an_observer_follow_the_model(conf in conf(), steps in prop::collection::vec(step(), 1..160)) {
+    fn growing_arenas_with_an_observer_follow_the_model(conf in conf(), steps in prop::collection::vec(step(), 1..max_steps())) {
         run(true, true, &conf, &steps)?;
     }
 
     #[test]
-    fn fixed_arenas_follow_the_model(conf in conf(), steps in prop::collection::vec(step(), 1..160)) {
+    fn fixed_arenas_follow_the_model(conf in conf(), steps in prop::collection::vec(step(), 1..max_steps())) {
         run(false, false, &conf, &steps)?;
     }
 }
