@@ -6,7 +6,8 @@
 //! backend call now and then, on growing arenas (the default), with an arena observer, and
 //! on fixed ones; each case also draws a configuration (`arena_size`, `max_reserved`,
 //! `trim_on_empty_cache`). The pool has two sim devices: each step names one, and
-//! `empty_cache`, `trim`, sleep, wake and the host buffers' calls sometimes every device.
+//! `empty_cache`, `trim`, sleep, wake and the host buffers' calls sometimes every device. A
+//! fourth run gives each device's sequence a thread of its own, both at once.
 //! The files: `pool_model/ops.rs` (the operations), `model.rs` (one device's model and its
 //! checks), `world.rs` (the pool, the two models, calls on every device, the teardown),
 //! `observer.rs`.
@@ -47,6 +48,13 @@ fn run(grow: bool, observe: bool, conf: &Conf, steps: &[Step]) -> Result<(), Tes
     w.teardown().map_err(TestCaseError::fail)
 }
 
+/// Two threads, one device each, at the same time; then the teardown.
+fn run_threads(conf: &Conf, steps: [Vec<Step>; 2]) -> Result<(), TestCaseError> {
+    let mut w = World::new(true, true, conf);
+    w.run_threads(steps).map_err(TestCaseError::fail)?;
+    w.teardown().map_err(TestCaseError::fail)
+}
+
 /// The longest sequence: `GPU_ARENA_MODEL_STEPS` (default 160).
 fn max_steps() -> usize {
     std::env::var("GPU_ARENA_MODEL_STEPS")
@@ -73,6 +81,15 @@ proptest! {
     #[test]
     fn growing_arenas_with_an_observer_follow_the_model(conf in conf(), steps in prop::collection::vec(step(), 1..max_steps())) {
         run(true, true, &conf, &steps)?;
+    }
+
+    #[test]
+    fn two_threads_on_two_devices_follow_the_model(
+        conf in conf(),
+        a in prop::collection::vec(step(), 1..max_steps()),
+        b in prop::collection::vec(step(), 1..max_steps()),
+    ) {
+        run_threads(&conf, [a, b])?;
     }
 
     #[test]

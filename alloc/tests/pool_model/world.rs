@@ -263,6 +263,47 @@ impl World {
         Ok(())
     }
 
+    /// Each device's model on a thread of its own, running `steps[d]` on device `d` at the
+    /// same time as the other (faults left out: a scheduled fault could hit the other
+    /// thread's call; calls on every device left out). Each step is checked against its
+    /// device's model as it runs alone; a synchronize seen on either device clears the
+    /// fences of both (looser, never a false alarm).
+    pub(crate) fn run_threads(&mut self, steps: [Vec<Step>; 2]) -> Result<(), String> {
+        let models = std::mem::take(&mut self.models);
+        let results: Vec<(Model, Result<(), String>)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = models
+                .into_iter()
+                .zip(steps)
+                .map(|(mut m, steps)| {
+                    scope.spawn(move || {
+                        for (n, step) in steps.iter().enumerate() {
+                            if matches!(step.op, Op::Fault { .. }) {
+                                continue;
+                            }
+                            m.syncs_before = m.sim.calls(SimCall::Synchronize);
+                            let r = m.apply_call(&step.op);
+                            m.settle_fences();
+                            if let Err(e) = r.and_then(|()| m.check(&step.op)) {
+                                let e = format!("device {} step {n} {:?}: {e}", m.dev, step.op);
+                                return (m, Err(e));
+                            }
+                        }
+                        (m, Ok(()))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let mut first_err = Ok(());
+        for (m, r) in results {
+            self.models.push(m);
+            if first_err.is_ok() {
+                first_err = r;
+            }
+        }
+        first_err
+    }
+
     /// Free and unshare everything, wake every tag, unblock every stream, end every graph
     /// pool: the sim devices must then hold nothing after `empty_cache`.
     pub(crate) fn teardown(mut self) -> Result<(), String> {
