@@ -1,6 +1,7 @@
 //! An arena observer for the model test: it keeps what it was told is mapped, and checks
 //! that it is told once per arena, in order: no two registrations overlap, and a release
-//! names a registration.
+//! names a registration. Every fifth `on_ready` fails: the arena stays usable and this
+//! observer must get no `on_release` for it.
 
 use std::collections::BTreeMap;
 
@@ -12,6 +13,9 @@ use parking_lot::Mutex;
 pub struct Registrar {
     /// Registered arenas: base -> size.
     ranges: Mutex<BTreeMap<u64, u64>>,
+    /// Arenas whose `on_ready` this observer failed: base -> size.
+    refused: Mutex<BTreeMap<u64, u64>>,
+    readies: std::sync::atomic::AtomicU64,
     /// The first broken rule seen in a callback (a callback cannot fail the test itself).
     broken: Mutex<Option<String>>,
 }
@@ -26,13 +30,15 @@ impl Registrar {
         self.broken.lock().clone()
     }
 
-    /// Whether `[ptr, ptr + len)` lies inside one registered arena.
+    /// Whether `[ptr, ptr + len)` lies inside one arena this observer was told of (its
+    /// `on_ready` returned `Ok`, or this observer refused it).
     pub fn covers(&self, ptr: u64, len: u64) -> bool {
-        let ranges = self.ranges.lock();
-        ranges
-            .range(..=ptr)
-            .next_back()
-            .is_some_and(|(&base, &size)| ptr + len <= base + size)
+        let inside = |map: &BTreeMap<u64, u64>| {
+            map.range(..=ptr)
+                .next_back()
+                .is_some_and(|(&base, &size)| ptr + len <= base + size)
+        };
+        inside(&self.ranges.lock()) || inside(&self.refused.lock())
     }
 
     /// Registered arenas now.
@@ -56,11 +62,27 @@ impl ArenaObserver for Registrar {
             ));
             return Ok(());
         }
+        // An arena at this address again: a new one (the refused one went).
+        self.refused.lock().remove(&a.base);
+        let n = self
+            .readies
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if n % 5 == 4 {
+            self.refused.lock().insert(a.base, a.size);
+            return Err(format!("refused arena {:#x} (the model's fifth on_ready)", a.base).into());
+        }
         ranges.insert(a.base, a.size);
         Ok(())
     }
 
     fn on_release(&self, a: &ArenaInfo) {
+        if self.refused.lock().contains_key(&a.base) && !self.ranges.lock().contains_key(&a.base) {
+            self.broke(format!(
+                "on_release of {:#x}, whose on_ready this observer failed",
+                a.base
+            ));
+            return;
+        }
         let removed = self.ranges.lock().remove(&a.base);
         if removed != Some(a.size) {
             self.broke(format!(
