@@ -13,15 +13,13 @@
 //! failure is returned as the backend said it. A wake that would pass `max_reserved` is
 //! refused the same way before anything is restored ([`OomCause::MaxReserved`]), and so is
 //! a wake of a device with a graph pool context open (a capture: the copies back would
-//! invalidate it; `InvalidState`). (Should
-//! giving memory back fail as well, that arena is woken after all, contents copied back, and
-//! stays awake while its tag sleeps; logged.)
+//! invalidate it; `InvalidState`). (Should giving memory back fail as well, that arena is
+//! woken after all, contents copied back, and stays awake while its tag sleeps; logged.)
 
 use crate::backend::{ArenaMem, DeviceId};
 use crate::error::{Error, OomCause, Result};
 use crate::pool::observers::ArenaInfo;
-use crate::pool::offload::HostBuffersMoving;
-use crate::pool::offload::Offload;
+use crate::pool::offload::{HostBuffersMoving, Offload};
 use crate::pool::sleep::{mask, names, SleepReport};
 use crate::pool::{DevicePool, Pool};
 

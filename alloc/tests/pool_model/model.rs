@@ -131,12 +131,7 @@ impl Model {
     /// Whether a call may refuse with `e`: the device is out of memory, or a fault was
     /// injected into this operation's backend calls. Never an internal error.
     pub(crate) fn may_refuse(&self, e: &gpu_arena::Error) -> bool {
-        use gpu_arena::Error;
-        match e {
-            Error::Internal(_) => false,
-            Error::OutOfMemory { .. } | Error::DriverOutOfMemory { .. } => true,
-            _ => !self.faults.is_empty(),
-        }
+        may_refuse(e, !self.faults.is_empty())
     }
 
     /// Whether a graph pool routing context (a capture) is open.
@@ -687,5 +682,16 @@ impl Model {
             }
         }
         Ok(())
+    }
+}
+
+/// Whether a call may refuse with `e`: out of memory, or anything but an internal error
+/// when a fault was injected into the step's backend calls (`faulted`).
+pub(crate) fn may_refuse(e: &gpu_arena::Error, faulted: bool) -> bool {
+    use gpu_arena::Error;
+    match e {
+        Error::Internal(_) => false,
+        Error::OutOfMemory { .. } | Error::DriverOutOfMemory { .. } => true,
+        _ => faulted,
     }
 }

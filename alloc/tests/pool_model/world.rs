@@ -8,7 +8,7 @@ use gpu_arena::pool::MaxReserved;
 use gpu_arena::{tags, Pool, PoolConfig, StreamId};
 use proptest::prelude::*;
 
-use super::model::Model;
+use super::model::{may_refuse, Model};
 use super::observer::Registrar;
 use super::ops::{op, Op, FAULTS, MIB, STREAMS};
 
@@ -165,13 +165,6 @@ impl World {
     /// The calls that take `None` for every device.
     pub(crate) fn every_device(&mut self, op: &Op) -> Result<(), String> {
         let pool = self.pool.clone();
-        let refusable = |e: &gpu_arena::Error, faults: bool| match e {
-            gpu_arena::Error::Internal(_) => false,
-            gpu_arena::Error::OutOfMemory { .. } | gpu_arena::Error::DriverOutOfMemory { .. } => {
-                true
-            }
-            _ => faults,
-        };
         let faults = !self.faults.is_empty();
         match *op {
             Op::EmptyCache => {
@@ -183,7 +176,7 @@ impl World {
             Op::PrepareOffload(sel) => {
                 let tags = self.models[0].tag_mask(sel);
                 if let Err(e) = pool.prepare_offload(None, &tags) {
-                    if !refusable(&e, faults) {
+                    if !may_refuse(&e, faults) {
                         return Err(format!("prepare_offload(every device) refused: {e}"));
                     }
                 }
@@ -218,7 +211,7 @@ impl World {
                         Ok(_) => now == before | want,
                         Err(_) if routing => now == before,
                         Err(e) => {
-                            (partly || all_asleep || refusable(e, faults))
+                            (partly || all_asleep || may_refuse(e, faults))
                                 && (now == before || now == before | want)
                         }
                     };
