@@ -449,7 +449,8 @@ fn sleep_and_wake_are_refused_while_a_capture_is_open_and_change_nothing() {
     let e = pool.wake(None, None).unwrap_err();
     assert!(e.to_string().contains("wake on device 1"), "{e}");
     for d in 0..2 {
-        assert_eq!(pool.asleep_tags(d).unwrap(), 1, "device {d} woke");
+        // (Every tag interned in the process sleeps; the default tag is bit 0.)
+        assert_eq!(pool.asleep_tags(d).unwrap() & 1, 1, "device {d} woke");
     }
     pool.graph_pool_end(1, G1).unwrap();
     pool.wake(None, None).unwrap();
