@@ -62,8 +62,20 @@ impl ArenaObserver for Registrar {
             ));
             return Ok(());
         }
-        // An arena at this address again: a new one (the refused one went).
-        self.refused.lock().remove(&a.base);
+        // A new arena here: the refused arenas whose memory it now covers went (an observer
+        // is told nothing when a refused arena goes, so their entries stay until then; one
+        // left inside a new arena's range would hide the new one from `covers`).
+        {
+            let mut refused = self.refused.lock();
+            let gone: Vec<u64> = refused
+                .range(..a.base + a.size)
+                .filter(|(&base, &size)| base + size > a.base)
+                .map(|(&base, _)| base)
+                .collect();
+            for base in gone {
+                refused.remove(&base);
+            }
+        }
         let n = self
             .readies
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
