@@ -115,3 +115,47 @@ fn fail_every_call(grow: bool) {
     eprintln!("{runs} faulty runs, each clean afterwards");
     assert!(runs > 10);
 }
+
+/// A free of a block used on another stream whose event cannot be recorded (with a
+/// synchronize that would fail too) is still done, once: its range waits for a later
+/// synchronize (here `empty_cache`'s), and a second free is a double free. (It returned the
+/// synchronize's error with the block already taken: a later free said "double free" and
+/// the range never came back. Found by `pool_model.rs`.)
+#[test]
+fn a_free_whose_event_and_synchronize_fail_is_done_once_and_its_range_comes_back() {
+    let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+    let config = gpu_arena::PoolConfig {
+        arena_size: 64 * MIB,
+        validate: true,
+        ..gpu_arena::PoolConfig::default()
+    };
+    let pool = gpu_arena::Pool::new(sim.clone(), config).unwrap();
+    let (s1, s2) = (StreamId(1), StreamId(2));
+    let a = pool.alloc(0, 4 * MIB, s1).unwrap();
+    pool.record_stream(a.ptr, s2).unwrap();
+    sim.fail_nth(SimCall::RecordEvent, 1);
+    sim.fail_nth(SimCall::Synchronize, 1);
+    let syncs = sim.calls(SimCall::Synchronize);
+    pool.free(a.ptr).unwrap();
+    // The free does not block on the device: the synchronize is left to a later call.
+    assert_eq!(sim.calls(SimCall::Synchronize), syncs);
+    sim.fail_nth(SimCall::Synchronize, 0);
+    let st = pool.stats(0).unwrap();
+    assert_eq!(
+        st.pending_free_bytes, a.bytes,
+        "the range waits for a synchronize"
+    );
+    assert!(pool.free(a.ptr).is_err(), "a second free is a double free");
+    // Not reused before a synchronize: a new block of the same size lies elsewhere.
+    let b = pool.alloc(0, 4 * MIB, s1).unwrap();
+    assert_ne!(b.ptr, a.ptr);
+    pool.free(b.ptr).unwrap();
+    pool.empty_cache(None).unwrap();
+    let st = pool.stats(0).unwrap();
+    assert_eq!(st.pending_free_bytes, 0);
+    assert_eq!(
+        st.reserved_bytes, 0,
+        "everything back after the synchronize"
+    );
+    pool.validate(0).unwrap();
+}

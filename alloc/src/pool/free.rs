@@ -6,7 +6,7 @@
 use std::collections::hash_map::Entry;
 
 use super::classes::GENERAL;
-use super::{live_tag, DevicePool, PendingFree, Pool};
+use super::{live_tag, DevicePool, Pool};
 use crate::backend::{DeviceId, StreamId};
 use crate::error::{Error, Result};
 use crate::history::Action;
@@ -173,31 +173,11 @@ impl Pool {
             // context closes (pool/graph_pools.rs, rule 4).
             st.defer_until_no_capture(ptr, live.bytes());
         } else if !extra.is_empty() {
-            let mut events = Vec::with_capacity(extra.len());
-            for s in extra {
-                match self.backend.record_event(dp.device, s) {
-                    Ok(e) => events.push(e),
-                    Err(e) => {
-                        // Without the event we cannot know when the other stream is done:
-                        // wait for the device instead of risking a reuse race.
-                        tracing::warn!(error = %e, "record_event failed at free; synchronizing");
-                        for ev in events.drain(..) {
-                            let _ = self.backend.destroy_event(ev);
-                        }
-                        drop(st);
-                        self.backend.synchronize(dp.device)?;
-                        st = dp.state.lock();
-                        break;
-                    }
-                }
-            }
+            // Released once events recorded now on its other streams complete; an event that
+            // cannot be recorded makes it wait for a device synchronize (the free itself is
+            // done: it never fails after the lifetime above took it).
             st.stats.pending_free_bytes += live.bytes();
-            st.pending.push(PendingFree {
-                ptr,
-                stream,
-                events,
-                until_synchronize: false,
-            });
+            st.pend_on_streams(ptr, stream, extra, self.backend.as_ref(), dp.device);
         } else {
             st.release_range(ptr, stream.0)?;
         }
