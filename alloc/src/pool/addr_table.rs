@@ -96,6 +96,13 @@ impl<V: Copy + Default> AddrTable<V> {
 
     /// The value of `key`.
     #[inline]
+    pub(crate) fn get(&self, key: u64) -> Option<&V> {
+        let i = self.find(key)?;
+        Some(&self.slots[i].1)
+    }
+
+    /// The value of `key`, to change.
+    #[inline]
     pub(crate) fn get_mut(&mut self, key: u64) -> Option<&mut V> {
         let i = self.find(key)?;
         Some(&mut self.slots[i].1)

@@ -164,6 +164,9 @@ impl DeviceState {
         } else {
             &[(FLUSH_FIRST_ABOVE, false), (0, false)]
         };
+        if let Some(p) = self.room_without_flushing(backend, device, class, len, stream) {
+            return Some(p);
+        }
         for &(min_len, own_only) in passes {
             if !self.flush_cached_above(min_len, Some(class), own_only) {
                 continue;
@@ -192,7 +195,7 @@ impl DeviceState {
     /// The last resort of [`Self::take_range`]: settle `class`'s streams and retry; not
     /// while allocations are routed to a graph pool (no event may be recorded or queried:
     /// `pool/graph_pools.rs`), nor for a small class that grows freely.
-    fn settle_unless_routing(
+    pub(super) fn settle_unless_routing(
         &mut self,
         backend: &dyn Backend,
         device: DeviceId,
@@ -241,7 +244,7 @@ impl DeviceState {
     /// `len`. Taking its own first, wherever they were, left the better-fitting holes
     /// around them empty: a KV trace of two streams reserved 1.206 of its live bytes that
     /// way, 1.012 with this rule and the take-ins (bench/results/sim-2026-12-02-take-in.md).
-    fn best_fit_usable(&mut self, t: usize, len: u64, stream: StreamId) -> Option<u64> {
+    pub(super) fn best_fit_usable(&mut self, t: usize, len: u64, stream: StreamId) -> Option<u64> {
         let [any, limbo] = self.usable_by(stream.0);
         self.ranges[t]
             .alloc_best_of(len, &[stream.0, limbo, any])

@@ -8,7 +8,9 @@ use rustc_hash::FxHashMap;
 use super::cache_key::{cache_key_parts, cache_len};
 use super::classes::Class;
 use super::device::DeviceState;
+use super::growth::GROWING_CACHE_MAX;
 use super::Live;
+use crate::backend::{Backend, DeviceId, StreamId};
 use crate::history::Action;
 
 impl DeviceState {
@@ -101,6 +103,52 @@ impl DeviceState {
         let any = !by_stream.is_empty();
         self.free_blocks(by_stream);
         any
+    }
+
+    /// A growing class's miss for a request larger than any cached block
+    /// ([`GROWING_CACHE_MAX`]), before every cached block is given back: the run of the
+    /// calling thread's cached blocks that makes room for it (`pool/cached_runs.rs`), then
+    /// the streams' settled ranges and take-ins (`DeviceState::settle_unless_routing`). On
+    /// the second KV trace giving back every cached block made room for no such request by
+    /// itself, and each block came back through the device lock on its next allocation
+    /// (bench/results/sim-2026-12-03-cached-runs.md). `None` for other classes and sizes,
+    /// and when neither made room.
+    pub(super) fn room_without_flushing(
+        &mut self,
+        backend: &dyn Backend,
+        device: DeviceId,
+        class: Class,
+        len: u64,
+        stream: StreamId,
+    ) -> Option<u64> {
+        if !self.grows(class) || len <= GROWING_CACHE_MAX {
+            return None;
+        }
+        if self.flush_run_for(len, stream.0, class) {
+            if let Some(p) = self.best_fit_usable(class.index(), len, stream) {
+                return Some(p);
+            }
+        }
+        self.settle_unless_routing(backend, device, class, len, stream)
+    }
+
+    /// Give back only the run of the calling thread's cached blocks, freed on `stream`, of
+    /// growing `class`, that makes room for `len` bytes with the free space beside it
+    /// (`pool/cached_runs.rs`). Returns whether any block went back.
+    fn flush_run_for(&mut self, len: u64, stream: u64, class: Class) -> bool {
+        let t = class.index();
+        let huge_min = self.huge_min();
+        let Some(ranges) = self.ranges.get(t) else {
+            return false;
+        };
+        let run = self
+            .front
+            .take_own_run(stream, class, huge_min, len, |p| ranges.beside(p, stream));
+        if run.is_empty() {
+            return false;
+        }
+        self.free_blocks([((stream, t), run)]);
+        true
     }
 
     /// Give cached blocks, by (stream, class index), back to their class's sub-allocator.

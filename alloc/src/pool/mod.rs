@@ -82,6 +82,7 @@ mod addr_table;
 mod alloc;
 mod arena_index;
 mod cache_key;
+mod cached_runs;
 mod classes;
 mod device;
 mod device_cache;

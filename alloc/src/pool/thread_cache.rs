@@ -64,6 +64,7 @@ use super::classes::Class;
 use super::spin::{SpinGuard, SpinLock};
 use super::thread_records::{FreeOutcome, FrontLive, ThreadRecords};
 use super::{block_len, CACHE_MAX_BLOCK};
+use crate::range::Beside;
 
 /// A byte count as one thread sees it (the base plus its cache's changes), which is below
 /// the truth while other threads hold unfolded allocations, and "negative" (wrapped) when
@@ -582,6 +583,25 @@ impl Front {
                 .records
                 .drain_free(min_len, class, huge_min, &mut blocks);
             Some(blocks)
+        })
+        .unwrap_or_default()
+    }
+
+    /// [`ThreadRecords::take_run`] in the calling thread's cache.
+    pub(crate) fn take_own_run(
+        self: &Arc<Self>,
+        stream: u64,
+        class: Class,
+        huge_min: u64,
+        need: u64,
+        beside: impl Fn(u64) -> Option<Beside>,
+    ) -> Vec<u64> {
+        self.with_cache(|cache| {
+            Some(
+                cache
+                    .records
+                    .take_run(stream, class, huge_min, need, beside),
+            )
         })
         .unwrap_or_default()
     }

@@ -22,7 +22,9 @@ use rustc_hash::FxHashMap;
 
 use super::addr_table::{AddrTable, NO_KEY};
 use super::cache_key::{cache_key_parts, cache_len};
+use super::cached_runs::fitting_run;
 use super::classes::Class;
+use crate::range::Beside;
 
 /// A record's list before its block was first freed into the cache.
 const NO_LIST: u16 = u16::MAX;
@@ -292,6 +294,61 @@ impl ThreadRecords {
             self.remove_empty_lists();
         }
         self.at.shrink_if_sparse();
+    }
+
+    /// Take out of the cache the run of free blocks freed on `stream` (of `class`) that
+    /// [`fitting_run`] picks for a request of `need` bytes, `beside` being the
+    /// sub-allocator's view of a block (`pool/cached_runs.rs`). Returns their addresses, in
+    /// address order; nothing when no run fits.
+    pub(crate) fn take_run(
+        &mut self,
+        stream: u64,
+        class: Class,
+        huge_min: u64,
+        need: u64,
+        beside: impl Fn(u64) -> Option<Beside>,
+    ) -> Vec<u64> {
+        if self.free_bytes == 0 {
+            return Vec::new();
+        }
+        let in_scope: Vec<u16> = (0..self.lists.len())
+            .filter(|&i| {
+                let l = &self.lists[i];
+                let (len, tag) = cache_key_parts(l.key);
+                l.stream == stream
+                    && !l.ptrs.is_empty()
+                    && Class::of(tag as u8, len, huge_min) == class
+            })
+            .filter_map(|i| u16::try_from(i).ok())
+            .collect();
+        if in_scope.is_empty() {
+            return Vec::new();
+        }
+        let at = &self.at;
+        let is_cached = |ptr: u64| {
+            at.get(ptr)
+                .is_some_and(|r| r.free && in_scope.contains(&r.list))
+        };
+        // The most recently freed first.
+        let candidates = in_scope
+            .iter()
+            .flat_map(|&i| self.lists[i as usize].ptrs.iter().rev().copied());
+        let run = fitting_run(candidates, need, is_cached, beside);
+        if run.is_empty() {
+            return run;
+        }
+        for &i in &in_scope {
+            let list = &mut self.lists[i as usize];
+            let len = cache_key_parts(list.key).0;
+            let before = list.ptrs.len();
+            list.ptrs.retain(|p| run.binary_search(p).is_err());
+            self.free_bytes -= len * (before - list.ptrs.len()) as u64;
+        }
+        for &ptr in &run {
+            self.at.remove(ptr);
+        }
+        self.at.shrink_if_sparse();
+        run
     }
 
     /// Remove the empty free lists, renumbering the rest in the records that name them (a

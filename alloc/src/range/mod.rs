@@ -36,6 +36,7 @@ use std::collections::BTreeMap;
 use rustc_hash::FxHashMap;
 
 mod across_tags;
+mod beside;
 mod class_set;
 mod free_index;
 mod grow;
@@ -43,6 +44,7 @@ mod place;
 mod split;
 mod validate;
 
+pub use beside::Beside;
 use free_index::FreeIndex;
 
 /// Offsets and lengths are multiples of this many bytes.
