@@ -6,27 +6,16 @@
 
 use std::sync::Arc;
 
-use gpu_arena::backend::sim::{SimBackend, SimConfig};
-use gpu_arena::{Pool, PoolConfig, StreamId};
+use gpu_arena::{Pool, StreamId};
+
+mod common;
 
 const MIB: u64 = 1 << 20;
 const S: StreamId = StreamId(7);
 
 /// A validating pool with growing arenas over a 1 GiB sim device.
 fn growing_pool() -> Arc<Pool> {
-    let sim = Arc::new(
-        SimBackend::new(SimConfig {
-            capacity: 1 << 30,
-            ..SimConfig::default()
-        })
-        .unwrap(),
-    );
-    let config = PoolConfig {
-        grow_arenas: true,
-        validate: true,
-        ..PoolConfig::default()
-    };
-    Arc::new(Pool::new(sim, config).unwrap())
+    common::growing_pool(1 << 30, true).1
 }
 
 /// 2 MiB blocks on `S` until the large class's arena has no free byte left, in address

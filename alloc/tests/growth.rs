@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use gpu_arena::backend::sim::{SimBackend, SimCall, SimConfig};
 use gpu_arena::ipc::{Broker, BrokerConfig, Importer, ShareHandle};
-use gpu_arena::{tags, Pool, PoolConfig, StreamId};
+use gpu_arena::{tags, Pool, StreamId};
 
 mod common;
 use common::{fill, hex, read, unhex};
@@ -22,20 +22,7 @@ const S: StreamId = StreamId(7);
 
 /// A validating pool with growing arenas over a 4 GiB sim device.
 fn growing_pool() -> (Arc<SimBackend>, Arc<Pool>) {
-    let sim = Arc::new(
-        SimBackend::new(SimConfig {
-            capacity: 4 << 30,
-            ..SimConfig::default()
-        })
-        .unwrap(),
-    );
-    let config = PoolConfig {
-        grow_arenas: true,
-        validate: true,
-        ..PoolConfig::default()
-    };
-    let pool = Arc::new(Pool::new(sim.clone(), config).unwrap());
-    (sim, pool)
+    common::growing_pool(4 << 30, true)
 }
 
 /// A few tensors reserve their bytes, not 1 GiB arenas: live plus a few 2 MiB pages per
@@ -169,19 +156,7 @@ fn a_streams_pieces_between_another_streams_free_space_serve_a_larger_request() 
 }
 
 fn growing_pool_of(capacity: u64) -> (Arc<SimBackend>, Arc<Pool>) {
-    let sim = Arc::new(
-        SimBackend::new(SimConfig {
-            capacity,
-            ..SimConfig::default()
-        })
-        .unwrap(),
-    );
-    let config = PoolConfig {
-        grow_arenas: true,
-        ..PoolConfig::default()
-    };
-    let pool = Arc::new(Pool::new(sim.clone(), config).unwrap());
-    (sim, pool)
+    common::growing_pool(capacity, false)
 }
 
 /// A grown arena sleeps as one allocation and wakes at the same addresses with its

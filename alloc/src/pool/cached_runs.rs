@@ -90,8 +90,8 @@ pub(crate) fn fitting_run(
     let Some((_, run)) = best else {
         return Vec::new();
     };
-    // The fewest blocks that reach `need` from the freer side; the whole run when only
-    // both sides together do.
+    // The fewest blocks (at least one) that reach `need` from the freer side; the whole run
+    // when only both sides together do.
     let from_front = run.free_before >= run.free_after;
     let (mut got, order): (u64, Box<dyn Iterator<Item = &(u64, u64)>>) = if from_front {
         (run.free_before, Box::new(run.blocks.iter()))
@@ -100,7 +100,8 @@ pub(crate) fn fitting_run(
     };
     let mut out = Vec::new();
     for &(ptr, len) in order {
-        if got >= need {
+        // At least one block: free space alone that fits would not have missed.
+        if got >= need && !out.is_empty() {
             break;
         }
         got += len;
@@ -114,8 +115,11 @@ pub(crate) fn fitting_run(
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use std::collections::BTreeMap;
+
+    use proptest::prelude::*;
 
     use super::*;
 
@@ -178,5 +182,114 @@ mod tests {
         // From the freer side only.
         assert_eq!(pick("fcccl", 2 * B), vec![1]);
         assert_eq!(pick("lcccf", 2 * B), vec![3]);
+    }
+
+    /// A region of ranges `(kind, units)`: 'c' cached, 'l' live, 'f' free under the tag
+    /// (never two side by side, as in the sub-allocator), 'o' free under another tag; each
+    /// `units * B` long. Returns `fitting_run`'s pick as range indexes.
+    fn pick_in(layout: &[(char, u64)], need: u64) -> Vec<usize> {
+        let starts: Vec<u64> = layout
+            .iter()
+            .scan(0u64, |at, &(_, units)| {
+                let s = *at;
+                *at += units * B;
+                Some(s)
+            })
+            .collect();
+        let index = |ptr: u64| starts.binary_search(&ptr).ok();
+        let len = |i: usize| layout[i].1 * B;
+        let free = |i: usize| if layout[i].0 == 'f' { len(i) } else { 0 };
+        let beside = |ptr: u64| {
+            let i = index(ptr)?;
+            if !matches!(layout[i].0, 'c' | 'l') {
+                return None;
+            }
+            let n = layout.len();
+            Some(Beside {
+                len: len(i),
+                before: (i > 0).then(|| starts[i - 1]),
+                free_before: if i > 0 { free(i - 1) } else { 0 },
+                after: (i + 1 < n).then(|| starts[i + 1]),
+                free_after: if i + 1 < n { free(i + 1) } else { 0 },
+            })
+        };
+        let is_cached = |ptr: u64| index(ptr).is_some_and(|i| layout[i].0 == 'c');
+        let cached: Vec<u64> = (0..layout.len())
+            .filter(|&i| layout[i].0 == 'c')
+            .map(|i| starts[i])
+            .collect();
+        fitting_run(cached, need, is_cached, beside)
+            .into_iter()
+            .map(|p| index(p).unwrap())
+            .collect()
+    }
+
+    fn layouts() -> impl Strategy<Value = Vec<(char, u64)>> {
+        prop::collection::vec(
+            (prop::sample::select(vec!['c', 'c', 'l', 'f', 'o']), 1u64..4),
+            1..40,
+        )
+        .prop_map(|mut v| {
+            for i in 1..v.len() {
+                if v[i].0 == 'f' && v[i - 1].0 == 'f' {
+                    v[i].0 = 'l';
+                }
+            }
+            v
+        })
+    }
+
+    proptest! {
+        /// Against every maximal run of cached blocks: nothing is picked only when no run
+        /// with the free ranges of the tag beside it reaches the request; else the pick is
+        /// a contiguous part of the best fitting run, which with the free range beside the
+        /// part (where the part reaches the run's end) reaches it.
+        #[test]
+        fn the_pick_is_part_of_the_best_fitting_run_and_reaches_the_request(
+            layout in layouts(),
+            need_units in 1u64..12,
+        ) {
+            let need = need_units * B;
+            let n = layout.len();
+            let free = |i: usize| if layout[i].0 == 'f' { layout[i].1 * B } else { 0 };
+            // Maximal runs: (first, last, total with the free ranges beside).
+            let mut runs = Vec::new();
+            let mut i = 0;
+            while i < n {
+                if layout[i].0 != 'c' {
+                    i += 1;
+                    continue;
+                }
+                let first = i;
+                while i + 1 < n && layout[i + 1].0 == 'c' {
+                    i += 1;
+                }
+                let blocks: u64 = (first..=i).map(|k| layout[k].1 * B).sum();
+                let before = if first > 0 { free(first - 1) } else { 0 };
+                let after = if i + 1 < n { free(i + 1) } else { 0 };
+                runs.push((first, i, blocks + before + after));
+                i += 1;
+            }
+            let best = runs.iter().filter(|r| r.2 >= need).map(|r| r.2).min();
+            let picked = pick_in(&layout, need);
+            match best {
+                None => prop_assert!(picked.is_empty(), "{picked:?}"),
+                Some(best) => {
+                    prop_assert!(!picked.is_empty());
+                    let (lo, hi) = (picked[0], picked[picked.len() - 1]);
+                    prop_assert_eq!(picked.clone(), (lo..=hi).collect::<Vec<_>>());
+                    let run = runs.iter().find(|r| r.0 <= lo && hi <= r.1).unwrap();
+                    prop_assert_eq!(run.2, best);
+                    let mut got: u64 = picked.iter().map(|&k| layout[k].1 * B).sum();
+                    if lo == run.0 && lo > 0 {
+                        got += free(lo - 1);
+                    }
+                    if hi == run.1 && hi + 1 < n {
+                        got += free(hi + 1);
+                    }
+                    prop_assert!(got >= need, "{got} < {need}");
+                }
+            }
+        }
     }
 }

@@ -91,6 +91,31 @@ pub fn sim_pool(
     (sim, pool)
 }
 
+/// A pool with growing arenas (the default) over a new sim device of `capacity` bytes,
+/// validating itself after every operation when `validate`.
+pub fn growing_pool(
+    capacity: u64,
+    validate: bool,
+) -> (
+    std::sync::Arc<gpu_arena::backend::sim::SimBackend>,
+    std::sync::Arc<gpu_arena::Pool>,
+) {
+    let sim = std::sync::Arc::new(
+        gpu_arena::backend::sim::SimBackend::new(gpu_arena::backend::sim::SimConfig {
+            capacity,
+            ..gpu_arena::backend::sim::SimConfig::default()
+        })
+        .expect("sim backend"),
+    );
+    let config = gpu_arena::PoolConfig {
+        grow_arenas: true,
+        validate,
+        ..gpu_arena::PoolConfig::default()
+    };
+    let pool = gpu_arena::Pool::new(sim.clone(), config).expect("pool on the sim");
+    (sim, std::sync::Arc::new(pool))
+}
+
 /// The device address of `bytes` allocated on device 0, stream `stream`, under tag `tag`.
 pub fn alloc_with(
     pool: &gpu_arena::Pool,
