@@ -11,7 +11,8 @@
 //!   keeps its record, marked free (`pool/thread_records.rs`): a warm pair touches one
 //!   record, with no insert or remove. Each cache has its own spin
 //!   lock (`pool/spin.rs`), which only its thread takes in the common case; flushers (a miss
-//!   that would grow the pool, `empty_cache`, the OOM retry, `sleep`) and readers
+//!   that would grow the pool, a larger miss taking back a run of blocks:
+//!   `pool/cached_runs.rs`; `empty_cache`, the OOM retry, `sleep`) and readers
 //!   (`validate`, `stats`) take it too, under the device lock.
 //! - **Live records**: a plain allocation (no share, no `record_stream`) is recorded in the
 //!   cache of the thread that allocated it, not in the device state. Its free on that thread
