@@ -123,13 +123,7 @@ fn fail_every_call(grow: bool) {
 /// the range never came back. Found by `pool_model.rs`.)
 #[test]
 fn a_free_whose_event_and_synchronize_fail_is_done_once_and_its_range_comes_back() {
-    let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
-    let config = gpu_arena::PoolConfig {
-        arena_size: 64 * MIB,
-        validate: true,
-        ..gpu_arena::PoolConfig::default()
-    };
-    let pool = gpu_arena::Pool::new(sim.clone(), config).unwrap();
+    let (sim, pool) = common::growing_pool(SimConfig::default().capacity, true);
     let (s1, s2) = (StreamId(1), StreamId(2));
     let a = pool.alloc(0, 4 * MIB, s1).unwrap();
     pool.record_stream(a.ptr, s2).unwrap();

@@ -92,14 +92,13 @@ pub(crate) fn fitting_run(
     };
     // The fewest blocks (at least one) that reach `need` from the freer side; the whole run
     // when only both sides together do.
-    let from_front = run.free_before >= run.free_after;
-    let (mut got, order): (u64, Box<dyn Iterator<Item = &(u64, u64)>>) = if from_front {
-        (run.free_before, Box::new(run.blocks.iter()))
-    } else {
-        (run.free_after, Box::new(run.blocks.iter().rev()))
-    };
+    let (mut blocks, mut got) = (run.blocks, run.free_before);
+    if run.free_after > run.free_before {
+        blocks.reverse();
+        got = run.free_after;
+    }
     let mut out = Vec::new();
-    for &(ptr, len) in order {
+    for &(ptr, len) in &blocks {
         // At least one block: free space alone that fits would not have missed.
         if got >= need && !out.is_empty() {
             break;
@@ -108,7 +107,7 @@ pub(crate) fn fitting_run(
         out.push(ptr);
     }
     if got < need {
-        out = run.blocks.iter().map(|b| b.0).collect();
+        out = blocks.iter().map(|b| b.0).collect();
     }
     out.sort_unstable();
     out

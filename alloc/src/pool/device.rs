@@ -392,48 +392,9 @@ impl DeviceState {
         };
         let (stream, extra, bytes) = (live.stream, live.extra_streams().to_vec(), live.bytes());
         self.stats.deferred_free_bytes -= bytes;
-        if extra.is_empty() {
-            if let Err(e) = self.release_range(ptr, stream.0) {
-                tracing::error!(error = %e, "releasing a deferred free failed");
-            }
-            return;
+        if let Err(e) = self.release_freed(ptr, stream, extra, bytes, backend, device) {
+            tracing::error!(error = %e, "releasing a deferred free failed");
         }
-        if self.graph_pools.routing() {
-            self.defer_until_no_capture(ptr, bytes);
-            return;
-        }
-        self.stats.pending_free_bytes += bytes;
-        self.pend_on_streams(ptr, stream, extra, backend, device);
-    }
-
-    /// Queue a freed allocation (counted in `pending_free_bytes` already) until events
-    /// recorded now on each of its `record_stream` streams complete; one that cannot be
-    /// recorded makes it wait for a device synchronize instead.
-    pub(super) fn pend_on_streams(
-        &mut self,
-        ptr: u64,
-        stream: StreamId,
-        extra: Vec<StreamId>,
-        backend: &dyn Backend,
-        device: DeviceId,
-    ) {
-        let mut events = Vec::with_capacity(extra.len());
-        let mut until_synchronize = false;
-        for s in extra {
-            match backend.record_event(device, s) {
-                Ok(e) => events.push(e),
-                Err(e) => {
-                    tracing::warn!(error = %e, "record_event failed: the range waits for a synchronize");
-                    until_synchronize = true;
-                }
-            }
-        }
-        self.pending.push(PendingFree {
-            ptr,
-            stream,
-            events,
-            until_synchronize,
-        });
     }
 
     /// Move the front's record of `ptr`, if it has one, into the device's map (where shares,

@@ -1,13 +1,15 @@
 //! Free and `record_stream`: the thread front's fast free first (`pool/thread_cache.rs`),
 //! else, under the device lock, the allocation's record promoted from the front and the
 //! stream rules applied (the exact-size cache, pending frees that wait for events on
-//! `record_stream` streams, deferred frees of shared ranges).
+//! `record_stream` streams, deferred frees of shared ranges). `DeviceState::release_freed`
+//! is the one rule for a freed range, here and when a shared range's last share ends.
 
 use std::collections::hash_map::Entry;
 
 use super::classes::GENERAL;
-use super::{live_tag, DevicePool, Pool};
-use crate::backend::{DeviceId, StreamId};
+use super::device::DeviceState;
+use super::{live_tag, DevicePool, PendingFree, Pool};
+use crate::backend::{Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
 use crate::history::Action;
 use crate::lifetime::FreeStep;
@@ -168,18 +170,12 @@ impl Pool {
             // Still shared: the range waits for its last reference (pool/share.rs releases
             // it when the lifetime says so).
             st.stats.deferred_free_bytes += live.bytes();
-        } else if !extra.is_empty() && st.graph_pools.routing() {
-            // No event while a capture may be under way: recorded when the last graph pool
-            // context closes (pool/graph_pools.rs, rule 4).
-            st.defer_until_no_capture(ptr, live.bytes());
-        } else if !extra.is_empty() {
-            // Released once events recorded now on its other streams complete; an event that
-            // cannot be recorded makes it wait for a device synchronize (the free itself is
-            // done: it never fails after the lifetime above took it).
-            st.stats.pending_free_bytes += live.bytes();
-            st.pend_on_streams(ptr, stream, extra, self.backend.as_ref(), dp.device);
         } else {
-            st.release_range(ptr, stream.0)?;
+            // At once, or after events on its other streams (an event that cannot be
+            // recorded makes it wait for a device synchronize: the free itself is done), or
+            // after the capture (pool/graph_pools.rs, rule 4).
+            let backend = self.backend.as_ref();
+            st.release_freed(ptr, stream, extra, live.bytes(), backend, dp.device)?;
         }
         dp.metrics.publish(&st.stats_now());
         if self.config.validate {
@@ -211,5 +207,63 @@ impl Pool {
             live.extra_streams = Some(extra.into_boxed_slice());
         }
         Ok(())
+    }
+}
+
+impl DeviceState {
+    /// Give back the range of an allocation its owner freed (of `bytes`, used on the
+    /// `record_stream` streams `extra` besides `stream`): at once under its stream's tag when
+    /// there are none; else once events recorded now on them complete (counted in
+    /// `pending_free_bytes` meanwhile), or, while a graph pool routes allocations and no
+    /// event may be recorded, when the last routing context closes.
+    pub(crate) fn release_freed(
+        &mut self,
+        ptr: u64,
+        stream: StreamId,
+        extra: Vec<StreamId>,
+        bytes: u64,
+        backend: &dyn Backend,
+        device: DeviceId,
+    ) -> Result<()> {
+        if extra.is_empty() {
+            return self.release_range(ptr, stream.0);
+        }
+        if self.graph_pools.routing() {
+            self.defer_until_no_capture(ptr, bytes);
+            return Ok(());
+        }
+        self.stats.pending_free_bytes += bytes;
+        self.pend_on_streams(ptr, stream, extra, backend, device);
+        Ok(())
+    }
+
+    /// Queue a freed allocation (counted in `pending_free_bytes` already) until events
+    /// recorded now on each of its `record_stream` streams complete; one that cannot be
+    /// recorded makes it wait for a device synchronize instead.
+    pub(super) fn pend_on_streams(
+        &mut self,
+        ptr: u64,
+        stream: StreamId,
+        extra: Vec<StreamId>,
+        backend: &dyn Backend,
+        device: DeviceId,
+    ) {
+        let mut events = Vec::with_capacity(extra.len());
+        let mut until_synchronize = false;
+        for s in extra {
+            match backend.record_event(device, s) {
+                Ok(e) => events.push(e),
+                Err(e) => {
+                    tracing::warn!(error = %e, "record_event failed: the range waits for a synchronize");
+                    until_synchronize = true;
+                }
+            }
+        }
+        self.pending.push(PendingFree {
+            ptr,
+            stream,
+            events,
+            until_synchronize,
+        });
     }
 }

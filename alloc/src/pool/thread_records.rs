@@ -79,6 +79,14 @@ struct FreeList {
     ptrs: Vec<u64>,
 }
 
+impl FreeList {
+    /// The size class of its blocks.
+    fn class(&self, huge_min: u64) -> Class {
+        let (len, tag) = cache_key_parts(self.key);
+        Class::of(tag as u8, len, huge_min)
+    }
+}
+
 /// What [`ThreadRecords::free_live`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum FreeOutcome {
@@ -273,11 +281,11 @@ impl ThreadRecords {
             return;
         }
         for list in &mut self.lists {
-            let (len, tag) = cache_key_parts(list.key);
+            let len = cache_key_parts(list.key).0;
             if list.ptrs.is_empty() || len <= min_len {
                 continue;
             }
-            let of = Class::of(tag as u8, len, huge_min);
+            let of = list.class(huge_min);
             if class.is_some_and(|c| c != of) {
                 continue;
             }
@@ -314,10 +322,7 @@ impl ThreadRecords {
         let in_scope: Vec<u16> = (0..self.lists.len())
             .filter(|&i| {
                 let l = &self.lists[i];
-                let (len, tag) = cache_key_parts(l.key);
-                l.stream == stream
-                    && !l.ptrs.is_empty()
-                    && Class::of(tag as u8, len, huge_min) == class
+                l.stream == stream && !l.ptrs.is_empty() && l.class(huge_min) == class
             })
             .filter_map(|i| u16::try_from(i).ok())
             .collect();
