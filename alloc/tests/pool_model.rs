@@ -2,15 +2,19 @@
 //! every operation a user can mix — allocations of every class on three streams and three
 //! tags, frees, `record_stream`, streams whose work does not finish (events pending), shares,
 //! leases and unshares, `empty_cache`, `trim`, sleep and wake of some tags (offloaded or
-//! not), graph pools (begin, allocate, end, release) — with a fault injected into the next
-//! backend call now and then, on growing arenas (the default), with an arena observer, and
-//! on fixed ones; each case also draws a configuration (`arena_size`, `max_reserved`,
+//! not), graph pools (begin, allocate, end, release), bursts of 2 MiB blocks freed together
+//! (neighbours cached at once, which a larger miss may take back as a run) — with a fault
+//! injected into the next backend call now and then, on growing arenas (the default), with
+//! an arena observer, and on fixed ones. A step runs on the test's thread or on one of two
+//! helper threads (blocks freed on another thread than the one that allocated them; a
+//! helper retired now and then leaves its thread cache behind, `pool_model/helpers.rs`);
+//! each case also draws a configuration (`arena_size`, `max_reserved`,
 //! `trim_on_empty_cache`). The pool has two sim devices: each step names one, and
 //! `empty_cache`, `trim`, sleep, wake and the host buffers' calls sometimes every device. A
 //! fourth run gives each device's sequence a thread of its own, both at once.
 //! The files: `pool_model/ops.rs` (the operations), `model.rs` (one device's model and its
 //! checks), `world.rs` (the pool, the two models, calls on every device, the teardown),
-//! `observer.rs`.
+//! `helpers.rs` (the helper threads), `observer.rs`.
 //!
 //! After every operation, whether it succeeded or failed, the pool must agree with the
 //! model: `validate` passes; no two live blocks overlap; every awake block (and every range
@@ -29,6 +33,8 @@
 use proptest::prelude::*;
 
 mod common;
+#[path = "pool_model/helpers.rs"]
+mod helpers;
 #[path = "pool_model/model.rs"]
 mod model;
 #[path = "pool_model/observer.rs"]

@@ -239,6 +239,51 @@ fn max_reserved_counts_an_arena_whose_destroy_failed() {
     let _c = pool.alloc(0, 64 * MIB, S1).unwrap();
 }
 
+/// Found by `pool_model.rs`: the export self-test before a device's first share creates one
+/// granule, which passed `max_reserved` at the cap (and stayed past it when its destroy
+/// failed). It counts as an arena now: the cached arenas make room for it, else the share
+/// fails as out of memory and changes nothing.
+#[test]
+fn the_export_self_test_stays_under_max_reserved() {
+    let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+    let pool = Pool::new(
+        sim.clone(),
+        PoolConfig {
+            arena_size: 64 * MIB,
+            max_reserved: Some(MaxReserved::Bytes(128 * MIB)),
+            grow_arenas: false,
+            validate: true,
+            ..PoolConfig::default()
+        },
+    )
+    .unwrap();
+    let a = pool.alloc(0, 64 * MIB, S1).unwrap();
+    let b = pool.alloc(0, 64 * MIB, S1).unwrap();
+    // At the cap with nothing cached: refused, nothing shared, nothing held past the cap.
+    assert_oom(
+        &pool.share(a.ptr, a.bytes).unwrap_err(),
+        |c| matches!(c, OomCause::MaxReserved { .. }),
+        &["max_reserved=128 MiB cap"],
+    );
+    assert_eq!(pool.stats(0).unwrap().shares_live, 0);
+    assert_eq!(sim.ledger(0).held_bytes, 128 * MIB);
+    // With a cached arena: it goes and the self-test runs; its granule's destroy failing,
+    // the share fails with the driver's error and the granule is kept (an orphan, inside
+    // the cap); the next share runs the self-test again and is granted.
+    pool.free(b.ptr).unwrap();
+    sim.fail_nth(SimCall::DestroyArena, 2);
+    let e = pool.share(a.ptr, a.bytes).unwrap_err();
+    assert!(matches!(e, Error::Backend { call: "destroy_arena", .. }), "{e}");
+    assert_eq!(sim.ledger(0).held_bytes, 66 * MIB);
+    let info = pool.share(a.ptr, a.bytes).unwrap();
+    assert!(pool.stats(0).unwrap().reserved_bytes <= 128 * MIB);
+    assert!(sim.ledger(0).held_bytes <= 128 * MIB);
+    pool.unshare(0, info.share_key, &info.token).unwrap();
+    pool.free(a.ptr).unwrap();
+    pool.empty_cache(None).unwrap();
+    assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+}
+
 #[test]
 fn max_reserved_fraction_is_resolved_against_the_device() {
     // 0.25 of a 1 GiB device: 256 MiB, four 64 MiB arenas.

@@ -395,6 +395,7 @@ impl Pool {
                 .inspect_err(|_| dp.state.lock().orphans.push(mem))
         };
         let gran = b.granularity(device)?;
+        self.room_for_probe(dp, gran)?;
         let before = b.mem_info(device)?.free;
         let mem = b.create_arena(device, gran)?;
         let export = match b.export(&mem) {
@@ -416,6 +417,37 @@ impl Pool {
         } else {
             Ok(ExportKind::Releasable)
         }
+    }
+
+    /// Room under `max_reserved` for the self-test's granule, which counts as an arena would
+    /// (a destroy that fails keeps it, an orphan in reserved until the next `empty_cache`):
+    /// at the cap the cached arenas go first, as for an allocation, else the share that needs
+    /// the self-test fails as out of memory and nothing changes.
+    fn room_for_probe(&self, dp: &DevicePool, gran: u64) -> Result<()> {
+        let (limits, setting) = self.limits_now(dp)?;
+        let reserved = || dp.state.lock().reserved_now();
+        if !limits.over_cap(reserved, gran) {
+            return Ok(());
+        }
+        if let Err(e) = self.release_cached(dp) {
+            tracing::warn!(device = dp.device, error = %e, "releasing cached arenas for the export self-test failed");
+        }
+        if !limits.over_cap(reserved, gran) {
+            return Ok(());
+        }
+        let free = self.backend.mem_info(dp.device).map(|m| m.free).unwrap_or(0);
+        let stats = dp.state.lock().stats_now();
+        tracing::warn!(
+            device = dp.device,
+            "the export self-test before the first share needs one granule under max_reserved"
+        );
+        Err(Error::OutOfMemory {
+            device: dp.device,
+            requested: gran,
+            reserved: stats.reserved_bytes,
+            free,
+            cause: limits.oom_cause(setting, gran, true, &stats, free),
+        })
     }
 
     /// Revoke a share: no new import of it succeeds. Imports already made stay valid until

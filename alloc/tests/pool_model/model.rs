@@ -9,7 +9,7 @@ use gpu_arena::pool::{block_len, GraphPoolId};
 use gpu_arena::{tags, Pool, ShareInfo, StreamId};
 
 use super::observer::Registrar;
-use super::ops::{canary, canary_ok, overlaps, Op, SIZES, STREAMS};
+use super::ops::{canary, canary_ok, overlaps, Op, SIZES, STREAMS, TWO_MIB};
 
 #[derive(Debug, Clone)]
 pub(crate) struct Block {
@@ -242,6 +242,21 @@ impl Model {
         (!all.is_empty()).then(|| all[i % all.len()])
     }
 
+    /// Free live block `i` through `Pool::free`, as a user would.
+    fn free_block(&mut self, i: usize) -> Result<(), String> {
+        let ptr = self.blocks[i].ptr;
+        if self.pool.free(ptr).is_ok() {
+            if self.blocks[i].shares.is_empty() {
+                self.release(i);
+            } else {
+                self.blocks[i].freed = true;
+            }
+        } else if self.faults.is_empty() {
+            return Err(format!("free of live block {ptr:#x} refused"));
+        }
+        Ok(())
+    }
+
     pub(crate) fn apply_call(&mut self, op: &Op) -> Result<(), String> {
         let pool = &self.pool;
         match *op {
@@ -266,17 +281,25 @@ impl Model {
             }
             Op::Free(i) => {
                 let Some(i) = self.live(i) else { return Ok(()) };
-                let ptr = self.blocks[i].ptr;
-                if pool.free(ptr).is_ok() {
-                    if self.blocks[i].shares.is_empty() {
-                        self.release(i);
-                    } else {
-                        self.blocks[i].freed = true;
+                self.free_block(i)?;
+            }
+            Op::Burst { n, stream } => {
+                let first = self.blocks.len();
+                for _ in 0..n {
+                    self.apply_call(&Op::Alloc {
+                        size: TWO_MIB,
+                        stream,
+                        tag: 0,
+                    })?;
+                }
+                let placed: Vec<u64> = self.blocks[first..].iter().map(|b| b.ptr).collect();
+                for ptr in placed {
+                    if let Some(i) = self.blocks.iter().position(|b| b.ptr == ptr && !b.freed) {
+                        self.free_block(i)?;
                     }
-                } else if self.faults.is_empty() {
-                    return Err(format!("free of live block {ptr:#x} refused"));
                 }
             }
+            Op::RetireThread(_) => unreachable!("a step of the world, not of one device"),
             Op::Bad { kind, i } => self.bad_call(kind, i)?,
             Op::RecordStream(i, s) => {
                 let Some(i) = self.live(i) else { return Ok(()) };

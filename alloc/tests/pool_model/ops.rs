@@ -73,7 +73,19 @@ pub enum Op {
         call: usize,
         n: u64,
     },
+    /// `n` blocks of 2 MiB on `stream`, then all of them freed in turn: neighbours cached
+    /// together, which a larger miss of a growing arena may take back as a run.
+    Burst {
+        n: usize,
+        stream: u64,
+    },
+    /// Helper thread `k` exits (its thread cache left behind) and a fresh one takes its
+    /// place (`pool_model/helpers.rs`).
+    RetireThread(usize),
 }
+
+/// The index in [`SIZES`] of a 2 MiB block.
+pub const TWO_MIB: usize = 5;
 
 pub fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
@@ -99,6 +111,8 @@ pub fn op() -> impl Strategy<Value = Op> {
         1 => (1..3u64).prop_map(Op::GraphEnd),
         1 => (1..3u64).prop_map(Op::GraphRelease),
         1 => (0..FAULTS.len(), 1..3u64).prop_map(|(call, n)| Op::Fault { call, n }),
+        1 => (2..12usize, 1..=STREAMS).prop_map(|(n, stream)| Op::Burst { n, stream }),
+        1 => (0..2usize).prop_map(Op::RetireThread),
     ]
 }
 

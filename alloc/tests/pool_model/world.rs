@@ -8,6 +8,7 @@ use gpu_arena::pool::MaxReserved;
 use gpu_arena::{tags, Pool, PoolConfig, StreamId};
 use proptest::prelude::*;
 
+use super::helpers::Helper;
 use super::model::{may_refuse, Model};
 use super::observer::Registrar;
 use super::ops::{op, Op, FAULTS, MIB, STREAMS};
@@ -48,22 +49,33 @@ pub(crate) struct World {
     pub(crate) cap: Option<u64>,
     pub(crate) models: Vec<Model>,
     pub(crate) faults: Vec<(SimCall, u64)>,
+    /// Threads a step may run on besides the test's own (`Step::thread`).
+    helpers: Vec<Helper>,
 }
 
+/// Helper threads of a world.
+const HELPERS: usize = 2;
+
 /// One step: an operation on device `dev`, or on every device (`every`) for the calls
-/// that take one (`empty_cache`, `trim`, sleep, wake, the host buffers').
+/// that take one (`empty_cache`, `trim`, sleep, wake, the host buffers'), run on the
+/// test's thread (`thread` 0) or on helper thread `thread - 1`.
 #[derive(Debug, Clone)]
 pub(crate) struct Step {
     pub(crate) dev: i32,
     pub(crate) every: bool,
+    pub(crate) thread: usize,
     pub(crate) op: Op,
 }
 
 pub(crate) fn step() -> impl Strategy<Value = Step> {
-    (0..DEVICES, prop::bool::weighted(0.2), op()).prop_map(|(dev, every, op)| Step {
-        dev,
-        every,
-        op,
+    let thread = prop_oneof![6 => Just(0usize), 2 => Just(1), 2 => Just(2)];
+    (0..DEVICES, prop::bool::weighted(0.2), thread, op()).prop_map(|(dev, every, thread, op)| {
+        Step {
+            dev,
+            every,
+            thread,
+            op,
+        }
     })
 }
 
@@ -108,6 +120,7 @@ impl World {
             cap: conf.cap_mib.map(|m| m * MIB),
             models: Vec::new(),
             faults: Vec::new(),
+            helpers: (0..HELPERS).map(|_| Helper::start()).collect(),
         };
         w.models = (0..DEVICES)
             .map(|d| {
@@ -124,6 +137,12 @@ impl World {
         if let Op::Fault { call, n } = *op {
             self.faults.push((FAULTS[call], n));
             self.sim.fail_nth(FAULTS[call], n);
+            return Ok(());
+        }
+        if let Op::RetireThread(k) = *op {
+            let helper = &mut self.helpers[k % HELPERS];
+            helper.retire();
+            *helper = Helper::start();
             return Ok(());
         }
         let syncs = self.sim.calls(SimCall::Synchronize);
@@ -144,7 +163,7 @@ impl World {
         let result = if every {
             self.every_device(op)
         } else {
-            self.models[step.dev as usize].apply_call(op)
+            self.on_thread(step.thread, step.dev as usize, op)
         };
         // A synchronize runs on the devices the call touched.
         for m in &mut self.models {
@@ -160,6 +179,21 @@ impl World {
             m.check(op).map_err(|e| format!("device {}: {e}", m.dev))?;
         }
         Ok(())
+    }
+
+    /// `op` on device `d`'s model, run on the test's thread (`thread` 0) or a helper's.
+    fn on_thread(&mut self, thread: usize, d: usize, op: &Op) -> Result<(), String> {
+        let Some(helper) = thread.checked_sub(1).map(|k| &self.helpers[k % HELPERS]) else {
+            return self.models[d].apply_call(op);
+        };
+        let mut m = self.models.remove(d);
+        let op = op.clone();
+        let (m, r) = helper.run(move || {
+            let r = m.apply_call(&op);
+            (m, r)
+        });
+        self.models.insert(d, m);
+        r
     }
 
     /// The calls that take `None` for every device.
@@ -270,7 +304,7 @@ impl World {
                 .map(|(mut m, steps)| {
                     scope.spawn(move || {
                         for (n, step) in steps.iter().enumerate() {
-                            if matches!(step.op, Op::Fault { .. }) {
+                            if matches!(step.op, Op::Fault { .. } | Op::RetireThread(_)) {
                                 continue;
                             }
                             m.syncs_before = m.sim.calls(SimCall::Synchronize);
@@ -300,6 +334,10 @@ impl World {
     /// Free and unshare everything, wake every tag, unblock every stream, end every graph
     /// pool: the sim devices must then hold nothing after `empty_cache`.
     pub(crate) fn teardown(mut self) -> Result<(), String> {
+        // The helpers' caches are left behind, as a thread's at its exit.
+        for h in &mut self.helpers {
+            h.retire();
+        }
         for (call, _) in std::mem::take(&mut self.faults) {
             self.sim.fail_nth(call, 0);
         }
