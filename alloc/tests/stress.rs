@@ -3,7 +3,11 @@
 //! as the broker calls it, on this thread's and other threads' shares), occasional
 //! empty_cache and trim, and in [`stress_sleep_and_wake_beside_mixed_ops`] each thread's tag
 //! put to sleep and woken — then `validate()`, and after closing everything and
-//! `empty_cache` every byte is back and the sim ledger is clean.
+//! `empty_cache` every byte is back and the sim ledger is clean. Every block carries a
+//! canary (its first bytes, written at allocation, checked before its free: two live blocks
+//! that overlap overwrite each other's), and without sleepers threads hand blocks to each
+//! other (a free on another thread than the allocating one, whose cache holds the record).
+//! A trim runs alone (its contract: nothing touches gpu-arena memory until it returns).
 //!
 //! N is [`DEFAULT_OPS`] per thread (fast in debug CI) or `GPU_ARENA_STRESS_OPS`; the
 //! `#[ignore]`d [`stress_8_threads_million_ops`] runs 10^6 per thread (issue 6):
@@ -24,11 +28,54 @@ const THREADS: usize = 8;
 const DEFAULT_OPS: u64 = 100_000;
 /// Most live allocations one thread keeps.
 const MAX_LIVE: usize = 48;
+/// Bytes of a block's canary (fewer when the request is smaller).
+const CANARY: usize = 64;
+
+/// What the threads share: shares to lease, blocks handed from one thread to another, and
+/// the lock a trim takes alone (canaries are written and read under its read side).
+#[derive(Default)]
+struct Boards {
+    shares: parking_lot::Mutex<Vec<ShareInfo>>,
+    handoff: parking_lot::Mutex<Vec<Held>>,
+    quiet: parking_lot::RwLock<()>,
+}
+
+/// A live block: its address, the bytes a share may cover (the request rounded to 512) and
+/// its canary's seed.
+#[derive(Clone, Copy)]
+struct Held {
+    ptr: u64,
+    bytes: u64,
+    seed: u8,
+}
+
+impl Held {
+    fn canary_len(&self) -> usize {
+        CANARY.min(self.bytes as usize)
+    }
+
+    fn write_canary(&self, boards: &Boards) {
+        let _q = boards.quiet.read();
+        fill(self.ptr, self.canary_len(), self.seed);
+    }
+
+    fn assert_canary(&self, boards: &Boards) {
+        let mut want = vec![0u8; self.canary_len()];
+        fill(want.as_mut_ptr() as u64, want.len(), self.seed);
+        let _q = boards.quiet.read();
+        assert!(
+            read(self.ptr, want.len()) == want,
+            "block {:#x}'s canary changed: another live block overlaps it",
+            self.ptr
+        );
+    }
+}
 
 #[derive(Default, Debug, Clone, Copy)]
 struct Counts {
     allocs: u64,
     frees: u64,
+    handoffs: u64,
     records: u64,
     shares: u64,
     unshares: u64,
@@ -67,13 +114,7 @@ fn size(rng: &mut Rng) -> u64 {
 /// One thread's work. Shares made here go to `board` so other threads lease them. With
 /// `sleeper`, the thread allocates with a tag of its own and now and then puts it to sleep
 /// (offloaded), finds an allocation with it refused, wakes it and checks a canary's bytes.
-fn worker(
-    pool: &Pool,
-    board: &parking_lot::Mutex<Vec<ShareInfo>>,
-    seed: u64,
-    ops: u64,
-    sleeper: bool,
-) -> Counts {
+fn worker(pool: &Pool, boards: &Boards, seed: u64, ops: u64, sleeper: bool) -> Counts {
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let mut c = Counts::default();
     let own = sleeper.then(|| {
@@ -81,7 +122,9 @@ fn worker(
         tags::set_current(Some(&name)).unwrap();
         let tag = tags::index(Some(&name)).unwrap();
         let canary = pool.alloc(0, 64 << 10, StreamId(0)).unwrap();
+        let q = boards.quiet.read();
         fill(canary.ptr, 64 << 10, seed as u8);
+        drop(q);
         (tag, canary.ptr)
     });
     let streams = [
@@ -90,7 +133,7 @@ fn worker(
         StreamId(100),
         StreamId(200),
     ];
-    let mut live: Vec<(u64, u64)> = Vec::new(); // (ptr, shareable bytes)
+    let mut live: Vec<Held> = Vec::new();
     let mut shares: Vec<ShareInfo> = Vec::new();
     let mut leases: Vec<u32> = Vec::new();
     for _ in 0..ops {
@@ -100,28 +143,47 @@ fn worker(
                 let req = size(&mut rng);
                 let a = pool.alloc(0, req, s).unwrap();
                 // A share may cover the request rounded to 512 bytes.
-                live.push((a.ptr, req.next_multiple_of(512)));
+                let held = Held {
+                    ptr: a.ptr,
+                    bytes: req.next_multiple_of(512),
+                    seed: rng.next() as u8,
+                };
+                held.write_canary(boards);
+                live.push(held);
                 c.allocs += 1;
             }
-            0..=44 if !live.is_empty() => {
+            0..=41 if !live.is_empty() => {
                 // Free: plain, recorded or still shared (deferred) alike.
-                let (p, _) = live.swap_remove(rng.below(live.len() as u64) as usize);
-                pool.free(p).unwrap();
+                let held = live.swap_remove(rng.below(live.len() as u64) as usize);
+                held.assert_canary(boards);
+                pool.free(held.ptr).unwrap();
                 c.frees += 1;
             }
+            42..=44 if !sleeper => {
+                // A block to another thread, or one from another thread to this one.
+                let mut handoff = boards.handoff.lock();
+                if handoff.len() < 64 && !live.is_empty() && rng.below(2) == 0 {
+                    handoff.push(live.swap_remove(rng.below(live.len() as u64) as usize));
+                } else if let Some(held) = handoff.pop() {
+                    live.push(held);
+                    c.handoffs += 1;
+                }
+            }
             45..=54 if !live.is_empty() => {
-                let (p, _) = live[rng.below(live.len() as u64) as usize];
+                let p = live[rng.below(live.len() as u64) as usize].ptr;
                 pool.record_stream(p, streams[rng.below(4) as usize])
                     .unwrap();
                 c.records += 1;
             }
             55..=66 if !live.is_empty() && shares.len() < 32 => {
-                let (p, b) = live[rng.below(live.len() as u64) as usize];
+                let Held {
+                    ptr: p, bytes: b, ..
+                } = live[rng.below(live.len() as u64) as usize];
                 let off = rng.below(b / 512) * 512;
                 let len = 1 + rng.below(b - off);
                 let info = pool.share(p + off, len).unwrap();
                 shares.push(info);
-                let mut board = board.lock();
+                let mut board = boards.shares.lock();
                 if board.len() < 256 {
                     board.push(info);
                 }
@@ -136,7 +198,7 @@ fn worker(
                 // A lease on anyone's share: it may be unshared meanwhile (refused), or its
                 // key reused by a newer share (the token tells them apart).
                 let info = {
-                    let board = board.lock();
+                    let board = boards.shares.lock();
                     if board.is_empty() {
                         continue;
                     }
@@ -150,7 +212,7 @@ fn worker(
                     }
                     Err(_) => {
                         c.lease_refusals += 1;
-                        board.lock().retain(|b| *b != info);
+                        boards.shares.lock().retain(|b| *b != info);
                     }
                 }
             }
@@ -169,13 +231,16 @@ fn worker(
                 pool.wake(Some(0), Some(&[tag])).unwrap();
                 let mut want = vec![0u8; 64 << 10];
                 fill(want.as_mut_ptr() as u64, want.len(), seed as u8);
+                let _q = boards.quiet.read();
                 assert!(read(canary, want.len()) == want, "the canary changed");
                 c.sleeps += 1;
             }
             99 if rng.below(20) == 0 => {
                 // Now and then a trim instead: it splits arenas with survivors while the
-                // other threads allocate, free and share (they wait for the device lock).
+                // other threads allocate, free and share (they wait for the device lock);
+                // no canary is touched meanwhile.
                 if rng.below(4) == 0 {
+                    let _alone = boards.quiet.write();
                     pool.trim(Some(0)).unwrap();
                     c.trims += 1;
                 } else {
@@ -192,8 +257,9 @@ fn worker(
     for info in shares {
         pool.unshare(0, info.share_key, &info.token).unwrap();
     }
-    for (p, _) in live {
-        pool.free(p).unwrap();
+    for held in live {
+        held.assert_canary(boards);
+        pool.free(held.ptr).unwrap();
     }
     if let Some((_, canary)) = own {
         pool.free(canary).unwrap();
@@ -207,15 +273,15 @@ fn run(ops_per_thread: u64, sleepers: bool) {
     // Run the export self-test once before the threads start (racing first shares are
     // their own test: first_shares_race_the_export_self_test below).
     pool.export_semantics(0).unwrap();
-    let board = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let boards = Arc::new(Boards::default());
     let barrier = Arc::new(Barrier::new(THREADS));
     let t0 = Instant::now();
     let handles: Vec<_> = (0..THREADS as u64)
         .map(|i| {
-            let (pool, board, barrier) = (pool.clone(), board.clone(), barrier.clone());
+            let (pool, boards, barrier) = (pool.clone(), boards.clone(), barrier.clone());
             std::thread::spawn(move || {
                 barrier.wait();
-                worker(&pool, &board, i + 1, ops_per_thread, sleepers)
+                worker(&pool, &boards, i + 1, ops_per_thread, sleepers)
             })
         })
         .collect();
@@ -224,6 +290,7 @@ fn run(ops_per_thread: u64, sleepers: bool) {
         let c = h.join().unwrap();
         total.allocs += c.allocs;
         total.frees += c.frees;
+        total.handoffs += c.handoffs;
         total.records += c.records;
         total.shares += c.shares;
         total.unshares += c.unshares;
@@ -235,6 +302,11 @@ fn run(ops_per_thread: u64, sleepers: bool) {
         total.sleeps += c.sleeps;
     }
     let elapsed = t0.elapsed();
+    // Blocks left on the handoff board: freed here, a thread that made none of them.
+    for held in boards.handoff.lock().drain(..) {
+        held.assert_canary(&boards);
+        pool.free(held.ptr).unwrap();
+    }
     pool.validate(0).unwrap();
     let s = pool.stats(0).unwrap();
     eprintln!(
@@ -253,6 +325,7 @@ fn run(ops_per_thread: u64, sleepers: bool) {
     );
     assert!(total.shares > 0 && total.leases > 0 && total.records > 0);
     assert_eq!(total.sleeps > 0, sleepers, "{total:?}");
+    assert_eq!(total.handoffs > 0, !sleepers, "{total:?}");
     // Frees recorded on other streams wait for events until the synchronize of empty_cache.
     pool.empty_cache(None).unwrap();
     pool.validate(0).unwrap();
