@@ -9,6 +9,9 @@ use gpu_arena::error::OomCause;
 use gpu_arena::pool::MaxReserved;
 use gpu_arena::{Error, Pool, PoolConfig, StreamId};
 
+mod common;
+use common::{fill, read};
+
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 const S1: StreamId = StreamId(0x1000);
@@ -273,13 +276,64 @@ fn the_export_self_test_stays_under_max_reserved() {
     pool.free(b.ptr).unwrap();
     sim.fail_nth(SimCall::DestroyArena, 2);
     let e = pool.share(a.ptr, a.bytes).unwrap_err();
-    assert!(matches!(e, Error::Backend { call: "destroy_arena", .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::Backend {
+                call: "destroy_arena",
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert_eq!(sim.ledger(0).held_bytes, 66 * MIB);
     let info = pool.share(a.ptr, a.bytes).unwrap();
     assert!(pool.stats(0).unwrap().reserved_bytes <= 128 * MIB);
     assert!(sim.ledger(0).held_bytes <= 128 * MIB);
     pool.unshare(0, info.share_key, &info.token).unwrap();
     pool.free(a.ptr).unwrap();
+    pool.empty_cache(None).unwrap();
+    assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+}
+
+/// Found by `pool_model.rs` after the fix above: the room the self-test made at the cap came
+/// from `empty_cache` cutting a grown arena's free chunks, and it cut the arena of the block
+/// being shared, whose key the share already held ("export of an arena no share holds").
+/// The self-test now runs before the share looks anything up, and an arena a share
+/// references is never cut.
+#[test]
+fn a_first_share_at_the_cap_makes_room_without_losing_its_arena() {
+    let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+    let pool = Pool::new(
+        sim.clone(),
+        PoolConfig {
+            max_reserved: Some(MaxReserved::Bytes(96 * MIB)),
+            grow_arenas: true,
+            validate: true,
+            ..PoolConfig::default()
+        },
+    )
+    .unwrap();
+    // One growing arena of three chunks (40 + 24 + 32 MiB: requests of 8 MiB and more grow
+    // it by exactly their shortfall), at the cap; the middle one freed whole.
+    let a = pool.alloc(0, 40 * MIB, S1).unwrap();
+    let b = pool.alloc(0, 24 * MIB, S1).unwrap();
+    let c = pool.alloc(0, 32 * MIB, S1).unwrap();
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 96 * MIB);
+    fill(a.ptr, 4096, 7);
+    pool.free(b.ptr).unwrap();
+    let info = pool.share(a.ptr, a.bytes).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.reserved_bytes, 72 * MIB, "the free chunk went: {s:?}");
+    assert_eq!(s.shares_live, 1);
+    assert!(sim.ledger(0).held_bytes <= 96 * MIB);
+    let mut want = vec![0u8; 4096];
+    fill(want.as_mut_ptr() as u64, 4096, 7);
+    assert!(read(a.ptr, 4096) == want, "the shared block kept its bytes");
+    pool.validate(0).unwrap();
+    pool.unshare(0, info.share_key, &info.token).unwrap();
+    pool.free(a.ptr).unwrap();
+    pool.free(c.ptr).unwrap();
     pool.empty_cache(None).unwrap();
     assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
 }

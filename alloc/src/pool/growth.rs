@@ -306,12 +306,17 @@ impl Pool {
 }
 
 /// The grown arenas whose chunks `empty_cache` may give back (not exported: the export
-/// covers every chunk; not asleep or pinned): key, memory and size class of each.
+/// covers every chunk; not referenced by a share being made, which holds the arena's key;
+/// not asleep or pinned): key, memory and size class of each.
 fn grown_arenas_to_cut(st: &DeviceState) -> Vec<(usize, ArenaMem, usize)> {
     st.arenas
         .iter()
         .filter(|(_, a)| {
-            a.chunks > 1 && a.sleep.is_none() && !a.lifetime.export_begun() && !a.lifetime.pinned()
+            a.chunks > 1
+                && a.sleep.is_none()
+                && !a.lifetime.export_begun()
+                && a.lifetime.refs() == 0
+                && !a.lifetime.pinned()
         })
         .map(|(k, a)| (k, a.mem.clone(), a.class().index()))
         .collect()

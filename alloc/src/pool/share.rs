@@ -202,6 +202,14 @@ impl Pool {
                 ptr,
                 why: "share of memory gpu-arena did not allocate".into(),
             })?;
+        if st.shares.probed_kind.get().is_none() {
+            // A device's first share: the export self-test before any arena is looked up or
+            // referenced here. Making room for its granule under `max_reserved` may release
+            // cached memory, and `empty_cache` cuts grown arenas into new ones.
+            drop(st);
+            self.export_semantics(dp.device)?;
+            st = dp.state.lock();
+        }
         let (start, alen) = st
             .ranges_of(ptr)
             .and_then(|r| r.allocated_containing(ptr))
@@ -435,7 +443,11 @@ impl Pool {
         if !limits.over_cap(reserved, gran) {
             return Ok(());
         }
-        let free = self.backend.mem_info(dp.device).map(|m| m.free).unwrap_or(0);
+        let free = self
+            .backend
+            .mem_info(dp.device)
+            .map(|m| m.free)
+            .unwrap_or(0);
         let stats = dp.state.lock().stats_now();
         tracing::warn!(
             device = dp.device,

@@ -5,11 +5,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use gpu_arena::backend::sim::{SimBackend, SimCall};
-use gpu_arena::pool::{block_len, GraphPoolId};
+use gpu_arena::pool::{block_len, GraphPoolId, MaxReserved};
 use gpu_arena::{tags, Pool, ShareInfo, StreamId};
 
 use super::observer::Registrar;
-use super::ops::{canary, canary_ok, overlaps, Op, SIZES, STREAMS, TWO_MIB};
+use super::ops::{canary, canary_ok, overlaps, Op, MIB, SIZES, STREAMS, TWO_MIB};
 
 #[derive(Debug, Clone)]
 pub(crate) struct Block {
@@ -71,6 +71,9 @@ pub(crate) struct Model {
     pub(crate) observer: Option<Arc<Registrar>>,
     /// `max_reserved` in bytes, if set.
     pub(crate) cap: Option<u64>,
+    /// The device's reserved bytes when the operation began: an operation may leave them
+    /// above a cap lowered at run time, never raise them past it.
+    pub(crate) reserved_before: u64,
 }
 
 impl Model {
@@ -97,6 +100,7 @@ impl Model {
             syncs_before: 0,
             observer,
             cap,
+            reserved_before: 0,
             next_seed: 1 + 100 * dev as u8,
         }
     }
@@ -300,6 +304,12 @@ impl Model {
                 }
             }
             Op::RetireThread(_) => unreachable!("a step of the world, not of one device"),
+            Op::SetCap(mib) => {
+                let cap = mib.map(|m| m * MIB);
+                pool.set_max_reserved(self.dev, cap.map(MaxReserved::Bytes))
+                    .map_err(|e| format!("set_max_reserved({cap:?}) refused: {e}"))?;
+                self.cap = cap;
+            }
             Op::Bad { kind, i } => self.bad_call(kind, i)?,
             Op::RecordStream(i, s) => {
                 let Some(i) = self.live(i) else { return Ok(()) };
@@ -627,10 +637,10 @@ impl Model {
         let deferred: u64 = self.blocks.iter().filter(|b| b.freed).map(|b| b.len).sum();
         let stats = self.pool.stats(self.dev).map_err(|e| e.to_string())?;
         if let Some(cap) = self.cap {
-            if stats.reserved_bytes > cap {
+            if stats.reserved_bytes > cap.max(self.reserved_before) {
                 return Err(format!(
-                    "reserved {} past max_reserved {cap} after {op:?}",
-                    stats.reserved_bytes
+                    "reserved {} past max_reserved {cap} (and {} before) after {op:?}",
+                    stats.reserved_bytes, self.reserved_before
                 ));
             }
         }

@@ -82,6 +82,9 @@ pub enum Op {
     /// Helper thread `k` exits (its thread cache left behind) and a fresh one takes its
     /// place (`pool_model/helpers.rs`).
     RetireThread(usize),
+    /// `set_max_reserved` of the device at run time (MiB; `None`: no cap), as torch's
+    /// `set_per_process_memory_fraction`: what is reserved stays, nothing grows past it.
+    SetCap(Option<u64>),
 }
 
 /// The index in [`SIZES`] of a 2 MiB block.
@@ -113,6 +116,8 @@ pub fn op() -> impl Strategy<Value = Op> {
         1 => (0..FAULTS.len(), 1..3u64).prop_map(|(call, n)| Op::Fault { call, n }),
         1 => (2..12usize, 1..=STREAMS).prop_map(|(n, stream)| Op::Burst { n, stream }),
         1 => (0..2usize).prop_map(Op::RetireThread),
+        1 => prop::option::weighted(0.7, prop::sample::select(vec![32u64, 96, 192]))
+            .prop_map(Op::SetCap),
     ]
 }
 

@@ -149,6 +149,11 @@ impl World {
         for m in &mut self.models {
             m.faults.clone_from(&self.faults);
             m.syncs_before = syncs;
+            m.reserved_before = self
+                .pool
+                .stats(m.dev)
+                .map_err(|e| e.to_string())?
+                .reserved_bytes;
         }
         let every = step.every
             && matches!(
@@ -308,6 +313,7 @@ impl World {
                                 continue;
                             }
                             m.syncs_before = m.sim.calls(SimCall::Synchronize);
+                            m.reserved_before = m.pool.stats(m.dev).unwrap().reserved_bytes;
                             let r = m.apply_call(&step.op);
                             m.settle_fences();
                             if let Err(e) = r.and_then(|()| m.check(&step.op)) {
@@ -347,7 +353,12 @@ impl World {
             }
         }
         self.sim.close_stranded_exports();
+        // No cap for the teardown: a cap set at run time may leave no room for the wakes.
         for m in &mut self.models {
+            self.pool
+                .set_max_reserved(m.dev, None)
+                .map_err(|e| e.to_string())?;
+            m.cap = None;
             m.free_all()?;
         }
         // What is awake went back first, so that the wakes find room.
