@@ -3,7 +3,9 @@
 //! tags, frees, `record_stream`, streams whose work does not finish (events pending), shares,
 //! leases and unshares, `empty_cache`, `trim`, sleep and wake of some tags (offloaded or
 //! not), graph pools (begin, allocate, end, release), bursts of 2 MiB blocks freed together
-//! (neighbours cached at once, which a larger miss may take back as a run) — with a fault
+//! (neighbours cached at once, which a larger miss may take back as a run), `max_reserved`
+//! changed at run time, history recording switched on and off, snapshots and peak resets
+//! checked against the model — with a fault
 //! injected into the next backend call now and then, on growing arenas (the default), with
 //! an arena observer, and on fixed ones. A step runs on the test's thread or on one of two
 //! helper threads (blocks freed on another thread than the one that allocated them; a
@@ -14,7 +16,8 @@
 //! fourth run gives each device's sequence a thread of its own, both at once.
 //! The files: `pool_model/ops.rs` (the operations), `model.rs` (one device's model and its
 //! checks), `world.rs` (the pool, the two models, calls on every device, the teardown),
-//! `helpers.rs` (the helper threads), `observer.rs`.
+//! `helpers.rs` (the helper threads), `views.rs` (segments, the JSON snapshot and the peaks
+//! checked against the model), `observer.rs`.
 //!
 //! After every operation, whether it succeeded or failed, the pool must agree with the
 //! model: `validate` passes; no two live blocks overlap; every awake block (and every range
@@ -41,6 +44,8 @@ mod model;
 mod observer;
 #[path = "pool_model/ops.rs"]
 mod ops;
+#[path = "pool_model/views.rs"]
+mod views;
 #[path = "pool_model/world.rs"]
 mod world;
 use world::{conf, step, Conf, Step, World};

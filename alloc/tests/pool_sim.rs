@@ -183,6 +183,21 @@ fn capped_pool(sim: SimConfig, arena_size: u64, cap: MaxReserved) -> Pool {
     .unwrap()
 }
 
+/// A pool of fixed 64 MiB arenas on `sim`, capped at `cap`.
+fn fixed_pool(sim: Arc<SimBackend>, cap: Option<MaxReserved>) -> Pool {
+    Pool::new(
+        sim,
+        PoolConfig {
+            arena_size: 64 * MIB,
+            max_reserved: cap,
+            grow_arenas: false,
+            validate: true,
+            ..PoolConfig::default()
+        },
+    )
+    .unwrap()
+}
+
 #[test]
 fn max_reserved_caps_the_pool_and_says_so() {
     let pool = capped_pool(
@@ -211,17 +226,7 @@ fn max_reserved_caps_the_pool_and_says_so() {
 #[test]
 fn max_reserved_counts_an_arena_whose_destroy_failed() {
     let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
-    let pool = Pool::new(
-        sim.clone(),
-        PoolConfig {
-            arena_size: 64 * MIB,
-            max_reserved: Some(MaxReserved::Bytes(128 * MIB)),
-            grow_arenas: false,
-            validate: true,
-            ..PoolConfig::default()
-        },
-    )
-    .unwrap();
+    let pool = fixed_pool(sim.clone(), Some(MaxReserved::Bytes(128 * MIB)));
     let a = pool.alloc(0, 64 * MIB, S1).unwrap();
     pool.free(a.ptr).unwrap();
     sim.fail_nth(SimCall::DestroyArena, 1);
@@ -249,17 +254,7 @@ fn max_reserved_counts_an_arena_whose_destroy_failed() {
 #[test]
 fn the_export_self_test_stays_under_max_reserved() {
     let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
-    let pool = Pool::new(
-        sim.clone(),
-        PoolConfig {
-            arena_size: 64 * MIB,
-            max_reserved: Some(MaxReserved::Bytes(128 * MIB)),
-            grow_arenas: false,
-            validate: true,
-            ..PoolConfig::default()
-        },
-    )
-    .unwrap();
+    let pool = fixed_pool(sim.clone(), Some(MaxReserved::Bytes(128 * MIB)));
     let a = pool.alloc(0, 64 * MIB, S1).unwrap();
     let b = pool.alloc(0, 64 * MIB, S1).unwrap();
     // At the cap with nothing cached: refused, nothing shared, nothing held past the cap.
@@ -336,6 +331,31 @@ fn a_first_share_at_the_cap_makes_room_without_losing_its_arena() {
     pool.free(c.ptr).unwrap();
     pool.empty_cache(None).unwrap();
     assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+}
+
+/// Found by `pool_model.rs`: `reserved_bytes` counts an arena whose destroy failed (the
+/// device still holds it), and the peak did not: after one more arena the peak was below the
+/// current value, and `reset_peak_stats` set it below too; nor did the segments.
+#[test]
+fn the_reserved_peak_counts_an_arena_whose_destroy_failed() {
+    let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+    let pool = fixed_pool(sim.clone(), None);
+    let a = pool.alloc(0, 64 * MIB, S1).unwrap();
+    pool.free(a.ptr).unwrap();
+    sim.fail_nth(SimCall::DestroyArena, 1);
+    assert!(pool.empty_cache(None).is_err());
+    let _b = pool.alloc(0, 64 * MIB, S1).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.reserved_bytes, 128 * MIB);
+    assert_eq!(s.peak_reserved_bytes, 128 * MIB, "{s:?}");
+    pool.reset_peak_stats(0).unwrap();
+    assert_eq!(pool.stats(0).unwrap().peak_reserved_bytes, 128 * MIB);
+    // The segments (PyTorch's snapshot) list it too: they add up to what is reserved.
+    let segs = pool.segments(0).unwrap();
+    assert_eq!(segs.iter().map(|s| s.bytes).sum::<u64>(), 128 * MIB);
+    assert!(segs
+        .iter()
+        .any(|s| s.blocks.len() == 1 && !s.blocks[0].allocated));
 }
 
 #[test]

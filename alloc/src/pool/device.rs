@@ -87,6 +87,21 @@ impl DeviceState {
         self.stats.reserved_bytes + self.orphans.bytes()
     }
 
+    /// After reserved bytes rose (an arena, a chunk, a wake's memory, an orphan the pool did
+    /// not count before): the peak follows what [`Self::reserved_now`] reports, orphans in.
+    pub(crate) fn raise_reserved_peak(&mut self) {
+        let now = self.reserved_now();
+        let peak = &mut self.stats.peak_reserved_bytes;
+        *peak = (*peak).max(now);
+    }
+
+    /// Keep `mem`, whose destroy failed, as an orphan: its bytes count as reserved until a
+    /// later destroy succeeds (the peak with them).
+    pub(crate) fn keep_orphan(&mut self, mem: ArenaMem) {
+        self.orphans.push(mem);
+        self.raise_reserved_peak();
+    }
+
     /// Blocks above this many bytes are huge (`Class::of`): `classes::HUGE_MIN`, none when
     /// arenas grow (`classes::NO_HUGE`).
     pub(crate) fn huge_min(&self) -> u64 {
@@ -563,9 +578,9 @@ impl DeviceState {
             chunks: 1,
         });
         self.arena_at.insert(base..base + bytes, key);
+        self.stats.reserved_bytes += bytes;
+        self.raise_reserved_peak();
         let s = &mut self.stats;
-        s.reserved_bytes += bytes;
-        s.peak_reserved_bytes = s.peak_reserved_bytes.max(s.reserved_bytes);
         s.arenas += 1;
         s.backend_creates += 1;
         metrics.creates.increment(1);

@@ -192,9 +192,9 @@ impl Pool {
             a.mem = grown;
             a.chunks += 1;
         }
+        st.stats.reserved_bytes += extra;
+        st.raise_reserved_peak();
         let s = &mut st.stats;
-        s.reserved_bytes += extra;
-        s.peak_reserved_bytes = s.peak_reserved_bytes.max(s.reserved_bytes);
         s.backend_creates += 1;
         s.arena_growths += 1;
         dp.metrics.creates.increment(1);

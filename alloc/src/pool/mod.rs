@@ -458,7 +458,7 @@ impl Pool {
                 Err(e) => {
                     // Kept, and tried again by the next empty_cache and at teardown.
                     tracing::error!(error = %e, "destroy_arena failed; will retry");
-                    dp.state.lock().orphans.push(mem);
+                    dp.state.lock().keep_orphan(mem);
                     first_err.get_or_insert(e);
                 }
             }
@@ -484,7 +484,7 @@ impl Pool {
     /// their current values (PyTorch's `reset_peak_memory_stats`).
     pub fn reset_peak_stats(&self, device: DeviceId) -> Result<()> {
         let mut st = self.dev(device)?.state.lock();
-        st.stats.peak_reserved_bytes = st.stats.reserved_bytes;
+        st.stats.peak_reserved_bytes = st.reserved_now();
         let registry = st.front.lock_caches();
         st.front.reset_peaks(&registry.lock());
         Ok(())

@@ -596,7 +596,7 @@ impl Pool {
             let bytes = mem.bytes;
             if let Err(e) = self.backend.destroy_arena(mem.clone()) {
                 tracing::error!(error = %e, "destroy_arena failed; will retry");
-                dp.state.lock().orphans.push(mem);
+                dp.state.lock().keep_orphan(mem);
             }
             return Err(Error::InvalidState(format!(
                 "an allocation from inside an arena observer's on_ready needs a new arena of \
@@ -621,7 +621,7 @@ impl Pool {
                         // Out of the pool: released to the observers, destroyed by the next
                         // empty_cache.
                         let calls = Observers::claim_release_in(&mut reg, key, 0);
-                        st.orphans.push(mem);
+                        st.keep_orphan(mem);
                         drop((reg, st));
                         self.count_failures(self.observers.deliver(calls));
                         return Err(e);

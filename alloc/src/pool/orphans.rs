@@ -32,4 +32,9 @@ impl Orphans {
     pub(crate) fn bytes(&self) -> u64 {
         self.bytes
     }
+
+    /// Their memory.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &ArenaMem> {
+        self.mems.iter()
+    }
 }

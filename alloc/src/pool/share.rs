@@ -400,7 +400,7 @@ impl Pool {
         // A granule whose destroy fails is kept for the next empty_cache (never lost).
         let destroy = |mem: ArenaMem| -> Result<()> {
             b.destroy_arena(mem.clone())
-                .inspect_err(|_| dp.state.lock().orphans.push(mem))
+                .inspect_err(|_| dp.state.lock().keep_orphan(mem))
         };
         let gran = b.granularity(device)?;
         self.room_for_probe(dp, gran)?;

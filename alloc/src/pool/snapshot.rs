@@ -1,6 +1,6 @@
 //! The pool's JSON snapshot (`Pool::snapshot_json`): every device's stats, arenas (tag, size
-//! class, sleep state, lifetime) and the ranges in each arena, plus the history ring when
-//! it records (`pool/trace.rs`).
+//! class, sleep state, lifetime) and the ranges in each arena, the arenas whose destroy
+//! failed (orphans, still held), plus the history ring when it records (`pool/trace.rs`).
 
 use super::{trace, Pool};
 
@@ -37,10 +37,16 @@ impl Pool {
                         })
                     })
                     .collect();
+                let orphans: Vec<serde_json::Value> = st
+                    .orphans
+                    .iter()
+                    .map(|m| serde_json::json!({ "base": m.base, "bytes": m.bytes }))
+                    .collect();
                 let mut d = serde_json::json!({
                     "device": dp.device,
                     "stats": st.stats_now(),
                     "arenas": arenas,
+                    "orphans": orphans,
                 });
                 trace::add_to_snapshot(&st, &mut d);
                 d
@@ -50,7 +56,8 @@ impl Pool {
     }
 }
 
-/// One arena as PyTorch's snapshot shows a segment (`Pool::segments`).
+/// One arena as PyTorch's snapshot shows a segment (`Pool::segments`), or an arena whose
+/// destroy failed (held by the device, one free range).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SegmentInfo {
     /// Device address of its first byte.
@@ -118,6 +125,20 @@ impl Pool {
                 }
             })
             .collect();
+        // Arenas whose destroy failed: the device holds them (they count in
+        // `reserved_bytes`), with nothing in them.
+        out.extend(st.orphans.iter().map(|m| SegmentInfo {
+            base: m.base,
+            bytes: m.bytes,
+            small: false,
+            graph_pool: None,
+            blocks: vec![BlockInfo {
+                ptr: m.base,
+                bytes: m.bytes,
+                requested: 0,
+                allocated: false,
+            }],
+        }));
         out.sort_unstable_by_key(|s| s.base);
         Ok(out)
     }

@@ -188,8 +188,7 @@ impl Pool {
             st.stats.backend_creates += 1;
             dp.metrics.creates.increment(1);
             st.stats.reserved_bytes += new.bytes;
-            st.stats.peak_reserved_bytes =
-                st.stats.peak_reserved_bytes.max(st.stats.reserved_bytes);
+            st.raise_reserved_peak();
             st.stats.sleeping_bytes -= new.bytes;
         }
         let copied = offload.map_or(0, |o| {

@@ -310,6 +310,13 @@ impl Model {
                     .map_err(|e| format!("set_max_reserved({cap:?}) refused: {e}"))?;
                 self.cap = cap;
             }
+            Op::History(on) => pool.record_history(on, 0),
+            Op::Snapshot => self.check_views()?,
+            Op::ResetPeaks => {
+                pool.reset_peak_stats(self.dev)
+                    .map_err(|e| format!("reset_peak_stats: {e}"))?;
+                self.check_reset_peaks()?;
+            }
             Op::Bad { kind, i } => self.bad_call(kind, i)?,
             Op::RecordStream(i, s) => {
                 let Some(i) = self.live(i) else { return Ok(()) };
@@ -636,6 +643,13 @@ impl Model {
         let held: u64 = self.blocks.iter().map(|b| b.len).sum();
         let deferred: u64 = self.blocks.iter().filter(|b| b.freed).map(|b| b.len).sum();
         let stats = self.pool.stats(self.dev).map_err(|e| e.to_string())?;
+        if stats.peak_reserved_bytes < stats.reserved_bytes
+            || stats.peak_allocated_bytes < stats.allocated_bytes
+        {
+            return Err(format!(
+                "peaks below the current values after {op:?}: {stats:?}"
+            ));
+        }
         if let Some(cap) = self.cap {
             if stats.reserved_bytes > cap.max(self.reserved_before) {
                 return Err(format!(

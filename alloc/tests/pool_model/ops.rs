@@ -85,6 +85,12 @@ pub enum Op {
     /// `set_max_reserved` of the device at run time (MiB; `None`: no cap), as torch's
     /// `set_per_process_memory_fraction`: what is reserved stays, nothing grows past it.
     SetCap(Option<u64>),
+    /// `record_history` on or off (every device; the thread caches are bypassed while on).
+    History(bool),
+    /// The read-only views checked against the model (`pool_model/views.rs`).
+    Snapshot,
+    /// `reset_peak_stats`: the peaks become the current values.
+    ResetPeaks,
 }
 
 /// The index in [`SIZES`] of a 2 MiB block.
@@ -118,6 +124,9 @@ pub fn op() -> impl Strategy<Value = Op> {
         1 => (0..2usize).prop_map(Op::RetireThread),
         1 => prop::option::weighted(0.7, prop::sample::select(vec![32u64, 96, 192]))
             .prop_map(Op::SetCap),
+        1 => any::<bool>().prop_map(Op::History),
+        1 => Just(Op::Snapshot),
+        1 => Just(Op::ResetPeaks),
     ]
 }
 
