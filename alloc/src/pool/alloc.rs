@@ -181,20 +181,16 @@ impl Pool {
                     let mut st = dp.state.lock();
                     st.stats.oom_count += 1;
                     dp.metrics.ooms.increment(1);
-                    let free = self.backend.mem_info(device).map(|m| m.free).unwrap_or(0);
-                    let stats = st.stats_now();
-                    let cause = limits.oom_cause(cap_setting, arena_bytes, capped, &stats, free);
-                    if st.history.recording {
-                        st.history
-                            .record(Action::Oom, free, len, requested, stream.0);
+                    let oom =
+                        self.out_of_memory(dp, &st, &limits, cap_setting, arena_bytes, capped, len);
+                    // (The history's OOM event carries the device's free bytes.)
+                    if let Error::OutOfMemory { free, .. } = oom {
+                        if st.history.recording {
+                            st.history
+                                .record(Action::Oom, free, len, requested, stream.0);
+                        }
                     }
-                    return Err(Error::OutOfMemory {
-                        device,
-                        requested: len,
-                        reserved: st.reserved_now(),
-                        free,
-                        cause,
-                    });
+                    return Err(oom);
                 }
                 Err(e) => return Err(e),
             }

@@ -11,7 +11,7 @@ use crate::range;
 use crate::stats::PoolStats;
 use crate::units::format_size;
 
-use super::{DevicePool, Pool, PoolConfig};
+use super::{DevicePool, DeviceState, Pool, PoolConfig};
 
 /// The smallest `arena_size`: CUDA's allocation granularity. Every request larger than
 /// `arena_size` gets an arena of its own, so a smaller value would mean one driver
@@ -165,6 +165,35 @@ impl Pool {
         let dp = self.dev(device)?;
         *dp.max_reserved.lock() = Some(cap);
         Ok(())
+    }
+
+    /// The out-of-memory error for a request of `len` bytes that needed `needed` new bytes
+    /// and found none (`capped`: the cap refused them): the device's free memory now and the
+    /// cause, with `st`'s figures. The caller counts it.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn out_of_memory(
+        &self,
+        dp: &DevicePool,
+        st: &DeviceState,
+        limits: &DeviceLimits,
+        setting: Option<MaxReserved>,
+        needed: u64,
+        capped: bool,
+        len: u64,
+    ) -> Error {
+        let free = self
+            .backend
+            .mem_info(dp.device)
+            .map(|m| m.free)
+            .unwrap_or(0);
+        let stats = st.stats_now();
+        Error::OutOfMemory {
+            device: dp.device,
+            requested: len,
+            reserved: st.reserved_now(),
+            free,
+            cause: limits.oom_cause(setting, needed, capped, &stats, free),
+        }
     }
 
     /// `device`'s cap on reserved bytes in force ([`Self::set_max_reserved`]'s, else the

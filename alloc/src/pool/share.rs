@@ -292,8 +292,8 @@ impl Pool {
         st: &mut parking_lot::MutexGuard<'_, DeviceState>,
         arena: usize,
     ) -> Result<()> {
-        // The self-test may release the lock (on a device's first share): run it first, so
-        // the lifetime's Private -> Exporting step below is taken under one lock hold.
+        // The self-test ran at the start of the share (`Pool::share`), before its arena was
+        // looked up: this reads its answer (and would run it, releasing the lock, if not).
         let probed = self.export_semantics_locked(dp, st)?;
         loop {
             let step = st.arenas[arena].lifetime.begin_export();
@@ -443,23 +443,12 @@ impl Pool {
         if !limits.over_cap(reserved, gran) {
             return Ok(());
         }
-        let free = self
-            .backend
-            .mem_info(dp.device)
-            .map(|m| m.free)
-            .unwrap_or(0);
-        let stats = dp.state.lock().stats_now();
         tracing::warn!(
             device = dp.device,
             "the export self-test before the first share needs one granule under max_reserved"
         );
-        Err(Error::OutOfMemory {
-            device: dp.device,
-            requested: gran,
-            reserved: stats.reserved_bytes,
-            free,
-            cause: limits.oom_cause(setting, gran, true, &stats, free),
-        })
+        let st = dp.state.lock();
+        Err(self.out_of_memory(dp, &st, &limits, setting, gran, true, gran))
     }
 
     /// Revoke a share: no new import of it succeeds. Imports already made stay valid until
