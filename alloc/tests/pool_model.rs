@@ -2,7 +2,7 @@
 //! every operation a user can mix — allocations of every class on three streams and three
 //! tags, frees, `record_stream`, streams whose work does not finish (events pending), shares,
 //! leases and unshares, `empty_cache`, `trim`, sleep and wake of some tags (offloaded or
-//! not), graph pools (begin, allocate, end, release), bursts of 2 MiB blocks freed together
+//! not), graph pools (begin, allocate, end, release; checkpoints taken and restored), bursts of 2 MiB blocks freed together
 //! (neighbours cached at once, which a larger miss may take back as a run), `max_reserved`
 //! changed at run time, history recording switched on and off, snapshots and peak resets
 //! checked against the model — with a fault
@@ -35,6 +35,8 @@
 
 use proptest::prelude::*;
 
+#[path = "pool_model/checkpoints.rs"]
+mod checkpoints;
 mod common;
 #[path = "pool_model/helpers.rs"]
 mod helpers;

@@ -1021,10 +1021,10 @@ ssize_t gpu_arena_graph_pool_blocks(int device,
                                     size_t cap);
 
 /**
- * Make graph pool `(id0, id1)`'s live blocks exactly the `n` blocks at `blocks` (by address
- * and size; PyTorch's `setCheckpointPoolState`): live blocks not listed are freed, listed
- * blocks not live are allocated again at their own addresses. All or nothing: on an error
- * nothing changed. 0 or a negative error code.
+ * Make graph pool `(id0, id1)`'s live blocks exactly the `n` blocks at `blocks` (by address,
+ * request and stream; PyTorch's `setCheckpointPoolState`): live blocks not listed are freed,
+ * listed blocks not live are allocated again at their own addresses (refused while their
+ * tag sleeps). All or nothing: on an error nothing changed. 0 or a negative error code.
  */
 int gpu_arena_graph_pool_restore(int device,
                                  uint64_t id0,

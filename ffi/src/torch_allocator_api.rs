@@ -213,10 +213,10 @@ pub extern "C" fn gpu_arena_graph_pool_blocks(
     }
 }
 
-/// Make graph pool `(id0, id1)`'s live blocks exactly the `n` blocks at `blocks` (by address
-/// and size; PyTorch's `setCheckpointPoolState`): live blocks not listed are freed, listed
-/// blocks not live are allocated again at their own addresses. All or nothing: on an error
-/// nothing changed. 0 or a negative error code.
+/// Make graph pool `(id0, id1)`'s live blocks exactly the `n` blocks at `blocks` (by address,
+/// request and stream; PyTorch's `setCheckpointPoolState`): live blocks not listed are freed,
+/// listed blocks not live are allocated again at their own addresses (refused while their
+/// tag sleeps). All or nothing: on an error nothing changed. 0 or a negative error code.
 #[no_mangle]
 pub extern "C" fn gpu_arena_graph_pool_restore(
     device: c_int,

@@ -39,7 +39,7 @@ use rustc_hash::FxHashMap;
 use super::classes::Class;
 use super::graph_pool_ids::unknown;
 pub use super::graph_pool_ids::{GraphPoolId, PoolBlock};
-use super::{block_len, request_len, Allocation, DevicePool, DeviceState, Live, Pool};
+use super::{request_len, Allocation, DevicePool, DeviceState, Live, Pool};
 use crate::backend::{Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
 use crate::history::Action;
@@ -195,10 +195,12 @@ impl Pool {
     }
 
     /// Make graph pool `id`'s live blocks exactly `blocks` (PyTorch's
-    /// `setCheckpointPoolState`): live blocks not listed (by address and length) are freed,
-    /// listed blocks not live are allocated at their own addresses. All or nothing: on an
+    /// `setCheckpointPoolState`): live blocks not listed (by address, request and stream) are
+    /// freed, listed blocks not live are allocated at their own addresses; then
+    /// [`Self::graph_pool_blocks`] lists exactly `blocks`. All or nothing: on an
     /// error nothing changed. A block to free must be plain (not shared, no
-    /// `record_stream`); a block to place must lie in a free range of the pool's arenas.
+    /// `record_stream`); a block to place must lie in a free range of the pool's arenas, of
+    /// a tag that is awake.
     pub fn graph_pool_restore(
         &self,
         device: DeviceId,
@@ -208,7 +210,7 @@ impl Pool {
         let dp = self.dev(device)?;
         let mut st = dp.state.lock();
         let slot = st.pool_slot(id)?;
-        let plan = st.restore_plan(slot, id, blocks)?;
+        let plan = st.restore_plan(device, slot, id, blocks)?;
         st.apply_restore(dp, &plan)?;
         if self.config.validate {
             st.validate_or_log();
@@ -268,15 +270,17 @@ impl DeviceState {
     /// Check a restore of pool `slot` to `blocks` and plan it, changing nothing.
     fn restore_plan(
         &self,
+        device: DeviceId,
         slot: u16,
         id: GraphPoolId,
         blocks: &[PoolBlock],
     ) -> Result<RestorePlan> {
         let now = self.pool_blocks(slot);
-        let len = |b: &PoolBlock| block_len(b.requested);
-        let same = |a: &PoolBlock, b: &PoolBlock| a.ptr == b.ptr && len(a) == len(b);
+        // A live block stays only when it is the listed one (address, request and stream):
+        // one of the same length but another request or stream is freed and placed again,
+        // so that the pool's blocks are then exactly the checkpoint's.
         let mut free = Vec::new();
-        for b in now.iter().filter(|b| !blocks.iter().any(|t| same(b, t))) {
+        for b in now.iter().filter(|b| !blocks.contains(b)) {
             let live = &self.allocs[&b.ptr];
             if !live.hold.is_plain() || live.extra_streams.is_some() {
                 return Err(Error::InvalidState(format!(
@@ -289,7 +293,7 @@ impl DeviceState {
         }
         let place: Vec<PoolBlock> = blocks
             .iter()
-            .filter(|t| !now.iter().any(|b| same(b, t)))
+            .filter(|t| !now.contains(t))
             .copied()
             .collect();
         // Placement, tried on copies of the pool's sub-allocators.
@@ -301,7 +305,7 @@ impl DeviceState {
                 .map_err(|e| Error::Internal(format!("graph pool {id}: restore: {e}")))?;
         }
         for b in &place {
-            let bytes = request_len(0, b.requested)?;
+            let bytes = request_len(device, b.requested)?;
             let a = self
                 .arena_of(b.ptr)
                 .and_then(|k| self.arenas.get(k))
@@ -319,6 +323,9 @@ impl DeviceState {
                     b.ptr, b.requested
                 )));
             }
+            // Its memory is not there while its tag sleeps: placed, the block would point
+            // at nothing until the wake (as an allocation of the tag is refused then).
+            self.check_awake(device, a.tag, b.requested)?;
             let t = a.class().index();
             let r = trial.entry(t).or_insert_with(|| self.ranges[t].clone());
             r.alloc_at(b.ptr, bytes).map_err(|e| {

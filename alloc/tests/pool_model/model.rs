@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use gpu_arena::backend::sim::{SimBackend, SimCall};
-use gpu_arena::pool::{block_len, GraphPoolId, MaxReserved};
+use gpu_arena::pool::{block_len, GraphPoolId, MaxReserved, PoolBlock};
 use gpu_arena::{tags, Pool, ShareInfo, StreamId};
 
 use super::observer::Registrar;
@@ -61,6 +61,8 @@ pub(crate) struct Model {
     pub(crate) asleep: u64,
     pub(crate) offloaded: u64,
     pub(crate) graphs: BTreeMap<u64, GraphUse>,
+    /// The last checkpoint of each graph pool (`pool_model/checkpoints.rs`).
+    pub(crate) checkpoints: BTreeMap<u64, Vec<PoolBlock>>,
     /// Faults scheduled for the next operation: the call and which of its calls fails.
     pub(crate) faults: Vec<(SimCall, u64)>,
     /// The sim's synchronize calls when the operation began.
@@ -96,6 +98,7 @@ impl Model {
             asleep: 0,
             offloaded: 0,
             graphs: BTreeMap::new(),
+            checkpoints: BTreeMap::new(),
             faults: Vec::new(),
             syncs_before: 0,
             observer,
@@ -312,6 +315,8 @@ impl Model {
             }
             Op::History(on) => pool.record_history(on, 0),
             Op::Snapshot => self.check_views()?,
+            Op::Checkpoint(id) => self.checkpoint(id)?,
+            Op::Restore(id) => self.restore(id)?,
             Op::ResetPeaks => {
                 pool.reset_peak_stats(self.dev)
                     .map_err(|e| format!("reset_peak_stats: {e}"))?;

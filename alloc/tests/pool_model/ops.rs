@@ -68,6 +68,10 @@ pub enum Op {
     },
     GraphEnd(u64),
     GraphRelease(u64),
+    /// A graph pool's live blocks listed and kept (`pool_model/checkpoints.rs`).
+    Checkpoint(u64),
+    /// A graph pool restored to its last checkpoint.
+    Restore(u64),
     /// Fail the `n`-th backend call of this kind during the next operation.
     Fault {
         call: usize,
@@ -119,6 +123,8 @@ pub fn op() -> impl Strategy<Value = Op> {
         2 => (1..3u64, 0..SIZES.len()).prop_map(|(pool, size)| Op::GraphAlloc { pool, size }),
         1 => (1..3u64).prop_map(Op::GraphEnd),
         1 => (1..3u64).prop_map(Op::GraphRelease),
+        1 => (1..3u64).prop_map(Op::Checkpoint),
+        1 => (1..3u64).prop_map(Op::Restore),
         1 => (0..FAULTS.len(), 1..3u64).prop_map(|(call, n)| Op::Fault { call, n }),
         1 => (2..12usize, 1..=STREAMS).prop_map(|(n, stream)| Op::Burst { n, stream }),
         1 => (0..2usize).prop_map(Op::RetireThread),
