@@ -406,6 +406,32 @@ impl Model {
             Op::Trim => {
                 let _ = pool.trim(Some(self.dev));
             }
+            Op::GraphRetain(id) => {
+                let uses = self.graphs.get(&id).map_or(0, |g| g.uses);
+                let after = pool
+                    .graph_pool_retain(self.dev, GraphPoolId(id, 0))
+                    .map_err(|e| format!("graph_pool_retain: {e}"))?;
+                self.graphs.entry(id).or_default().uses = uses + 1;
+                if after != uses + 1 {
+                    return Err(format!("pool {id}: use count {after}, model {}", uses + 1));
+                }
+            }
+            Op::GraphEmptyCache(id) => {
+                // Releases nothing while the pool is in use (and then does not synchronize);
+                // otherwise `empty_cache` of the device. The checks after it see the rest.
+                let got = pool.graph_pool_empty_cache(self.dev, GraphPoolId(id, 0));
+                if self
+                    .graphs
+                    .get(&id)
+                    .is_some_and(|g| g.uses > 0 || g.open > 0)
+                {
+                    if got.as_ref().is_ok_and(|&n| n != 0) {
+                        return Err(format!(
+                            "graph_pool_empty_cache of pool {id} in use released {got:?}"
+                        ));
+                    }
+                }
+            }
             Op::PrepareOffload(sel) => {
                 let tags = self.tag_mask(sel);
                 if let Err(e) = pool.prepare_offload(Some(self.dev), &tags) {

@@ -68,6 +68,10 @@ pub enum Op {
     },
     GraphEnd(u64),
     GraphRelease(u64),
+    /// A use of a graph pool taken without a capture (torch's `MemPool`).
+    GraphRetain(u64),
+    /// `graph_pool_empty_cache`: nothing while the pool is in use, else `empty_cache`.
+    GraphEmptyCache(u64),
     /// A graph pool's live blocks listed and kept (`pool_model/checkpoints.rs`).
     Checkpoint(u64),
     /// A graph pool restored to its last checkpoint.
@@ -123,6 +127,8 @@ pub fn op() -> impl Strategy<Value = Op> {
         2 => (1..3u64, 0..SIZES.len()).prop_map(|(pool, size)| Op::GraphAlloc { pool, size }),
         1 => (1..3u64).prop_map(Op::GraphEnd),
         1 => (1..3u64).prop_map(Op::GraphRelease),
+        1 => (1..3u64).prop_map(Op::GraphRetain),
+        1 => (1..3u64).prop_map(Op::GraphEmptyCache),
         1 => (1..3u64).prop_map(Op::Checkpoint),
         1 => (1..3u64).prop_map(Op::Restore),
         1 => (0..FAULTS.len(), 1..3u64).prop_map(|(call, n)| Op::Fault { call, n }),
