@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export GPU_ARENA_LIB=$PWD/.gpu/libgpu_arena.so PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(info backend torch torch_native torch_check kvbench kv_repeat ipc share_bench wheel)
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(info backend torch torch_native checkpoints torch_check kvbench kv_repeat ipc share_bench wheel)
 declare -A status
 run() { # name, command...
   local name=$1; shift
