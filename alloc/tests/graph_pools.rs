@@ -242,7 +242,7 @@ fn a_checkpoint_restores_blocks_at_their_own_addresses() {
 
 /// A block live at a checkpoint's address with the same length but another request is the
 /// checkpoint's block after the restore, not the one that was there: the pool
-/// then lists exactly the checkpoint (found by the model test, `pool_model/checkpoints.rs`:
+/// then lists exactly the checkpoint (found by the model test, `pool_model/graphs.rs`:
 /// the restore kept the block of 2 MiB asked for where the checkpoint had one of 1 MiB + 512).
 #[test]
 fn a_restore_gives_a_block_of_the_same_length_the_checkpoints_request() {
@@ -433,7 +433,7 @@ fn a_pool_sleeps_and_wakes_with_the_default_tag() {
 }
 
 /// A checkpoint restore places no block while the pool's tag sleeps (its memory is not
-/// there; found by the model test, `pool_model/checkpoints.rs`): refused, nothing changed;
+/// there; found by the model test, `pool_model/graphs.rs`): refused, nothing changed;
 /// after the wake the same restore succeeds.
 #[test]
 fn a_restore_places_nothing_while_the_pool_sleeps() {

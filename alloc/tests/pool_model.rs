@@ -16,7 +16,7 @@
 //! fourth run gives each device's sequence a thread of its own, both at once.
 //! The files: `pool_model/ops.rs` (the operations), `model.rs` (one device's model and its
 //! checks), `world.rs` (the pool, the two models, calls on every device, the teardown),
-//! `helpers.rs` (the helper threads), `views.rs` (segments, the JSON snapshot and the peaks
+//! `helpers.rs` (the helper threads), `graphs.rs` (graph pools and their checkpoints), `views.rs` (segments, the JSON snapshot and the peaks
 //! checked against the model), `observer.rs`.
 //!
 //! After every operation, whether it succeeded or failed, the pool must agree with the
@@ -35,9 +35,9 @@
 
 use proptest::prelude::*;
 
-#[path = "pool_model/checkpoints.rs"]
-mod checkpoints;
 mod common;
+#[path = "pool_model/graphs.rs"]
+mod graphs;
 #[path = "pool_model/helpers.rs"]
 mod helpers;
 #[path = "pool_model/model.rs"]

@@ -61,7 +61,7 @@ pub(crate) struct Model {
     pub(crate) asleep: u64,
     pub(crate) offloaded: u64,
     pub(crate) graphs: BTreeMap<u64, GraphUse>,
-    /// The last checkpoint of each graph pool (`pool_model/checkpoints.rs`).
+    /// The last checkpoint of each graph pool (`pool_model/graphs.rs`).
     pub(crate) checkpoints: BTreeMap<u64, Vec<PoolBlock>>,
     /// Faults scheduled for the next operation: the call and which of its calls fails.
     pub(crate) faults: Vec<(SimCall, u64)>,
@@ -315,8 +315,20 @@ impl Model {
             }
             Op::History(on) => pool.record_history(on, 0),
             Op::Snapshot => self.check_views()?,
-            Op::Checkpoint(id) => self.checkpoint(id)?,
-            Op::Restore(id) => self.restore(id)?,
+            Op::Lookup { i, at } => self.check_lookup(i, at)?,
+            Op::ResetCounts => {
+                pool.reset_accumulated_stats(self.dev)
+                    .map_err(|e| format!("reset_accumulated_stats: {e}"))?;
+                self.check_reset_counts()?;
+            }
+            Op::GraphBegin(_)
+            | Op::GraphAlloc { .. }
+            | Op::GraphEnd(_)
+            | Op::GraphRelease(_)
+            | Op::GraphRetain(_)
+            | Op::GraphEmptyCache(_)
+            | Op::Checkpoint(_)
+            | Op::Restore(_) => self.graph_op(op)?,
             Op::ResetPeaks => {
                 pool.reset_peak_stats(self.dev)
                     .map_err(|e| format!("reset_peak_stats: {e}"))?;
@@ -406,32 +418,6 @@ impl Model {
             Op::Trim => {
                 let _ = pool.trim(Some(self.dev));
             }
-            Op::GraphRetain(id) => {
-                let uses = self.graphs.get(&id).map_or(0, |g| g.uses);
-                let after = pool
-                    .graph_pool_retain(self.dev, GraphPoolId(id, 0))
-                    .map_err(|e| format!("graph_pool_retain: {e}"))?;
-                self.graphs.entry(id).or_default().uses = uses + 1;
-                if after != uses + 1 {
-                    return Err(format!("pool {id}: use count {after}, model {}", uses + 1));
-                }
-            }
-            Op::GraphEmptyCache(id) => {
-                // Releases nothing while the pool is in use (and then does not synchronize);
-                // otherwise `empty_cache` of the device. The checks after it see the rest.
-                let got = pool.graph_pool_empty_cache(self.dev, GraphPoolId(id, 0));
-                if self
-                    .graphs
-                    .get(&id)
-                    .is_some_and(|g| g.uses > 0 || g.open > 0)
-                {
-                    if got.as_ref().is_ok_and(|&n| n != 0) {
-                        return Err(format!(
-                            "graph_pool_empty_cache of pool {id} in use released {got:?}"
-                        ));
-                    }
-                }
-            }
             Op::PrepareOffload(sel) => {
                 let tags = self.tag_mask(sel);
                 if let Err(e) = pool.prepare_offload(Some(self.dev), &tags) {
@@ -514,69 +500,6 @@ impl Model {
                     }
                 }
                 self.woken(before, now);
-            }
-            Op::GraphBegin(id) => {
-                if pool.graph_pool_begin(self.dev, GraphPoolId(id, 0)).is_ok() {
-                    let g = self.graphs.entry(id).or_default();
-                    g.uses += 1;
-                    g.open += 1;
-                }
-            }
-            Op::GraphAlloc { pool: id, size } => {
-                if !self
-                    .graphs
-                    .get(&id)
-                    .is_some_and(|g| g.uses > 0 || g.open > 0)
-                {
-                    return Ok(());
-                }
-                match pool.graph_pool_alloc(self.dev, GraphPoolId(id, 0), SIZES[size], StreamId(1))
-                {
-                    Ok(a) => {
-                        if !self.awake(0) {
-                            return Err("graph pool allocation granted while tag 0 sleeps".into());
-                        }
-                        self.place(a.ptr, SIZES[size], 1, 0, Some(id))?;
-                    }
-                    Err(e) => {
-                        if self.awake(0) && !self.may_refuse(&e) {
-                            return Err(format!("graph pool allocation refused: {e}"));
-                        }
-                    }
-                }
-            }
-            Op::GraphEnd(id) => {
-                let open = self.graphs.get(&id).map_or(0, |g| g.open);
-                let got = pool.graph_pool_end(self.dev, GraphPoolId(id, 0));
-                if open > 0 {
-                    got.map_err(|e| format!("graph_pool_end: {e}"))?;
-                    let g = self.graphs.get_mut(&id).unwrap();
-                    g.open -= 1;
-                    if g.uses == 0 && g.open == 0 {
-                        self.graphs.remove(&id);
-                    }
-                } else if got.is_ok() {
-                    return Err(format!(
-                        "graph_pool_end of pool {id} with no open context granted"
-                    ));
-                }
-            }
-            Op::GraphRelease(id) => {
-                let uses = self.graphs.get(&id).map_or(0, |g| g.uses);
-                let got = pool.graph_pool_release(self.dev, GraphPoolId(id, 0));
-                if uses > 0 {
-                    let after = got.map_err(|e| format!("graph_pool_release: {e}"))?;
-                    let g = self.graphs.get_mut(&id).unwrap();
-                    g.uses -= 1;
-                    if after != g.uses {
-                        return Err(format!("pool {id}: use count {after}, model {}", g.uses));
-                    }
-                    if g.uses == 0 && g.open == 0 {
-                        self.graphs.remove(&id);
-                    }
-                } else if got.is_ok() {
-                    return Err(format!("graph_pool_release of unknown pool {id} granted"));
-                }
             }
             Op::Fault { .. } => unreachable!(),
         }

@@ -72,7 +72,7 @@ pub enum Op {
     GraphRetain(u64),
     /// `graph_pool_empty_cache`: nothing while the pool is in use, else `empty_cache`.
     GraphEmptyCache(u64),
-    /// A graph pool's live blocks listed and kept (`pool_model/checkpoints.rs`).
+    /// A graph pool's live blocks listed and kept (`pool_model/graphs.rs`).
     Checkpoint(u64),
     /// A graph pool restored to its last checkpoint.
     Restore(u64),
@@ -99,6 +99,13 @@ pub enum Op {
     Snapshot,
     /// `reset_peak_stats`: the peaks become the current values.
     ResetPeaks,
+    /// The lookups by address of a byte `at` into block `i` (`pool_model/views.rs`).
+    Lookup {
+        i: usize,
+        at: u64,
+    },
+    /// `reset_accumulated_stats`: the counts of events become 0.
+    ResetCounts,
 }
 
 /// The index in [`SIZES`] of a 2 MiB block.
@@ -139,6 +146,8 @@ pub fn op() -> impl Strategy<Value = Op> {
         1 => any::<bool>().prop_map(Op::History),
         1 => Just(Op::Snapshot),
         1 => Just(Op::ResetPeaks),
+        2 => (any::<usize>(), any::<u64>()).prop_map(|(i, at)| Op::Lookup { i, at }),
+        1 => Just(Op::ResetCounts),
     ]
 }
 

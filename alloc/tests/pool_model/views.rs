@@ -92,4 +92,55 @@ impl Model {
         }
         Ok(())
     }
+
+    /// The lookups by address (`allocation_containing`, `freed_while_shared`, `tag_of`) of
+    /// a byte `at` into block `i`: its start, request and device while live; not live, and
+    /// freed while shared, once its owner freed it while shared; its tag. Just past its end,
+    /// where no live block of the model lies, no live allocation of this device is found.
+    pub(crate) fn check_lookup(&self, i: usize, at: u64) -> Result<(), String> {
+        if self.blocks.is_empty() {
+            return Ok(());
+        }
+        let b = &self.blocks[i % self.blocks.len()];
+        let addr = b.ptr + at % b.len;
+        let got = self.pool.allocation_containing(addr);
+        let freed = self.pool.freed_while_shared(addr);
+        if b.freed {
+            if got.is_ok() || !freed {
+                return Err(format!(
+                    "{addr:#x} in {b:x?}, freed while shared: found {got:x?}, freed_while_shared {freed}"
+                ));
+            }
+        } else if freed || !matches!(got, Ok(g) if g == (b.ptr, b.bytes, self.dev)) {
+            return Err(format!(
+                "{addr:#x} in live {b:x?}: found {got:x?}, freed_while_shared {freed}"
+            ));
+        }
+        let tag = self.pool.tag_of(addr);
+        if tag != Some(b.tag) {
+            return Err(format!("{addr:#x} in {b:x?}: tag_of says {tag:?}"));
+        }
+        let past = b.ptr + b.len;
+        let inside = |o: &super::model::Block| o.ptr <= past && past < o.ptr + o.len;
+        if !self.blocks.iter().any(|o| !o.freed && inside(o)) {
+            if let Ok(found) = self.pool.allocation_containing(past) {
+                if found.2 == self.dev {
+                    return Err(format!(
+                        "{past:#x}, just past {b:x?} and in no live block, found in {found:x?}"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// After `reset_accumulated_stats`: the counts of events are 0 (the thread caches' too).
+    pub(crate) fn check_reset_counts(&self) -> Result<(), String> {
+        let s = self.pool.stats(self.dev).map_err(|e| e.to_string())?;
+        let counts = (s.alloc_count, s.free_count, s.oom_count);
+        if counts != (0, 0, 0) {
+            return Err(format!("counts {counts:?} after a reset"));
+        }
+        Ok(())
+    }
 }
