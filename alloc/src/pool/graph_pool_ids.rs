@@ -42,6 +42,9 @@ pub(crate) struct GraphPools {
     /// Frees made while routing whose blocks have `record_stream` streams: their events
     /// are recorded when the last context closes.
     pub(super) deferred: Vec<u64>,
+    /// The threads running a call that synchronizes the device (`graph_pools.rs`,
+    /// `SyncHold`): no routing context opens while any does.
+    syncing: Vec<std::thread::ThreadId>,
 }
 
 #[derive(Debug)]
@@ -60,6 +63,27 @@ impl GraphPools {
     #[inline]
     pub(crate) fn routing(&self) -> bool {
         self.routing != 0
+    }
+
+    /// Whether a call that synchronizes the device is under way, and whether on the
+    /// calling thread.
+    pub(super) fn syncing(&self) -> (bool, bool) {
+        let me = std::thread::current().id();
+        (!self.syncing.is_empty(), self.syncing.contains(&me))
+    }
+
+    /// A call that synchronizes the device starts on this thread (not while routing: the
+    /// caller checked).
+    pub(super) fn start_sync(&mut self) {
+        self.syncing.push(std::thread::current().id());
+    }
+
+    /// ... and ends.
+    pub(super) fn end_sync(&mut self) {
+        let me = std::thread::current().id();
+        if let Some(i) = self.syncing.iter().position(|&t| t == me) {
+            self.syncing.swap_remove(i);
+        }
     }
 
     /// The slot of pool `id`, if it exists.

@@ -52,7 +52,8 @@ impl DeviceState {
     }
 
     /// Refuse `what` (which synchronizes the device) while allocations are routed to a
-    /// graph pool: a capture may be under way.
+    /// graph pool: a capture may be under way. (A call that synchronizes holds a
+    /// [`SyncHold`] from this check to its end.)
     pub(crate) fn check_not_routing(&self, device: DeviceId, what: &str) -> Result<()> {
         if self.graph_pools.routing() {
             return Err(Error::InvalidState(format!(
@@ -142,8 +143,31 @@ impl Pool {
     /// Open a routing context for pool `id` (PyTorch's `beginAllocateToPool`): the pool is
     /// created or gets a use, and until [`Self::graph_pool_end`] the device records and
     /// queries no events (module docs, rule 4).
+    ///
+    /// It waits for a call that synchronizes the device (`empty_cache`, `trim`, `sleep`,
+    /// `wake`, the out-of-memory retry) to finish, as PyTorch's `beginAllocateToPool` waits
+    /// for the allocator's mutex that its `emptyCache` holds across the synchronize: begun
+    /// meanwhile, a capture would be invalidated by that synchronize. Called from such a
+    /// call on the same thread (an observer's or a hook's callback), it is refused.
     pub fn graph_pool_begin(&self, device: DeviceId, id: GraphPoolId) -> Result<u32> {
-        self.dev(device)?.state.lock().graph_pools.begin(id)
+        let dp = self.dev(device)?;
+        loop {
+            let mut st = dp.state.lock();
+            match st.graph_pools.syncing() {
+                (false, _) => return st.graph_pools.begin(id),
+                (true, true) => {
+                    return Err(Error::InvalidState(format!(
+                        "graph pool {id}: a routing context cannot open on device {device} \
+                         from within a call that synchronizes it on this thread (an \
+                         observer's or a hook's callback); nothing changed"
+                    )))
+                }
+                (true, false) => {
+                    drop(st);
+                    std::thread::yield_now();
+                }
+            }
+        }
     }
 
     /// Close a routing context of pool `id` (PyTorch's `endAllocateToPool`; the use stays
@@ -233,6 +257,32 @@ impl Pool {
             }
         }
         self.release_cached(dp)
+    }
+}
+
+/// A call that synchronizes a device is under way on this thread (`empty_cache`, `trim`,
+/// `sleep`, `wake`): taken where the call checks that no allocations are routed to a graph
+/// pool, dropped when it is done. While one is held, [`Pool::graph_pool_begin`] waits: the
+/// check alone, its lock released before the driver's synchronize, left a window in which
+/// another thread could begin a capture that the synchronize then invalidated.
+pub(crate) struct SyncHold<'a> {
+    dp: &'a DevicePool,
+}
+
+impl<'a> SyncHold<'a> {
+    /// Check that `dp` routes no allocation to a graph pool (else `what` is refused) and
+    /// hold it so until the returned hold drops.
+    pub(crate) fn take(dp: &'a DevicePool, what: &str) -> Result<Self> {
+        let mut st = dp.state.lock();
+        st.check_not_routing(dp.device, what)?;
+        st.graph_pools.start_sync();
+        Ok(SyncHold { dp })
+    }
+}
+
+impl Drop for SyncHold<'_> {
+    fn drop(&mut self) {
+        self.dp.state.lock().graph_pools.end_sync();
     }
 }
 

@@ -76,6 +76,7 @@ use crate::error::{Error, Result};
 use crate::lifetime::{AllocHold, ArenaLifetime};
 use crate::range;
 use crate::stats::{DeviceMetrics, PoolStats};
+use graph_pools::SyncHold;
 use thread_cache::Front;
 
 mod addr_table;
@@ -429,9 +430,9 @@ impl Pool {
     /// Synchronize, release completed frees, destroy empty unshared arenas, give back grown
     /// arenas' free tails and their other free chunks.
     fn release_cached(&self, dp: &DevicePool) -> Result<u64> {
+        let _no_capture = SyncHold::take(dp, "empty_cache")?;
         {
             let st = dp.state.lock();
-            st.check_not_routing(dp.device, "empty_cache")?;
             if st.arenas.is_empty() && st.orphans.is_empty() {
                 return Ok(0);
             }

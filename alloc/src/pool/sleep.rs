@@ -29,6 +29,7 @@
 
 use crate::backend::{ArenaMem, Backend, DeviceId};
 use crate::error::{Error, Result};
+use crate::pool::graph_pools::SyncHold;
 use crate::pool::offload::{piece_bytes, pieces, HostBuffersMoving, Offload};
 use crate::pool::{DevicePool, DeviceState, Pool};
 use crate::tags;
@@ -192,10 +193,11 @@ impl Pool {
             ));
         }
         // A capture open on any of them refuses the whole call before anything sleeps (a
-        // sleep synchronizes its device).
-        for dp in &awake {
-            dp.state.lock().check_not_routing(dp.device, "sleep")?;
-        }
+        // sleep synchronizes its device), and none begins until the sleep is done.
+        let _no_capture = awake
+            .iter()
+            .map(|dp| SyncHold::take(dp, "sleep"))
+            .collect::<Result<Vec<_>>>()?;
         // Holders of shares end the ones in these tags first (pool/hooks.rs): a shared
         // arena would stay awake.
         for dp in &awake {
@@ -215,7 +217,7 @@ impl Pool {
 
     fn sleep_device(&self, dp: &DevicePool, want: u64, offload: u64) -> Result<SleepReport> {
         let device = dp.device;
-        dp.state.lock().check_not_routing(device, "sleep")?;
+        // (`sleep` holds the device against captures: `SyncHold`.)
         self.backend.synchronize(device)?;
         let mut report = SleepReport::default();
         let mut calls = Vec::new();

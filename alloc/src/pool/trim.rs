@@ -31,6 +31,7 @@
 use crate::backend::{ArenaMem, DeviceId};
 use crate::error::{Error, Result};
 use crate::history::Action;
+use crate::pool::graph_pools::SyncHold;
 use crate::pool::observers::Call;
 use crate::pool::{Arena, DevicePool, DeviceState, Pool};
 
@@ -67,6 +68,8 @@ impl Pool {
         let _serial = self.sleep_lock.lock();
         let mut report = TrimReport::default();
         for dp in self.sleep_devices(device)? {
+            // No capture begins until the trim's second synchronize is done.
+            let _no_capture = SyncHold::take(dp, "trim")?;
             let emptied = self.release_cached(dp)?;
             // The thread caches' gate, for every tag, as long as the trim runs: a fast free
             // would put a block (with its arena's key) into a thread cache between the

@@ -18,6 +18,7 @@
 
 use crate::backend::{ArenaMem, DeviceId};
 use crate::error::{Error, OomCause, Result};
+use crate::pool::graph_pools::SyncHold;
 use crate::pool::observers::ArenaInfo;
 use crate::pool::offload::{HostBuffersMoving, Offload};
 use crate::pool::sleep::{mask, names, SleepReport};
@@ -84,8 +85,10 @@ impl Pool {
         // The cap on reserved bytes (`max_reserved`) holds for a wake as for any growth, and
         // no wake runs inside a capture (its copies back would invalidate it): refused
         // before anything is restored.
+        let mut no_capture = Vec::with_capacity(plan.len());
         for (d, &(dp, _)) in plan.iter().enumerate() {
-            dp.state.lock().check_not_routing(dp.device, "wake")?;
+            // (Held until the wake is done: no capture begins meanwhile.)
+            no_capture.push(SyncHold::take(dp, "wake")?);
             let needed: u64 = work.iter().filter(|w| w.0 == d).map(|w| w.3.bytes).sum();
             let (limits, setting) = self.limits_now(dp)?;
             let stats = dp.state.lock().stats_now();

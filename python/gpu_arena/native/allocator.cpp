@@ -168,11 +168,28 @@ class Allocator final : public cca::CUDAAllocator {
   void beginAllocateToPool(DeviceIndex dev, MempoolId_t id,
                            std::function<bool(cudaStream_t)> filter) override {
     check_device(dev);
-    std::lock_guard<std::mutex> g(routes_mu_);
-    for (const Route& r : routes_[dev]) {
-      TORCH_CHECK(r.id != id, "beginAllocateToPool: already recording to mempool_id");
+    auto recording = [&] {
+      return std::any_of(routes_[dev].begin(), routes_[dev].end(),
+                         [&](const Route& r) { return r.id == id; });
+    };
+    {
+      std::lock_guard<std::mutex> g(routes_mu_);
+      TORCH_CHECK(!recording(), "beginAllocateToPool: already recording to mempool_id");
     }
-    check_rc(g_api.graph_pool_begin(dev, id.first, id.second), "gpu_arena_graph_pool_begin");
+    long rc;
+    {
+      // It may wait for another thread's empty_cache / sleep / wake / trim, whose observers
+      // may be Python callbacks: no GIL and no lock of ours held meanwhile.
+      GilReleased no_gil;
+      rc = g_api.graph_pool_begin(dev, id.first, id.second);
+    }
+    check_rc(rc, "gpu_arena_graph_pool_begin");
+    std::lock_guard<std::mutex> g(routes_mu_);
+    if (recording()) {  // begun twice at once on two threads: the second undone
+      g_api.graph_pool_end(dev, id.first, id.second);
+      g_api.graph_pool_release(dev, id.first, id.second);
+      TORCH_CHECK(false, "beginAllocateToPool: already recording to mempool_id");
+    }
     routes_[dev].push_back(Route{id, std::move(filter)});
     open_[dev].fetch_add(1, std::memory_order_release);
   }

@@ -90,6 +90,7 @@ use crate::error::{Error, Result};
 mod grow;
 mod split;
 mod state;
+mod steps;
 mod sys;
 #[cfg(test)]
 mod tests;
@@ -126,6 +127,8 @@ pub struct SimBackend {
     config: SimConfig,
     serial: u64,
     inner: Mutex<Inner>,
+    /// Steps a test runs inside driver calls (`steps.rs`).
+    steps: steps::Steps,
 }
 
 impl SimBackend {
@@ -148,6 +151,7 @@ impl SimBackend {
                 host_buffers: 0,
                 streams: HashMap::new(),
             }),
+            steps: steps::Steps::default(),
         })
     }
 
@@ -685,6 +689,7 @@ impl Backend for SimBackend {
     }
 
     fn synchronize(&self, device: DeviceId) -> Result<()> {
+        self.run_step(SimCall::Synchronize);
         let mut inner = self.inner.lock();
         inner.enter(SimCall::Synchronize)?;
         self.check_device(device)?;
