@@ -141,3 +141,131 @@ fn a_begin_on_the_synchronizing_thread_is_refused_not_deadlocked() {
     );
     pool.validate(0).unwrap();
 }
+
+/// Four threads at once: one opens and closes graph pool contexts (allocating in the pool
+/// and freeing while routing), the others run `empty_cache`, `trim`, and sleep / wake of a
+/// tag of their own beside general allocations on three streams. While a context is open
+/// the device gets no synchronize, no event record and no event query (rule 4 of
+/// `pool/graph_pools.rs`); a synchronizing call is refused while routing, or makes the begin
+/// wait; nothing deadlocks, and everything comes back at the end.
+#[test]
+fn captures_beside_synchronizing_calls_on_other_threads() {
+    use gpu_arena::tags;
+    const ROUNDS: u32 = 300;
+    let (sim, pool) = pool();
+    let done = Arc::new(AtomicBool::new(false));
+    let counts = || {
+        [
+            SimCall::Synchronize,
+            SimCall::RecordEvent,
+            SimCall::EventQuery,
+        ]
+        .map(|c| sim.calls(c))
+    };
+    std::thread::scope(|s| {
+        /// Stops the other threads when the capture thread ends, panicking or not.
+        struct StopOthers<'a>(&'a AtomicBool);
+        impl Drop for StopOthers<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        let capture = s.spawn(|| {
+            let _stop = StopOthers(&done);
+            let mut refused = 0u32;
+            for round in 0..ROUNDS {
+                pool.graph_pool_begin(0, G).unwrap();
+                let before = counts();
+                let blocks: Vec<_> = (0..3)
+                    .map(|i| {
+                        let n = [4096, 3 * MIB, 512 << 10][(round as usize + i) % 3];
+                        pool.graph_pool_alloc(0, G, n, S).unwrap()
+                    })
+                    .collect();
+                pool.free(blocks[1].ptr).unwrap();
+                if pool.empty_cache(Some(0)).is_err() {
+                    refused += 1;
+                }
+                std::thread::yield_now();
+                assert_eq!(
+                    counts(),
+                    before,
+                    "round {round}: a synchronize or an event call while routing"
+                );
+                pool.graph_pool_end(0, G).unwrap();
+                for b in [&blocks[0], &blocks[2]] {
+                    pool.free(b.ptr).unwrap();
+                }
+                pool.graph_pool_release(0, G).unwrap();
+            }
+            refused
+        });
+        let flag = &done;
+        let empties = s.spawn(|| {
+            let (mut ok, mut refused) = (0u32, 0u32);
+            while !flag.load(Ordering::SeqCst) {
+                match pool.empty_cache(Some(0)) {
+                    Ok(_) => ok += 1,
+                    Err(e) => {
+                        assert!(e.to_string().contains("capture"), "{e}");
+                        refused += 1;
+                    }
+                }
+                match pool.trim(Some(0)) {
+                    Ok(_) => ok += 1,
+                    Err(e) => {
+                        assert!(e.to_string().contains("capture"), "{e}");
+                        refused += 1;
+                    }
+                }
+            }
+            (ok, refused)
+        });
+        let sleeper = s.spawn(|| {
+            tags::set_current(Some("capture_race_sleeper")).unwrap();
+            let tag = tags::index(Some("capture_race_sleeper")).unwrap();
+            let mut slept = 0u32;
+            let mut k = 0u64;
+            while !flag.load(Ordering::SeqCst) {
+                k += 1;
+                let stream = StreamId(20 + k % 3);
+                let a = pool.alloc(0, 1 + (k * 7919) % (6 * MIB), stream).unwrap();
+                if k % 4 == 0 {
+                    pool.record_stream(a.ptr, StreamId(20 + (k + 1) % 3))
+                        .unwrap();
+                }
+                pool.free(a.ptr).unwrap();
+                if k % 16 == 0 {
+                    let keep = pool.alloc(0, 64 << 10, stream).unwrap();
+                    if pool.sleep_tags(Some(0), Some(&[tag]), &[tag]).is_ok() {
+                        slept += 1;
+                        // Refused while a context is open: tried again.
+                        while let Err(e) = pool.wake(Some(0), Some(&[tag])) {
+                            assert!(e.to_string().contains("capture"), "{e}");
+                            std::thread::yield_now();
+                        }
+                    }
+                    pool.free(keep.ptr).unwrap();
+                }
+            }
+            tags::set_current(None).unwrap();
+            slept
+        });
+        let refused_inside = capture.join().unwrap();
+        done.store(true, Ordering::SeqCst);
+        let (ok, refused) = empties.join().unwrap();
+        let slept = sleeper.join().unwrap();
+        assert_eq!(
+            refused_inside, ROUNDS,
+            "empty_cache inside a context is refused"
+        );
+        assert!(
+            ok > 0 || refused > 0,
+            "the other threads ran ({ok} / {refused} / {slept})"
+        );
+    });
+    pool.validate(0).unwrap();
+    pool.empty_cache(None).unwrap();
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 0);
+    assert!(sim.is_clean(0), "{:?}", sim.ledger(0));
+}
