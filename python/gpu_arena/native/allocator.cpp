@@ -168,29 +168,21 @@ class Allocator final : public cca::CUDAAllocator {
   void beginAllocateToPool(DeviceIndex dev, MempoolId_t id,
                            std::function<bool(cudaStream_t)> filter) override {
     check_device(dev);
-    auto recording = [&] {
-      return std::any_of(routes_[dev].begin(), routes_[dev].end(),
-                         [&](const Route& r) { return r.id == id; });
-    };
-    {
-      std::lock_guard<std::mutex> g(routes_mu_);
-      TORCH_CHECK(!recording(), "beginAllocateToPool: already recording to mempool_id");
-    }
     long rc;
-    {
-      // It may wait for another thread's empty_cache / sleep / wake / trim, whose observers
-      // may be Python callbacks: no GIL and no lock of ours held meanwhile.
+    {  // It may wait for another thread's empty_cache / sleep / wake / trim, whose observers
+       // may be Python callbacks: neither the GIL nor a lock of ours is held meanwhile.
       GilReleased no_gil;
       rc = g_api.graph_pool_begin(dev, id.first, id.second);
     }
     check_rc(rc, "gpu_arena_graph_pool_begin");
     std::lock_guard<std::mutex> g(routes_mu_);
-    if (recording()) {  // begun twice at once on two threads: the second undone
-      g_api.graph_pool_end(dev, id.first, id.second);
+    auto& v = routes_[dev];
+    if (std::any_of(v.begin(), v.end(), [&](const Route& r) { return r.id == id; })) {
+      g_api.graph_pool_end(dev, id.first, id.second);  // recording to it already: undone
       g_api.graph_pool_release(dev, id.first, id.second);
       TORCH_CHECK(false, "beginAllocateToPool: already recording to mempool_id");
     }
-    routes_[dev].push_back(Route{id, std::move(filter)});
+    v.push_back(Route{id, std::move(filter)});
     open_[dev].fetch_add(1, std::memory_order_release);
   }
   void endAllocateToPool(DeviceIndex dev, MempoolId_t id) override {
