@@ -65,11 +65,14 @@ impl GraphPools {
         self.routing != 0
     }
 
-    /// Whether a call that synchronizes the device is under way, and whether on the
-    /// calling thread.
-    pub(super) fn syncing(&self) -> (bool, bool) {
-        let me = std::thread::current().id();
-        (!self.syncing.is_empty(), self.syncing.contains(&me))
+    /// Whether a call that synchronizes the device is under way on the calling thread.
+    pub(super) fn syncing_here(&self) -> bool {
+        self.syncing.contains(&std::thread::current().id())
+    }
+
+    /// Whether a call that synchronizes the device is under way on any thread.
+    pub(super) fn syncing(&self) -> bool {
+        !self.syncing.is_empty()
     }
 
     /// A call that synchronizes the device starts on this thread (not while routing: the

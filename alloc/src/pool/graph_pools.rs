@@ -151,23 +151,18 @@ impl Pool {
     /// call on the same thread (an observer's or a hook's callback), it is refused.
     pub fn graph_pool_begin(&self, device: DeviceId, id: GraphPoolId) -> Result<u32> {
         let dp = self.dev(device)?;
-        loop {
-            let mut st = dp.state.lock();
-            match st.graph_pools.syncing() {
-                (false, _) => return st.graph_pools.begin(id),
-                (true, true) => {
-                    return Err(Error::InvalidState(format!(
-                        "graph pool {id}: a routing context cannot open on device {device} \
-                         from within a call that synchronizes it on this thread (an \
-                         observer's or a hook's callback); nothing changed"
-                    )))
-                }
-                (true, false) => {
-                    drop(st);
-                    std::thread::yield_now();
-                }
-            }
+        let mut st = dp.state.lock();
+        if st.graph_pools.syncing_here() {
+            return Err(Error::InvalidState(format!(
+                "graph pool {id}: a routing context cannot open on device {device} from \
+                 within a call that synchronizes it on this thread (an observer's or a hook's \
+                 callback); nothing changed"
+            )));
         }
+        while st.graph_pools.syncing() {
+            dp.sync_ended.wait(&mut st);
+        }
+        st.graph_pools.begin(id)
     }
 
     /// Close a routing context of pool `id` (PyTorch's `endAllocateToPool`; the use stays
@@ -283,6 +278,7 @@ impl<'a> SyncHold<'a> {
 impl Drop for SyncHold<'_> {
     fn drop(&mut self) {
         self.dp.state.lock().graph_pools.end_sync();
+        self.dp.sync_ended.notify_all();
     }
 }
 

@@ -330,6 +330,9 @@ pub(crate) struct DevicePool {
     pub(crate) export_probe: Mutex<Option<crate::backend::ExportKind>>,
     /// The cap set at run time (`Pool::set_max_reserved`; `None`: the configuration's).
     pub(crate) max_reserved: Mutex<Option<Option<MaxReserved>>>,
+    /// Signalled (with `state`) when a call that synchronizes the device ends: a
+    /// `graph_pool_begin` waits on it (`pool/graph_pools.rs`, `SyncHold`).
+    pub(crate) sync_ended: parking_lot::Condvar,
 }
 
 /// A pool allocator over one backend, for every device it has. `Sync`: share it by
@@ -363,6 +366,7 @@ impl Pool {
                     front,
                     export_probe: Mutex::new(None),
                     max_reserved: Mutex::new(None),
+                    sync_ended: parking_lot::Condvar::new(),
                     metrics: DeviceMetrics::new(device),
                 }
             })
