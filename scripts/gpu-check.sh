@@ -64,3 +64,7 @@ for s in "${steps[@]}"; do case $s in
      elif [ -f "bench/gpu/$s.py" ]; then run "$s" python3 "bench/gpu/$s.py"; fi ;;  # a measurement (kv_repeat, ...)
 esac; done
 echo; echo "step | status"; for k in "${!status[@]}"; do echo "$k | ${status[$k]}"; done | sort
+# The device tool brings back at most 8 files of $OUT, 2 folders down: every report and log in
+# one archive too, named to sort first (`tar xzf 0-reports.tgz` where they come back).
+tar czf "/tmp/gpu-reports.$$.tgz" -C "$OUT" --exclude=./0-reports.tgz . &&
+  mv "/tmp/gpu-reports.$$.tgz" "$OUT/0-reports.tgz"
