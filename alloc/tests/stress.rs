@@ -32,7 +32,8 @@ const MAX_LIVE: usize = 48;
 const CANARY: usize = 64;
 
 /// What the threads share: shares to lease, blocks handed from one thread to another, and
-/// the lock a trim takes alone (canaries are written and read under its read side).
+/// the lock a trim or an empty_cache takes alone (canaries are written and read under its
+/// read side).
 #[derive(Default)]
 struct Boards {
     shares: parking_lot::Mutex<Vec<ShareInfo>>,
@@ -59,14 +60,40 @@ impl Held {
         fill(self.ptr, self.canary_len(), self.seed);
     }
 
-    fn assert_canary(&self, boards: &Boards) {
+    fn assert_canary(&self, boards: &Boards, pool: &Pool) {
         let mut want = vec![0u8; self.canary_len()];
         fill(want.as_mut_ptr() as u64, want.len(), self.seed);
-        let _q = boards.quiet.read();
-        assert!(
-            read(self.ptr, want.len()) == want,
-            "block {:#x}'s canary changed: another live block overlaps it",
-            self.ptr
+        let q = boards.quiet.read();
+        let found = read(self.ptr, want.len());
+        if found == want {
+            return;
+        }
+        drop(q);
+        // What the pool says about the block, for the report: its own checks, and the
+        // arena and ranges around the block.
+        let validated = pool.validate(0);
+        let around: Vec<String> = pool
+            .segments(0)
+            .unwrap_or_default()
+            .iter()
+            .filter(|s| s.base <= self.ptr && self.ptr < s.base + s.bytes)
+            .map(|s| {
+                let blocks: Vec<String> = s
+                    .blocks
+                    .iter()
+                    .filter(|b| b.ptr < self.ptr + self.bytes && self.ptr < b.ptr + b.bytes)
+                    .map(|b| format!("{:#x}+{} allocated {}", b.ptr, b.bytes, b.allocated))
+                    .collect();
+                format!("arena {:#x}+{}: {blocks:?}", s.base, s.bytes)
+            })
+            .collect();
+        panic!(
+            "block {:#x} ({} bytes)'s canary changed: another live block overlaps it \
+             (first bytes {:02x?}, want {:02x?}); validate: {validated:?}; {around:?}",
+            self.ptr,
+            self.bytes,
+            &found[..found.len().min(16)],
+            &want[..want.len().min(16)]
         );
     }
 }
@@ -155,7 +182,7 @@ fn worker(pool: &Pool, boards: &Boards, seed: u64, ops: u64, sleeper: bool) -> C
             0..=41 if !live.is_empty() => {
                 // Free: plain, recorded or still shared (deferred) alike.
                 let held = live.swap_remove(rng.below(live.len() as u64) as usize);
-                held.assert_canary(boards);
+                held.assert_canary(boards, pool);
                 pool.free(held.ptr).unwrap();
                 c.frees += 1;
             }
@@ -236,11 +263,17 @@ fn worker(pool: &Pool, boards: &Boards, seed: u64, ops: u64, sleeper: bool) -> C
                 c.sleeps += 1;
             }
             99 if rng.below(20) == 0 => {
-                // Now and then a trim instead: it splits arenas with survivors while the
-                // other threads allocate, free and share (they wait for the device lock);
-                // no canary is touched meanwhile.
+                // Now and then a trim or an empty_cache: they split arenas with survivors
+                // (trim) and drop a grown arena's free chunks (empty_cache) while the other
+                // threads allocate, free and share (they wait for the device lock); no
+                // canary is touched meanwhile. The sim makes the kept windows new memfds
+                // holding a copy of their bytes (`backend/sim/split.rs`), so a canary
+                // written between the copy and the remap would be lost: with empty_cache
+                // outside this lock the test failed 1 run in 15 under load, 1 in 2 without
+                // shares (a live block read back as zeros). The CUDA backend keeps the
+                // chunks mapped where they are (`backend/vmm/chunk_drop.rs`).
+                let _alone = boards.quiet.write();
                 if rng.below(4) == 0 {
-                    let _alone = boards.quiet.write();
                     pool.trim(Some(0)).unwrap();
                     c.trims += 1;
                 } else {
@@ -258,7 +291,7 @@ fn worker(pool: &Pool, boards: &Boards, seed: u64, ops: u64, sleeper: bool) -> C
         pool.unshare(0, info.share_key, &info.token).unwrap();
     }
     for held in live {
-        held.assert_canary(boards);
+        held.assert_canary(boards, pool);
         pool.free(held.ptr).unwrap();
     }
     if let Some((_, canary)) = own {
@@ -304,7 +337,7 @@ fn run(ops_per_thread: u64, sleepers: bool) {
     let elapsed = t0.elapsed();
     // Blocks left on the handoff board: freed here, a thread that made none of them.
     for held in boards.handoff.lock().drain(..) {
-        held.assert_canary(&boards);
+        held.assert_canary(&boards, &pool);
         pool.free(held.ptr).unwrap();
     }
     pool.validate(0).unwrap();

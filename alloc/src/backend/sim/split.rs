@@ -22,6 +22,14 @@ impl SimBackend {
     /// chunks become windows as a split's (their bytes copied to memfds of their own, which
     /// on a GPU would be the chunks themselves left in place: no new memory is counted), each
     /// keeping its chunks' lengths.
+    ///
+    /// Unlike a GPU's, the sim's kept bytes move (copied, then the copy mapped over them):
+    /// a host write into a kept chunk between the copy and the remap is lost, where the
+    /// trait promises "without moving a byte". The pool synchronizes the device first, so
+    /// no GPU work writes meanwhile; a test that writes sim memory from other threads while
+    /// `empty_cache` runs must keep those writes out of it (`tests/stress.rs`'s quiet lock).
+    /// Keeping the chunks in place needs a memfd per chunk (a chunk is one driver allocation
+    /// on a GPU too).
     pub(super) fn drop_chunks(
         &self,
         arena: &ArenaMem,
