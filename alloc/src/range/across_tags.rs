@@ -30,12 +30,13 @@ impl RangeAllocator {
         for (start, len) in self.free_index.ranges_of(tag) {
             // A range merged into an earlier one of the list is gone (that one took its
             // neighbours in).
-            let Some(&b) = self.blocks.get(&start) else {
+            let Some(&slot) = self.starts.get(&start) else {
                 continue;
             };
+            let b = self.blocks[slot];
             if b.state == State::Free(tag) && b.len == len {
                 self.free_index.remove(tag, len, start);
-                self.insert_free_taking_in(start, len, b.prev, b.last, tag, false, from);
+                self.insert_free(slot, tag, from);
             }
         }
         self.free_index.tag_bytes_of(tag) - before
@@ -49,17 +50,17 @@ impl RangeAllocator {
         tag: u64,
         from: &[u64],
     ) -> Result<u64, RangeError> {
-        let b = match self.blocks.get(&offset) {
-            Some(b) if b.state == State::Used => *b,
+        let slot = match self.starts.get(&offset) {
+            Some(&s) if self.blocks[s].state == State::Used => s,
             _ => return Err(RangeError::NotAllocated(offset)),
         };
-        self.used_bytes -= b.len;
+        let len = self.blocks[slot].len;
+        self.used_bytes -= len;
         self.used_ranges -= 1;
-        self.insert_free_taking_in(offset, b.len, b.prev, b.last, tag, false, from);
-        Ok(b.len)
+        self.insert_free(slot, tag, from);
+        Ok(len)
     }
 }
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {

@@ -1,7 +1,7 @@
 //! [`RangeAllocator::beside`]: what lies on either side of an allocation in its region (the
 //! pool's flush looks for cached blocks that would join free space: `pool/cached_runs.rs`).
 
-use super::{RangeAllocator, State, NO_PREV};
+use super::{RangeAllocator, State, NIL};
 
 /// The ranges on either side of an allocation, in its region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,22 +23,31 @@ impl RangeAllocator {
     /// The allocation starting at `offset` and its neighbours, with the lengths of those
     /// that are free under `tag`. `None` when no allocation starts at `offset`.
     pub fn beside(&self, offset: u64, tag: u64) -> Option<Beside> {
-        let b = self.blocks.get(&offset)?;
+        let b = self.block_at(offset)?;
         if b.state != State::Used {
             return None;
         }
-        let free_len = |start: u64| match self.blocks.get(&start) {
-            Some(n) if n.state == State::Free(tag) => n.len,
-            _ => 0,
+        // (start, length free under `tag`) of the range in `slot`.
+        let side = |slot| {
+            (slot != NIL).then(|| {
+                let n = &self.blocks[slot];
+                (
+                    n.start,
+                    if n.state == State::Free(tag) {
+                        n.len
+                    } else {
+                        0
+                    },
+                )
+            })
         };
-        let before = (b.prev != NO_PREV).then_some(b.prev);
-        let after = (!b.last).then_some(offset + b.len);
+        let (before, after) = (side(b.prev), side(b.next));
         Some(Beside {
             len: b.len,
-            before,
-            free_before: before.map_or(0, free_len),
-            after,
-            free_after: after.map_or(0, free_len),
+            before: before.map(|s| s.0),
+            free_before: before.map_or(0, |s| s.1),
+            after: after.map(|s| s.0),
+            free_after: after.map_or(0, |s| s.1),
         })
     }
 }

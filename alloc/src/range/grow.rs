@@ -1,25 +1,19 @@
 //! Regions whose end moves: [`RangeAllocator::grow_region`] (an arena mapped one more chunk
 //! past its end) and [`RangeAllocator::shrink_region`] (its free tail given back).
 
-use super::{check_granule, Block, RangeAllocator, RangeError, State, NO_PREV};
+use super::{check_granule, RangeAllocator, RangeError, State, NIL};
 
 impl RangeAllocator {
-    /// The start of the last range of the region starting at `region`.
-    fn last_range(&self, region: u64) -> Option<u64> {
-        let len = self.regions.get(&region)?;
-        self.last_at_end.get(&(region + len)).copied()
-    }
-
     /// Add `extra` bytes at the end of the region starting at `offset`, free under `tag`: a
     /// free last range of that tag grows, else the bytes become a range of their own. Refused,
     /// changing nothing, when no region starts there, `extra` is not a non-zero [`super::GRANULE`]
     /// multiple, or the grown region would reach the next region.
     pub fn grow_region(&mut self, offset: u64, extra: u64, tag: u64) -> Result<(), RangeError> {
-        let len = *self
+        let region = *self
             .regions
             .get(&offset)
             .ok_or(RangeError::NoSuchRegion(offset))?;
-        let end = offset + len;
+        let end = offset + region.len;
         check_granule(end, extra)?;
         if let Some((&next, _)) = self.regions.range(end..).next() {
             if next < end + extra {
@@ -29,34 +23,22 @@ impl RangeAllocator {
                 });
             }
         }
-        let last = self
-            .last_range(offset)
-            .ok_or(RangeError::NoSuchRegion(offset))?;
-        let b = self.blocks[&last];
-        self.regions.insert(offset, len + extra);
-        self.last_at_end.remove(&end);
-        if b.state == State::Free(tag) {
-            self.free_index.remove(tag, b.len, last);
-            self.put(
-                last,
-                Block {
-                    len: b.len + extra,
-                    ..b
-                },
-            );
-            self.free_index.insert(tag, b.len + extra, last);
+        let last = region.last;
+        let b = self.blocks[last];
+        let new_last = if b.state == State::Free(tag) {
+            self.free_index.remove(tag, b.len, b.start);
+            self.blocks[last].len += extra;
+            self.free_index.insert(tag, b.len + extra, b.start);
+            last
         } else {
-            self.put(last, Block { last: false, ..b });
-            self.put(
-                end,
-                Block {
-                    len: extra,
-                    state: State::Free(tag),
-                    prev: last,
-                    last: true,
-                },
-            );
+            let added = self.new_block(end, extra, State::Free(tag), last, NIL);
+            self.blocks[last].next = added;
             self.free_index.insert(tag, extra, end);
+            added
+        };
+        if let Some(r) = self.regions.get_mut(&offset) {
+            r.len += extra;
+            r.last = new_last;
         }
         Ok(())
     }
@@ -64,9 +46,9 @@ impl RangeAllocator {
     /// The bytes at the end of the region starting at `offset` that one free range covers
     /// (0 when its last range is allocated), with that range's tag.
     pub fn free_tail(&self, offset: u64) -> Option<(u64, u64)> {
-        let last = self.last_range(offset)?;
-        match self.blocks[&last].state {
-            State::Free(tag) => Some((self.blocks[&last].len, tag)),
+        let b = self.blocks.get(self.regions.get(&offset)?.last)?;
+        match b.state {
+            State::Free(tag) => Some((b.len, tag)),
             State::Used => None,
         }
     }
@@ -75,44 +57,45 @@ impl RangeAllocator {
     /// [`super::GRANULE`] multiple below its length): the bytes dropped must lie in its free
     /// last range. Refused, changing nothing, otherwise.
     pub fn shrink_region(&mut self, offset: u64, new_len: u64) -> Result<(), RangeError> {
-        let len = *self
+        let region = *self
             .regions
             .get(&offset)
             .ok_or(RangeError::NoSuchRegion(offset))?;
         check_granule(offset, new_len)?;
-        if new_len >= len {
+        if new_len >= region.len {
             return Err(RangeError::Misaligned {
                 offset,
                 len: new_len,
             });
         }
         let new_end = offset + new_len;
-        let last = self
-            .last_range(offset)
-            .ok_or(RangeError::NoSuchRegion(offset))?;
-        let b = self.blocks[&last];
+        let last = region.last;
+        let b = self.blocks[last];
         let State::Free(tag) = b.state else {
             return Err(RangeError::RegionInUse(offset));
         };
-        if last > new_end {
+        if b.start > new_end {
             return Err(RangeError::RegionInUse(offset));
         }
-        self.free_index.remove(tag, b.len, last);
-        self.last_at_end.remove(&(offset + len));
-        if last == new_end {
-            self.blocks.remove(&last);
-            if b.prev != NO_PREV {
-                if let Some(p) = self.blocks.get_mut(&b.prev) {
-                    p.last = true;
-                }
-                self.last_at_end.insert(new_end, b.prev);
-            }
+        self.free_index.remove(tag, b.len, b.start);
+        let new_last = if b.start == new_end {
+            // `new_len` is not zero, so a range comes before this one.
+            self.drop_block(last);
+            self.blocks[b.prev].next = NIL;
+            b.prev
         } else {
-            let kept = new_end - last;
-            self.put(last, Block { len: kept, ..b });
-            self.free_index.insert(tag, kept, last);
-        }
-        self.regions.insert(offset, new_len);
+            let kept = new_end - b.start;
+            self.blocks[last].len = kept;
+            self.free_index.insert(tag, kept, b.start);
+            last
+        };
+        self.regions.insert(
+            offset,
+            super::Region {
+                len: new_len,
+                last: new_last,
+            },
+        );
         Ok(())
     }
 }

@@ -20,12 +20,15 @@
 //! - **Granule**: offsets and lengths are multiples of [`GRANULE`] (512 bytes, as PyTorch's
 //!   caching allocator rounds); [`round_up`] rounds a request.
 //!
-//! **Layout.** Every range, allocated or free, is one entry of a hash map keyed by its start,
-//! holding its length, state, the start of the range before it in its region and whether it
-//! is the region's last (boundary tags, as in dlmalloc, kept beside the memory since device
-//! memory cannot hold them). Neighbours are found by arithmetic and one hash lookup, never by
-//! an ordered search: a free costs one to three hash lookups and one to three free-index
-//! updates. Ordered walks (snapshots, validation, an interior pointer) follow the chain.
+//! **Layout.** Every range, allocated or free, is one block of a slab (boundary tags, as in
+//! dlmalloc, kept beside the memory since device memory cannot hold them): its start,
+//! length, state and the slots of the ranges before and after it in its region. One hash
+//! map leads from a range's start to its slot; neighbours are one slot away, never a search.
+//! A split keeps the slot for the part after the cut and a merge keeps the last range's
+//! slot, so a region's last range keeps its slot until the region grows, shrinks or is
+//! split: an allocation is one or two map operations, a free one to four, and each one or
+//! two free-index updates (`coalesce.rs`). Ordered walks (snapshots, validation, an interior
+//! pointer) follow the links from the region's first range.
 //!
 //! [`RangeAllocator::validate`] walks the whole structure and checks every invariant; the
 //! pool calls it after every operation in debug builds and the tests after every step.
@@ -34,10 +37,12 @@
 use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
+use slab::Slab;
 
 mod across_tags;
 mod beside;
 mod class_set;
+mod coalesce;
 mod free_index;
 mod grow;
 mod place;
@@ -105,18 +110,40 @@ enum State {
     Free(u64),
 }
 
-/// `Block::prev` of a region's first range.
-const NO_PREV: u64 = u64::MAX;
+/// The key of a block in [`RangeAllocator::blocks`].
+type Slot = usize;
 
-/// One range: allocated or free, with its links to its region neighbours.
+/// No block: `Block::prev` of a region's first range, `Block::next` of its last.
+const NIL: Slot = usize::MAX;
+
+/// One range: allocated or free, with the slots of its region neighbours.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Block {
+    start: u64,
     len: u64,
     state: State,
-    /// Start of the range before this one in its region, [`NO_PREV`] for the first.
-    prev: u64,
-    /// The region's last range (the next range, if any, starts another region).
-    last: bool,
+    /// The range before this one in its region, [`NIL`] for the first.
+    prev: Slot,
+    /// The range after this one in its region, [`NIL`] for the last.
+    next: Slot,
+}
+
+impl Block {
+    fn end(&self) -> u64 {
+        self.start + self.len
+    }
+
+    fn is_last(&self) -> bool {
+        self.next == NIL
+    }
+}
+
+/// One region: its length and the slot of its last range (growth finds an arena's tail
+/// without walking its ranges).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Region {
+    len: u64,
+    last: Slot,
 }
 
 /// A summary of the allocator's contents, cheap to compute.
@@ -146,20 +173,37 @@ pub struct RangeInfo {
 }
 
 /// Best-fit sub-allocator over disjoint regions of a `u64` offset space. See the module docs.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+#[derive(Debug, Default, Clone)]
 pub struct RangeAllocator {
-    /// Region start -> length.
-    regions: BTreeMap<u64, u64>,
-    /// Every range, allocated or free, by start; together they tile the regions exactly.
-    blocks: FxHashMap<u64, Block>,
+    /// Region start -> its length and last range.
+    regions: BTreeMap<u64, Region>,
+    /// Every range, allocated or free; together they tile the regions exactly.
+    blocks: Slab<Block>,
+    /// Each range's start -> its slot in `blocks`.
+    starts: FxHashMap<u64, Slot>,
     /// Free ranges by tag and size: the best-fit index, with the free bytes per tag.
     free_index: FreeIndex,
     used_bytes: u64,
     used_ranges: u64,
-    /// Region end -> the start of the region's last range: growth finds an arena's tail
-    /// without walking its ranges ([`RangeAllocator::put`] keeps it).
-    last_at_end: FxHashMap<u64, u64>,
 }
+
+/// Equal when they hold the same regions and ranges (whatever slots those sit in).
+impl PartialEq for RangeAllocator {
+    fn eq(&self, other: &Self) -> bool {
+        self.stats() == other.stats()
+            && self.free_index == other.free_index
+            && self.regions.len() == other.regions.len()
+            && self
+                .regions
+                .iter()
+                .zip(&other.regions)
+                .all(|((a, ra), (b, rb))| {
+                    a == b && ra.len == rb.len && self.ranges(*a) == other.ranges(*b)
+                })
+    }
+}
+
+impl Eq for RangeAllocator {}
 
 fn check_granule(offset: u64, len: u64) -> Result<(), RangeError> {
     if len == 0 || offset % GRANULE != 0 || len % GRANULE != 0 || offset.checked_add(len).is_none()
@@ -179,41 +223,34 @@ impl RangeAllocator {
     pub fn add_region(&mut self, offset: u64, len: u64, tag: u64) -> Result<(), RangeError> {
         check_granule(offset, len)?;
         let end = offset + len;
-        if let Some((&s, &l)) = self.regions.range(..end).next_back() {
-            if s + l > offset {
+        if let Some((&s, r)) = self.regions.range(..end).next_back() {
+            if s + r.len > offset {
                 return Err(RangeError::Overlap { offset, len });
             }
         }
-        self.regions.insert(offset, len);
-        self.put(
-            offset,
-            Block {
-                len,
-                state: State::Free(tag),
-                prev: NO_PREV,
-                last: true,
-            },
-        );
+        let slot = self.new_block(offset, len, State::Free(tag), NIL, NIL);
+        self.regions.insert(offset, Region { len, last: slot });
         self.free_index.insert(tag, len, offset);
         Ok(())
     }
 
     /// Remove a region that is one free range (no allocations, one tag). Returns its length.
     pub fn remove_region(&mut self, offset: u64) -> Result<u64, RangeError> {
-        let len = *self
+        let region = *self
             .regions
             .get(&offset)
             .ok_or(RangeError::NoSuchRegion(offset))?;
-        match self.blocks.get(&offset) {
+        let slot = region.last;
+        match self.blocks.get(slot) {
             Some(&Block {
-                len: l,
+                start,
+                len,
                 state: State::Free(tag),
                 ..
-            }) if l == len => {
-                self.blocks.remove(&offset);
+            }) if start == offset && len == region.len => {
+                self.drop_block(slot);
                 self.free_index.remove(tag, len, offset);
                 self.regions.remove(&offset);
-                self.last_at_end.remove(&(offset + len));
                 Ok(len)
             }
             _ => Err(RangeError::RegionInUse(offset)),
@@ -222,10 +259,7 @@ impl RangeAllocator {
 
     /// Whether the region starting at `offset` has no allocated range.
     pub fn region_is_unused(&self, offset: u64) -> bool {
-        self.regions.contains_key(&offset)
-            && self
-                .chain(offset)
-                .all(|(_, b)| !matches!(b.state, State::Used))
+        self.regions.contains_key(&offset) && self.chain(offset).all(|b| b.state != State::Used)
     }
 
     /// Allocate `len` bytes (a non-zero [`GRANULE`] multiple) from free ranges tagged `tag`:
@@ -239,29 +273,34 @@ impl RangeAllocator {
     }
 
     /// Allocate `len` bytes at `offset`, the start of a free range of `flen` bytes under
-    /// `tag` just taken from the free index; the rest stays free under `tag`.
+    /// `tag` just taken from the free index; the rest stays free under `tag`, in the free
+    /// range's slot (so a region's last range keeps its slot).
     fn carve(&mut self, offset: u64, flen: u64, len: u64, tag: u64) -> Option<u64> {
-        let b = self.blocks.get_mut(&offset)?;
-        b.len = len;
-        b.state = State::Used;
+        let entry = self.starts.get_mut(&offset)?;
+        let slot = *entry;
         if flen > len {
             // The remainder cannot have a free same-tag neighbour after it: it was part of a
             // coalesced range, so inserting it directly keeps the invariants.
-            let last = std::mem::replace(&mut b.last, false);
-            let rest = offset + len;
-            self.put(
-                rest,
-                Block {
-                    len: flen - len,
-                    state: State::Free(tag),
-                    prev: offset,
-                    last,
-                },
-            );
-            if !last {
-                self.set_prev(offset + flen, rest);
+            let prev = self.blocks[slot].prev;
+            let front = self.blocks.insert(Block {
+                start: offset,
+                len,
+                state: State::Used,
+                prev,
+                next: slot,
+            });
+            *entry = front;
+            if prev != NIL {
+                self.blocks[prev].next = front;
             }
-            self.free_index.insert(tag, flen - len, rest);
+            let rest = &mut self.blocks[slot];
+            rest.start = offset + len;
+            rest.len = flen - len;
+            rest.prev = front;
+            self.starts.insert(offset + len, slot);
+            self.free_index.insert(tag, flen - len, offset + len);
+        } else {
+            self.blocks[slot].state = State::Used;
         }
         self.used_bytes += len;
         self.used_ranges += 1;
@@ -275,14 +314,9 @@ impl RangeAllocator {
 
     /// Length of the allocated range starting at `offset`, if there is one.
     pub fn allocated_len(&self, offset: u64) -> Option<u64> {
-        match self.blocks.get(&offset) {
-            Some(Block {
-                len,
-                state: State::Used,
-                ..
-            }) => Some(*len),
-            _ => None,
-        }
+        self.block_at(offset)
+            .filter(|b| b.state == State::Used)
+            .map(|b| b.len)
     }
 
     /// The allocated range containing `offset`, as `(start, len)`. A range's own start is
@@ -293,36 +327,35 @@ impl RangeAllocator {
     /// when the region holds few ranges or the containing one is short, a few thousand
     /// lookups at worst for a long range behind many short ones.
     pub fn allocated_containing(&self, offset: u64) -> Option<(u64, u64)> {
-        let used = |start: u64, b: &Block| (b.state == State::Used).then_some((start, b.len));
-        if let Some(b) = self.blocks.get(&offset) {
-            return used(offset, b);
+        let used = |b: &Block| (b.state == State::Used).then_some((b.start, b.len));
+        if let Some(b) = self.block_at(offset) {
+            return used(b);
         }
-        let (&region, &rlen) = self.regions.range(..=offset).next_back()?;
-        let end = region + rlen;
+        let (&region, r) = self.regions.range(..=offset).next_back()?;
+        let end = region + r.len;
         if offset >= end {
             return None;
         }
-        let mut chain = Some(region);
+        let mut chain = self.starts.get(&region).copied();
         let mut down = Some(offset & !(GRANULE - 1));
         let mut up = (offset & !(GRANULE - 1)) + GRANULE;
         loop {
             if let Some(at) = chain {
-                let b = self.blocks.get(&at)?;
-                if offset < at + b.len {
-                    return used(at, b);
+                let b = self.blocks.get(at)?;
+                if offset < b.end() {
+                    return used(b);
                 }
-                chain = (!b.last).then_some(at + b.len);
+                chain = (!b.is_last()).then_some(b.next);
             }
             if let Some(at) = down {
-                if let Some(b) = self.blocks.get(&at) {
-                    return used(at, b);
+                if let Some(b) = self.block_at(at) {
+                    return used(b);
                 }
                 down = (at > region).then(|| at - GRANULE);
             }
             if up < end {
-                if let Some(next) = self.blocks.get(&up) {
-                    let b = self.blocks.get(&next.prev)?;
-                    return used(next.prev, b);
+                if let Some(next) = self.block_at(up) {
+                    return used(self.blocks.get(next.prev)?);
                 }
                 up += GRANULE;
             }
@@ -345,36 +378,32 @@ impl RangeAllocator {
     pub fn free_many(&mut self, offsets: &mut [u64], tag: u64) -> Vec<u64> {
         offsets.sort_unstable();
         let mut skipped = Vec::new();
-        // The current run: its start, length, the first range's `prev`, the last one's
-        // `last`, and whether it joined several ranges.
-        let mut run: Option<(u64, u64, u64, bool, bool)> = None;
+        // The current run of neighbouring allocations: its first and last slots.
+        let mut run: Option<(Slot, Slot)> = None;
         for &off in offsets.iter() {
-            let b = match self.blocks.get(&off) {
-                Some(b) if b.state == State::Used => *b,
+            let slot = match self.starts.get(&off) {
+                Some(&s) if self.blocks[s].state == State::Used => s,
                 _ => {
                     skipped.push(off);
                     continue;
                 }
             };
-            self.used_bytes -= b.len;
+            self.used_bytes -= self.blocks[slot].len;
             self.used_ranges -= 1;
             run = match run {
                 // Extend the run when `off` follows it in the same region.
-                Some((start, rlen, prev, last, _)) if !last && start + rlen == off => {
-                    self.blocks.remove(&off);
-                    Some((start, rlen + b.len, prev, b.last, true))
+                Some((first, last)) if self.blocks[last].next == slot => Some((first, slot)),
+                Some((first, last)) => {
+                    let joined = self.join(first, last);
+                    self.insert_free(joined, tag, &[]);
+                    Some((slot, slot))
                 }
-                Some((start, rlen, prev, last, joined)) => {
-                    self.insert_free(start, rlen, prev, last, tag, joined);
-                    // That merge may have relinked `off` (a free range between them joined).
-                    let prev = self.blocks.get(&off).map_or(b.prev, |x| x.prev);
-                    Some((off, b.len, prev, b.last, false))
-                }
-                None => Some((off, b.len, b.prev, b.last, false)),
+                None => Some((slot, slot)),
             };
         }
-        if let Some((start, rlen, prev, last, joined)) = run {
-            self.insert_free(start, rlen, prev, last, tag, joined);
+        if let Some((first, last)) = run {
+            let joined = self.join(first, last);
+            self.insert_free(joined, tag, &[]);
         }
         skipped
     }
@@ -388,12 +417,13 @@ impl RangeAllocator {
         let moving = self.free_index.ranges_of(from);
         let mut bytes = 0;
         for (off, len) in moving {
-            let Some(&b) = self.blocks.get(&off) else {
+            let Some(&slot) = self.starts.get(&off) else {
                 continue;
             };
+            let b = self.blocks[slot];
             if b.state == State::Free(from) && b.len == len {
                 self.free_index.remove(from, len, off);
-                self.insert_free(off, len, b.prev, b.last, to, false);
+                self.insert_free(slot, to, &[]);
                 bytes += len;
             }
         }
@@ -420,7 +450,7 @@ impl RangeAllocator {
     pub fn stats(&self) -> RangeStats {
         RangeStats {
             regions: self.regions.len() as u64,
-            region_bytes: self.regions.values().sum(),
+            region_bytes: self.regions.values().map(|r| r.len).sum(),
             used_bytes: self.used_bytes,
             used_ranges: self.used_ranges,
             free_ranges: self.free_index.len(),
@@ -433,8 +463,8 @@ impl RangeAllocator {
             return Vec::new();
         }
         self.chain(region)
-            .map(|(offset, b)| RangeInfo {
-                offset,
+            .map(|b| RangeInfo {
+                offset: b.start,
                 len: b.len,
                 free_tag: match b.state {
                     State::Used => None,
@@ -446,114 +476,44 @@ impl RangeAllocator {
 
     /// The ranges of the region starting at `region`, in address order, following the
     /// links (stops early if they are broken; `validate` reports that).
-    fn chain(&self, region: u64) -> impl Iterator<Item = (u64, Block)> + '_ {
-        let mut at = Some(region);
+    fn chain(&self, region: u64) -> impl Iterator<Item = Block> + '_ {
+        self.chain_slots(region).map(|(_, b)| b)
+    }
+
+    /// [`Self::chain`] with each range's slot.
+    fn chain_slots(&self, region: u64) -> impl Iterator<Item = (Slot, Block)> + '_ {
+        let mut at = self.starts.get(&region).copied().unwrap_or(NIL);
         std::iter::from_fn(move || {
-            let start = at?;
-            let b = *self.blocks.get(&start)?;
-            at = (!b.last).then_some(start + b.len);
-            Some((start, b))
+            let slot = at;
+            let b = *self.blocks.get(slot)?;
+            at = b.next;
+            Some((slot, b))
         })
     }
 
-    /// Record range `b` at `start` (replacing any range there); the last range of a region
-    /// is also recorded by the region's end.
-    #[inline]
-    fn put(&mut self, start: u64, b: Block) {
-        if b.last {
-            self.last_at_end.insert(start + b.len, start);
-        }
-        self.blocks.insert(start, b);
+    /// The range starting at `start`, if one does.
+    fn block_at(&self, start: u64) -> Option<&Block> {
+        self.starts.get(&start).and_then(|&s| self.blocks.get(s))
     }
 
-    fn set_prev(&mut self, start: u64, prev: u64) {
-        if let Some(n) = self.blocks.get_mut(&start) {
-            n.prev = prev;
-        }
-    }
-
-    /// Make `[offset, offset + len)` one free range under `tag`, merged with free same-tag
-    /// neighbours in its region. `prev` and `last` are the links of the span (those of its
-    /// first and last range). The span's own entries must be gone except the one at
-    /// `offset`, which is replaced; it must not be in the free index. `joined`: the span
-    /// was several ranges (the one after it links to the last of them).
-    fn insert_free(
-        &mut self,
-        offset: u64,
-        len: u64,
-        prev: u64,
-        last: bool,
-        tag: u64,
-        joined: bool,
-    ) {
-        self.insert_free_taking_in(offset, len, prev, last, tag, joined, &[]);
-    }
-
-    /// [`Self::insert_free`], merging also with free neighbours whose tag is in `from`
-    /// (retagged `tag`), and with what lies beyond them while it is free under `tag` or one
-    /// of `from` (`across_tags.rs`; with `from` empty, one neighbour a side at most: two
-    /// free ranges of one tag are never neighbours).
-    #[allow(clippy::too_many_arguments)]
-    fn insert_free_taking_in(
-        &mut self,
-        offset: u64,
-        len: u64,
-        mut prev: u64,
-        mut last: bool,
-        tag: u64,
-        joined: bool,
-        from: &[u64],
-    ) {
-        let merges =
-            |state: State| matches!(state, State::Free(t) if t == tag || from.contains(&t));
-        let (mut start, mut total) = (offset, len);
-        while prev != NO_PREV {
-            let Some(&p) = self.blocks.get(&prev) else {
-                break;
-            };
-            let State::Free(t) = p.state else {
-                break;
-            };
-            if !merges(p.state) {
-                break;
-            }
-            self.free_index.remove(t, p.len, prev);
-            self.blocks.remove(&start);
-            start = prev;
-            total += p.len;
-            prev = p.prev;
-        }
-        let mut next_moved = joined || start != offset;
-        while !last {
-            let next = start + total;
-            let Some(&n) = self.blocks.get(&next) else {
-                break;
-            };
-            let State::Free(t) = n.state else {
-                break;
-            };
-            if !merges(n.state) {
-                break;
-            }
-            self.free_index.remove(t, n.len, next);
-            self.blocks.remove(&next);
-            total += n.len;
-            last = n.last;
-            next_moved = true;
-        }
-        self.put(
+    /// A new block, recorded by its start.
+    fn new_block(&mut self, start: u64, len: u64, state: State, prev: Slot, next: Slot) -> Slot {
+        let slot = self.blocks.insert(Block {
             start,
-            Block {
-                len: total,
-                state: State::Free(tag),
-                prev,
-                last,
-            },
-        );
-        if next_moved && !last {
-            self.set_prev(start + total, start);
-        }
-        self.free_index.insert(tag, total, start);
+            len,
+            state,
+            prev,
+            next,
+        });
+        self.starts.insert(start, slot);
+        slot
+    }
+
+    /// Remove a block and its start's record (its neighbours' links are the caller's).
+    fn drop_block(&mut self, slot: Slot) -> Block {
+        let b = self.blocks.remove(slot);
+        self.starts.remove(&b.start);
+        b
     }
 }
 

@@ -1,7 +1,7 @@
 //! [`RangeAllocator::alloc_at`]: allocate a given range (a graph pool's checkpoint puts its
 //! blocks back at their own addresses, `pool/graph_pools.rs`).
 
-use super::{check_granule, Block, RangeAllocator, RangeError, State};
+use super::{check_granule, Block, RangeAllocator, RangeError, Slot, State};
 
 impl RangeAllocator {
     /// Allocate exactly `[offset, offset + len)`, which must lie inside one free range (of
@@ -9,74 +9,81 @@ impl RangeAllocator {
     /// Changes nothing on an error.
     pub fn alloc_at(&mut self, offset: u64, len: u64) -> Result<(), RangeError> {
         check_granule(offset, len)?;
-        let (start, b) = self
+        let (slot, b) = self
             .free_range_containing(offset)
             .ok_or(RangeError::NotFree { offset, len })?;
         let State::Free(tag) = b.state else {
             return Err(RangeError::NotFree { offset, len });
         };
-        let (end, b_end) = (offset + len, start + b.len);
-        if end > b_end {
+        let end = offset + len;
+        if end > b.end() {
             return Err(RangeError::NotFree { offset, len });
         }
-        self.free_index.remove(tag, b.len, start);
-        // The part before stays where it was, shortened.
-        let mut prev = b.prev;
-        if offset > start {
-            self.put(
-                start,
-                Block {
-                    len: offset - start,
-                    state: State::Free(tag),
-                    prev: b.prev,
-                    last: false,
-                },
-            );
-            self.free_index.insert(tag, offset - start, start);
-            prev = start;
-        } else {
-            self.blocks.remove(&start);
+        self.free_index.remove(tag, b.len, b.start);
+        let mut pieces = Vec::with_capacity(3);
+        if offset > b.start {
+            pieces.push((b.start, offset - b.start, State::Free(tag)));
         }
-        let after = b_end - end;
-        self.put(
-            offset,
-            Block {
-                len,
-                state: State::Used,
-                prev,
-                last: b.last && after == 0,
-            },
-        );
-        if after > 0 {
-            self.put(
-                end,
-                Block {
-                    len: after,
-                    state: State::Free(tag),
-                    prev: offset,
-                    last: b.last,
-                },
-            );
-            self.free_index.insert(tag, after, end);
+        pieces.push((offset, len, State::Used));
+        if end < b.end() {
+            pieces.push((end, b.end() - end, State::Free(tag)));
         }
-        // The range after the old free range links to what now ends there.
-        if !b.last {
-            self.set_prev(b_end, if after > 0 { end } else { offset });
+        self.cut(slot, &pieces);
+        for &(start, len, state) in &pieces {
+            if state == State::Free(tag) {
+                self.free_index.insert(tag, len, start);
+            }
         }
         self.used_bytes += len;
         self.used_ranges += 1;
         Ok(())
     }
 
-    /// The free range containing `offset`: its start and block. A walk of its region's
+    /// Cut the range in `slot` into `pieces` (`(start, len, state)`, in order, tiling it):
+    /// the last piece keeps the slot, the others get slots of their own before it. The free
+    /// index is the caller's.
+    fn cut(&mut self, slot: Slot, pieces: &[(u64, u64, State)]) {
+        let Some((&(start, len, state), before)) = pieces.split_last() else {
+            return;
+        };
+        let b = self.blocks[slot];
+        self.starts.remove(&b.start);
+        let mut prev = b.prev;
+        for &(s, l, st) in before {
+            let p = self.new_block(s, l, st, prev, super::NIL);
+            self.link(prev, p);
+            prev = p;
+        }
+        self.blocks[slot] = Block {
+            start,
+            len,
+            state,
+            prev,
+            next: b.next,
+        };
+        self.starts.insert(start, slot);
+        self.link(prev, slot);
+    }
+
+    /// Make the range in `next` follow the one in `prev` (when there is one).
+    pub(super) fn link(&mut self, prev: Slot, next: Slot) {
+        if prev != super::NIL {
+            self.blocks[prev].next = next;
+        }
+        if next != super::NIL {
+            self.blocks[next].prev = prev;
+        }
+    }
+
+    /// The free range containing `offset`: its slot and block. A walk of its region's
     /// ranges from the start (graph pools' arenas hold few).
-    fn free_range_containing(&self, offset: u64) -> Option<(u64, Block)> {
-        let (&region, &rlen) = self.regions.range(..=offset).next_back()?;
-        if offset >= region + rlen {
+    fn free_range_containing(&self, offset: u64) -> Option<(Slot, Block)> {
+        let (&region, r) = self.regions.range(..=offset).next_back()?;
+        if offset >= region + r.len {
             return None;
         }
-        self.chain(region)
-            .find(|(at, b)| offset < at + b.len)
+        self.chain_slots(region)
+            .find(|(_, b)| offset < b.end())
             .filter(|(_, b)| matches!(b.state, State::Free(_)))
     }
 }

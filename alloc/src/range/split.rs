@@ -1,7 +1,7 @@
 //! [`RangeAllocator::split_region`]: a region becomes several smaller ones (trim: an arena
 //! whose free pages go back to the driver keeps only the windows around its allocations).
 
-use super::{check_granule, Block, RangeAllocator, RangeError, State, NO_PREV};
+use super::{check_granule, Block, RangeAllocator, RangeError, Region, Slot, State, NIL};
 
 impl RangeAllocator {
     /// Split the region starting at `offset` into the regions `windows` (`(offset, len)`
@@ -10,10 +10,11 @@ impl RangeAllocator {
     /// space outside the windows is dropped. Refused, changing nothing, unless there is at
     /// least one window and every allocated range of the region lies inside one window.
     pub fn split_region(&mut self, offset: u64, windows: &[(u64, u64)]) -> Result<(), RangeError> {
-        let len = *self
+        let len = self
             .regions
             .get(&offset)
-            .ok_or(RangeError::NoSuchRegion(offset))?;
+            .ok_or(RangeError::NoSuchRegion(offset))?
+            .len;
         if windows.is_empty() {
             // Splitting into nothing would drop the region (use `remove_region`).
             return Err(RangeError::Misaligned { offset, len: 0 });
@@ -29,55 +30,48 @@ impl RangeAllocator {
             }
             end = w + wlen;
         }
-        let ranges: Vec<(u64, Block)> = self.chain(offset).collect();
+        let ranges: Vec<(Slot, Block)> = self.chain_slots(offset).collect();
         let inside = |s: u64, l: u64| windows.iter().any(|&(w, wl)| s >= w && s + l <= w + wl);
         if ranges
             .iter()
-            .any(|&(s, b)| b.state == State::Used && !inside(s, b.len))
+            .any(|&(_, b)| b.state == State::Used && !inside(b.start, b.len))
         {
             return Err(RangeError::RegionInUse(offset));
         }
         // Take the region out, then put each window in with its pieces.
-        for &(s, b) in &ranges {
-            self.blocks.remove(&s);
+        for &(slot, b) in &ranges {
+            self.drop_block(slot);
             if let State::Free(tag) = b.state {
-                self.free_index.remove(tag, b.len, s);
+                self.free_index.remove(tag, b.len, b.start);
             }
         }
         self.regions.remove(&offset);
-        self.last_at_end.remove(&(offset + len));
         let mut next = 0; // index into `ranges` of the first range that may reach a window
         for &(w, wlen) in windows {
             let wend = w + wlen;
-            self.regions.insert(w, wlen);
-            let mut pieces: Vec<(u64, u64, State)> = Vec::new();
-            while next < ranges.len() && ranges[next].0 + ranges[next].1.len <= w {
+            while next < ranges.len() && ranges[next].1.end() <= w {
                 next += 1;
             }
             let mut i = next;
-            while i < ranges.len() && ranges[i].0 < wend {
-                let (s, b) = ranges[i];
-                let (ps, pe) = (s.max(w), (s + b.len).min(wend));
-                pieces.push((ps, pe - ps, b.state));
+            let mut prev = NIL;
+            while i < ranges.len() && ranges[i].1.start < wend {
+                let b = ranges[i].1;
+                let (ps, pe) = (b.start.max(w), b.end().min(wend));
+                let slot = self.new_block(ps, pe - ps, b.state, prev, NIL);
+                self.link(prev, slot);
+                if let State::Free(tag) = b.state {
+                    self.free_index.insert(tag, pe - ps, ps);
+                }
+                prev = slot;
                 i += 1;
             }
-            let count = pieces.len();
-            let mut prev = NO_PREV;
-            for (k, (s, l, state)) in pieces.into_iter().enumerate() {
-                self.put(
-                    s,
-                    Block {
-                        len: l,
-                        state,
-                        prev,
-                        last: k + 1 == count,
-                    },
-                );
-                if let State::Free(tag) = state {
-                    self.free_index.insert(tag, l, s);
-                }
-                prev = s;
-            }
+            self.regions.insert(
+                w,
+                Region {
+                    len: wlen,
+                    last: prev,
+                },
+            );
         }
         Ok(())
     }

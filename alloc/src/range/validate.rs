@@ -2,18 +2,19 @@
 
 use rustc_hash::FxHashMap;
 
-use super::{RangeAllocator, State, GRANULE, NO_PREV};
+use super::{RangeAllocator, State, GRANULE, NIL};
 
 impl RangeAllocator {
     /// Check every invariant: regions disjoint and granule-aligned; ranges tile each region
-    /// exactly and their links agree; no two neighbouring free ranges with the same tag
-    /// inside a region; the free index and the per-tag bytes hold exactly the free ranges;
-    /// the counters match. Returns the first violation.
+    /// exactly and their links, slots and start records agree; no two neighbouring free
+    /// ranges with the same tag inside a region; the free index and the per-tag bytes hold
+    /// exactly the free ranges; the counters match. Returns the first violation.
     pub fn validate(&self) -> Result<(), String> {
         let mut prev_end = 0u64;
         let (mut used, mut used_n, mut free_n, mut seen) = (0u64, 0u64, 0u64, 0usize);
         let mut tag_bytes: FxHashMap<u64, u64> = FxHashMap::default();
-        for (&start, &rlen) in &self.regions {
+        for (&start, region) in &self.regions {
+            let rlen = region.len;
             if start < prev_end {
                 return Err(format!("region {start:#x} overlaps the previous one"));
             }
@@ -22,24 +23,33 @@ impl RangeAllocator {
             }
             let end = start + rlen;
             let mut at = start;
-            let mut prev = NO_PREV;
+            let mut prev = NIL;
             let mut prev_free: Option<u64> = None;
+            let Some(&first) = self.starts.get(&start) else {
+                return Err(format!("region {start:#x}: no range at its start"));
+            };
+            let mut slot = first;
             loop {
-                let Some(&b) = self.blocks.get(&at) else {
-                    return Err(format!("region {start:#x}: no range at {at:#x}"));
+                let Some(&b) = self.blocks.get(slot) else {
+                    return Err(format!(
+                        "region {start:#x}: no range in slot {slot} at {at:#x}"
+                    ));
                 };
                 seen += 1;
+                if b.start != at || self.starts.get(&at) != Some(&slot) {
+                    return Err(format!("range {at:#x}: its start or its record is wrong"));
+                }
                 if b.len == 0 || b.len % GRANULE != 0 || at + b.len > end {
                     return Err(format!("range {at:#x} has bad length {}", b.len));
                 }
                 if b.prev != prev {
                     return Err(format!(
-                        "range {at:#x} links to {:#x}, not {prev:#x}",
+                        "range {at:#x} links back to slot {}, not {prev}",
                         b.prev
                     ));
                 }
-                if b.last != (at + b.len == end) {
-                    return Err(format!("range {at:#x}: wrong last-in-region flag"));
+                if b.is_last() != (at + b.len == end) {
+                    return Err(format!("range {at:#x}: wrong last-in-region link"));
                 }
                 match b.state {
                     State::Used => {
@@ -61,22 +71,23 @@ impl RangeAllocator {
                         prev_free = Some(tag);
                     }
                 }
-                if b.last {
-                    if self.last_at_end.get(&end) != Some(&at) {
+                if b.is_last() {
+                    if region.last != slot {
                         return Err(format!("region {start:#x}: its last range is not recorded"));
                     }
                     break;
                 }
-                prev = at;
+                prev = slot;
+                slot = b.next;
                 at += b.len;
             }
             prev_end = end;
         }
-        if self.last_at_end.len() != self.regions.len() {
+        if self.starts.len() != self.blocks.len() {
             return Err(format!(
-                "{} last ranges recorded for {} regions",
-                self.last_at_end.len(),
-                self.regions.len()
+                "{} starts recorded for {} ranges",
+                self.starts.len(),
+                self.blocks.len()
             ));
         }
         if seen != self.blocks.len() {
