@@ -373,16 +373,19 @@ impl RangeAllocator {
 
     /// Free many allocations under one `tag` at once: the same result as freeing them one
     /// by one, cheaper when they are neighbours (a run of adjacent allocations becomes one
-    /// free range with one index update). Offsets that are not allocated are skipped and
-    /// returned. `offsets` is sorted in place.
+    /// free range with one index update). Offsets that are not allocated, and repeats of an
+    /// offset, are skipped and returned. `offsets` is sorted in place.
     pub fn free_many(&mut self, offsets: &mut [u64], tag: u64) -> Vec<u64> {
         offsets.sort_unstable();
         let mut skipped = Vec::new();
         // The current run of neighbouring allocations: its first and last slots.
         let mut run: Option<(Slot, Slot)> = None;
+        let mut previous = None;
         for &off in offsets.iter() {
+            let repeat = previous == Some(off);
+            previous = Some(off);
             let slot = match self.starts.get(&off) {
-                Some(&s) if self.blocks[s].state == State::Used => s,
+                Some(&s) if self.blocks[s].state == State::Used && !repeat => s,
                 _ => {
                     skipped.push(off);
                     continue;
@@ -643,6 +646,38 @@ mod tests {
         assert_eq!(r.alloc(100, 0), None);
         assert_eq!(r.remove_region(512), Err(RangeError::NoSuchRegion(512)));
         r.validate().unwrap();
+    }
+
+    #[test]
+    fn free_many_skips_what_is_not_allocated_and_repeats() {
+        let mut r = RangeAllocator::new();
+        r.add_region(0, 16 * MIB, 0).unwrap();
+        let offs: Vec<u64> = (0..8).map(|_| r.alloc(MIB, 0).unwrap()).collect();
+        r.free(offs[5], 0).unwrap();
+        // Neighbours 0-2 (a run), 4 twice, 5 already free, one never allocated.
+        let mut batch = vec![
+            offs[2],
+            offs[4],
+            offs[0],
+            offs[4],
+            offs[1],
+            offs[5],
+            100 * MIB,
+        ];
+        let skipped = r.free_many(&mut batch, 0);
+        r.validate().unwrap();
+        assert_eq!(skipped, vec![offs[4], offs[5], 100 * MIB]);
+        assert_eq!(r.stats().used_ranges, 3, "3, 6 and 7 stay allocated");
+        assert_eq!(
+            r.largest_free(0),
+            8 * MIB,
+            "the tail and 4-5 are free, 0-2 one range"
+        );
+        for &o in &[offs[3], offs[6], offs[7]] {
+            r.free(o, 0).unwrap();
+        }
+        r.validate().unwrap();
+        assert_eq!(r.remove_region(0), Ok(16 * MIB));
     }
 
     #[test]
