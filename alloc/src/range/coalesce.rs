@@ -5,7 +5,7 @@
 //! A merged range keeps the slot of the last range it joined, so a region's last range keeps
 //! its slot (`Region::last`) through every free.
 
-use super::{RangeAllocator, Slot, State, NIL};
+use super::{Block, RangeAllocator, Slot, State, NIL};
 
 impl RangeAllocator {
     /// Make the ranges from slot `first` to slot `last` (linked, `first` not after `last`)
@@ -47,28 +47,27 @@ impl RangeAllocator {
     /// side at most: two free ranges of one tag are never neighbours). The range must not be
     /// in the free index. Returns the merged range's slot.
     pub(super) fn insert_free(&mut self, slot: Slot, tag: u64, from: &[u64]) -> Slot {
-        let mut first = slot;
-        loop {
-            let p = self.blocks[first].prev;
-            if p == NIL || !self.takes_in(p, tag, from) {
-                break;
-            }
-            first = p;
-        }
-        let mut last = slot;
-        loop {
-            let n = self.blocks[last].next;
-            if n == NIL || !self.takes_in(n, tag, from) {
-                break;
-            }
-            last = n;
-        }
+        let first = self.reach(slot, tag, from, |b| b.prev);
+        let last = self.reach(slot, tag, from, |b| b.next);
         let merged = self.join(first, last);
         let b = &mut self.blocks[merged];
         b.state = State::Free(tag);
         let (len, start) = (b.len, b.start);
         self.free_index.insert(tag, len, start);
         merged
+    }
+
+    /// The farthest range from `slot`, stepping to a neighbour with `step` (`prev` or
+    /// `next`), through ranges that [`Self::takes_in`] takes in (they leave the free index).
+    fn reach(&mut self, slot: Slot, tag: u64, from: &[u64], step: impl Fn(&Block) -> Slot) -> Slot {
+        let mut at = slot;
+        loop {
+            let n = step(&self.blocks[at]);
+            if n == NIL || !self.takes_in(n, tag, from) {
+                return at;
+            }
+            at = n;
+        }
     }
 
     /// Whether the range in `slot` is free under `tag` or one of `from`; if so it leaves the

@@ -512,6 +512,16 @@ impl RangeAllocator {
         slot
     }
 
+    /// Make the range in `next` follow the one in `prev` (either may be [`NIL`]).
+    fn link(&mut self, prev: Slot, next: Slot) {
+        if prev != NIL {
+            self.blocks[prev].next = next;
+        }
+        if next != NIL {
+            self.blocks[next].prev = prev;
+        }
+    }
+
     /// Remove a block and its start's record (its neighbours' links are the caller's).
     fn drop_block(&mut self, slot: Slot) -> Block {
         let b = self.blocks.remove(slot);

@@ -1,7 +1,7 @@
 //! [`RangeAllocator::alloc_at`]: allocate a given range (a graph pool's checkpoint puts its
 //! blocks back at their own addresses, `pool/graph_pools.rs`).
 
-use super::{check_granule, Block, RangeAllocator, RangeError, Slot, State};
+use super::{check_granule, Block, RangeAllocator, RangeError, Slot, State, NIL};
 
 impl RangeAllocator {
     /// Allocate exactly `[offset, offset + len)`, which must lie inside one free range (of
@@ -50,7 +50,7 @@ impl RangeAllocator {
         self.starts.remove(&b.start);
         let mut prev = b.prev;
         for &(s, l, st) in before {
-            let p = self.new_block(s, l, st, prev, super::NIL);
+            let p = self.new_block(s, l, st, prev, NIL);
             self.link(prev, p);
             prev = p;
         }
@@ -63,16 +63,6 @@ impl RangeAllocator {
         };
         self.starts.insert(start, slot);
         self.link(prev, slot);
-    }
-
-    /// Make the range in `next` follow the one in `prev` (when there is one).
-    pub(super) fn link(&mut self, prev: Slot, next: Slot) {
-        if prev != super::NIL {
-            self.blocks[prev].next = next;
-        }
-        if next != super::NIL {
-            self.blocks[next].prev = prev;
-        }
     }
 
     /// The free range containing `offset`: its slot and block. A walk of its region's
