@@ -5,8 +5,11 @@
 //! ```text
 //! cargo run --release -p gpu-arena-bench --example pair_cost -- [--pairs 2000000] [--which both|pool|floor|miss]
 //! valgrind --tool=callgrind --collect-atstart=no --toggle-collect='*pool_pairs*' \
-//!     target/release/examples/pair_cost --pairs 200000 --which pool
+//!     target/release/examples/pair_cost --pairs 200000 --which pool --capacity-gib 16
 //! ```
+//!
+//! (`--capacity-gib`: the sim device's size, 64 by default; under valgrind 16, since a
+//! growing arena reserves address space for the whole device and valgrind's is smaller.)
 //!
 //! The pool's pairs are 2 MiB on one stream (the thread cache's hit path after the first
 //! pair), through `Pool::alloc` / `Pool::free` on the sim backend. `--which` runs one side
@@ -75,18 +78,19 @@ fn floor_pairs(n: u64) -> f64 {
 }
 
 fn main() {
-    let (mut n, mut which) = (2_000_000u64, "both".to_string());
+    let (mut n, mut which, mut capacity_gib) = (2_000_000u64, "both".to_string(), 64u64);
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let v = args.next().unwrap_or_default();
         match flag.as_str() {
             "--pairs" => n = v.parse().expect("a number"),
             "--which" => which = v,
-            _ => panic!("unknown flag {flag} (--pairs, --which)"),
+            "--capacity-gib" => capacity_gib = v.parse().expect("a number"),
+            _ => panic!("unknown flag {flag} (--pairs, --which, --capacity-gib)"),
         }
     }
     let sim = SimBackend::new(SimConfig {
-        capacity: 64 << 30,
+        capacity: capacity_gib << 30,
         ..SimConfig::default()
     })
     .unwrap();
