@@ -1,11 +1,15 @@
-//! Growable arenas on the sim ([`Backend::create_growable_arena`], [`Backend::grow_arena`]):
-//! the arena's address range is an inaccessible reservation of `reserve` bytes, its memfd
-//! is mapped over the first `bytes`, and a growth makes the memfd longer and maps the new
-//! bytes right after. The chunk lengths are kept so that an export hands out one fd per
-//! chunk, as a driver exports each physical allocation of a grown arena.
+//! Growable arenas on the sim ([`Backend::create_growable_arena`], [`Backend::grow_arena`],
+//! [`Backend::shrink_arena`]): the arena's address range is an inaccessible reservation of
+//! `reserve` bytes, and each chunk is a memfd of its own mapped (from its offset 0) over its
+//! part of the range, as each chunk is a physical allocation of its own on a GPU. The first
+//! chunk is the memfd `create_arena` made; a growth makes a new memfd for the new chunk and
+//! maps it right after the last one (the old memfds are left alone); a shrink maps the
+//! reservation back over the chunks it releases and closes their memfds. An export hands
+//! out one fd per chunk memfd, and an import maps each at its chunk's place.
 //!
 //! [`Backend::create_growable_arena`]: crate::backend::Backend::create_growable_arena
 //! [`Backend::grow_arena`]: crate::backend::Backend::grow_arena
+//! [`Backend::shrink_arena`]: crate::backend::Backend::shrink_arena
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
@@ -62,7 +66,7 @@ impl SimBackend {
             ))
         })?;
         let id = inner.next_id;
-        let memfd = sys::create_memfd(&format!("{}a{id}", self.memfd_tag()), bytes)?;
+        let memfd = sys::create_memfd(&self.chunk_memfd_name(id, 0), bytes)?;
         let info = file_info(memfd.as_fd()).map_err(|e| sys_err("fstat", e))?;
         let region = sys::reserve(len)?;
         if let Err(e) = sys::map_over_at(&region.part(0, bytes), memfd.as_fd(), 0) {
@@ -73,18 +77,16 @@ impl SimBackend {
         }
         let base = region.base();
         inner.take_id();
-        // A stale key can only belong to an entry whose memfd the kernel already freed
-        // (inode numbers are reused only then): the new arena owns the inode now.
-        inner.by_inode.insert(info.key, id);
+        inner.own_keys(id, &[info.key]);
         inner.arenas.insert(
             id,
             ArenaEntry {
                 device,
                 base,
                 bytes,
-                inode: info.key,
+                keys: vec![info.key],
                 owner: Some(Owner {
-                    memfd: Some(memfd),
+                    memfds: vec![memfd],
                     region,
                 }),
                 open_exports: 0,
@@ -110,19 +112,22 @@ impl SimBackend {
                 && e.open_exports == 0
                 && e.mappings == 0
                 && !e.pinned
-                && e.owner.as_ref().is_some_and(|o| o.memfd.is_some())
+                && !e.asleep()
+                && e.owner.is_some()
                 && e.reserve - e.bytes >= extra
         })
     }
 
-    /// See [`crate::backend::Backend::grow_arena`].
+    /// See [`crate::backend::Backend::grow_arena`]: a new memfd of `extra` bytes, mapped
+    /// over the reservation right after the last chunk. Every fallible step runs before
+    /// anything is recorded; a failed mapping puts the reservation back.
     pub(super) fn grow(&self, arena: &ArenaMem, extra: u64) -> Result<ArenaMem> {
         let mut inner = self.inner.lock();
         inner.enter(SimCall::CreateArena)?;
         self.check_granular("grow_arena", "a growth", extra)?;
         let held = inner.held_bytes(arena.device);
         let entry = inner.arena_mut(arena, "grow_arena")?;
-        resizable(entry, "grow_arena", arena.handle)?;
+        entry.check_unshared("grow_arena", arena.handle)?;
         if entry.reserve - entry.bytes < extra {
             return Err(Error::invalid(format!(
                 "sim grow_arena: arena {} has {} bytes of its reservation left, not {extra}",
@@ -130,7 +135,7 @@ impl SimBackend {
                 entry.reserve - entry.bytes
             )));
         }
-        let (memfd, region) = owned_memory(&entry.owner, "grow_arena", arena.handle)?;
+        let owner = awake_owner(&mut entry.owner, "grow_arena", arena.handle)?;
         if held.saturating_add(extra) > self.config.capacity {
             return Err(Error::DriverOutOfMemory {
                 backend: NAME,
@@ -140,15 +145,22 @@ impl SimBackend {
             });
         }
         let old = entry.bytes;
-        sys::set_len(memfd.as_fd(), old + extra)?;
-        if let Err(e) = sys::map_over_at(&region.part(old, extra), memfd.as_fd(), old) {
-            if let Err(back) = sys::set_len(memfd.as_fd(), old) {
-                tracing::warn!(error = %back, "sim grow_arena: shortening the memfd back failed");
+        let name = self.chunk_memfd_name(arena.handle, entry.chunks.len());
+        let memfd = sys::create_memfd(&name, extra)?;
+        let info = file_info(memfd.as_fd()).map_err(|e| sys_err("fstat", e))?;
+        let place = owner.region.part(old, extra);
+        if let Err(e) = sys::map_over_at(&place, memfd.as_fd(), 0) {
+            // A failed MAP_FIXED may have unmapped the range: reserve it again.
+            if let Err(back) = sys::reserve_over(&place) {
+                tracing::warn!(error = %back, "sim grow_arena: reserving the range again failed");
             }
             return Err(e);
         }
-        entry.bytes = old + extra;
+        owner.memfds.push(memfd);
+        entry.keys.push(info.key);
         entry.chunks.push(extra);
+        entry.bytes = old + extra;
+        inner.own_keys(arena.handle, &[info.key]);
         Ok(ArenaMem {
             bytes: old + extra,
             ..arena.clone()
@@ -156,14 +168,13 @@ impl SimBackend {
     }
 
     /// See [`crate::backend::Backend::shrink_arena`]: the chunks after the first that start
-    /// at or past `keep` go back to an inaccessible reservation and the memfd is cut to the
-    /// chunks kept.
+    /// at or past `keep` go back to an inaccessible reservation and their memfds close.
     pub(super) fn shrink(&self, arena: &ArenaMem, keep: u64) -> Result<(ArenaMem, usize)> {
         let mut inner = self.inner.lock();
         inner.enter(SimCall::DestroyArena)?;
         let entry = inner.arena_mut(arena, "shrink_arena")?;
-        resizable(entry, "shrink_arena", arena.handle)?;
-        let (memfd, region) = owned_memory(&entry.owner, "shrink_arena", arena.handle)?;
+        entry.check_unshared("shrink_arena", arena.handle)?;
+        let owner = awake_owner(&mut entry.owner, "shrink_arena", arena.handle)?;
         // Chunk starts, the first's at 0: keep the chunks before the first later one that
         // starts at or past `keep`.
         let mut start = 0;
@@ -180,10 +191,13 @@ impl SimBackend {
             return Ok((arena.clone(), 0));
         }
         let end = start;
-        sys::reserve_over(&region.part(end, entry.bytes - end))?;
-        sys::set_len(memfd.as_fd(), end)?;
+        sys::reserve_over(&owner.region.part(end, entry.bytes - end))?;
+        // Nothing maps the released chunks now: closing their memfds frees them.
+        owner.memfds.truncate(kept);
+        let gone = entry.keys.split_off(kept);
         entry.chunks.truncate(kept);
         entry.bytes = end;
+        inner.forget_keys(arena.handle, &gone);
         Ok((
             ArenaMem {
                 bytes: end,
@@ -191,6 +205,11 @@ impl SimBackend {
             },
             released,
         ))
+    }
+
+    /// The name of chunk `chunk`'s memfd of arena `arena` (`/proc/self/fd` shows it).
+    pub(super) fn chunk_memfd_name(&self, arena: u64, chunk: usize) -> String {
+        format!("{}a{arena}c{chunk}", self.memfd_tag())
     }
 
     /// `close_export` of a grown arena's export: every fd must be one of this arena's
@@ -207,7 +226,11 @@ impl SimBackend {
             .collect();
         let refused = match inner.arena_mut(arena, "close_export") {
             Err(e) => Some(e),
-            Ok(entry) if keys.iter().any(|k| *k != Some(entry.inode)) => {
+            Ok(entry)
+                if !keys
+                    .iter()
+                    .all(|k| k.is_some_and(|k| entry.keys.contains(&k))) =>
+            {
                 Some(Error::invalid(format!(
                     "sim close_export: the export is not an export of arena {}",
                     arena.handle
@@ -238,7 +261,8 @@ impl SimBackend {
     }
 
     /// `import` of a grown arena's chunks: one reservation for them all, each chunk's fd
-    /// mapped from its offset in the arena (the sim's chunk fds all name the arena's memfd).
+    /// (its own memfd) mapped from its offset 0 at the chunk's place. The mapping counts for
+    /// the arena of the first chunk's memfd when it is one of ours.
     pub(super) fn import_chunks(
         &self,
         inner: &mut Inner,
@@ -254,27 +278,25 @@ impl SimBackend {
             )));
         }
         let mut key = None;
-        let mut at = 0u64;
-        for &(n, fd) in chunks {
+        for (i, &(n, fd)) in chunks.iter().enumerate() {
             let info = file_info(fd).map_err(|e| {
                 Error::Ipc(format!("sim import: fstat of a chunk's fd failed: {e}"))
             })?;
-            if !info.regular || info.size < at + n {
+            if !info.regular || info.size < n {
                 return Err(Error::Ipc(format!(
-                    "sim import: a chunk's fd does not hold bytes {at}..{} (a memfd of {} bytes)",
-                    at + n,
+                    "sim import: chunk {i}'s fd does not hold its {n} bytes (a {} of {} bytes)",
+                    if info.regular { "memfd" } else { "non-file" },
                     info.size
                 )));
             }
             key.get_or_insert(info.key);
-            at += n;
         }
         let len = usize::try_from(bytes)
             .map_err(|_| Error::invalid(format!("sim import: {bytes} bytes do not fit")))?;
         let region = sys::reserve(len)?;
         let mut at = 0u64;
         for &(n, fd) in chunks {
-            if let Err(e) = sys::map_over_at(&region.part(at, n), fd, at) {
+            if let Err(e) = sys::map_over_at(&region.part(at, n), fd, 0) {
                 if let Err(u) = sys::unmap(&region) {
                     tracing::warn!(error = %u, "sim import: unmapping a half-mapped import failed");
                 }
@@ -286,27 +308,10 @@ impl SimBackend {
     }
 }
 
-/// Refused unless `entry` is free to change size: no export, no in-process mapping, no pin.
-fn resizable(entry: &ArenaEntry, call: &str, handle: u64) -> Result<()> {
-    if entry.open_exports > 0 || entry.mappings > 0 || entry.pinned {
-        return Err(Error::InvalidState(format!(
-            "sim {call}: arena {handle} is exported or mapped elsewhere"
-        )));
-    }
-    Ok(())
-}
-
-/// The memfd and address range of an arena that is live and awake.
-fn owned_memory<'a>(
-    owner: &'a Option<Owner>,
-    call: &str,
-    handle: u64,
-) -> Result<(&'a OwnedFd, &'a sys::Region)> {
+/// The owner's side of an arena that is live and awake.
+fn awake_owner<'a>(owner: &'a mut Option<Owner>, call: &str, handle: u64) -> Result<&'a mut Owner> {
     match owner {
-        Some(Owner {
-            memfd: Some(memfd),
-            region,
-        }) => Ok((memfd, region)),
+        Some(o) if !o.memfds.is_empty() => Ok(o),
         _ => Err(Error::InvalidState(format!(
             "sim {call}: arena {handle} is destroyed or asleep"
         ))),

@@ -7,9 +7,21 @@
 //! - **Memory is real.** An arena is a `memfd` of `bytes` bytes (sized with `ftruncate`,
 //!   so pages are only touched when written) mapped `MAP_SHARED` read/write.
 //!   [`ArenaMem::base`] is the host address of that mapping, so tests can read and write it.
-//! - **Exports are real fds.** [`Backend::export`] hands out a `dup` of the memfd (with
-//!   `CLOEXEC`), which can cross processes over `SCM_RIGHTS`; [`Backend::import`] `mmap`s
-//!   such an fd, in this process or another one, so a consumer sees the producer's bytes.
+//! - **A chunk is a memfd, as it is a physical allocation on a GPU.** A growable arena
+//!   (`grow.rs`) reserves its address range; each growth makes a new memfd for the new
+//!   chunk and maps it right after the last one, so a grown arena is one memfd per chunk,
+//!   each mapped from its offset 0 at the chunk's place. [`Backend::drop_chunks`]
+//!   (`split.rs`) unmaps the dropped chunks and closes their memfds while the kept chunks'
+//!   pages stay mapped where they are, untouched; a trim's [`Backend::split_arena`] gives
+//!   each window a new memfd holding a copy of its bytes (new memory on a GPU too). A wake
+//!   ([`Backend::restore_physical`]) makes one memfd for the whole arena, as the VMM backend
+//!   creates one allocation.
+//! - **Exports are real fds.** [`Backend::export`] hands out a `dup` of each chunk's memfd
+//!   (with `CLOEXEC`: one fd for an arena of one chunk, one per chunk for a grown one),
+//!   which can cross processes over `SCM_RIGHTS`; [`Backend::import`] `mmap`s such fds, in
+//!   this process or another one, so a consumer sees the producer's bytes. The inode of
+//!   every chunk memfd names its arena, so an import of the backend's own export counts as
+//!   that arena's mapping and `close_export` checks that the fds are the arena's.
 //! - **The ledger follows the driver, not the kernel.** The kernel frees a memfd when its
 //!   last fd and mapping go; the sim additionally keeps a per-device ledger of *held* bytes
 //!   that reproduces what we measured on an H200 with the CUDA VMM API (2026-11-29):
@@ -63,17 +75,19 @@
 //!   this backend's arenas (for example paired with the wrong [`ArenaMem`]); an fd that is
 //!   not one of this backend's exports is simply closed.
 //!
-//! Whatever is still owned when the `SimBackend` is dropped (arena mappings and memfds,
+//! Whatever is still owned when the `SimBackend` is dropped (arena mappings and chunk memfds,
 //! imported mappings, stranded export fds) is unmapped and closed, with a `tracing` warning
 //! for each device whose ledger is not clean, so the process leaks neither fds nor mappings.
 //!
 //! # Layout
 //!
-//! `types` holds the public configuration, call-kind and ledger types; `sys` holds every
-//! system call (memfd, ftruncate, mmap, munmap, fstat, dup), one small function each, and
-//! all of the backend's `unsafe`; this module keeps the ledger behind one mutex. Arena,
-//! mapping and event handles come from one counter, so they are unique across kinds and
-//! never reused.
+//! `types` holds the public configuration, call-kind and ledger types; `state` the ledger
+//! kept behind one mutex; `sys` every system call (memfd, ftruncate, mmap, munmap, fstat,
+//! dup), one small function each, and all of the backend's `unsafe`; `grow` growable arenas
+//! (create, grow, shrink, and the chunked exports' close and import); `split` trims and
+//! chunk drops; `transfer` streams and copies; `steps` test hooks; this module the rest of
+//! the calls. Arena, mapping and event handles come from one counter, so they are unique
+//! across kinds and never reused.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::fd::{AsFd, OwnedFd};
@@ -94,6 +108,8 @@ mod steps;
 mod sys;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_chunks;
 #[cfg(test)]
 mod tests_faults;
 mod transfer;
@@ -345,7 +361,7 @@ impl Backend for SimBackend {
             ))
         })?;
         unmap(&owner.region)?;
-        // Closes the owner's memfd; exports and mappings keep the kernel object alive.
+        // Closes the owner's memfds; exports and mappings keep the kernel objects alive.
         entry.owner = None;
         inner.retire_if_released(arena.handle);
         Ok(())
@@ -359,23 +375,23 @@ impl Backend for SimBackend {
         let owner = entry.owner.as_ref().ok_or_else(|| {
             Error::invalid(format!("sim export: arena {} was destroyed", arena.handle))
         })?;
-        let memfd = owner.memfd.as_ref().ok_or_else(|| {
-            Error::InvalidState(format!(
-                "sim export: arena {} is asleep (no memory behind it)",
-                arena.handle
-            ))
-        })?;
-        let payload = if entry.chunks.len() > 1 {
-            // One fd per chunk (dups of the one memfd: the importer maps each chunk from its
-            // offset in the arena).
-            let fds = entry
-                .chunks
-                .iter()
-                .map(|&n| sys::dup_cloexec(memfd.as_fd()).map(|fd| (n, fd)))
-                .collect::<Result<Vec<_>>>()?;
-            ExportPayload::Chunks(fds)
-        } else {
-            ExportPayload::Fd(sys::dup_cloexec(memfd.as_fd())?)
+        let payload = match owner.memfds.as_slice() {
+            [] => {
+                return Err(Error::InvalidState(format!(
+                    "sim export: arena {} is asleep (no memory behind it)",
+                    arena.handle
+                )))
+            }
+            [memfd] => ExportPayload::Fd(sys::dup_cloexec(memfd.as_fd())?),
+            // One fd per chunk, a dup of its memfd: the importer maps each at its place.
+            memfds => ExportPayload::Chunks(
+                entry
+                    .chunks
+                    .iter()
+                    .zip(memfds)
+                    .map(|(&n, memfd)| sys::dup_cloexec(memfd.as_fd()).map(|fd| (n, fd)))
+                    .collect::<Result<Vec<_>>>()?,
+            ),
         };
         entry.open_exports += match &payload {
             ExportPayload::Chunks(fds) => fds.len(),
@@ -432,7 +448,7 @@ impl Backend for SimBackend {
             Ok(entry) => entry,
             Err(e) => return reject(&mut inner, fd, e),
         };
-        if entry.inode != info.key {
+        if !entry.keys.contains(&info.key) {
             let err = Error::invalid(format!(
                 "sim close_export: the export is not an export of arena {}",
                 arena.handle
@@ -577,7 +593,7 @@ impl Backend for SimBackend {
             )));
         }
         let owner = match entry.owner.as_mut() {
-            Some(o) if o.memfd.is_some() => o,
+            Some(o) if !o.memfds.is_empty() => o,
             _ => {
                 return Err(Error::InvalidState(format!(
                     "sim release_physical: arena {} is destroyed or already asleep",
@@ -586,14 +602,17 @@ impl Backend for SimBackend {
             }
         };
         sys::reserve_over(&owner.region)?;
-        // Closing the memfd frees its pages: the contents are gone. A wake makes one memfd.
-        owner.memfd = None;
+        // Closing the memfds frees their pages: the contents are gone. A wake makes one
+        // memfd for the whole arena (one chunk), as the VMM backend creates one allocation.
+        owner.memfds.clear();
+        let keys = std::mem::take(&mut entry.keys);
         entry.chunks = vec![entry.bytes];
+        inner.forget_keys(arena.handle, &keys);
         Ok(())
     }
 
     fn can_split(&self, _arena: &ArenaMem) -> bool {
-        // Any arena, grown or not (its memfd is one file however many chunks it grew by).
+        // Any arena, grown or not (a window may span chunks: it is copied to a new memfd).
         true
     }
 
@@ -605,7 +624,7 @@ impl Backend for SimBackend {
         let mut inner = self.inner.lock();
         inner.enter(SimCall::CreateArena)?;
         let held = inner.held_bytes(arena.device);
-        let name = format!("{}a{}", self.memfd_tag(), arena.handle);
+        let name = self.chunk_memfd_name(arena.handle, 0);
         let entry = inner.arena_mut(arena, "restore_physical")?;
         if !entry.asleep() {
             return Err(Error::InvalidState(format!(
@@ -621,18 +640,24 @@ impl Backend for SimBackend {
                 bytes: arena.bytes,
             });
         }
+        // One memfd, one chunk, for the whole arena (what it grew by before it slept is one
+        // allocation now, as on the VMM backend); `release_physical` set `chunks` so.
         let memfd = sys::create_memfd(&name, arena.bytes)?;
         let info = file_info(memfd.as_fd()).map_err(|e| sys_err("fstat", e))?;
-        let old = entry.inode;
         if let Some(owner) = entry.owner.as_mut() {
-            sys::map_over(&owner.region.part(0, arena.bytes), memfd.as_fd())?;
-            owner.memfd = Some(memfd);
+            let place = owner.region.part(0, arena.bytes);
+            if let Err(e) = sys::map_over(&place, memfd.as_fd()) {
+                // A failed MAP_FIXED may have unmapped the range: reserve it again.
+                if let Err(back) = sys::reserve_over(&place) {
+                    tracing::warn!(error = %back, "sim restore_physical: reserving the range again failed");
+                }
+                return Err(e);
+            }
+            owner.memfds = vec![memfd];
         }
-        entry.inode = info.key;
-        if inner.by_inode.get(&old) == Some(&arena.handle) {
-            inner.by_inode.remove(&old);
-        }
-        inner.by_inode.insert(info.key, arena.handle);
+        entry.keys = vec![info.key];
+        entry.chunks = vec![arena.bytes];
+        inner.own_keys(arena.handle, &[info.key]);
         Ok(arena.clone())
     }
 
@@ -733,7 +758,7 @@ impl Drop for SimBackend {
                 if let Err(e) = unmap(&owner.region) {
                     tracing::warn!(arena = id, error = %e, "sim backend drop: munmap of an arena failed");
                 }
-                drop(owner.memfd);
+                drop(owner.memfds);
             }
         }
         inner.by_inode.clear();

@@ -1,103 +1,166 @@
-//! The sim's [`Backend::split_arena`](crate::backend::Backend::split_arena): each window gets
-//! a memfd of its own holding its bytes, mapped over the window's pages (`MAP_FIXED`: the
-//! addresses never change), the pages between windows are unmapped and the arena's memfd is
-//! closed, so the ledger holds only the windows. Every step that can fail runs before the
-//! first page is replaced; a failed replacement maps the old memfd back.
+//! The sim's [`Backend::split_arena`] (a trim) and [`Backend::drop_chunks`] (`empty_cache`'s
+//! free chunks of a grown arena).
+//!
+//! - **split_arena** gives each window new memory, as on a GPU: a memfd of its own holding a
+//!   copy of the window's bytes, mapped over the window's pages (`MAP_FIXED`: the addresses
+//!   never change); the pages between windows are unmapped and every chunk memfd of the
+//!   arena is closed, so the ledger holds only the windows. Every step that can fail runs
+//!   before the first page is replaced; a failed replacement maps the old chunks back.
+//! - **drop_chunks** moves nothing: each chunk is a memfd of its own (`grow.rs`), so the
+//!   dropped chunks' pages are unmapped and their memfds closed, and the kept chunks stay
+//!   mapped where they are, their pages untouched (a write into them from another thread
+//!   meanwhile is kept). Each run of kept chunks becomes an arena of its own owning its
+//!   chunks' memfds.
+//!
+//! [`Backend::split_arena`]: crate::backend::Backend::split_arena
+//! [`Backend::drop_chunks`]: crate::backend::Backend::drop_chunks
 
 use std::os::fd::{AsFd, OwnedFd};
 
 use super::state::{ArenaEntry, Owner};
-use super::sys::{self, file_info, map_shared, sys_err, unmap};
+use super::sys::{self, file_info, map_shared, sys_err, unmap, Region};
 use super::{SimBackend, SimCall, NAME};
 use crate::backend::{check_dropped_chunks, check_split_windows, kept_runs, ArenaMem};
 use crate::error::{Error, Result};
 
 impl SimBackend {
-    /// See the module docs and the trait's contract.
-    pub(super) fn split(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {
-        self.split_windows(arena, windows, true)
-    }
-
-    /// [`Backend::drop_chunks`](crate::backend::Backend::drop_chunks): the runs of kept
-    /// chunks become windows as a split's (their bytes copied to memfds of their own, which
-    /// on a GPU would be the chunks themselves left in place: no new memory is counted), each
-    /// keeping its chunks' lengths.
-    ///
-    /// Unlike a GPU's, the sim's kept bytes move (copied, then the copy mapped over them):
-    /// a host write into a kept chunk between the copy and the remap is lost, where the
-    /// trait promises "without moving a byte". The pool synchronizes the device first, so
-    /// no GPU work writes meanwhile; a test that writes sim memory from other threads while
-    /// `empty_cache` runs must keep those writes out of it (`tests/stress.rs`'s quiet lock).
-    /// Keeping the chunks in place needs a memfd per chunk (a chunk is one driver allocation
-    /// on a GPU too).
+    /// [`Backend::drop_chunks`](crate::backend::Backend::drop_chunks) (see the module docs).
+    /// Every check runs before the first page is unmapped; a chunk whose unmapping fails
+    /// stays, in its run (logged), and when none could be unmapped nothing changed.
     pub(super) fn drop_chunks(
         &self,
         arena: &ArenaMem,
         doomed: &[usize],
     ) -> Result<Vec<(ArenaMem, usize)>> {
-        let lens = self
-            .inner
-            .lock()
-            .arena_mut(arena, "drop_chunks")?
-            .chunks
-            .clone();
-        check_dropped_chunks(lens.len(), doomed)?;
-        let runs = kept_runs(lens.len(), doomed);
-        let offset = |i: usize| lens[..i].iter().sum::<u64>();
-        let windows: Vec<(u64, u64)> = runs
-            .iter()
-            .map(|&(at, n)| (offset(at), lens[at..at + n].iter().sum()))
-            .collect();
-        let parts = self.split_windows(arena, &windows, false)?;
         let mut inner = self.inner.lock();
-        let mut out = Vec::with_capacity(parts.len());
-        for (part, &(at, n)) in parts.into_iter().zip(&runs) {
-            if let Some(entry) = inner.arenas.get_mut(&part.handle) {
-                entry.chunks = lens[at..at + n].to_vec();
+        inner.enter(SimCall::DropChunks)?;
+        let entry = inner.arena_mut(arena, "drop_chunks")?;
+        check_dropped_chunks(entry.chunks.len(), doomed)?;
+        entry.check_unshared("drop_chunks", arena.handle)?;
+        let owner = match entry.owner.as_ref() {
+            Some(o) if !o.memfds.is_empty() => o,
+            _ => {
+                return Err(Error::InvalidState(format!(
+                    "sim drop_chunks: arena {} is destroyed or asleep",
+                    arena.handle
+                )))
             }
+        };
+        let starts: Vec<u64> = entry
+            .chunks
+            .iter()
+            .scan(0, |at, &n| {
+                *at += n;
+                Some(*at - n)
+            })
+            .collect();
+        let mut dropped = Vec::with_capacity(doomed.len());
+        let mut first_err = None;
+        for &i in doomed {
+            // The chunk's own mapping of its own memfd: no other chunk's page is touched.
+            match unmap(&owner.region.part(starts[i], entry.chunks[i])) {
+                Ok(()) => dropped.push(i),
+                Err(e) => {
+                    tracing::warn!(arena = arena.handle, chunk = i, error = %e,
+                        "sim drop_chunks: unmapping a chunk failed; the arena keeps it");
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if dropped.is_empty() {
+            return Err(first_err
+                .unwrap_or_else(|| Error::Internal("sim drop_chunks: nothing dropped".into())));
+        }
+        // A growable arena's reservation past its end goes too: the runs cannot grow.
+        if owner.region.len() > entry.bytes {
+            let tail = owner
+                .region
+                .part(entry.bytes, owner.region.len() - entry.bytes);
+            if let Err(e) = unmap(&tail) {
+                tracing::warn!(error = %e, "sim drop_chunks: unmapping a reservation's tail failed");
+            }
+        }
+        let Some(ArenaEntry {
+            device,
+            keys,
+            chunks,
+            owner: Some(owner),
+            ..
+        }) = inner.arenas.remove(&arena.handle)
+        else {
+            return Err(Error::Internal(
+                "sim drop_chunks: the arena vanished".into(),
+            ));
+        };
+        inner.forget_keys(arena.handle, &keys);
+        // The dropped chunks' memfds close as the iterator passes them (nothing maps them
+        // any more: their memory is freed); each run takes its own.
+        let mut memfds = owner.memfds.into_iter();
+        let mut next = 0;
+        let mut out = Vec::new();
+        for (at, n) in kept_runs(chunks.len(), &dropped) {
+            memfds.by_ref().take(at - next).for_each(drop);
+            let run_memfds: Vec<OwnedFd> = memfds.by_ref().take(n).collect();
+            next = at + n;
+            let (offset, bytes) = (starts[at], chunks[at..at + n].iter().sum::<u64>());
+            let id = inner.take_id();
+            inner.own_keys(id, &keys[at..at + n]);
+            inner.arenas.insert(
+                id,
+                ArenaEntry {
+                    device,
+                    base: arena.base + offset,
+                    bytes,
+                    keys: keys[at..at + n].to_vec(),
+                    owner: Some(Owner {
+                        memfds: run_memfds,
+                        region: owner.region.part(offset, bytes),
+                    }),
+                    open_exports: 0,
+                    mappings: 0,
+                    pinned: false,
+                    chunks: chunks[at..at + n].to_vec(),
+                    reserve: bytes,
+                },
+            );
+            let part = ArenaMem {
+                device,
+                base: arena.base + offset,
+                bytes,
+                handle: id,
+            };
             out.push((part, n));
         }
         Ok(out)
     }
 
-    /// A split; `new_memory`: its windows are new allocations (a trim's: each one a driver
-    /// call that may fail, and room on the device), else the chunks kept where they are.
-    fn split_windows(
-        &self,
-        arena: &ArenaMem,
-        windows: &[(u64, u64)],
-        new_memory: bool,
-    ) -> Result<Vec<ArenaMem>> {
+    /// [`Backend::split_arena`](crate::backend::Backend::split_arena) (see the module docs):
+    /// its windows are new allocations, each a driver call that may fail, and room on the
+    /// device.
+    pub(super) fn split(&self, arena: &ArenaMem, windows: &[(u64, u64)]) -> Result<Vec<ArenaMem>> {
         let mut inner = self.inner.lock();
         check_split_windows(arena.bytes, self.config.granularity, windows)?;
         {
             let entry = inner.arena_mut(arena, "split_arena")?;
-            if entry.open_exports > 0 || entry.mappings > 0 || entry.pinned {
-                return Err(Error::InvalidState(format!(
-                    "sim split_arena: arena {} is exported or mapped elsewhere",
-                    arena.handle
-                )));
-            }
-            if entry.owner.as_ref().is_none_or(|o| o.memfd.is_none()) {
+            entry.check_unshared("split_arena", arena.handle)?;
+            if entry.asleep() || entry.owner.is_none() {
                 return Err(Error::InvalidState(format!(
                     "sim split_arena: arena {} is destroyed or asleep",
                     arena.handle
                 )));
             }
         }
-        if new_memory {
-            for _ in windows {
-                inner.enter(SimCall::CreateArena)?;
-            }
-            let kept: u64 = windows.iter().map(|w| w.1).sum();
-            if inner.held_bytes(arena.device).saturating_add(kept) > self.config.capacity {
-                return Err(Error::DriverOutOfMemory {
-                    backend: NAME,
-                    call: "split_arena",
-                    device: arena.device,
-                    bytes: kept,
-                });
-            }
+        for _ in windows {
+            inner.enter(SimCall::CreateArena)?;
+        }
+        let kept: u64 = windows.iter().map(|w| w.1).sum();
+        if inner.held_bytes(arena.device).saturating_add(kept) > self.config.capacity {
+            return Err(Error::DriverOutOfMemory {
+                backend: NAME,
+                call: "split_arena",
+                device: arena.device,
+                bytes: kept,
+            });
         }
         // The new memfds with the windows' bytes (nothing replaced yet: errors drop them).
         let mut made: Vec<(OwnedFd, (u64, u64))> = Vec::with_capacity(windows.len());
@@ -114,23 +177,25 @@ impl SimBackend {
         let Some(owner) = entry.owner.take() else {
             return Err(Error::Internal("sim split_arena: owner vanished".into()));
         };
-        let (old_fd, whole) = (owner.memfd, owner.region);
-        let old_fd = old_fd.ok_or_else(|| Error::Internal("sim split_arena: asleep".into()))?;
+        let (old_memfds, whole) = (owner.memfds, owner.region);
         for (i, (&(offset, len), (memfd, _))) in windows.iter().zip(&made).enumerate() {
             if let Err(e) = sys::map_over_at(&whole.part(offset, len), memfd.as_fd(), 0) {
-                for &(off, l) in &windows[..i] {
-                    if let Err(back) = sys::map_over_at(&whole.part(off, l), old_fd.as_fd(), off) {
+                // The windows replaced so far, and this one (a failed MAP_FIXED may have
+                // unmapped it), get the old chunks' pages back.
+                for &(off, l) in &windows[..=i] {
+                    if let Err(back) = map_chunks_back(&whole, &entry.chunks, &old_memfds, off, l) {
                         tracing::error!(error = %back, "sim split_arena: mapping the old pages back failed");
                     }
                 }
                 entry.owner = Some(Owner {
-                    memfd: Some(old_fd),
+                    memfds: old_memfds,
                     region: whole,
                 });
                 return Err(e);
             }
         }
-        // The pages between (and around) the windows go; the old memfd closes with `old_fd`.
+        // The pages between (and around) the windows go; the old memfds close with
+        // `old_memfds`.
         let mut at = 0;
         for &(offset, len) in windows.iter().chain([&(arena.bytes, 0)]) {
             if offset > at {
@@ -146,22 +211,22 @@ impl SimBackend {
                 tracing::warn!(error = %e, "sim split_arena: unmapping a reservation's tail failed");
             }
         }
-        drop(old_fd);
+        drop(old_memfds);
         let device = entry.device;
         inner.retire_if_released(arena.handle);
         let mut out = Vec::with_capacity(windows.len());
         for (&(offset, len), (memfd, key)) in windows.iter().zip(made) {
             let id = inner.take_id();
-            inner.by_inode.insert(key, id);
+            inner.own_keys(id, &[key]);
             inner.arenas.insert(
                 id,
                 ArenaEntry {
                     device,
                     base: arena.base + offset,
                     bytes: len,
-                    inode: key,
+                    keys: vec![key],
                     owner: Some(Owner {
-                        memfd: Some(memfd),
+                        memfds: vec![memfd],
                         region: whole.part(offset, len),
                     }),
                     open_exports: 0,
@@ -180,4 +245,25 @@ impl SimBackend {
         }
         Ok(out)
     }
+}
+
+/// Map the arena's chunk memfds (`memfds`, of lengths `chunks`) back over the part
+/// `offset..offset + len` of its range `whole`, each piece from its offset in its chunk (a
+/// failed split's undo).
+fn map_chunks_back(
+    whole: &Region,
+    chunks: &[u64],
+    memfds: &[OwnedFd],
+    offset: u64,
+    len: u64,
+) -> Result<()> {
+    let mut start = 0;
+    for (&n, memfd) in chunks.iter().zip(memfds) {
+        let (lo, hi) = (offset.max(start), (offset + len).min(start + n));
+        if lo < hi {
+            sys::map_over_at(&whole.part(lo, hi - lo), memfd.as_fd(), lo - start)?;
+        }
+        start += n;
+    }
+    Ok(())
 }

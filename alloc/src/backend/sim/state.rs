@@ -10,12 +10,16 @@ use super::types::{SimCall, SimLedger};
 use crate::backend::{ArenaMem, DeviceId, StreamId};
 use crate::error::{Error, Result};
 
-/// The owner's side of a live arena: its memfd and its mapping at `base`.
+/// The owner's side of a live arena: its chunks' memfds and its mapping at `base`.
 #[derive(Debug)]
 pub(super) struct Owner {
-    /// `None` while the arena sleeps (`release_physical`): its region is then an
-    /// inaccessible reservation and its bytes are not held.
-    pub(super) memfd: Option<OwnedFd>,
+    /// One memfd per chunk (`ArenaEntry::chunks`), in address order, each mapped from its
+    /// offset 0 over its chunk's addresses: a chunk is a memfd of its own, as it is one
+    /// physical allocation on a GPU. Empty while the arena sleeps (`release_physical`): its
+    /// region is then an inaccessible reservation and its bytes are not held.
+    pub(super) memfds: Vec<OwnedFd>,
+    /// The arena's address range: its reservation (`ArenaEntry::reserve` bytes), the
+    /// chunks mapped over its first `bytes`.
     pub(super) region: Region,
 }
 
@@ -25,16 +29,19 @@ pub(super) struct ArenaEntry {
     pub(super) device: DeviceId,
     pub(super) base: u64,
     pub(super) bytes: u64,
-    /// `(st_dev, st_ino)` of the memfd: how imports recognise this backend's own exports.
-    pub(super) inode: (u64, u64),
+    /// `(st_dev, st_ino)` of each chunk's memfd, in address order (empty while asleep): how
+    /// imports and `close_export` recognise this backend's own exports. Each is a key of
+    /// `Inner::by_inode` naming this arena; they stay after the owner destroyed the arena,
+    /// while exports or mappings hold its bytes.
+    pub(super) keys: Vec<(u64, u64)>,
     /// `None` once the owner destroyed the arena.
     pub(super) owner: Option<Owner>,
     pub(super) open_exports: usize,
     pub(super) mappings: usize,
     pub(super) pinned: bool,
-    /// The lengths of its chunks (`grow_arena`), in address order: `[bytes]` until it grows.
-    /// One memfd holds them all (each grown part is the file's next bytes); an export hands
-    /// out one fd per chunk, as a driver exports each physical allocation.
+    /// The lengths of its chunks (`grow_arena`), in address order: `[bytes]` until it grows
+    /// (and while asleep). Each chunk is a memfd of its own (`Owner::memfds`, `keys`); an
+    /// export hands out one fd per chunk, as a driver exports each physical allocation.
     pub(super) chunks: Vec<u64>,
     /// The bytes of its address reservation (`create_growable_arena`; `bytes` for a plain
     /// arena): `owner.region` spans all of it, the first `bytes` mapped.
@@ -44,12 +51,24 @@ pub(super) struct ArenaEntry {
 impl ArenaEntry {
     /// Whether the owner put the arena to sleep (addresses reserved, no memory held).
     pub(super) fn asleep(&self) -> bool {
-        self.owner.as_ref().is_some_and(|o| o.memfd.is_none())
+        self.owner.as_ref().is_some_and(|o| o.memfds.is_empty())
     }
 
     /// Whether nothing holds the bytes any more (the entry can leave the ledger).
     pub(super) fn released(&self) -> bool {
         self.owner.is_none() && self.open_exports == 0 && self.mappings == 0 && !self.pinned
+    }
+
+    /// Refused unless nothing but the owner holds the arena (`handle`): no export, no
+    /// in-process mapping, no pin (a growth, shrink, split or chunk drop would change what
+    /// they name).
+    pub(super) fn check_unshared(&self, call: &str, handle: u64) -> Result<()> {
+        if self.open_exports > 0 || self.mappings > 0 || self.pinned {
+            return Err(Error::InvalidState(format!(
+                "sim {call}: arena {handle} is exported or mapped elsewhere"
+            )));
+        }
+        Ok(())
     }
 
     pub(super) fn check(&self, arena: &ArenaMem, call: &str) -> Result<()> {
@@ -99,6 +118,7 @@ pub(super) struct FaultPlan {
 #[derive(Debug)]
 pub(super) struct Inner {
     pub(super) arenas: BTreeMap<u64, ArenaEntry>,
+    /// The inode key of every chunk memfd of ours (`ArenaEntry::keys`) to its arena's id.
     pub(super) by_inode: HashMap<(u64, u64), u64>,
     pub(super) imports: BTreeMap<u64, ImportEntry>,
     pub(super) events: HashMap<u64, EventEntry>,
@@ -191,8 +211,25 @@ impl Inner {
             return;
         }
         if let Some(entry) = self.arenas.remove(&id) {
-            if self.by_inode.get(&entry.inode) == Some(&id) {
-                self.by_inode.remove(&entry.inode);
+            self.forget_keys(id, &entry.keys);
+        }
+    }
+
+    /// Name arena `id` as the owner of the memfds whose inodes are `keys`. A stale key can
+    /// only belong to an entry whose memfd the kernel already freed (inode numbers are
+    /// reused only then): the arena owns the inode now.
+    pub(super) fn own_keys(&mut self, id: u64, keys: &[(u64, u64)]) {
+        for &key in keys {
+            self.by_inode.insert(key, id);
+        }
+    }
+
+    /// Forget that arena `id` owns the memfds whose inodes are `keys` (closed, or handed to
+    /// another arena; a key naming another arena stays).
+    pub(super) fn forget_keys(&mut self, id: u64, keys: &[(u64, u64)]) {
+        for key in keys {
+            if self.by_inode.get(key) == Some(&id) {
+                self.by_inode.remove(key);
             }
         }
     }

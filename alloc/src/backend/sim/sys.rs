@@ -30,10 +30,10 @@ impl Region {
         self.len as u64
     }
 
-    /// The part `offset..offset + len` of this region, as a region of its own (a window of a
-    /// split arena, the mapped part of a growable arena's reservation). The caller never
-    /// unmaps both the whole and a part: after a split only the parts are kept (see
-    /// `unmap_part`).
+    /// The part `offset..offset + len` of this region, as a region of its own (a chunk of a
+    /// grown arena, a window of a split arena, a run of kept chunks, the mapped part of a
+    /// growable arena's reservation). The caller never unmaps both the whole and a part:
+    /// after a split or a chunk drop only the parts are kept, disjoint (see [`unmap`]).
     pub(super) fn part(&self, offset: u64, len: u64) -> Region {
         Region {
             addr: self.addr + offset as usize,
@@ -97,11 +97,13 @@ pub(super) fn reserve(len: usize) -> Result<Region> {
 /// `munmap` a region made by [`map_shared`] or [`reserve`]. The caller removes the region from the state
 /// after this succeeds, so it is never unmapped twice.
 pub(super) fn unmap(region: &Region) -> Result<()> {
-    // SAFETY: `region` came from `map_shared` (only this module builds one) and is still
-    // mapped: a region leaves the backend's state right after its one successful unmap.
-    // The sim never creates Rust references into it; callers hold only the raw address
-    // (`ArenaMem::base`, `Mapping::base`), whose validity the Backend contract ends with
-    // this very call (`destroy_arena`, `unmap_import`) or with the backend's drop.
+    // SAFETY: `region` came from `map_shared` or `reserve` (only this module builds one), or
+    // is a part of one, and is still mapped: a region leaves the backend's state right
+    // after its one successful unmap, and a part unmapped on its own (a split's gap, a
+    // dropped chunk) belongs to no region kept. The sim never creates Rust references into
+    // it; callers hold only the raw address (`ArenaMem::base`, `Mapping::base`), whose
+    // validity the Backend contract ends with this very call (`destroy_arena`,
+    // `unmap_import`, `drop_chunks` for the chunks dropped) or with the backend's drop.
     unsafe { rustix::mm::munmap(region.addr as *mut c_void, region.len) }
         .map_err(|e| sys_err("munmap", e))
 }
@@ -136,11 +138,6 @@ pub(super) fn create_memfd(name: &str, bytes: u64) -> Result<OwnedFd> {
     Ok(memfd)
 }
 
-/// `ftruncate(fd, bytes)`: a growable arena's memfd made longer (or back).
-pub(super) fn set_len(fd: BorrowedFd<'_>, bytes: u64) -> Result<()> {
-    rustix::fs::ftruncate(fd, bytes).map_err(|e| sys_err("ftruncate", e))
-}
-
 /// `fcntl(fd, F_DUPFD_CLOEXEC, 0)`: a new fd for the same open file.
 pub(super) fn dup_cloexec(fd: BorrowedFd<'_>) -> Result<OwnedFd> {
     rustix::io::fcntl_dupfd_cloexec(fd.as_fd(), 0).map_err(|e| sys_err("fcntl_dupfd_cloexec", e))
@@ -172,8 +169,9 @@ pub(super) fn map_over(region: &Region, fd: BorrowedFd<'_>) -> Result<()> {
 }
 
 /// Map `fd` from byte `offset` read-write and shared over `region`'s addresses (`MAP_FIXED`):
-/// replaces a reservation left by [`reserve_over`], or, in a split, the pages of the arena
-/// being split with a window's new memfd holding the same bytes (and back on failure).
+/// replaces a reservation (a new or grown chunk's place, a wake), or, in a split, the pages
+/// of the arena being split with a window's new memfd holding the same bytes (and the old
+/// chunks' memfds back on failure).
 pub(super) fn map_over_at(region: &Region, fd: BorrowedFd<'_>, offset: u64) -> Result<()> {
     // SAFETY: `region` is one of this module's regions (or a part of one): MAP_FIXED replaces
     // exactly its pages, which either nothing reads (an inaccessible reservation) or hold the

@@ -92,11 +92,13 @@ pub enum SimCall {
     CopyToHost,
     /// [`Backend::copy_from_host`] (wake's copy back).
     CopyFromHost,
+    /// [`Backend::drop_chunks`] (`empty_cache`'s free chunks of a grown arena).
+    DropChunks,
 }
 
 impl SimCall {
     /// Every kind, in declaration order.
-    pub const ALL: [SimCall; 12] = [
+    pub const ALL: [SimCall; 13] = [
         SimCall::CreateArena,
         SimCall::DestroyArena,
         SimCall::Export,
@@ -109,6 +111,7 @@ impl SimCall {
         SimCall::MemInfo,
         SimCall::CopyToHost,
         SimCall::CopyFromHost,
+        SimCall::DropChunks,
     ];
 
     /// The call's name as it appears in the `call` field of [`Error::Backend`]: the
@@ -127,6 +130,7 @@ impl SimCall {
             SimCall::MemInfo => "mem_info",
             SimCall::CopyToHost => "copy_to_host",
             SimCall::CopyFromHost => "copy_from_host",
+            SimCall::DropChunks => "drop_chunks",
         }
     }
 
