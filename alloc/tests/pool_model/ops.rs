@@ -18,7 +18,7 @@ pub const STREAMS: u64 = 3;
 /// The bytes of a block checked: its first and last `CANARY` bytes.
 pub const CANARY: usize = 64;
 /// Backend calls a fault may be injected into.
-pub const FAULTS: [SimCall; 8] = [
+pub const FAULTS: [SimCall; 9] = [
     SimCall::CreateArena,
     SimCall::DestroyArena,
     SimCall::Export,
@@ -27,6 +27,8 @@ pub const FAULTS: [SimCall; 8] = [
     SimCall::Synchronize,
     SimCall::CopyToHost,
     SimCall::CopyFromHost,
+    // empty_cache's chunk drop of a grown arena (its failure leaves the arena whole).
+    SimCall::DropChunks,
 ];
 
 #[derive(Debug, Clone)]
