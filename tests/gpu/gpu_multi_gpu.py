@@ -399,6 +399,23 @@ def run_ranks(runner, label, child, n, params, timeout):
     return runner.run(label, procs, timeout)
 
 
+def reduce_stat(ranks, size):
+    """All_reduce seconds per op of ``size`` bytes in one process group: the slowest rank's
+    median over its rounds, and the largest spread of a rank's rounds ((max - min) / median)."""
+    per = [x["timing"][str(size)]["s_per_op"] for x in ranks]
+    return max(med(v) for v in per), max((max(v) - min(v)) / med(v) for v in per)
+
+
+def timing_within_noise(A, T, sz):
+    """Whether gpu-arena's all_reduce time at every size >= 64 MiB is within the noise bound
+    of PyTorch's (ratio <= 1 + max(0.10, both spreads))."""
+    for size in (s for s in sz["sizes"] if s >= 64 * MiB):
+        (tt, ts), (ta, sa) = reduce_stat(T, size), reduce_stat(A, size)
+        if ta / tt > 1 + max(0.10, ts + sa):
+            return False
+    return True
+
+
 def check_ddp(runner, n, sz):
     c = Check("ddp", f"DDP over NCCL, world size {n}, gpu-arena in every rank vs PyTorch's allocator")
     arena = results_or_errors(c, run_ranks(runner, "ddp-arena", "ddp", n, dict(sz, mode="arena"), 300))
@@ -426,15 +443,29 @@ def check_ddp(runner, n, sz):
             c.add("Control (PyTorch's allocator again): " + ("bitwise equal to the first: the run is deterministic, "
                   "the difference comes with gpu-arena." if det else "NOT equal to the first either: the workload is not "
                   "deterministic across processes here."))
+    # All_reduce time. One process's launch-bound ops can run 1.4x slower than the next's
+    # (a fresh machine, H200 2026-12-04: 1.42x, then 1.02x / 1.00x / 0.90x in three more
+    # runs of the same pair), so a pair outside the noise bound runs again in the other order
+    # (PyTorch first), and each allocator is judged by its faster process.
+    pairs = [(A, T)]
+    if not timing_within_noise(A, T, sz) and runner.left() > 120:
+        x = Check("x", "x")
+        t2 = results_or_errors(x, run_ranks(runner, "ddp-torch-2", "ddp", n, dict(sz, mode="torch"), 300))
+        a2 = results_or_errors(x, run_ranks(runner, "ddp-arena-2", "ddp", n, dict(sz, mode="arena"), 300))
+        if len(t2) == n and len(a2) == n:
+            A2, T2 = [a2[f"r{r}"] for r in range(n)], [t2[f"r{r}"] for r in range(n)]
+            c.expect(all(a["losses"] == t["losses"] and a["digest"] == t["digest"] for a, t in zip(A2, T))
+                     and all(t["losses"] == t0["losses"] for t, t0 in zip(T2, T)),
+                     "the second pair (PyTorch first) trained bitwise equal to the first")
+            pairs.append((A2, T2))
+        c.add(f"The first pair (gpu-arena first) was outside the noise bound: both ran again, PyTorch first "
+              f"({len(pairs)} pairs; each allocator's figure is its faster process).")
     c.add("| all_reduce size | PyTorch us/op | gpu-arena us/op | ratio | spread (PyTorch / gpu-arena) | bus GB/s (gpu-arena) |")
     c.add("|---|---|---|---|---|---|")
     worst = []
     for size in sz["sizes"]:
-        def stat(ranks):
-            per = [x["timing"][str(size)]["s_per_op"] for x in ranks]
-            m = max(med(v) for v in per)
-            return m, max((max(v) - min(v)) / med(v) for v in per)
-        (tt, ts), (ta, sa) = stat(T), stat(A)
+        (tt, ts), (ta, sa) = (min((reduce_stat(ranks, size) for ranks in side), key=lambda x: x[0])
+                              for side in ([t for _, t in pairs], [a for a, _ in pairs]))
         ratio, lim = ta / tt, 1 + max(0.10, ts + sa)
         bus = (2 * (n - 1) / n if n > 1 else 1) * size / ta / 1e9
         c.add(f"| {fmt_bytes(size)} | {tt * 1e6:.1f} | {ta * 1e6:.1f} | {ratio:.3f} | {ts:.2f} / {sa:.2f} | {bus:.1f} |")
