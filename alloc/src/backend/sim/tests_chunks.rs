@@ -24,7 +24,8 @@ fn backing(addr: u64) -> Option<(u64, u64)> {
         );
         let offset = u64::from_str_radix(fields.nth(1)?, 16).ok()?;
         let inode = fields.nth(1)?.parse().ok()?;
-        (lo <= addr && addr < hi).then_some((inode, offset + (addr - lo)))
+        // `then`, not `then_some`: `addr - lo` underflows on the lines below `addr`.
+        (lo <= addr && addr < hi).then(|| (inode, offset + (addr - lo)))
     })
 }
 
