@@ -406,12 +406,18 @@ def reduce_stat(ranks, size):
     return max(med(v) for v in per), max((max(v) - min(v)) / med(v) for v in per)
 
 
+def noise_limit(spread_torch, spread_arena):
+    """The largest gpu-arena / PyTorch all_reduce time ratio taken as noise: 1.10, or one
+    plus both groups' spreads when they are wider."""
+    return 1 + max(0.10, spread_torch + spread_arena)
+
+
 def timing_within_noise(A, T, sz):
     """Whether gpu-arena's all_reduce time at every size >= 64 MiB is within the noise bound
-    of PyTorch's (ratio <= 1 + max(0.10, both spreads))."""
+    of PyTorch's (`noise_limit`)."""
     for size in (s for s in sz["sizes"] if s >= 64 * MiB):
         (tt, ts), (ta, sa) = reduce_stat(T, size), reduce_stat(A, size)
-        if ta / tt > 1 + max(0.10, ts + sa):
+        if ta / tt > noise_limit(ts, sa):
             return False
     return True
 
@@ -466,7 +472,7 @@ def check_ddp(runner, n, sz):
     for size in sz["sizes"]:
         (tt, ts), (ta, sa) = (min((reduce_stat(ranks, size) for ranks in side), key=lambda x: x[0])
                               for side in ([t for _, t in pairs], [a for a, _ in pairs]))
-        ratio, lim = ta / tt, 1 + max(0.10, ts + sa)
+        ratio, lim = ta / tt, noise_limit(ts, sa)
         bus = (2 * (n - 1) / n if n > 1 else 1) * size / ta / 1e9
         c.add(f"| {fmt_bytes(size)} | {tt * 1e6:.1f} | {ta * 1e6:.1f} | {ratio:.3f} | {ts:.2f} / {sa:.2f} | {bus:.1f} |")
         worst.append(f"{fmt_bytes(size)} {ratio:.2f}x")

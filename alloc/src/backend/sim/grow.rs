@@ -13,7 +13,7 @@
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use super::state::{ArenaEntry, Inner, Owner};
+use super::state::{awake_owner, ArenaEntry, Inner, Owner};
 use super::sys::{self, file_info, sys_err};
 use super::{SimBackend, SimCall, NAME};
 use crate::backend::{ArenaMem, DeviceId, Mapping};
@@ -305,15 +305,5 @@ impl SimBackend {
             at += n;
         }
         Ok(inner.record_import(device, bytes, region, key))
-    }
-}
-
-/// The owner's side of an arena that is live and awake.
-fn awake_owner<'a>(owner: &'a mut Option<Owner>, call: &str, handle: u64) -> Result<&'a mut Owner> {
-    match owner {
-        Some(o) if !o.memfds.is_empty() => Ok(o),
-        _ => Err(Error::InvalidState(format!(
-            "sim {call}: arena {handle} is destroyed or asleep"
-        ))),
     }
 }

@@ -115,7 +115,7 @@ mod tests_faults;
 mod transfer;
 mod types;
 
-use state::{EventEntry, Inner};
+use state::{awake_owner, EventEntry, Inner};
 
 use sys::{file_info, map_shared, sys_err, unmap};
 pub use types::{SimCall, SimConfig, SimLedger};
@@ -586,21 +586,8 @@ impl Backend for SimBackend {
     fn release_physical(&self, arena: &ArenaMem) -> Result<()> {
         let mut inner = self.inner.lock();
         let entry = inner.arena_mut(arena, "release_physical")?;
-        if entry.open_exports > 0 || entry.mappings > 0 || entry.pinned {
-            return Err(Error::InvalidState(format!(
-                "sim release_physical: arena {} is exported or mapped elsewhere",
-                arena.handle
-            )));
-        }
-        let owner = match entry.owner.as_mut() {
-            Some(o) if !o.memfds.is_empty() => o,
-            _ => {
-                return Err(Error::InvalidState(format!(
-                    "sim release_physical: arena {} is destroyed or already asleep",
-                    arena.handle
-                )))
-            }
-        };
+        entry.check_unshared("release_physical", arena.handle)?;
+        let owner = awake_owner(&mut entry.owner, "release_physical", arena.handle)?;
         sys::reserve_over(&owner.region)?;
         // Closing the memfds frees their pages: the contents are gone. A wake makes one
         // memfd for the whole arena (one chunk), as the VMM backend creates one allocation.

@@ -17,7 +17,7 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 
-use super::state::{ArenaEntry, Owner};
+use super::state::{awake_owner, ArenaEntry, Owner};
 use super::sys::{self, file_info, map_shared, sys_err, unmap, Region};
 use super::{SimBackend, SimCall, NAME};
 use crate::backend::{check_dropped_chunks, check_split_windows, kept_runs, ArenaMem};
@@ -37,15 +37,7 @@ impl SimBackend {
         let entry = inner.arena_mut(arena, "drop_chunks")?;
         check_dropped_chunks(entry.chunks.len(), doomed)?;
         entry.check_unshared("drop_chunks", arena.handle)?;
-        let owner = match entry.owner.as_ref() {
-            Some(o) if !o.memfds.is_empty() => o,
-            _ => {
-                return Err(Error::InvalidState(format!(
-                    "sim drop_chunks: arena {} is destroyed or asleep",
-                    arena.handle
-                )))
-            }
-        };
+        let owner = awake_owner(&mut entry.owner, "drop_chunks", arena.handle)?;
         let starts: Vec<u64> = entry
             .chunks
             .iter()
@@ -143,12 +135,7 @@ impl SimBackend {
         {
             let entry = inner.arena_mut(arena, "split_arena")?;
             entry.check_unshared("split_arena", arena.handle)?;
-            if entry.asleep() || entry.owner.is_none() {
-                return Err(Error::InvalidState(format!(
-                    "sim split_arena: arena {} is destroyed or asleep",
-                    arena.handle
-                )));
-            }
+            awake_owner(&mut entry.owner, "split_arena", arena.handle)?;
         }
         for _ in windows {
             inner.enter(SimCall::CreateArena)?;

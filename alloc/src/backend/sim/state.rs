@@ -329,3 +329,17 @@ impl Inner {
         l
     }
 }
+
+/// The owner's side of an arena that is live and awake.
+pub(super) fn awake_owner<'a>(
+    owner: &'a mut Option<Owner>,
+    call: &str,
+    handle: u64,
+) -> Result<&'a mut Owner> {
+    match owner {
+        Some(o) if !o.memfds.is_empty() => Ok(o),
+        _ => Err(Error::InvalidState(format!(
+            "sim {call}: arena {handle} is destroyed or asleep"
+        ))),
+    }
+}

@@ -60,6 +60,17 @@ pub(super) fn tagged_fds(tag: &str) -> usize {
         .count()
 }
 
+/// Every arena of `s` destroyed (`parts` first): the ledger of device 0 is clean and no
+/// memfd of `s` (named by `s.memfd_tag()`) is open or mapped.
+pub(super) fn destroy_and_assert_clean(s: &SimBackend, parts: Vec<(ArenaMem, usize)>) {
+    for (p, _) in parts {
+        s.destroy_arena(p).unwrap();
+    }
+    assert!(s.is_clean(0), "{:?}", s.ledger(0));
+    let tag = s.memfd_tag();
+    assert_eq!((tagged_fds(&tag), tagged_maps(&tag)), (0, 0));
+}
+
 /// Mappings of this process whose file names `tag`.
 pub(super) fn tagged_maps(tag: &str) -> usize {
     std::fs::read_to_string("/proc/self/maps")
@@ -515,7 +526,6 @@ fn a_split_keeps_the_windows_bytes_at_their_addresses_and_releases_the_rest() {
 fn a_split_is_refused_for_an_exported_asleep_or_too_large_arena_changing_nothing() {
     // 16 MiB capacity: a 12 MiB arena leaves no room for a 6 MiB window beside it.
     let b = sim_with(16 * MIB, false);
-    let tag = b.memfd_tag();
     let a = b.create_arena(0, 12 * MIB).unwrap();
     write(a.base, 7, &[9; 64]);
     let export = b.export(&a).unwrap();
@@ -539,7 +549,5 @@ fn a_split_is_refused_for_an_exported_asleep_or_too_large_arena_changing_nothing
     // It still splits afterwards (room for one 2 MiB window).
     let ws = b.split_arena(&a, &[(0, 2 * MIB)]).unwrap();
     assert_eq!(b.ledger(0).held_bytes, 2 * MIB);
-    b.destroy_arena(ws[0].clone()).unwrap();
-    assert!(b.is_clean(0));
-    assert_eq!((tagged_fds(&tag), tagged_maps(&tag)), (0, 0));
+    destroy_and_assert_clean(&b, vec![(ws[0].clone(), 1)]);
 }

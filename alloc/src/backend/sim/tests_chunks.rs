@@ -8,7 +8,9 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
 
 use super::sys::{self, Region};
-use super::tests::{is_invalid, read, sim, sim_with, tagged_fds, tagged_maps, write, MIB};
+use super::tests::{
+    destroy_and_assert_clean, is_invalid, read, sim, sim_with, tagged_fds, tagged_maps, write, MIB,
+};
 use super::*;
 
 /// What `/proc/self/maps` says is mapped at `addr`: the inode of the file (0 for anonymous
@@ -81,14 +83,6 @@ impl Drop for View {
     }
 }
 
-fn injected_err(call: &'static str) -> Error {
-    Error::Backend {
-        backend: "sim",
-        call,
-        message: "injected fault".to_owned(),
-    }
-}
-
 /// A growable arena of `first` bytes (reservation `reserve`) grown by each of `growths`,
 /// with chunk `i`'s first and last 64 bytes set to `i + 1` and `i + 101`.
 fn grown(s: &SimBackend, first: u64, reserve: u64, growths: &[u64]) -> ArenaMem {
@@ -145,11 +139,7 @@ fn dropping_a_middle_chunk_leaves_the_kept_chunks_pages_where_they_are() {
     );
     assert!(s.destroy_arena(a).is_err(), "only the runs may be named");
     drop(views);
-    for (p, _) in parts {
-        s.destroy_arena(p).unwrap();
-    }
-    assert!(s.is_clean(0), "{:?}", s.ledger(0));
-    assert_eq!((tagged_fds(&tag), tagged_maps(&tag)), (0, 0));
+    destroy_and_assert_clean(&s, parts);
 }
 
 #[test]
@@ -217,11 +207,7 @@ fn dropping_chunks_frees_exactly_them_and_each_run_exports_one_fd_per_chunk() {
     let export = s.export(run).unwrap();
     s.close_export(run, export).unwrap();
 
-    for (p, _) in parts {
-        s.destroy_arena(p).unwrap();
-    }
-    assert!(s.is_clean(0), "{:?}", s.ledger(0));
-    assert_eq!((tagged_fds(&tag), tagged_maps(&tag)), (0, 0));
+    destroy_and_assert_clean(&s, parts);
 }
 
 #[test]
@@ -241,7 +227,10 @@ fn a_failed_grow_or_drop_chunks_changes_nothing() {
     let before = state(&a);
 
     s.fail_nth(SimCall::CreateArena, 1);
-    assert_eq!(s.grow_arena(&a, 2 * MIB), Err(injected_err("create_arena")));
+    assert_eq!(
+        s.grow_arena(&a, 2 * MIB),
+        Err(injected(SimCall::CreateArena))
+    );
     assert!(matches!(
         s.grow_arena(&a, 8 * MIB),
         Err(Error::DriverOutOfMemory { .. })
@@ -253,7 +242,7 @@ fn a_failed_grow_or_drop_chunks_changes_nothing() {
     assert_eq!(state(&a), before);
 
     s.fail_nth(SimCall::DropChunks, 1);
-    assert_eq!(s.drop_chunks(&a, &[1]), Err(injected_err("drop_chunks")));
+    assert_eq!(s.drop_chunks(&a, &[1]), Err(injected(SimCall::DropChunks)));
     let bad: [&[usize]; 4] = [&[], &[0, 1], &[2], &[1, 1]];
     for doomed in bad {
         assert!(is_invalid(s.drop_chunks(&a, doomed)), "{doomed:?}");
@@ -275,11 +264,7 @@ fn a_failed_grow_or_drop_chunks_changes_nothing() {
     let parts = s.drop_chunks(&a, &[1]).unwrap();
     assert_eq!(s.ledger(0).held_bytes, 8 * MIB);
     assert!(holds_pattern(a.base, 0, 0, 4 * MIB));
-    for (p, _) in parts {
-        s.destroy_arena(p).unwrap();
-    }
-    assert!(s.is_clean(0), "{:?}", s.ledger(0));
-    assert_eq!((tagged_fds(&tag), tagged_maps(&tag)), (0, 0));
+    destroy_and_assert_clean(&s, parts);
 }
 
 #[test]
@@ -320,7 +305,5 @@ fn shrink_sleep_and_wake_keep_one_memfd_per_chunk() {
     // It grows again after the wake.
     let a = s.grow_arena(&a, 2 * MIB).unwrap();
     assert_eq!(s.chunk_spans(&a).len(), 2);
-    s.destroy_arena(a).unwrap();
-    assert!(s.is_clean(0), "{:?}", s.ledger(0));
-    assert_eq!((tagged_fds(&tag), tagged_maps(&tag)), (0, 0));
+    destroy_and_assert_clean(&s, vec![(a, 1)]);
 }
