@@ -52,6 +52,16 @@ for s in "${steps[@]}"; do case $s in
   reserved_traces) run reserved_traces python3 bench/gpu/torch_reserved.py --modes torch,torch-expandable,gpu-arena-grow \
     --workloads small_train,small_generate --trace-dir "$OUT/traces" --trace-modes torch,torch-expandable,gpu-arena-grow \
     --out "$OUT/reserved-traces.md" ;;
+  # Issue #24's trade-off in one call each: the reserved table with fixed and growing arenas
+  # beside PyTorch and expandable segments; the two KV traces' speed, fixed and growing taking turns.
+  tradeoff_reserved) run tradeoff_reserved bash -c "python3 bench/gpu/torch_reserved.py --modes torch,torch-expandable,gpu-arena-grow,gpu-arena-fixed \
+      --workloads small_train,small_generate,medium_train,medium_generate,large_train --out '$OUT/tradeoff-reserved.md' &&
+    python3 bench/gpu/torch_reserved.py --modes torch,torch-expandable,gpu-arena-grow,gpu-arena-fixed --workloads large_generate --scale 0.25 \
+      --out '$OUT/tradeoff-reserved-lg.md'" ;;
+  # (KV_ROUNDS rounds, default 2, of KV_RUNS processes per mode and trace, default 5.)
+  tradeoff_kv) run tradeoff_kv bash -c 'for r in $(seq "${KV_ROUNDS:-2}"); do for t in kv_trace kv_trace_long; do for g in 0 1; do
+      OUT="$0/kv-$t-grow$g-r$r" python3 bench/gpu/kv_repeat.py --runs "${KV_RUNS:-5}" --trace ".gpu/$t.bin" \
+        --arena-conf "backend=cuda,grow_arenas=$g" || exit 1; done; done; done' "$OUT" ;;
   scaling_sim) run scaling_sim bash -c '.gpu/bin/thread_scaling --threads 1,2,4,8 --workloads 2MiB,mixed --pairs 500000 --grow &&
     .gpu/bin/thread_scaling --threads 1,2,4,8 --workloads 2MiB,mixed --pairs 500000' ;;
   kvsim) run kvsim .gpu/bin/kv_replay --backend sim --no-per-allocation --no-sweep ;;

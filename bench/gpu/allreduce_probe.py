@@ -28,6 +28,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
+from gpu_common import free_port  # noqa: E402  (tests/gpu/gpu_common.py)
+
 SIZES = (1 << 20, 64 << 20)
 
 
@@ -88,7 +91,7 @@ def main() -> int:
                 order = ("arena", "torch") if i % 2 == 0 else ("torch", "arena")
                 for mode in order:
                     result = Path(tmp) / f"r{len(runs)}.json"
-                    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29600 + len(runs)),
+                    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                                NCCL_NVLS_ENABLE="0")
                     if avoid:
                         env["TORCH_NCCL_AVOID_RECORD_STREAMS"] = avoid
@@ -96,8 +99,11 @@ def main() -> int:
                         env.pop("TORCH_NCCL_AVOID_RECORD_STREAMS", None)
                     cmd = ["taskset", "-c", str(a.cpu), sys.executable, __file__, "--child", mode,
                            str(a.iters), str(result)]
-                    rc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        timeout=300).returncode
+                    try:
+                        rc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL, timeout=300).returncode
+                    except subprocess.TimeoutExpired:
+                        rc = "timeout (300 s)"
                     if rc != 0 or not result.exists():
                         failed += 1
                         runs.append({"mode": mode, "avoid_record_streams": avoid, "rc": rc})

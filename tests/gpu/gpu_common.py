@@ -19,6 +19,7 @@ before torch touches CUDA can import it first.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -59,3 +60,10 @@ def out_path(*parts: str) -> str:
     """A path under $OUT, the folder scripts/gpu-check.sh gives every step (gpu-out when OUT
     is not set, as there)."""
     return os.path.join(os.environ.get("OUT", "gpu-out"), *parts)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a child's MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

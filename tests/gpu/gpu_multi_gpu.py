@@ -86,7 +86,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -95,7 +94,7 @@ import time
 import traceback
 from pathlib import Path
 
-from gpu_common import ROOT, child_env, out_path  # beside this file
+from gpu_common import ROOT, child_env, free_port, out_path  # beside this file
 
 SCRIPT = Path(__file__).resolve()
 CHILD = SCRIPT.with_name("multi_gpu_children.py")
@@ -197,12 +196,6 @@ class Runner:
 
     def run(self, label, procs, timeout, work=None):
         return self.wait(self.start(label, procs, work), timeout)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Check:
