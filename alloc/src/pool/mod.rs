@@ -111,6 +111,7 @@ mod wake;
 
 pub use classes::{GRAPH_POOL_ARENA, HUGE_MIN, SMALL_ARENA, SMALL_GROW_FREELY};
 pub use graph_pools::{GraphPoolId, PoolBlock};
+pub use growth::GROWING_CACHE_MAX;
 pub use hooks::PoolHook;
 pub use limits::{MaxReserved, MIN_ARENA_SIZE};
 pub use observers::{
