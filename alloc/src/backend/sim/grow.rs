@@ -174,23 +174,19 @@ impl SimBackend {
         inner.enter(SimCall::DestroyArena)?;
         let entry = inner.arena_mut(arena, "shrink_arena")?;
         entry.check_unshared("shrink_arena", arena.handle)?;
+        let spans = entry.chunk_spans();
         let owner = awake_owner(&mut entry.owner, "shrink_arena", arena.handle)?;
-        // Chunk starts, the first's at 0: keep the chunks before the first later one that
-        // starts at or past `keep`.
-        let mut start = 0;
-        let mut kept = 0;
-        for (i, &len) in entry.chunks.iter().enumerate() {
-            if i > 0 && start >= keep {
-                break;
-            }
-            start += len;
-            kept = i + 1;
-        }
-        let released = entry.chunks.len() - kept;
+        // Keep the chunks before the first later one that starts at or past `keep`.
+        let kept = spans
+            .iter()
+            .skip(1)
+            .position(|&(start, _)| start >= keep)
+            .map_or(spans.len(), |p| p + 1);
+        let released = spans.len() - kept;
         if released == 0 {
             return Ok((arena.clone(), 0));
         }
-        let end = start;
+        let end = spans[kept].0;
         sys::reserve_over(&owner.region.part(end, entry.bytes - end))?;
         // Nothing maps the released chunks now: closing their memfds frees them.
         owner.memfds.truncate(kept);

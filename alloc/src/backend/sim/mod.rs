@@ -333,17 +333,10 @@ impl Backend for SimBackend {
 
     fn chunk_spans(&self, arena: &ArenaMem) -> Vec<(u64, u64)> {
         let mut inner = self.inner.lock();
-        let lens = match inner.arena_mut(arena, "chunk_spans") {
-            Ok(entry) => entry.chunks.clone(),
-            Err(_) => vec![arena.bytes],
-        };
-        let mut at = 0;
-        lens.into_iter()
-            .map(|len| {
-                at += len;
-                (at - len, len)
-            })
-            .collect()
+        match inner.arena_mut(arena, "chunk_spans") {
+            Ok(entry) => entry.chunk_spans(),
+            Err(_) => vec![(0, arena.bytes)],
+        }
     }
 
     fn drop_chunks(&self, arena: &ArenaMem, doomed: &[usize]) -> Result<Vec<(ArenaMem, usize)>> {
@@ -643,7 +636,6 @@ impl Backend for SimBackend {
             owner.memfds = vec![memfd];
         }
         entry.keys = vec![info.key];
-        entry.chunks = vec![arena.bytes];
         inner.own_keys(arena.handle, &[info.key]);
         Ok(arena.clone())
     }

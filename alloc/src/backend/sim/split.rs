@@ -37,20 +37,14 @@ impl SimBackend {
         let entry = inner.arena_mut(arena, "drop_chunks")?;
         check_dropped_chunks(entry.chunks.len(), doomed)?;
         entry.check_unshared("drop_chunks", arena.handle)?;
+        let spans = entry.chunk_spans();
         let owner = awake_owner(&mut entry.owner, "drop_chunks", arena.handle)?;
-        let starts: Vec<u64> = entry
-            .chunks
-            .iter()
-            .scan(0, |at, &n| {
-                *at += n;
-                Some(*at - n)
-            })
-            .collect();
         let mut dropped = Vec::with_capacity(doomed.len());
         let mut first_err = None;
         for &i in doomed {
             // The chunk's own mapping of its own memfd: no other chunk's page is touched.
-            match unmap(&owner.region.part(starts[i], entry.chunks[i])) {
+            let (at, n) = spans[i];
+            match unmap(&owner.region.part(at, n)) {
                 Ok(()) => dropped.push(i),
                 Err(e) => {
                     tracing::warn!(arena = arena.handle, chunk = i, error = %e,
@@ -94,7 +88,7 @@ impl SimBackend {
             memfds.by_ref().take(at - next).for_each(drop);
             let run_memfds: Vec<OwnedFd> = memfds.by_ref().take(n).collect();
             next = at + n;
-            let (offset, bytes) = (starts[at], chunks[at..at + n].iter().sum::<u64>());
+            let (offset, bytes) = (spans[at].0, chunks[at..at + n].iter().sum::<u64>());
             let id = inner.take_id();
             inner.own_keys(id, &keys[at..at + n]);
             inner.arenas.insert(
@@ -165,12 +159,13 @@ impl SimBackend {
             return Err(Error::Internal("sim split_arena: owner vanished".into()));
         };
         let (old_memfds, whole) = (owner.memfds, owner.region);
+        let spans = entry.chunk_spans();
         for (i, (&(offset, len), (memfd, _))) in windows.iter().zip(&made).enumerate() {
             if let Err(e) = sys::map_over_at(&whole.part(offset, len), memfd.as_fd(), 0) {
                 // The windows replaced so far, and this one (a failed MAP_FIXED may have
                 // unmapped it), get the old chunks' pages back.
                 for &(off, l) in &windows[..=i] {
-                    if let Err(back) = map_chunks_back(&whole, &entry.chunks, &old_memfds, off, l) {
+                    if let Err(back) = map_chunks_back(&whole, &spans, &old_memfds, off, l) {
                         tracing::error!(error = %back, "sim split_arena: mapping the old pages back failed");
                     }
                 }
@@ -234,23 +229,21 @@ impl SimBackend {
     }
 }
 
-/// Map the arena's chunk memfds (`memfds`, of lengths `chunks`) back over the part
-/// `offset..offset + len` of its range `whole`, each piece from its offset in its chunk (a
-/// failed split's undo).
+/// Map the arena's chunk memfds (`memfds`, at `spans`: `ArenaEntry::chunk_spans`) back over
+/// the part `offset..offset + len` of its range `whole`, each piece from its offset in its
+/// chunk (a failed split's undo).
 fn map_chunks_back(
     whole: &Region,
-    chunks: &[u64],
+    spans: &[(u64, u64)],
     memfds: &[OwnedFd],
     offset: u64,
     len: u64,
 ) -> Result<()> {
-    let mut start = 0;
-    for (&n, memfd) in chunks.iter().zip(memfds) {
+    for (&(start, n), memfd) in spans.iter().zip(memfds) {
         let (lo, hi) = (offset.max(start), (offset + len).min(start + n));
         if lo < hi {
             sys::map_over_at(&whole.part(lo, hi - lo), memfd.as_fd(), lo - start)?;
         }
-        start += n;
     }
     Ok(())
 }

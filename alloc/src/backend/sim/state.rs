@@ -59,6 +59,18 @@ impl ArenaEntry {
         self.owner.is_none() && self.open_exports == 0 && self.mappings == 0 && !self.pinned
     }
 
+    /// Each chunk's `(offset, length)` in the arena, in address order (the first at 0).
+    pub(super) fn chunk_spans(&self) -> Vec<(u64, u64)> {
+        let mut at = 0;
+        self.chunks
+            .iter()
+            .map(|&len| {
+                at += len;
+                (at - len, len)
+            })
+            .collect()
+    }
+
     /// Refused unless nothing but the owner holds the arena (`handle`): no export, no
     /// in-process mapping, no pin (a growth, shrink, split or chunk drop would change what
     /// they name).
