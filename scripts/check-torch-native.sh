@@ -5,7 +5,8 @@
 #     gpu_arena.torch_native check);
 #  2. tests/torch_native/harness.cpp built with the first version's headers, linked to its
 #     libc10 / libc10_cuda and run over gpu-arena's sim backend (target/debug/libgpu_arena.so,
-#     built if missing): allocation, graph pools and checkpoints, stats, OOM, IPC handles.
+#     built if missing): allocation, graph pools and checkpoints, stats, OOM, IPC handles, and the lifetime of
+#     memory sent to a second process (tests/torch_native/ipc_lifetime.cpp).
 # Wheels come from PyPI with pip (torch ~0.5-1 GB each, nvidia-cuda-runtime and -crt for the
 # CUDA headers), kept in target/torch-native-check/ (only include/ and the two c10 libraries
 # are extracted). Not part of .ci/run: about 2 GB of downloads for the default versions.
@@ -76,7 +77,8 @@ grep -q "strong_ordering" "$t/include/c10/util/intrusive_ptr.h" && std=c++20
 "$CXX" -std=$std -O1 -g -rdynamic -Wall -Wextra -Werror -D_GLIBCXX_USE_CXX11_ABI="$abi" \
   -I "$root/python/gpu_arena/native" -isystem "$t/include" \
   -isystem "$t/include/torch/csrc/api/include" -isystem "$cuda_inc" \
-  tests/torch_native/harness.cpp python/gpu_arena/native/allocator.cpp -o "$work/harness" \
+  tests/torch_native/harness.cpp tests/torch_native/ipc_lifetime.cpp \
+  python/gpu_arena/native/allocator.cpp -o "$work/harness" \
   -L "$t/lib" -lc10 -lc10_cuda -L "$cuda_lib" -lcudart -ldl \
   -Wl,-rpath,"$t/lib:$cuda_lib" 2> >(grep -v "needed by" >&2)
 env -u GPU_ARENA_BACKEND GPU_ARENA_LOG=warn "$work/harness" "$lib"

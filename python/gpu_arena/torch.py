@@ -337,6 +337,10 @@ def _install_native(torch, route: str) -> bool:
 
     try:
         torch_native.install_native(_lib.lib_path())
+        # CUDA tensors through torch.multiprocessing as gpu-arena shares (torch_ipc.py).
+        from . import torch_ipc
+
+        torch_ipc.register(torch, torch_native.installed_object())
         return True
     except torch_native.NativeBuildError as e:
         if route == "native":

@@ -54,8 +54,8 @@ log = logging.getLogger("gpu_arena")
 
 NATIVE_DIR = Path(__file__).resolve().parent / "native"
 SOURCE = NATIVE_DIR / "allocator.cpp"
-HEADERS = (NATIVE_DIR / "gpu_arena_api.h", NATIVE_DIR / "history.h",
-           NATIVE_DIR / "device_util.h")
+HEADERS = tuple(NATIVE_DIR / h for h in ("gpu_arena_api.h", "history.h", "device_util.h",
+                                          "ipc_shares.h", "c_entry.h"))
 INSTALL_FN = "gpu_arena_torch_install_native"
 # The oldest torch whose CUDAAllocator the source bridges (allocator.cpp refuses older).
 MIN_TORCH = (2, 8)
@@ -394,7 +394,18 @@ def install_native(lib_path: Optional[str] = None) -> Path:
             f"gpu-arena's native torch allocator was not installed: "
             f"{err.value.decode(errors='replace') or 'no reason given'}"
         )
+    global _installed_object
+    _installed_object = obj
     return path
+
+
+_installed_object: Optional[ctypes.CDLL] = None
+
+
+def installed_object() -> Optional[ctypes.CDLL]:
+    """The native object :func:`install_native` installed in this process (its other C
+    entry points: ``gpu_arena_torch_share_blocks``), or None."""
+    return _installed_object
 
 
 # --------------------------------------------------------------------------------------

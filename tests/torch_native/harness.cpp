@@ -13,7 +13,10 @@
 #include <dlfcn.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
+#include "harness.h"
+
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -97,16 +100,7 @@ struct StatsBuf {
 };
 
 namespace cca = c10::cuda::CUDACachingAllocator;
-static int failures = 0, passes = 0;
-#define EXPECT(c)                                     \
-  do {                                                \
-    if (c) {                                          \
-      ++passes;                                       \
-    } else {                                          \
-      ++failures;                                     \
-      std::printf("FAIL line %d: %s\n", __LINE__, #c); \
-    }                                                 \
-  } while (0)
+int failures = 0, passes = 0;
 
 // torch's memory history: a context recorder making contexts of our own type, numbered.
 struct TestCtx : c10::GatheredContext {
@@ -162,9 +156,11 @@ int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IONBF, 0);
   c10::cuda::_internal::setHasPrimaryContext([](c10::DeviceIndex) { return true; });
   const char* lib = argv[1];
+  const char* conf = argc > 2 ? argv[2] : "backend=sim,max_reserved=256MiB,arena_size=64MiB";
   void* h = dlopen(lib, RTLD_NOW | RTLD_GLOBAL);
+  if (std::getenv("GA_HARNESS_CONSUMER") != nullptr) return ipc_consumer_main(lib, conf, h);
   auto configure = reinterpret_cast<int (*)(const char*)>(dlsym(h, "gpu_arena_configure"));
-  EXPECT(configure(argc > 2 ? argv[2] : "backend=sim,max_reserved=256MiB,arena_size=64MiB") == 0);
+  EXPECT(configure(conf) == 0);
   char err[1024] = {0};
   int rc = gpu_arena_torch_install_native(lib, err, sizeof err);
   std::printf("install: %d %s\n", rc, err);
@@ -608,6 +604,7 @@ int main(int argc, char** argv) {
   a->emptyCache({0, 0});
   auto st2 = a->getDeviceStats(0);
   EXPECT(st2.allocation[0].current == 0);
+  ipc_lifetime_checks(argv[0], lib, conf, h);
   std::printf("%d passed, %d failed\n", passes, failures);
   return failures ? 1 : 0;
 }

@@ -51,6 +51,7 @@
 #include "gpu_arena_api.h"
 #include "device_util.h"
 #include "history.h"
+#include "ipc_shares.h"
 
 #ifdef GPU_ARENA_CHECK_LAYOUT  // torch_native.check_headers(gpu_arena_header=...)
 #include <gpu_arena.h>
@@ -156,7 +157,7 @@ class Allocator final : public cca::CUDAAllocator {
   void release(void* ptr, bool throw_on_error) {
     if (ptr == nullptr) return;
     if (C10_UNLIKELY(history_.active())) history_.free_traced(ptr, throw_on_error);
-    if (C10_UNLIKELY(shares_live_.load(std::memory_order_acquire) > 0)) drop_share(ptr);
+    drop_share(ptr);
     if (C10_UNLIKELY(g_api.free_unsized(ptr) < 0)) {
       // A deleter must not throw (it runs in destructors): raw_delete does, a deleter warns.
       if (throw_on_error) TORCH_CHECK(false, "gpu-arena: ", last_error());
@@ -263,9 +264,7 @@ class Allocator final : public cca::CUDAAllocator {
     for (const PoolBlock& b : before) {
       void* p = reinterpret_cast<void*>(b.ptr);
       delta.ptrs_freed.push_back(p);
-      if (kept.count(b.ptr) == 0 && shares_live_.load(std::memory_order_acquire) > 0) {
-        drop_share(p);
-      }
+      if (kept.count(b.ptr) == 0) drop_share(p);
     }
     for (const PoolBlock& b : st->blocks) {
       void* p = reinterpret_cast<void*>(b.ptr);
@@ -341,6 +340,9 @@ class Allocator final : public cca::CUDAAllocator {
     if (history_.active()) pending.ctx = history_.gather(cca::RecordContext::ALL);
     PendingScope scope(&pending);
     if (id.first == 0 && id.second == 0) {
+      // Blocks torch's CUDA IPC limbo keeps for consumers that are done with them (sent with
+      // torch's own reductions) are freed first, so that empty_cache gives them back too.
+      run_free_memory_callbacks();
       check_rc(g_api.empty_cache(-1), "gpu_arena_empty_cache");
       return;
     }
@@ -452,24 +454,27 @@ class Allocator final : public cca::CUDAAllocator {
   }
 
   // ---- torch.multiprocessing (CUDA IPC) ----
-  // One gpu-arena share per allocation, made on its first send and reused (identical bytes
-  // for the same block, as torch's reductions cache expects); it is unshared when the
-  // allocation is freed (torch frees it once every consumer is done).
+  // The allocation's share (ipc_shares.h), made on its first send; unshared at its free.
   cca::ShareableHandle shareIpcHandle(void* ptr) override {
     size_t len = 0;
     int dev = 0;
     void* base = find_allocation(ptr, &len, &dev);
+    const Share s = share_of(base, len);
     std::string handle(kHandleMagic, kHandleMagicLen);
-    std::lock_guard<std::mutex> g(shares_mu_);
-    auto it = shares_.find(base);
-    if (it == shares_.end()) {
-      Share s{};
-      check_rc(g_api.share(base, std::max<size_t>(len, 1), &s), "gpu_arena_share");
-      it = shares_.emplace(base, s).first;
-      shares_live_.fetch_add(1, std::memory_order_release);
-    }
-    handle.append(reinterpret_cast<const char*>(it->second.bytes), kShareBytes);
+    handle.append(reinterpret_cast<const char*>(s.bytes), kShareBytes);
     return cca::ShareableHandle{static_cast<char*>(ptr) - static_cast<char*>(base), handle};
+  }
+  Share share_of(void* base, size_t len) {
+    return shares_.get_or_make(base, len, g_api.share, last_error);
+  }
+  // gpu_arena_torch_share_blocks: the share of the allocation holding `ptr`, and `ptr`'s
+  // offset in it.
+  Share share_block(const void* ptr, uint64_t* offset) {
+    size_t len = 0;
+    int dev = 0;
+    void* base = find_allocation(const_cast<void*>(ptr), &len, &dev);
+    *offset = static_cast<uint64_t>(static_cast<const char*>(ptr) - static_cast<char*>(base));
+    return share_of(base, len);
   }
   // One import per handle in this process, shared by every storage torch rebuilds from it;
   // closed when the last one dies.
@@ -479,18 +484,16 @@ class Allocator final : public cca::CUDAAllocator {
                 "gpu-arena: a CUDA IPC handle not made by gpu-arena's torch allocator (",
                 handle.size(), " bytes): install gpu-arena's native allocator in the "
                 "producer too, or in neither process");
-    std::lock_guard<std::mutex> g(imports_mu_);
-    auto it = imports_.find(handle);
-    if (it != imports_.end()) {
-      if (auto live = it->second.lock()) return live;
-    }
-    Share s{};
-    std::memcpy(s.bytes, handle.data() + kHandleMagicLen, kShareBytes);
-    void* p = nullptr;
-    check_rc(g_api.import(&s, &p), "gpu_arena_import");
-    std::shared_ptr<void> sp(p, [this, handle](void* q) { close_import(handle, q); });
-    imports_[handle] = sp;
-    return sp;
+    return imports_.get_or_import(
+        handle, kHandleMagicLen,
+        [](const Share& s) {
+          void* p = nullptr;
+          check_rc(g_api.import(&s, &p), "gpu_arena_import");
+          return p;
+        },
+        [](void* q) {
+          if (g_api.close(q) < 0) TORCH_WARN("gpu-arena: closing import ", q, ": ", last_error());
+        });
   }
 
   // ---- lifecycle ----
@@ -637,21 +640,8 @@ class Allocator final : public cca::CUDAAllocator {
   }
   void drop_share(void* ptr) {
     Share s{};
-    {
-      std::lock_guard<std::mutex> g(shares_mu_);
-      auto it = shares_.find(ptr);
-      if (it == shares_.end()) return;
-      s = it->second;
-      shares_.erase(it);
-      shares_live_.fetch_sub(1, std::memory_order_release);
-    }
+    if (C10_LIKELY(!shares_.take(ptr, &s))) return;
     if (g_api.unshare(&s) < 0) TORCH_WARN("gpu-arena: unshare of ", ptr, ": ", last_error());
-  }
-  void close_import(const std::string& handle, void* p) {
-    if (g_api.close(p) < 0) TORCH_WARN("gpu-arena: closing import ", p, ": ", last_error());
-    std::lock_guard<std::mutex> g(imports_mu_);
-    auto it = imports_.find(handle);
-    if (it != imports_.end() && it->second.expired()) imports_.erase(it);
   }
   // As CUDACachingAllocator's: every segment, or only those of pool `id` when it is not
   // {0, 0}; sorted by address. An arena is one segment (is_large: not a small-block arena).
@@ -721,11 +711,8 @@ class Allocator final : public cca::CUDAAllocator {
   std::mutex routes_mu_;
   std::array<std::vector<Route>, kMaxDevices> routes_;
   std::array<std::atomic<double>, kMaxDevices> fraction_;
-  std::atomic<int64_t> shares_live_{0};
-  std::mutex shares_mu_;
-  std::unordered_map<void*, Share> shares_;  // allocation start -> its share
-  std::mutex imports_mu_;
-  std::unordered_map<std::string, std::weak_ptr<void>> imports_;
+  BlockShares shares_;   // this process's allocations sent to others
+  ImportCache imports_;  // other processes' allocations torch rebuilt here
   std::mutex observers_mu_;
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
 #if GA_TORCH_AT_LEAST(2, 12)
@@ -738,65 +725,7 @@ class Allocator final : public cca::CUDAAllocator {
 
 void raw_delete_fn(void* ptr) { g_self->release(ptr, /*throw_on_error=*/false); }
 
-void set_error(char* err, size_t err_len, const std::string& msg) {
-  if (err != nullptr && err_len > 0) std::snprintf(err, err_len, "%s", msg.c_str());
-}
-
 }  // namespace
 }  // namespace gpu_arena_native
 
-// Install gpu-arena as torch's CUDA allocator: bind the functions of the libgpu_arena at
-// `libgpu_arena_path` (the instance already loaded), then changeCurrentAllocator. Returns 0
-// (also when already installed from the same library), or -1 with the reason in `err`
-// (NUL-terminated, cut to err_len): a missing symbol, a different library already bound,
-// or torch refusing (CUDA already initialized with its own allocator). Call it before
-// torch initializes CUDA; it throws nothing.
-#define GA_EXPORT extern "C" __attribute__((visibility("default")))
-GA_EXPORT int gpu_arena_torch_install_native(const char* libgpu_arena_path, char* err,
-                                             size_t err_len) {
-  using namespace gpu_arena_native;
-  try {
-    static std::mutex mu;
-    std::lock_guard<std::mutex> g(mu);
-    if (libgpu_arena_path == nullptr) {
-      set_error(err, err_len, "libgpu_arena_path is NULL");
-      return -1;
-    }
-    if (g_self != nullptr) {
-      if (g_api.path != libgpu_arena_path) {
-        set_error(err, err_len, "already installed over " + g_api.path + ", not " +
-                                    libgpu_arena_path);
-        return -1;
-      }
-      if (cca::get() != g_self) {
-        set_error(err, err_len, "installed before, but torch's current allocator is now " +
-                                    cca::get()->name());
-        return -1;
-      }
-      return 0;
-    }
-    std::string why = bind_api(g_api, libgpu_arena_path);
-    if (!why.empty()) {
-      set_error(err, err_len, why);
-      return -1;
-    }
-    // Never destroyed: DataPtrs made by it may be freed during interpreter teardown.
-    auto* keep = new std::shared_ptr<Allocator>(std::make_shared<Allocator>());
-    try {
-      torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(*keep);
-    } catch (...) {
-      delete keep;
-      throw;
-    }
-    g_self = keep->get();
-    g_self->bind_history(g_api.path);
-    return 0;
-  } catch (const c10::Error& e) {
-    set_error(err, err_len, e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    set_error(err, err_len, e.what());
-  } catch (...) {
-    set_error(err, err_len, "unknown C++ exception");
-  }
-  return -1;
-}
+#include "c_entry.h"
