@@ -37,7 +37,7 @@ use crate::pool::{MaxReserved, Pool, PoolConfig};
 use crate::units::{parse_fraction, SIZE_FORMS};
 
 /// Every configuration key, as [`Config::apply`] accepts them (the table above lists the
-/// same keys; README.md's Configuration table, python/README.md and the Python
+/// same keys; docs/configuration.md's Keys table, python/README.md and the Python
 /// `gpu_arena.configure` docstring are checked against this list by `alloc/tests/config_keys.rs`).
 pub const KEYS: &[&str] = &[
     "backend",

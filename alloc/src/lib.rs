@@ -57,8 +57,9 @@
 //!
 //! # More
 //!
-//! In the repository: `README.md` (PyTorch, C and Python use, configuration, NIXL, sleep and
-//! wake), `docs/ARCHITECTURE.md` (the layers, the stream rules, IPC, which file holds what),
+//! In the repository: `README.md` (the front page, quick starts), the guides in `docs/`
+//! (`pytorch.md`, `rust.md`, `c-api.md`, `configuration.md`, `nixl.md`, `sleep-wake.md`,
+//! `rocm.md`), `docs/ARCHITECTURE.md` (the layers, the stream rules, IPC, which file holds what),
 //! `docs/STATUS.md` (measured figures and the issues' status), `examples/` and `bench/`.
 #![deny(unsafe_op_in_unsafe_fn)]
 

@@ -1,6 +1,6 @@
 //! The configuration keys have one home, `gpu_arena::config::KEYS` (alloc/src/config.rs, whose
 //! own tests check it against `Config::apply` and the module's table). The places that list
-//! them for users must list exactly those: README.md's Configuration table, python/README.md's
+//! them for users must list exactly those: docs/configuration.md's Keys table, python/README.md's
 //! "Configuration keys" paragraph and the docstring of Python's `gpu_arena.configure`.
 
 use std::collections::BTreeSet;
@@ -45,9 +45,9 @@ fn section<'a>(doc: &'a str, heading: &str) -> &'a str {
 }
 
 #[test]
-fn readme_configuration_table_lists_every_key() {
-    let readme = repo_file("README.md");
-    let table = section(&readme, "## Configuration")
+fn configuration_doc_table_lists_every_key() {
+    let doc = repo_file("docs/configuration.md");
+    let table = section(&doc, "## Keys")
         .lines()
         .filter(|l| l.starts_with("| `"))
         // The first cell: one key, or several (`sim_devices`, `sim_capacity`, ...).
@@ -56,7 +56,7 @@ fn readme_configuration_table_lists_every_key() {
     assert_eq!(
         table,
         keys(),
-        "README.md's Configuration table against config.rs's KEYS"
+        "docs/configuration.md's Keys table against config.rs's KEYS"
     );
 }
 

@@ -5,7 +5,7 @@
 //! an AMD GPU, `HipBackend::new()` returns `Error::Unavailable` ("no HIP device") instead of
 //! panicking, and `backend=auto` falls back to sim. Every other test needs an AMD GPU and is
 //! ignored by default; run them one at a time (they compare device free memory with a
-//! baseline). None of them has been run on an AMD GPU yet (README, "ROCm"):
+//! baseline). None of them has been run on an AMD GPU yet (docs/rocm.md):
 //!
 //! ```text
 //! HIP_PATH=/opt/rocm cargo test -p gpu-arena --features hip --test hip_backend -- --ignored --test-threads=1

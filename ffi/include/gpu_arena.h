@@ -604,9 +604,9 @@ void gpu_arena_init(int device_count);
 int gpu_arena_init_status(void);
 
 /**
- * Configure before first use, e.g. `"backend=sim,arena_size=1GiB"`. Keys: see the README.
- * Once gpu-arena is initialized (by `gpu_arena_init` or lazily, by the first call that
- * needs it) it fails with `GPU_ARENA_ERR_INVALID_STATE`.
+ * Configure before first use, e.g. `"backend=sim,arena_size=1GiB"`. Keys: see
+ * docs/configuration.md. Once gpu-arena is initialized (by `gpu_arena_init` or lazily, by
+ * the first call that needs it) it fails with `GPU_ARENA_ERR_INVALID_STATE`.
  */
 int gpu_arena_configure(const char *conf);
 

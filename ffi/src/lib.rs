@@ -308,9 +308,9 @@ pub extern "C" fn gpu_arena_init_status() -> c_int {
     })
 }
 
-/// Configure before first use, e.g. `"backend=sim,arena_size=1GiB"`. Keys: see the README.
-/// Once gpu-arena is initialized (by `gpu_arena_init` or lazily, by the first call that
-/// needs it) it fails with `GPU_ARENA_ERR_INVALID_STATE`.
+/// Configure before first use, e.g. `"backend=sim,arena_size=1GiB"`. Keys: see
+/// docs/configuration.md. Once gpu-arena is initialized (by `gpu_arena_init` or lazily, by
+/// the first call that needs it) it fails with `GPU_ARENA_ERR_INVALID_STATE`.
 #[no_mangle]
 pub extern "C" fn gpu_arena_configure(conf: *const c_char) -> c_int {
     guard("gpu_arena_configure", || {

@@ -35,7 +35,7 @@ On the consumer side the peer's descriptors come from the peer (its addresses an
 
 UCX picks the transport. Between processes on one node, VRAM should move over ``cuda_ipc``;
 ``tests/gpu/gpu_nixl_kv.py`` checks which one it used (``UCX_PROTO_INFO=y``) instead of
-assuming it, and README's "KV transfer with NIXL" says what each memory kind needs.
+assuming it, and docs/nixl.md says what each memory kind needs.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def configure(conf: str) -> None:
     """Configure before first use, e.g. ``"backend=sim,arena_size=1GiB"`` (keys: backend,
     arena_size, max_reserved, validate, sim_devices, sim_capacity, sim_granularity,
     legacy_pin, legacy_ipc, fabric_handles, allowed_uids, unsafe_ignore_streams,
-    trim_on_empty_cache, grow_arenas; the README's Configuration section says what each does). Several
+    trim_on_empty_cache, grow_arenas; docs/configuration.md says what each does). Several
     calls accumulate. Once initialized (by :func:`init` or the first call that needs the
     pool): ``InvalidStateError``."""
     if not isinstance(conf, str):
