@@ -80,7 +80,7 @@
 
 /**
  * Most entries of one batch call (`gpu_arena_share_many`, `gpu_arena_import_many`,
- * `gpu_arena_close_many`).
+ * `gpu_arena_close_many`, `gpu_arena_import_dlpack_many`).
  */
 #define GPU_ARENA_BATCH_MAX 1048576
 
@@ -786,6 +786,30 @@ int gpu_arena_import_dlpack(const struct gpu_arena_share_t *share,
                             const int64_t *view,
                             size_t view_len,
                             struct gpu_arena_dlpack_t *out);
+
+/**
+ * Import `n` shares in one call and build a DLPack tensor over each, as `n` calls of
+ * `gpu_arena_import_dlpack` would (the same checks, tensors, ids and listing), with the
+ * imports made as `gpu_arena_import_many` makes them: one round trip per producer and
+ * device (per 120 shares) for shares of arenas this process maps already.
+ *
+ * `shares` holds the `n` handles. `views` holds the `n` views back to back, each laid out
+ * as `gpu_arena_import_dlpack`'s `view`: entry `i`'s is the `view_lens[i]` int64_t that
+ * start after those of entries `0..i` (`view_lens` holds `n` lengths). `out[i]` receives
+ * entry `i`'s tensor; each tensor's deleter closes its own import (synchronizing the
+ * device first), and `gpu_arena_close_dlpack` closes one early by its `out[i].id`.
+ *
+ * All or nothing: every entry is checked before anything is imported, and when an entry
+ * is refused (the last error names it, `(entry i)`) or an import fails, nothing is
+ * imported, nothing is listed and `out` is not written. `n == 0` does nothing (any pointer
+ * may then be NULL); with `n > 0` a NULL pointer is refused, as is `n` above
+ * `GPU_ARENA_BATCH_MAX`. Initializes lazily.
+ */
+int gpu_arena_import_dlpack_many(const struct gpu_arena_share_t *shares,
+                                 size_t n,
+                                 const int64_t *views,
+                                 const size_t *view_lens,
+                                 struct gpu_arena_dlpack_t *out);
 
 /**
  * Close the import `id` of `gpu_arena_import_dlpack` now, synchronizing its device first

@@ -17,14 +17,20 @@ use std::ffi::{c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use gpu_arena::ipc::ShareHandle;
 use gpu_arena::Error;
 use parking_lot::Mutex;
 
-use crate::ipc_api::{importer, read_handle};
+use crate::ipc_api::{batch_len, importer, read_handle};
 use crate::{
     existing_pool, fail, gpu_arena_share_t, guard, restore_last_error, saved_last_error,
     GPU_ARENA_OK,
 };
+
+// The view array's reading and checks (a child module: it builds the private DlDataType).
+#[path = "dlpack_view.rs"]
+mod view;
+use view::{read_view, spans_whole};
 
 /// Entries of the view array `gpu_arena_import_dlpack` reads before the shape and strides.
 pub const GPU_ARENA_DLPACK_VIEW_HEAD: usize = 8;
@@ -125,152 +131,6 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 /// Set by `gpu_arena_dlpack_exiting`: deleters free their memory and close nothing.
 static EXITING: AtomicBool = AtomicBool::new(false);
 
-/// The caller's view, read from the `int64_t` array (layout in `gpu_arena_import_dlpack`).
-struct View {
-    nbytes: u64,
-    dtype: DlDataType,
-    itemsize: u64,
-    device_type: i32,
-    device_id: i32,
-    flat: bool,
-    storage_offset: i64,
-    /// The `ndim` sizes, then the `ndim` strides: the layout of `Managed::dims` (a view
-    /// kept as it is becomes the tensor's dims without another copy).
-    dims: Vec<i64>,
-}
-
-impl View {
-    fn shape(&self) -> &[i64] {
-        &self.dims[..self.dims.len() / 2]
-    }
-
-    fn strides(&self) -> &[i64] {
-        &self.dims[self.dims.len() / 2..]
-    }
-}
-
-fn read_view(view: *const i64, len: usize) -> Result<View, Error> {
-    if view.is_null() {
-        return Err(Error::invalid("view is NULL"));
-    }
-    if len < GPU_ARENA_DLPACK_VIEW_HEAD {
-        return Err(Error::invalid(format!(
-            "view has {len} entries, fewer than its {GPU_ARENA_DLPACK_VIEW_HEAD}-entry head"
-        )));
-    }
-    // SAFETY: non-null, and per the header it points to `len` readable int64_t; read
-    // unaligned (a caller may pass the bytes of a packed buffer).
-    let at = |i: usize| unsafe { view.add(i).read_unaligned() };
-    let ndim = at(7);
-    if !(0..=64).contains(&ndim) || len as i64 != GPU_ARENA_DLPACK_VIEW_HEAD as i64 + 2 * ndim {
-        return Err(Error::invalid(format!(
-            "view of {len} entries with ndim {ndim} (expected {GPU_ARENA_DLPACK_VIEW_HEAD} + 2 * ndim, ndim <= 64)"
-        )));
-    }
-    let n = ndim as usize;
-    let dims: Vec<i64> = (0..2 * n)
-        .map(|i| at(GPU_ARENA_DLPACK_VIEW_HEAD + i))
-        .collect();
-    let dtype = at(1);
-    // The highest DLPack type code (`kDLFloat4_e2m1fn`, DLPack 1.1). (A local item:
-    // cbindgen warns about a private one at module level.)
-    const DL_MAX_TYPE_CODE: i64 = 17;
-    if !(0..1 << 32).contains(&dtype) || (dtype & 0xff) > DL_MAX_TYPE_CODE {
-        return Err(Error::invalid(format!(
-            "dtype {dtype:#x} is no DLPack dtype (code <= {DL_MAX_TYPE_CODE} | bits << 8 | lanes << 16)"
-        )));
-    }
-    let v = View {
-        nbytes: u64::try_from(at(0)).map_err(|_| Error::invalid("negative nbytes"))?,
-        dtype: DlDataType {
-            code: (dtype & 0xff) as u8,
-            bits: ((dtype >> 8) & 0xff) as u8,
-            lanes: ((dtype >> 16) & 0xffff) as u16,
-        },
-        itemsize: u64::try_from(at(2)).unwrap_or(0),
-        device_type: i32::try_from(at(3))
-            .map_err(|_| Error::invalid("device_type out of range"))?,
-        device_id: i32::try_from(at(4)).map_err(|_| Error::invalid("device_id out of range"))?,
-        flat: at(5) != 0,
-        storage_offset: at(6),
-        dims,
-    };
-    if v.itemsize == 0
-        || v.dtype.lanes == 0
-        || u64::from(v.dtype.bits) * u64::from(v.dtype.lanes) != 8 * v.itemsize
-    {
-        return Err(Error::invalid(format!(
-            "dtype (code {}, bits {}, lanes {}) and itemsize {} disagree",
-            v.dtype.code, v.dtype.bits, v.dtype.lanes, v.itemsize
-        )));
-    }
-    if v.shape().iter().any(|&d| d < 0) || v.storage_offset < 0 {
-        return Err(Error::invalid(format!(
-            "negative size in shape {:?} or storage offset {}",
-            v.shape(),
-            v.storage_offset
-        )));
-    }
-    if !fits(&v) {
-        return Err(Error::invalid(format!(
-            "a view (storage offset {}, shape {:?}, strides {:?}) of {}-byte elements reaches outside the {}-byte storage",
-            v.storage_offset,
-            v.shape(),
-            v.strides(),
-            v.itemsize,
-            v.nbytes
-        )));
-    }
-    Ok(v)
-}
-
-/// Whether every element the view reaches (from its storage offset, with its sizes and
-/// strides, negative strides included) lies inside the `nbytes` of storage: the tensor a
-/// caller builds from it (flat: with `as_strided`) then reads nothing outside the mapping.
-/// An empty view reaches nothing. Any overflow is "no".
-fn fits(v: &View) -> bool {
-    if v.shape().contains(&0) {
-        return true;
-    }
-    let (mut lo, mut hi) = (v.storage_offset, v.storage_offset);
-    for (&d, &s) in v.shape().iter().zip(v.strides()) {
-        let Some(reach) = (d - 1).checked_mul(s) else {
-            return false;
-        };
-        let end = if reach < 0 { &mut lo } else { &mut hi };
-        match end.checked_add(reach) {
-            Some(x) => *end = x,
-            None => return false,
-        }
-    }
-    let bytes = u64::try_from(hi)
-        .ok()
-        .and_then(|h| h.checked_add(1))
-        .and_then(|n| n.checked_mul(v.itemsize));
-    lo >= 0 && bytes.is_some_and(|b| b <= v.nbytes)
-}
-
-/// Whether the view, at storage offset 0, spans exactly `nbytes`: then a tensor built from
-/// its shape and strides has the whole share as its storage (what PyTorch's `from_dlpack`
-/// gives a storage: the bytes its sizes and strides reach).
-fn spans_whole(v: &View) -> bool {
-    if v.storage_offset != 0 || v.shape().contains(&0) {
-        return false;
-    }
-    let mut last: i64 = 0;
-    for (&d, &s) in v.shape().iter().zip(v.strides()) {
-        match (d - 1).checked_mul(s).and_then(|x| last.checked_add(x)) {
-            Some(x) if s >= 0 => last = x,
-            _ => return false,
-        }
-    }
-    u64::try_from(last)
-        .ok()
-        .and_then(|n| n.checked_add(1))
-        .and_then(|n| n.checked_mul(v.itemsize))
-        == Some(v.nbytes)
-}
-
 /// Close entry `id` once: 1 if this call closed it, 0 if it was closed already. Synchronizes
 /// the device first when `sync`.
 fn close_id(call: &str, id: u64, sync: bool) -> Result<c_int, c_int> {
@@ -340,6 +200,118 @@ fn deleter() -> unsafe extern "C" fn(*mut DlManagedTensor) {
     dl_deleter
 }
 
+/// A tensor built over a checked view of a decoded share, waiting for its import: what
+/// `gpu_arena_import_dlpack` and each entry of `gpu_arena_import_dlpack_many` check and
+/// build before importing anything.
+struct Prepared {
+    /// The tensor, complete but for its data pointer and id.
+    managed: Box<Managed>,
+    /// Its registry entry, complete but for `managed` and `ptr`.
+    entry: Entry,
+    flat: bool,
+}
+
+/// Check `view` (`view_len` entries) against the share `h` and build the tensor over it,
+/// without importing: every error an import's caller can cause comes from here.
+fn prepare(h: &ShareHandle, view: *const i64, view_len: usize) -> Result<Prepared, Error> {
+    let v = read_view(view, view_len)?;
+    if v.nbytes != h.info.len {
+        return Err(Error::invalid(format!(
+            "the share says {} bytes, its handle {}",
+            v.nbytes, h.info.len
+        )));
+    }
+    // The import maps the share on the handle's device: a device tensor claiming another
+    // would be used there (a fault, or another device's memory). (DLPack's kDLCPU: the sim
+    // backend's memory is host memory. A local item: cbindgen warns about a private one at
+    // module level.)
+    const DL_CPU: i32 = 1;
+    if v.device_type != DL_CPU && v.device_id != h.info.device {
+        return Err(Error::invalid(format!(
+            "device_id {} (device_type {}) is not the share's device {}",
+            v.device_id, v.device_type, h.info.device
+        )));
+    }
+    let flat = v.flat || !spans_whole(&v);
+    if flat && v.nbytes % v.itemsize != 0 {
+        return Err(Error::invalid(format!(
+            "a storage of {} bytes is no whole number of {}-byte elements",
+            v.nbytes, v.itemsize
+        )));
+    }
+    let dims: Box<[i64]> = if flat {
+        Box::new([(v.nbytes / v.itemsize) as i64, 1])
+    } else {
+        v.dims.into_boxed_slice()
+    };
+    let ndim = dims.len() / 2;
+    let mut m = Box::new(Managed {
+        dl: DlManagedTensor {
+            dl_tensor: DlTensor {
+                data: std::ptr::null_mut(),
+                device: DlDevice {
+                    device_type: v.device_type,
+                    device_id: v.device_id,
+                },
+                ndim: ndim as i32,
+                dtype: v.dtype,
+                shape: std::ptr::null_mut(),
+                strides: std::ptr::null_mut(),
+                byte_offset: 0,
+            },
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(deleter()),
+        },
+        id: 0,
+        dims,
+    });
+    // Pointers into the dims' own heap allocation: moving the Box leaves them valid.
+    let base = m.dims.as_mut_ptr();
+    m.dl.dl_tensor.shape = base;
+    // SAFETY: `dims` holds 2 * ndim entries: the strides start at ndim (one past the end
+    // when ndim == 0, a valid pointer that is never read).
+    m.dl.dl_tensor.strides = unsafe { base.add(ndim) };
+    Ok(Prepared {
+        managed: m,
+        entry: Entry {
+            managed: 0,
+            ptr: 0,
+            nbytes: v.nbytes,
+            device: h.info.device,
+            closed: false,
+            share: h.to_bytes(),
+        },
+        flat,
+    })
+}
+
+/// Hand out a prepared tensor over its import at `ptr`: a new id, the data pointer, and its
+/// entry in `reg` (the registry, locked by the caller). Cannot fail: after the import
+/// nothing may, so that no error path has to close it again.
+fn publish(reg: &mut BTreeMap<u64, Entry>, p: Prepared, ptr: u64) -> gpu_arena_dlpack_t {
+    let Prepared {
+        mut managed,
+        mut entry,
+        flat,
+    } = p;
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    managed.id = id;
+    managed.dl.dl_tensor.data = ptr as *mut c_void;
+    let ndim = managed.dl.dl_tensor.ndim;
+    let raw = Box::into_raw(managed);
+    // SAFETY: `raw` is the live allocation just leaked; the context points to itself.
+    unsafe { (*raw).dl.manager_ctx = raw.cast() };
+    entry.managed = raw as usize;
+    entry.ptr = ptr;
+    reg.insert(id, entry);
+    gpu_arena_dlpack_t {
+        managed: raw.cast(),
+        id,
+        flat: i32::from(flat),
+        ndim,
+    }
+}
+
 /// Import `share` (as `gpu_arena_import`) and build a DLPack tensor over it: `out->managed`
 /// is a `DLManagedTensor*` whose deleter closes the import (synchronizing the device first)
 /// unless `gpu_arena_close_dlpack` closed it already.
@@ -370,107 +342,90 @@ pub extern "C" fn gpu_arena_import_dlpack(
             return Err(fail(CALL, Error::invalid("out is NULL")));
         }
         let h = read_handle(CALL, share)?;
-        let v = read_view(view, view_len).map_err(|e| fail(CALL, e))?;
-        if v.nbytes != h.info.len {
-            return Err(fail(
-                CALL,
-                Error::invalid(format!(
-                    "the share says {} bytes, its handle {}",
-                    v.nbytes, h.info.len
-                )),
-            ));
-        }
-        // The import maps the share on the handle's device: a device tensor claiming
-        // another would be used there (a fault, or another device's memory). (DLPack's
-        // kDLCPU: the sim backend's memory is host memory. A local item: cbindgen warns
-        // about a private one at module level.)
-        const DL_CPU: i32 = 1;
-        if v.device_type != DL_CPU && v.device_id != h.info.device {
-            return Err(fail(
-                CALL,
-                Error::invalid(format!(
-                    "device_id {} (device_type {}) is not the share's device {}",
-                    v.device_id, v.device_type, h.info.device
-                )),
-            ));
-        }
-        let flat = v.flat || !spans_whole(&v);
-        if flat && v.nbytes % v.itemsize != 0 {
-            return Err(fail(
-                CALL,
-                Error::invalid(format!(
-                    "a storage of {} bytes is no whole number of {}-byte elements",
-                    v.nbytes, v.itemsize
-                )),
-            ));
-        }
-        let dims: Box<[i64]> = if flat {
-            Box::new([(v.nbytes / v.itemsize) as i64, 1])
-        } else {
-            v.dims.into_boxed_slice()
-        };
-        let ndim = dims.len() / 2;
-        let importer = importer(CALL)?;
-        // Everything that can fail before the import: after it nothing can (short of an
-        // allocation failure, which aborts), so no error path has to close it again.
-        let mut m = Box::new(Managed {
-            dl: DlManagedTensor {
-                dl_tensor: DlTensor {
-                    data: std::ptr::null_mut(),
-                    device: DlDevice {
-                        device_type: v.device_type,
-                        device_id: v.device_id,
-                    },
-                    ndim: ndim as i32,
-                    dtype: v.dtype,
-                    shape: std::ptr::null_mut(),
-                    strides: std::ptr::null_mut(),
-                    byte_offset: 0,
-                },
-                manager_ctx: std::ptr::null_mut(),
-                deleter: Some(deleter()),
-            },
-            id: 0,
-            dims,
-        });
-        let base = m.dims.as_mut_ptr();
-        m.dl.dl_tensor.shape = base;
-        // SAFETY: `dims` holds 2 * ndim entries: the strides start at ndim (one past the
-        // end when ndim == 0, a valid pointer that is never read).
-        m.dl.dl_tensor.strides = unsafe { base.add(ndim) };
-        let ptr = importer.import(&h).map_err(|e| {
+        let p = prepare(&h, view, view_len).map_err(|e| fail(CALL, e))?;
+        let ptr = importer(CALL)?.import(&h).map_err(|e| {
             let call = format!(
                 "{CALL}(producer pid {}, share {})",
                 h.producer_pid, h.info.share_key
             );
             fail(&call, e)
         })?;
-        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        m.id = id;
-        m.dl.dl_tensor.data = ptr as *mut c_void;
-        let raw = Box::into_raw(m);
-        // SAFETY: `raw` is the live allocation just leaked; the context points to itself.
-        unsafe { (*raw).dl.manager_ctx = raw.cast() };
-        REGISTRY.lock().insert(
-            id,
-            Entry {
-                managed: raw as usize,
-                ptr,
-                nbytes: v.nbytes,
-                device: h.info.device,
-                closed: false,
-                share: h.to_bytes(),
-            },
-        );
+        let t = publish(&mut REGISTRY.lock(), p, ptr);
         // SAFETY: `out` is non-null and points to a writable gpu_arena_dlpack_t.
-        unsafe {
-            out.write(gpu_arena_dlpack_t {
-                managed: raw.cast(),
-                id,
-                flat: i32::from(flat),
-                ndim: ndim as i32,
-            })
+        unsafe { out.write(t) };
+        Ok(GPU_ARENA_OK)
+    })
+}
+
+/// Import `n` shares in one call and build a DLPack tensor over each, as `n` calls of
+/// `gpu_arena_import_dlpack` would (the same checks, tensors, ids and listing), with the
+/// imports made as `gpu_arena_import_many` makes them: one round trip per producer and
+/// device (per 120 shares) for shares of arenas this process maps already.
+///
+/// `shares` holds the `n` handles. `views` holds the `n` views back to back, each laid out
+/// as `gpu_arena_import_dlpack`'s `view`: entry `i`'s is the `view_lens[i]` int64_t that
+/// start after those of entries `0..i` (`view_lens` holds `n` lengths). `out[i]` receives
+/// entry `i`'s tensor; each tensor's deleter closes its own import (synchronizing the
+/// device first), and `gpu_arena_close_dlpack` closes one early by its `out[i].id`.
+///
+/// All or nothing: every entry is checked before anything is imported, and when an entry
+/// is refused (the last error names it, `(entry i)`) or an import fails, nothing is
+/// imported, nothing is listed and `out` is not written. `n == 0` does nothing (any pointer
+/// may then be NULL); with `n > 0` a NULL pointer is refused, as is `n` above
+/// `GPU_ARENA_BATCH_MAX`. Initializes lazily.
+#[no_mangle]
+pub extern "C" fn gpu_arena_import_dlpack_many(
+    shares: *const gpu_arena_share_t,
+    n: usize,
+    views: *const i64,
+    view_lens: *const usize,
+    out: *mut gpu_arena_dlpack_t,
+) -> c_int {
+    const CALL: &str = "gpu_arena_import_dlpack_many";
+    guard(CALL, || {
+        batch_len(CALL, n)?;
+        if n == 0 {
+            return Ok(GPU_ARENA_OK);
+        }
+        if shares.is_null() || views.is_null() || view_lens.is_null() || out.is_null() {
+            return Err(fail(
+                CALL,
+                Error::invalid("shares, views, view_lens or out is NULL"),
+            ));
+        }
+        // SAFETY: non-null, and per the header `shares` holds n readable handles (plain
+        // bytes: any bit pattern is valid) and `view_lens` n readable lengths.
+        let (raw, lens) = unsafe {
+            (
+                std::slice::from_raw_parts(shares, n),
+                std::slice::from_raw_parts(view_lens, n),
+            )
         };
+        let mut handles = Vec::with_capacity(n);
+        let mut prepared = Vec::with_capacity(n);
+        // Where entry i's view starts in `views`. An entry's length is checked (against
+        // its own ndim) before the next entry's start is computed from it.
+        let mut start = 0usize;
+        for (i, (s, &len)) in raw.iter().zip(lens).enumerate() {
+            let entry = |e| fail(&format!("{CALL}(entry {i})"), e);
+            let h = ShareHandle::from_bytes(&s.bytes).map_err(entry)?;
+            prepared.push(prepare(&h, views.wrapping_add(start), len).map_err(entry)?);
+            handles.push(h);
+            start += len;
+        }
+        let importer = importer(CALL)?;
+        let ptrs = importer.import_many(&handles).map_err(|e| fail(CALL, e))?;
+        if ptrs.len() != n {
+            let _ = importer.close_many(&ptrs);
+            let why = format!("{} imports for {n} shares", ptrs.len());
+            return Err(fail(CALL, Error::Internal(why)));
+        }
+        let mut reg = REGISTRY.lock();
+        for (i, (p, ptr)) in prepared.into_iter().zip(ptrs).enumerate() {
+            let t = publish(&mut reg, p, ptr);
+            // SAFETY: i < n, and `out` points to n writable gpu_arena_dlpack_t.
+            unsafe { out.add(i).write(t) };
+        }
         Ok(GPU_ARENA_OK)
     })
 }
@@ -570,102 +525,258 @@ pub extern "C" fn gpu_arena_dlpack_exiting() {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    //! `gpu_arena_import_dlpack_many` across real processes on the sim backend: this test
+    //! shares, a child process running the ignored consumer test of this binary imports
+    //! (gpu-arena initializes once per process; sim memory is host memory both can read).
+
+    use std::ffi::CStr;
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    use super::view::tests::view;
     use super::*;
+    use crate::{
+        gpu_arena_close, gpu_arena_configure as configure, gpu_arena_import,
+        gpu_arena_imports_live as live, gpu_arena_last_error,
+        GPU_ARENA_ERR_INVALID_ARGUMENT as INVALID, GPU_ARENA_ERR_IPC,
+    };
 
-    fn view(nbytes: i64, itemsize: i64, offset: i64, shape: &[i64], strides: &[i64]) -> Vec<i64> {
-        let bits = 8 * itemsize;
-        let mut v = vec![nbytes, 2 | bits << 8 | 1 << 16, itemsize, 1, 0, 0, offset];
-        v.push(shape.len() as i64);
-        v.extend_from_slice(shape);
-        v.extend_from_slice(strides);
-        v
+    /// The share handles, hex, from the producer to the consumer.
+    const SHARES_ENV: &str = "GPU_ARENA_TEST_DLPACK_MANY_SHARES";
+    /// N shares of ELEMS float32 each, share i from element i * ELEMS of one allocation.
+    const N: usize = 5;
+    const ELEMS: usize = 1024;
+    const NBYTES: i64 = 4 * ELEMS as i64;
+    const NONE: gpu_arena_dlpack_t = gpu_arena_dlpack_t {
+        managed: std::ptr::null_mut(),
+        id: 0,
+        flat: -1,
+        ndim: -1,
+    };
+
+    fn last_error() -> String {
+        // SAFETY: never NULL, valid until the next gpu-arena call on this thread: copied.
+        let e = unsafe { CStr::from_ptr(gpu_arena_last_error()) };
+        e.to_string_lossy().into_owned()
     }
 
-    fn read(v: &[i64]) -> Result<View, Error> {
-        read_view(v.as_ptr(), v.len())
+    fn listed() -> Vec<gpu_arena_dlpack_import_t> {
+        let n = gpu_arena_dlpack_imports(std::ptr::null_mut(), 0) as usize;
+        let mut out = Vec::with_capacity(n);
+        assert_eq!(gpu_arena_dlpack_imports(out.as_mut_ptr(), n), n as c_int);
+        // SAFETY: the call wrote the first n entries (nothing imports concurrently here).
+        unsafe { out.set_len(n) };
+        out
+    }
+
+    /// The tensor of a live `managed` this library handed out.
+    fn tensor(t: &gpu_arena_dlpack_t) -> &DlTensor {
+        // SAFETY: a live DLManagedTensor of this library, not deleted yet.
+        unsafe { &(*t.managed.cast::<DlManagedTensor>()).dl_tensor }
+    }
+
+    fn delete(t: &gpu_arena_dlpack_t) {
+        let m = t.managed.cast::<DlManagedTensor>();
+        // SAFETY: a live DLManagedTensor of this library, deleted once, as a consumer does.
+        unsafe { ((*m).deleter.unwrap())(m) };
+    }
+
+    /// One batched call over `shares` and `views` (their lengths the view_lens).
+    fn many(shares: &[gpu_arena_share_t], views: &[Vec<i64>]) -> (c_int, Vec<gpu_arena_dlpack_t>) {
+        let lens: Vec<usize> = views.iter().map(Vec::len).collect();
+        let (flat, n) = (views.concat(), shares.len());
+        let mut out = vec![NONE; n];
+        let (sp, op) = (shares.as_ptr(), out.as_mut_ptr());
+        let rc = gpu_arena_import_dlpack_many(sp, n, flat.as_ptr(), lens.as_ptr(), op);
+        (rc, out)
     }
 
     #[test]
-    fn a_view_over_its_whole_storage_needs_no_strides_afterwards() {
-        let whole = read(&view(4096, 4, 0, &[32, 32], &[32, 1])).unwrap();
-        assert!(spans_whole(&whole));
-        let transposed = read(&view(4096, 4, 0, &[32, 32], &[1, 32])).unwrap();
-        assert!(spans_whole(&transposed));
-        let scalar = read(&view(4, 4, 0, &[], &[])).unwrap();
-        assert!(spans_whole(&scalar));
-        for (offset, shape, strides) in [
-            (1, &[1023][..], &[1][..]), // a storage offset
-            (0, &[1023], &[1]),         // stops short of the end
-            (0, &[32, 16], &[32, 1]),   // a slice of the columns
-            (0, &[0, 32], &[32, 1]),    // empty
-            (1023, &[1024], &[-1]),     // negative stride
-        ] {
-            let v = read(&view(4096, 4, offset, shape, strides)).unwrap();
-            assert!(!spans_whole(&v), "{offset} {shape:?} {strides:?}");
+    fn import_dlpack_many_in_another_process() {
+        assert_eq!(configure(c"backend=sim".as_ptr()), GPU_ARENA_OK);
+        let bytes = (N * ELEMS * 4) as libc::ssize_t;
+        let base = crate::gpu_arena_malloc(bytes, 0, std::ptr::null_mut()).cast::<f32>();
+        assert!(!base.is_null(), "{}", last_error());
+        let (mut shares, mut hex) = (Vec::new(), String::new());
+        for i in 0..N * ELEMS {
+            // SAFETY: sim memory is host memory, and `base` holds N * ELEMS float32.
+            unsafe { base.add(i).write(i as f32) };
         }
-        // Views read_view refuses: spans_whole says no without overflowing either.
-        for (shape, strides) in [
-            (vec![1024], vec![-1]),
-            (vec![2, i64::MAX], vec![1, i64::MAX]),
-            (vec![2], vec![i64::MAX]),
-        ] {
-            let mut v = read(&view(4096, 4, 0, &[1], &[1])).unwrap();
-            v.dims = [shape, strides].concat();
-            assert!(!spans_whole(&v), "{:?} {:?}", v.shape(), v.strides());
+        for i in 0..N {
+            let mut s = gpu_arena_share_t { bytes: [0; 128] };
+            // SAFETY: in bounds: share i is elements i * ELEMS .. (i + 1) * ELEMS.
+            let at = unsafe { base.add(i * ELEMS) };
+            let rc = crate::gpu_arena_share(at.cast(), NBYTES as usize, &mut s);
+            assert_eq!(rc, GPU_ARENA_OK, "{}", last_error());
+            hex.extend(s.bytes.iter().map(|b| format!("{b:02x}")));
+            shares.push(s);
         }
+        let name = "dlpack_api::tests::consumer_of_import_dlpack_many";
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([name, "--exact", "--ignored", "--nocapture"])
+            .env(SHARES_ENV, hex)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        while child.try_wait().unwrap().is_none() && start.elapsed() < Duration::from_secs(120) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill(); // Hung: the status below says so.
+        let out = child.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&[out.stdout, out.stderr].concat()).into_owned();
+        assert!(out.status.success(), "the consumer failed:\n{text}");
+        assert!(text.contains("consumer done"), "it did not run:\n{text}");
+        let unshared = shares.iter().all(|s| crate::gpu_arena_unshare(s) == 0);
+        assert!(unshared, "{}", last_error());
+        let rc = crate::gpu_arena_free_checked(base.cast(), bytes, 0);
+        assert_eq!(rc, GPU_ARENA_OK, "{}", last_error());
     }
 
+    /// The consumer half of `import_dlpack_many_in_another_process`, which runs it in a
+    /// child process with the shares in its environment.
     #[test]
-    fn bad_views_are_refused() {
-        let good = view(4096, 4, 0, &[1024], &[1]);
-        assert!(read(&good).is_ok());
-        assert!(read_view(std::ptr::null(), 10).is_err());
-        assert!(read(&good[..GPU_ARENA_DLPACK_VIEW_HEAD - 1]).is_err());
-        assert!(
-            read(&good[..good.len() - 1]).is_err(),
-            "ndim disagrees with the length"
+    #[ignore = "run by import_dlpack_many_in_another_process in a child process"]
+    fn consumer_of_import_dlpack_many() {
+        let Ok(hex) = std::env::var(SHARES_ENV) else {
+            return eprintln!("{SHARES_ENV} unset: its producer's test runs it");
+        };
+        assert_eq!(configure(c"backend=sim".as_ptr()), GPU_ARENA_OK);
+        let byte = |i: usize| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+        let shares: Vec<gpu_arena_share_t> = (0..N)
+            .map(|s| gpu_arena_share_t {
+                bytes: std::array::from_fn(|b| byte(128 * s + b)),
+            })
+            .collect();
+        // Whole 1-D, 2-D, transposed, offset (flat), flagged flat.
+        let mut good = vec![
+            view(NBYTES, 4, 0, &[1024], &[1]),
+            view(NBYTES, 4, 0, &[32, 32], &[32, 1]),
+            view(NBYTES, 4, 0, &[32, 32], &[1, 32]),
+            view(NBYTES, 4, 32, &[31, 32], &[32, 1]),
+            view(NBYTES, 4, 0, &[1024], &[1]),
+        ];
+        good[4][5] = 1;
+
+        // A refused entry: named; nothing imported, listed or written.
+        let refused = |s: &[gpu_arena_share_t], v: &[Vec<i64>], code: c_int, says: &str| {
+            let (rc, out) = many(s, v);
+            let e = last_error();
+            assert!(
+                rc == code && e.contains(says),
+                "want {code} `{says}`: {rc} {e}"
+            );
+            assert!(e.starts_with("gpu_arena_import_dlpack_many"), "{e}");
+            assert!(out.iter().all(|o| o.managed.is_null()), "{e}");
+            assert_eq!((live(), listed().len()), (0, 0), "{e}");
+        };
+        let with = |k: usize, v: Vec<i64>| {
+            let mut all = good.clone();
+            all[k] = v;
+            all
+        };
+        let past_end = with(3, view(NBYTES, 4, 0, &[1025], &[1]));
+        refused(&shares, &past_end, INVALID, "(entry 3)");
+        let short = with(1, good[1][..good[1].len() - 1].to_vec());
+        refused(&shares, &short, INVALID, "(entry 1)");
+        let too_long = with(4, view(2 * NBYTES, 4, 0, &[1024], &[1]));
+        refused(&shares, &too_long, INVALID, "(entry 4)");
+        let mut other_device = good[2].clone();
+        (other_device[3], other_device[4]) = (2, 1);
+        refused(&shares, &with(2, other_device), INVALID, "(entry 2)");
+        let mut bad = shares.clone();
+        bad[0].bytes[0] ^= 0xff;
+        refused(&bad, &good, GPU_ARENA_ERR_IPC, "(entry 0)");
+        // Refused by the producer at the import (a batch after entry 0 mapped the arena).
+        let mut h = ShareHandle::from_bytes(&shares[2].bytes).unwrap();
+        h.info.token[0] ^= 1;
+        bad = shares.clone();
+        bad[2].bytes = h.to_bytes();
+        refused(&bad, &good, GPU_ARENA_ERR_IPC, "refused the import");
+        let mut o = NONE;
+        let (s, v, l, o) = (shares.as_ptr(), good[0].as_ptr(), &good[0].len(), &mut o);
+        for rc in [
+            gpu_arena_import_dlpack_many(std::ptr::null(), 1, v, l, o),
+            gpu_arena_import_dlpack_many(s, 1, std::ptr::null(), l, o),
+            gpu_arena_import_dlpack_many(s, 1, v, std::ptr::null(), o),
+            gpu_arena_import_dlpack_many(s, 1, v, l, std::ptr::null_mut()),
+            gpu_arena_import_dlpack_many(s, crate::GPU_ARENA_BATCH_MAX + 1, v, l, o),
+        ] {
+            assert_eq!(rc, INVALID, "{}", last_error());
+        }
+        let (z, zm) = (std::ptr::null(), std::ptr::null_mut());
+        let rc = gpu_arena_import_dlpack_many(z, 0, z.cast(), z.cast(), zm);
+        assert_eq!((rc, live()), (GPU_ARENA_OK, 0), "n == 0");
+
+        // The batch gives the tensors of single calls, over gpu_arena_import's addresses.
+        let (rc, out) = many(&shares, &good);
+        assert_eq!((rc, live()), (GPU_ARENA_OK, N as c_int), "{}", last_error());
+        let list = listed();
+        assert_eq!(list.len(), N);
+        for (i, (t, l)) in out.iter().zip(&list).enumerate() {
+            let d = tensor(t);
+            assert_eq!(
+                (l.id, l.ptr, l.nbytes, l.closed),
+                (t.id, d.data, NBYTES as u64, 0)
+            );
+            assert_eq!(
+                (l.share.bytes, t.flat, t.ndim),
+                (shares[i].bytes, [0, 0, 0, 1, 1][i], [1, 2, 2, 1, 1][i])
+            );
+            let mut p = std::ptr::null_mut();
+            assert_eq!(gpu_arena_import(&shares[i], &mut p), GPU_ARENA_OK);
+            assert_eq!((p, gpu_arena_close(p)), (d.data, GPU_ARENA_OK), "entry {i}");
+            let mut one = NONE;
+            let rc = gpu_arena_import_dlpack(&shares[i], good[i].as_ptr(), good[i].len(), &mut one);
+            assert_eq!(rc, GPU_ARENA_OK, "{}", last_error());
+            let summary = |d: &DlTensor| {
+                // SAFETY: `shape` and `strides` are ndim entries each, back to back.
+                let dims = unsafe { std::slice::from_raw_parts(d.shape, 2 * d.ndim as usize) };
+                let dt = (d.dtype.code, d.dtype.bits, d.dtype.lanes);
+                (
+                    d.data,
+                    d.device.device_type,
+                    d.device.device_id,
+                    dt,
+                    dims.to_vec(),
+                )
+            };
+            assert_eq!(
+                (one.flat, one.ndim, summary(tensor(&one))),
+                (t.flat, t.ndim, summary(d))
+            );
+            assert_eq!(summary(d).3, (2, 32, 1));
+            assert_eq!(gpu_arena_release_dlpack(one.managed), GPU_ARENA_OK);
+            // SAFETY: the import maps NBYTES readable bytes at `data`.
+            let xs = unsafe { std::slice::from_raw_parts(d.data.cast::<f32>(), ELEMS) };
+            let want: Vec<f32> = (0..ELEMS).map(|k| (i * ELEMS + k) as f32).collect();
+            assert_eq!(xs, want, "entry {i}: the producer's bytes");
+        }
+        assert_eq!(live(), N as c_int);
+
+        // Each deleter closes its own import; one closed early only frees.
+        delete(&out[1]);
+        assert_eq!(live(), N as c_int - 1);
+        assert!(listed().iter().all(|l| l.id != out[1].id));
+        assert_eq!(
+            (gpu_arena_close_dlpack(out[3].id), live()),
+            (1, N as c_int - 2)
         );
-        let mut wrong_bits = good.clone();
-        wrong_bits[2] = 2;
-        assert!(read(&wrong_bits).is_err(), "32-bit dtype with 2-byte items");
-        assert!(read(&view(4096, 4, 0, &[-1], &[1])).is_err());
-        assert!(read(&view(4096, 4, -1, &[1], &[1])).is_err());
-        assert!(read(&view(-1, 4, 0, &[1], &[1])).is_err());
-        let mut ndim_65 = view(4096, 4, 0, &[1; 65], &[1; 65]);
-        assert!(read(&ndim_65).is_err(), "ndim 65");
-        ndim_65[7] = -1;
-        assert!(read(&ndim_65).is_err(), "negative ndim");
-        for dtype in [18 | 32 << 8 | 1 << 16, -1, 1 << 32 | 2 | 32 << 8 | 1 << 16] {
-            let mut unknown = good.clone();
-            unknown[1] = dtype;
-            assert!(read(&unknown).is_err(), "dtype {dtype:#x}");
-        }
-    }
+        delete(&out[3]);
+        assert_eq!((live(), listed().len()), (N as c_int - 2, N - 2));
+        [&out[0], &out[2], &out[4]].into_iter().for_each(delete);
+        assert_eq!((live(), listed().len()), (0, 0));
 
-    #[test]
-    fn a_view_reaching_outside_its_storage_is_refused() {
-        for (offset, shape, strides) in [
-            (0, &[1024][..], &[1][..]), // exactly the storage
-            (1023, &[1024], &[-1]),     // backwards, exactly the storage
-            (4095, &[0, 8], &[1, 1]),   // empty: reaches nothing
-            (1000, &[2, 12], &[12, 1]), // the last 24 elements
-            (0, &[4, 4], &[0, 0]),      // broadcast
-        ] {
-            let v = view(4096, 4, offset, shape, strides);
-            assert!(read(&v).is_ok(), "{offset} {shape:?} {strides:?}");
-        }
-        for (offset, shape, strides) in [
-            (0, &[1025][..], &[1][..]),          // one element past the end
-            (1, &[1024], &[1]),                  // the offset pushes it out
-            (0, &[1024], &[-1]),                 // backwards from 0: before the start
-            (0, &[32, 33], &[32, 1]),            // the last row runs over
-            (0, &[2], &[i64::MAX]),              // overflows
-            (0, &[3, 2], &[i64::MAX / 2, 1]),    // overflows when summed
-            (i64::MAX, &[1], &[1]),              // (offset + 1) * itemsize overflows
-            (0, &[2, 2], &[i64::MIN, i64::MIN]), // negative overflow
-        ] {
-            let v = view(4096, 4, offset, shape, strides);
-            assert!(read(&v).is_err(), "{offset} {shape:?} {strides:?}");
-        }
+        // More than one round trip's 120 shares: the same ranges imported again and again.
+        let m = 250;
+        let s: Vec<gpu_arena_share_t> = (0..m).map(|i| shares[i % N]).collect();
+        let v: Vec<Vec<i64>> = (0..m).map(|i| good[i % N].clone()).collect();
+        let (rc, out) = many(&s, &v);
+        assert_eq!((rc, live(), listed().len()), (GPU_ARENA_OK, m as c_int, m));
+        assert!(out.windows(2).all(|w| w[0].id < w[1].id));
+        out.iter().for_each(delete);
+        assert_eq!((live(), listed().len()), (0, 0));
+        println!("consumer done");
     }
 }

@@ -139,10 +139,10 @@ pub extern "C" fn gpu_arena_close(imported_ptr: *mut c_void) -> c_int {
 }
 
 /// Most entries of one batch call (`gpu_arena_share_many`, `gpu_arena_import_many`,
-/// `gpu_arena_close_many`).
+/// `gpu_arena_close_many`, `gpu_arena_import_dlpack_many`).
 pub const GPU_ARENA_BATCH_MAX: usize = 1_048_576;
 
-fn batch_len(call: &str, n: usize) -> std::result::Result<(), c_int> {
+pub(crate) fn batch_len(call: &str, n: usize) -> std::result::Result<(), c_int> {
     if n > GPU_ARENA_BATCH_MAX {
         return Err(fail(
             call,

@@ -518,6 +518,15 @@ _IPC_SIGNATURES = {
     "gpu_arena_dlpack_exiting": (None, []),
 }
 
+# Newer calls, declared when the library has them: a library older than the package (a
+# GPU_ARENA_LIB left pointing at an earlier build) keeps every other call working, and the
+# call that needs one of these names it in its error.
+_NEWER_SIGNATURES = {
+    "gpu_arena_import_dlpack_many": (c_int, [c_char_p, ctypes.c_size_t, c_char_p,
+                                             ctypes.POINTER(ctypes.c_size_t),
+                                             ctypes.POINTER(GpuArenaDlpack)]),
+}
+
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _path: Optional[Path] = None
@@ -557,6 +566,7 @@ def lib() -> ctypes.CDLL:
             _path = path
             _declare(handle, _SIGNATURES, required=True)
             _has_ipc = _declare(handle, _IPC_SIGNATURES, required=False)
+            _declare(handle, _NEWER_SIGNATURES, required=False)
             _lib = handle
     return _lib
 
