@@ -67,6 +67,13 @@ for s in "${steps[@]}"; do case $s in
   kvsim) run kvsim .gpu/bin/kv_replay --backend sim --no-per-allocation --no-sweep ;;
   kv) run kv .gpu/bin/kv_replay --backend cuda --no-per-allocation ;;
   ipc) run ipc python3 tests/gpu/gpu_ipc_check.py ;;
+  # Issue #47: weight sync through torch.multiprocessing and weight_sync's buckets beside
+  # PyTorch's CUDA IPC (with and without ipc_collect), then the 70B-shaped sync in 1 GiB
+  # buckets beside torch's reduce_tensor / rebuild_cuda_tensor; the faults: weight_sync_faults.
+  weight_sync) run weight_sync python3 bench/gpu/weight_sync.py --all --paths queue,bucket \
+    --allocs torch,torch_collect,gpu_arena_torch_ipc,gpu_arena --out-dir "$OUT/weight_sync" ;;
+  weight_sync_70b) run weight_sync_70b python3 bench/gpu/weight_sync.py --all --shape 70b --modes inplace \
+    --paths reduce,bucket --allocs torch,gpu_arena --syncs 20 --bucket-mib 1024 --out-dir "$OUT/weight_sync_70b" ;;
   share_bench) run share_bench bash bench/gpu/share_bench.sh --out "$OUT/share_bench.md" ;;
   wheel) run wheel bash -c 'rm -rf .gpu/site && python3 -m pip install -q --no-deps --target .gpu/site .gpu/gpu_arena-*.whl &&
     env -u GPU_ARENA_LIB PYTHONPATH=.gpu/site python3 tests/gpu/gpu_wheel_check.py' ;;

@@ -52,10 +52,10 @@ MIB = 1 << 20
 def shapes(args) -> list:
     """Element counts of the trainer's tensors (bf16)."""
     if args.shape == "70b":
-        # A 70B-shaped mix (80 layers of a Llama-70B cut to 16 GiB): per layer q, k, v, o,
-        # gate, up, down and two norms; embeddings and head. Sizes in elements, scaled so the
-        # total is ~16 GiB: ~720 tensors from 16 KiB to ~1 GiB.
-        hidden, kv, inter, vocab, layers = 8192 // 2, 1024 // 2, 28672 // 2, 128256 // 4, 80
+        # A 70B-shaped mix (a Llama-70B's 80 layers, narrowed to ~16.7 GiB): per layer q, k,
+        # v, o, gate, up, down and two norms; embeddings and head: 723 tensors of 8 KiB to
+        # 263 MiB.
+        hidden, kv, inter, vocab, layers = 4096, 512, 5376, 32064, 80
         per_layer = [hidden * hidden, kv * hidden, kv * hidden, hidden * hidden,
                      inter * hidden, inter * hidden, hidden * inter, hidden, hidden]
         out = [vocab * hidden]
@@ -121,7 +121,7 @@ def receiver_main(alloc, path, numels, q, acks, result_path):
         msg = q.get()
         if msg is None:
             break
-        value, payload = msg
+        value, first, payload = msg
         if path == "reduce":
             got = [fn(*a) for fn, a in payload]
         elif path == "bucket":
@@ -131,8 +131,8 @@ def receiver_main(alloc, path, numels, q, acks, result_path):
         t1 = time.perf_counter()
         bad = torch.zeros((), dtype=torch.int64, device=dev)
         for i in range(len(got)):
-            bad += (got[i] != float((value + i) % 200)).sum()
-            weights[i].copy_(got[i])
+            bad += (got[i] != float((value + first + i) % 200)).sum()
+            weights[first + i].copy_(got[i])
         bad = int(bad.item())
         t2 = time.perf_counter()
         del got, payload, msg
@@ -154,6 +154,22 @@ def receiver_main(alloc, path, numels, q, acks, result_path):
 
 
 # --- the trainer -------------------------------------------------------------------------
+
+
+def split(numels, bucket_mib: int) -> list:
+    """(first, end) index ranges of the messages: buckets of at most bucket_mib MiB (a larger
+    tensor alone), or one message when bucket_mib is 0."""
+    if bucket_mib <= 0:
+        return [(0, len(numels))]
+    out, lo, size = [], 0, 0
+    for i, n in enumerate(numels):
+        if i > lo and size + 2 * n > bucket_mib * MIB:
+            out.append((lo, i))
+            lo, size = i, 0
+        size += 2 * n
+    out.append((lo, len(numels)))
+    return out
+
 
 
 def device_used(torch) -> int:
@@ -189,6 +205,7 @@ def trainer(args) -> dict:
         send = weight_sync.send
     params = None
     sync_s, pickle_s, mem = [], [], []
+    messages = split(numels, args.bucket_mib)
     bad = 0
     for k in range(args.syncs):
         value = k * 7
@@ -202,20 +219,24 @@ def trainer(args) -> dict:
                 t.fill_(float((value + i) % 200))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        if args.path == "reduce":
-            payload = [reducer(t) for t in params]
-        elif args.path == "bucket":
-            payload = send(params)
-        else:
-            payload = params
-        t1 = time.perf_counter()
-        q.put((value, payload))
-        del payload
-        kind, b = acks.get(timeout=300)
+        pickling = 0.0
+        for lo, hi in messages:
+            m0 = time.perf_counter()
+            part = params[lo:hi]
+            if args.path == "reduce":
+                payload = [reducer(t) for t in part]
+            elif args.path == "bucket":
+                payload = send(part)
+            else:
+                payload = part
+            pickling += time.perf_counter() - m0
+            q.put((value, lo, payload))
+            del payload, part
+            kind, b = acks.get(timeout=300)
+            bad += b
         t2 = time.perf_counter()
-        bad += b
         sync_s.append(t2 - t0)
-        pickle_s.append(t1 - t0)
+        pickle_s.append(pickling)
         if args.alloc == "torch_collect":
             torch.cuda.ipc_collect()
         m = {"device_used_mib": (device_used(torch) - baseline) / MIB,
@@ -246,6 +267,7 @@ def trainer(args) -> dict:
         collected.update(arena_stats())
     return {"alloc": args.alloc, "mode": args.mode, "path": args.path, "shape": args.shape,
             "tensors": len(numels), "bytes": 2 * sum(numels), "syncs": args.syncs,
+            "messages": len(messages),
             "sync_s": sync_s, "pickle_s": pickle_s, "median_sync_ms": 1e3 * statistics.median(sync_s),
             "bad_elements": bad + receiver.get("bad", 0), "receiver_exit": child.exitcode,
             "receiver": receiver, "memory": mem, "teardown": teardown, "after_ipc_collect": collected,
@@ -279,10 +301,10 @@ def run_all(args) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     rows, failed = [], False
     for alloc, mode, path in configs(args):
-        out = os.path.join(args.out_dir, f"{args.shape}-{mode}-{path}-{alloc}.json")
+        out = os.path.join(args.out_dir, f"{args.shape}-{mode}-{path}-{alloc}-b{args.bucket_mib}.json")
         cmd = [sys.executable, __file__, "--alloc", alloc, "--mode", mode, "--path", path,
                "--shape", args.shape, "--tensors", str(args.tensors), "--mib", str(args.mib),
-               "--syncs", str(args.syncs), "--out", out]
+               "--syncs", str(args.syncs), "--bucket-mib", str(args.bucket_mib), "--out", out]
         log = open(out + ".log", "w")
         rc = subprocess.call(cmd, env=gpu_common.child_env(), stdout=log, stderr=subprocess.STDOUT)
         if rc != 0 or not os.path.exists(out):
@@ -319,6 +341,8 @@ def main() -> int:
     p.add_argument("--tensors", type=int, default=64)
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--syncs", type=int, default=30)
+    p.add_argument("--bucket-mib", type=int, default=0,
+                   help="messages of at most this many MiB (0: the whole list as one)")
     p.add_argument("--out")
     p.add_argument("--all", action="store_true", help="every configuration (the default without --out)")
     p.add_argument("--out-dir", default=gpu_common.out_path("weight_sync"))
