@@ -16,7 +16,8 @@ they still hold.
                    reductions, or gpu-arena's where ``install()`` registered them)
   --path reduce    reduce_tensor() per tensor in the trainer, rebuild in the receiver, as
                    frameworks do by hand (verl, OpenRLHF)
-  --path bucket    gpu_arena.weight_sync: one message per bucket (gpu-arena only)
+  --path bucket    gpu_arena.weight_sync: one message per bucket (gpu-arena only), received by a
+                   weight_sync.Receiver (imports kept between syncs, pruned after each)
 
   --alloc torch | torch_collect (torch.cuda.ipc_collect() after each sync) | gpu_arena |
           gpu_arena_torch_ipc (gpu-arena's allocator, torch's own CUDA IPC reductions)
@@ -99,6 +100,48 @@ def arena_stats() -> dict:
     return out
 
 
+# --- where the time goes ----------------------------------------------------------------
+
+
+class TimedPickler:
+    """multiprocessing.queues' pickler with its dumps (the sender's feeder thread: torch's or
+    gpu-arena's reductions, i.e. the shares) and loads (the receiver: the rebuilds, i.e. the
+    imports) timed; the seconds of each accumulate until taken."""
+
+    def __init__(self):
+        from multiprocessing.reduction import ForkingPickler
+
+        self._pickler = ForkingPickler
+        self.dumps_s = self.loads_s = 0.0
+
+    def dumps(self, obj, protocol=None):
+        t = time.perf_counter()
+        try:
+            return self._pickler.dumps(obj, protocol)
+        finally:
+            self.dumps_s += time.perf_counter() - t
+
+    def loads(self, data, *args, **kw):
+        t = time.perf_counter()
+        try:
+            return self._pickler.loads(data, *args, **kw)
+        finally:
+            self.loads_s += time.perf_counter() - t
+
+    def take(self, what: str) -> float:
+        v = getattr(self, what)
+        setattr(self, what, 0.0)
+        return v
+
+
+def timed_queues() -> TimedPickler:
+    import multiprocessing.queues as mq
+
+    t = TimedPickler()
+    mq._ForkingPickler = t
+    return t
+
+
 # --- the receiver ------------------------------------------------------------------------
 
 
@@ -108,27 +151,30 @@ def receiver_main(alloc, path, numels, q, acks, result_path):
     torch.cuda.init()
     weights = [torch.empty(n, dtype=torch.bfloat16, device=dev) for n in numels]
     torch.cuda.synchronize()
-    rebuild = None
+    rx = None
     if path == "bucket":
         from gpu_arena import weight_sync
 
-        rebuild = weight_sync.receive
+        rx = weight_sync.Receiver()  # keeps the imports between syncs; pruned after each
+    timer = timed_queues()
     acks.put(("ready", None))
-    phases = {"receive_s": [], "check_copy_s": [], "drop_s": []}
+    phases = {"wait_s": [], "unpickle_s": [], "rebuild_s": [], "check_copy_s": [], "drop_s": []}
     bad_total = 0
     while True:
         t0 = time.perf_counter()
         msg = q.get()
         if msg is None:
             break
-        value, first, payload = msg
+        value, first, last, payload = msg
+        tr = time.perf_counter()
         if path == "reduce":
             got = [fn(*a) for fn, a in payload]
         elif path == "bucket":
-            got = rebuild(payload)
+            got = rx.receive(payload)
         else:
             got = payload
         t1 = time.perf_counter()
+        unpickle = timer.take("loads_s")
         bad = torch.zeros((), dtype=torch.int64, device=dev)
         for i in range(len(got)):
             bad += (got[i] != float((value + first + i) % 200)).sum()
@@ -136,14 +182,20 @@ def receiver_main(alloc, path, numels, q, acks, result_path):
         bad = int(bad.item())
         t2 = time.perf_counter()
         del got, payload, msg
+        if rx is not None and last:
+            rx.prune()  # the sync's buckets are in: imports no bucket used go
         torch.cuda.synchronize()
         t3 = time.perf_counter()
         bad_total += bad
-        phases["receive_s"].append(t1 - t0)
+        phases["wait_s"].append(tr - t0 - unpickle)
+        phases["unpickle_s"].append(unpickle)
+        phases["rebuild_s"].append(t1 - tr)
         phases["check_copy_s"].append(t2 - t1)
         phases["drop_s"].append(t3 - t2)
         acks.put(("ack", bad))
     out = {"bad": bad_total, "phases": phases}
+    if rx is not None:
+        rx.close()
     del weights
     gc.collect()
     torch.cuda.empty_cache()
@@ -190,6 +242,7 @@ def trainer(args) -> dict:
     numels = shapes(args)
     ctx = tmp.get_context("spawn")
     q, acks = ctx.Queue(), ctx.Queue()
+    timer = timed_queues()
     recv_result = args.out + ".receiver.json"
     child = ctx.Process(target=receiver_main,
                         args=(args.alloc, args.path, numels, q, acks, recv_result))
@@ -204,7 +257,7 @@ def trainer(args) -> dict:
 
         send = weight_sync.send
     params = None
-    sync_s, pickle_s, mem = [], [], []
+    sync_s, pickle_s, dumps_s, mem = [], [], [], []
     messages = split(numels, args.bucket_mib)
     bad = 0
     for k in range(args.syncs):
@@ -215,8 +268,8 @@ def trainer(args) -> dict:
             params = new  # the old list (if any) is dropped here, after its ack
             del new
         else:
-            for i, t in enumerate(params):
-                t.fill_(float((value + i) % 200))
+            for i in range(len(params)):
+                params[i].fill_(float((value + i) % 200))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         pickling = 0.0
@@ -230,13 +283,14 @@ def trainer(args) -> dict:
             else:
                 payload = part
             pickling += time.perf_counter() - m0
-            q.put((value, lo, payload))
+            q.put((value, lo, hi == len(params), payload))
             del payload, part
             kind, b = acks.get(timeout=300)
             bad += b
         t2 = time.perf_counter()
         sync_s.append(t2 - t0)
         pickle_s.append(pickling)
+        dumps_s.append(timer.take("dumps_s"))
         if args.alloc == "torch_collect":
             torch.cuda.ipc_collect()
         m = {"device_used_mib": (device_used(torch) - baseline) / MIB,
@@ -268,7 +322,7 @@ def trainer(args) -> dict:
     return {"alloc": args.alloc, "mode": args.mode, "path": args.path, "shape": args.shape,
             "tensors": len(numels), "bytes": 2 * sum(numels), "syncs": args.syncs,
             "messages": len(messages),
-            "sync_s": sync_s, "pickle_s": pickle_s, "median_sync_ms": 1e3 * statistics.median(sync_s),
+            "sync_s": sync_s, "pickle_s": pickle_s, "dumps_s": dumps_s, "median_sync_ms": 1e3 * statistics.median(sync_s),
             "bad_elements": bad + receiver.get("bad", 0), "receiver_exit": child.exitcode,
             "receiver": receiver, "memory": mem, "teardown": teardown, "after_ipc_collect": collected,
             "device": torch.cuda.get_device_name(0)}
@@ -326,6 +380,10 @@ def run_all(args) -> int:
                         f"imports {t.get('imports_live')} / receiver "
                         f"{r['receiver'].get('final')}" if alloc.startswith("gpu_arena") else "")
                      + f"; after ipc_collect {r['after_ipc_collect']['device_used_mib']:.0f} MiB"
+                     + "; phases (median ms): send " + f"{1e3 * statistics.median(r['pickle_s']):.2f}"
+                     + f", dumps {1e3 * statistics.median(r['dumps_s']):.2f}, "
+                     + ", ".join(f"{k[:-2]} {1e3 * statistics.median(v):.2f}"
+                                 for k, v in r["receiver"].get("phases", {}).items())
                      + ("" if ok else "  FAIL")))
     for row in rows:
         print(" | ".join(row))

@@ -8,13 +8,15 @@ A colocated trainer pushing its weights into an inference engine each step::
     for names, tensors in weight_sync.buckets(model.named_parameters(), bucket_bytes=1 << 30):
         conn.send(weight_sync.send(tensors, names=names))  # any pickling channel
         conn.recv()  # the engine's ack: keep `tensors` alive until then
+    conn.send(None)
 
     # inference engine (under gpu_arena.torch.install())
-    bucket = conn.recv()
-    for name, t in weight_sync.receive(bucket, named=True):
-        engine_weights[name].copy_(t)
-    del bucket, t  # the imports close as the received tensors are freed
-    conn.send("done")
+    rx = weight_sync.Receiver()  # keeps its imports from step to step
+    while (bucket := conn.recv()) is not None:
+        for name, t in rx.receive(bucket, named=True):
+            engine_weights[name].copy_(t)
+        conn.send("ok")
+    rx.prune()  # the imports no bucket of this step used are closed
 
 One :func:`send` is one handle batch: every allocation behind the tensors is shared once
 (one C call; each allocation's share is made on its first send and ended at its free) and
@@ -42,7 +44,7 @@ from .handle import ShareHandle
 from .pointers import _ipc_fn
 from .tensors import _import_kind
 
-__all__ = ["WeightBucket", "send", "receive", "buckets"]
+__all__ = ["WeightBucket", "Receiver", "send", "receive", "buckets"]
 
 
 class WeightBucket:
@@ -129,9 +131,66 @@ def send(tensors: Iterable[Any], names: Optional[Sequence[str]] = None) -> Weigh
 def receive(bucket: WeightBucket, named: bool = False):
     """Import a :class:`WeightBucket` (one batch) and return its tensors, in the order sent
     (``named=True``: ``(name, tensor)`` pairs). Each allocation is imported once and its
-    tensors are views of it; the import closes when the last of them is freed."""
+    tensors are views of it; the import closes when the last of them is freed. A receiver
+    that syncs every step from the same sender keeps its imports with :class:`Receiver`."""
     torch = _torch()
-    wholes = _import_all(torch, bucket.handles)
+    return _views(torch, bucket, _import_all(torch, bucket.handles), named)
+
+
+class Receiver:
+    """Receives a sender's buckets step after step, keeping each allocation's import between
+    steps: a bucket naming allocations it holds already (a trainer that updates its weights
+    in place shares the same allocations, with the same handles, every step) costs no round
+    trip and no mapping, only the views.
+
+    Each :meth:`receive` imports what it does not hold (one batch) and marks what the bucket
+    uses; :meth:`prune` (call it once a step's buckets are all received) closes the imports
+    no bucket used since the last prune, so the sender's memory it no longer sends comes
+    back; :meth:`close` closes them all. While held, an import keeps the sender's memory
+    (its free waits, as for any import): prune every step."""
+
+    def __init__(self):
+        self._held: Dict[bytes, Any] = {}  # handle bytes -> the uint8 tensor over its allocation
+        self._used: set = set()
+
+    def receive(self, bucket: WeightBucket, named: bool = False):
+        """:func:`receive`, reusing the imports held."""
+        torch = _torch()
+        keys = [bytes(h) for h in bucket.handles]
+        new = [i for i, k in enumerate(keys) if k not in self._held]
+        if new:
+            got = _import_all(torch, [bucket.handles[i] for i in new])
+            for i, w in zip(new, got):
+                self._held[keys[i]] = w
+        self._used.update(keys)
+        return _views(torch, bucket, [self._held[k] for k in keys], named)
+
+    def prune(self) -> int:
+        """Close the imports no bucket used since the last prune (each when the last tensor
+        over it is freed); returns how many."""
+        gone = [k for k in self._held if k not in self._used]
+        for k in gone:
+            del self._held[k]
+        self._used = set()
+        return len(gone)
+
+    def close(self) -> None:
+        """Let go of every import held (each closes when the last tensor over it is freed)."""
+        self._held.clear()
+        self._used = set()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __enter__(self) -> "Receiver":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _views(torch, bucket: WeightBucket, wholes: List[Any], named: bool):
+    """The bucket's tensors, as views of the uint8 tensors over its allocations."""
     out = []
     for j, offset, dtype, shape, stride, so in bucket.entries:
         dt = _dtype(torch, dtype)
