@@ -72,6 +72,9 @@ for s in "${steps[@]}"; do case $s in
   # buckets beside torch's reduce_tensor / rebuild_cuda_tensor; the faults: weight_sync_faults.
   weight_sync) run weight_sync python3 bench/gpu/weight_sync.py --all --paths queue,bucket \
     --allocs torch,torch_collect,gpu_arena_torch_ipc,gpu_arena --out-dir "$OUT/weight_sync" ;;
+  # The receiver acking before it drops (the sender's drop may come first: torch's limbo).
+  weight_sync_ackfirst) run weight_sync_ackfirst python3 bench/gpu/weight_sync.py --all --modes fresh --ack-first \
+    --allocs torch,gpu_arena_torch_ipc,gpu_arena --out-dir "$OUT/weight_sync_ackfirst" ;;
   weight_sync_70b) run weight_sync_70b python3 bench/gpu/weight_sync.py --all --shape 70b --modes inplace \
     --paths reduce,bucket --allocs torch,gpu_arena --syncs 20 --bucket-mib 1024 --out-dir "$OUT/weight_sync_70b" ;;
   share_bench) run share_bench bash bench/gpu/share_bench.sh --out "$OUT/share_bench.md" ;;

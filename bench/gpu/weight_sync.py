@@ -145,7 +145,7 @@ def timed_queues() -> TimedPickler:
 # --- the receiver ------------------------------------------------------------------------
 
 
-def receiver_main(alloc, path, numels, q, acks, result_path):
+def receiver_main(alloc, path, numels, q, acks, result_path, ack_first=False):
     torch = install(alloc)
     dev = torch.device("cuda", 0)
     torch.cuda.init()
@@ -181,6 +181,8 @@ def receiver_main(alloc, path, numels, q, acks, result_path):
             weights[first + i].copy_(got[i])
         bad = int(bad.item())
         t2 = time.perf_counter()
+        if ack_first:  # the sender may drop its tensors before this process drops its own
+            acks.put(("ack", bad))
         del got, payload, msg
         if rx is not None and last:
             rx.prune()  # the sync's buckets are in: imports no bucket used go
@@ -192,7 +194,8 @@ def receiver_main(alloc, path, numels, q, acks, result_path):
         phases["rebuild_s"].append(t1 - tr)
         phases["check_copy_s"].append(t2 - t1)
         phases["drop_s"].append(t3 - t2)
-        acks.put(("ack", bad))
+        if not ack_first:
+            acks.put(("ack", bad))
     out = {"bad": bad_total, "phases": phases}
     if rx is not None:
         rx.close()
@@ -245,7 +248,7 @@ def trainer(args) -> dict:
     timer = timed_queues()
     recv_result = args.out + ".receiver.json"
     child = ctx.Process(target=receiver_main,
-                        args=(args.alloc, args.path, numels, q, acks, recv_result))
+                        args=(args.alloc, args.path, numels, q, acks, recv_result, args.ack_first))
     child.start()
     assert acks.get(timeout=300)[0] == "ready"
     reducer = None
@@ -355,10 +358,13 @@ def run_all(args) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     rows, failed = [], False
     for alloc, mode, path in configs(args):
-        out = os.path.join(args.out_dir, f"{args.shape}-{mode}-{path}-{alloc}-b{args.bucket_mib}.json")
+        tag = "-ackfirst" if args.ack_first else ""
+        out = os.path.join(args.out_dir, f"{args.shape}-{mode}-{path}-{alloc}-b{args.bucket_mib}{tag}.json")
         cmd = [sys.executable, __file__, "--alloc", alloc, "--mode", mode, "--path", path,
                "--shape", args.shape, "--tensors", str(args.tensors), "--mib", str(args.mib),
                "--syncs", str(args.syncs), "--bucket-mib", str(args.bucket_mib), "--out", out]
+        if args.ack_first:
+            cmd.append("--ack-first")
         log = open(out + ".log", "w")
         rc = subprocess.call(cmd, env=gpu_common.child_env(), stdout=log, stderr=subprocess.STDOUT)
         if rc != 0 or not os.path.exists(out):
@@ -399,6 +405,9 @@ def main() -> int:
     p.add_argument("--tensors", type=int, default=64)
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--syncs", type=int, default=30)
+    p.add_argument("--ack-first", action="store_true",
+                   help="the receiver acks before it drops what it received (the sender's "
+                        "drop may come first: torch's limbo)")
     p.add_argument("--bucket-mib", type=int, default=0,
                    help="messages of at most this many MiB (0: the whole list as one)")
     p.add_argument("--out")
