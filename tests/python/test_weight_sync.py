@@ -70,3 +70,70 @@ def test_a_receiver_starts_empty_and_prunes_nothing():
     rx = weight_sync.Receiver()
     assert len(rx) == 0 and rx.prune() == 0
     rx.close()
+
+
+class FakeDtype:
+    pass
+
+
+class FakeTorch:
+    """The part of torch weight_sync's views use: dtypes, their item sizes, and tensors that
+    remember how they were viewed."""
+
+    dtype = FakeDtype
+    uint8 = FakeDtype()
+    bfloat16 = FakeDtype()
+
+    @staticmethod
+    def empty(n, dtype):
+        class E:
+            def element_size(self):
+                return 1 if dtype is FakeTorch.uint8 else 2
+        return E()
+
+
+class FakeWhole:
+    """The uint8 tensor over one imported allocation."""
+
+    def __init__(self, handle):
+        self.handle, self.nbytes = handle, 4096
+
+    def numel(self):
+        return self.nbytes
+
+    def view(self, dtype):
+        return self
+
+    def __getitem__(self, s):
+        return self
+
+    def as_strided(self, shape, stride, offset):
+        return (self.handle, tuple(shape), tuple(stride), offset)
+
+
+def test_a_receiver_imports_what_it_does_not_hold_and_prunes_what_no_bucket_used(monkeypatch):
+    imported = []
+
+    def fake_import_all(torch, handles):
+        imported.append([bytes(h)[8] for h in handles])
+        return [FakeWhole(bytes(h)[8]) for h in handles]
+
+    monkeypatch.setattr(weight_sync, "_import_all", fake_import_all)
+    monkeypatch.setattr(weight_sync, "_torch", lambda: FakeTorch)
+    monkeypatch.setattr(weight_sync, "_dtypes", {"bfloat16": FakeTorch.bfloat16})
+
+    def bucket(*ids):
+        return weight_sync.WeightBucket([handle(i) for i in ids],
+                                        [(j, 0, "bfloat16", (8,), (1,), 0) for j in range(len(ids))])
+
+    rx = weight_sync.Receiver()
+    got = rx.receive(bucket(1, 2))
+    assert imported == [[1, 2]] and [g[0] for g in got] == [1, 2] and len(rx) == 2
+    got = rx.receive(bucket(2, 3))  # 2 is held: only 3 is imported
+    assert imported[-1] == [3] and [g[0] for g in got] == [2, 3] and len(rx) == 3
+    assert rx.prune() == 0  # every held import was used since the last prune
+    rx.receive(bucket(3))
+    assert len(imported) == 2  # 3 is held: no import
+    assert rx.prune() == 2 and len(rx) == 1  # 1 and 2 went unused: closed
+    rx.close()
+    assert len(rx) == 0
