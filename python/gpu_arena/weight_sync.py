@@ -276,7 +276,8 @@ def _import_all(torch, handles: Sequence[ShareHandle]) -> List[Any]:
     lens = (ctypes.c_size_t * n)(*([head + 2] * n))
     outs = (_lib.GpuArenaDlpack * n)()
     shares = b"".join(bytes(h) for h in handles)
-    assert len(shares) == n * SHARE_BYTES
+    if len(shares) != n * SHARE_BYTES:  # ShareHandle checks each; a caller may pass bytes
+        raise ValueError(f"{n} share handles of {SHARE_BYTES} bytes expected")
     try:
         fn = _ipc_fn("gpu_arena_import_dlpack_many")
     except AttributeError:
