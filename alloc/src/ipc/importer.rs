@@ -321,14 +321,18 @@ impl Importer {
         // producer that exited or hung up released its side already).
         let still_used = st.arenas.keys().any(|k| k.0 == producer);
         let same = |c: &Conn| conn.as_ref().is_some_and(|mine| Arc::ptr_eq(c, mine));
-        let last = !still_used && st.conns.get(&producer).is_some_and(same);
+        let listed = st.conns.get(&producer).is_some_and(same);
+        let last = !still_used && listed;
         if last {
             st.conns.remove(&producer);
         }
         drop(st);
-        if let (true, Some(conn)) = (last, &conn) {
-            // The connection goes: hear the replies to its closes first, so the broker
-            // ends those leases as closes, not as a departed consumer's.
+        // The connection goes: hear the replies to its closes first, so the broker ends
+        // those leases as closes, not as a departed consumer's. That is this close's job
+        // when it was the last, and also when another thread's last close took the
+        // connection out while this one was on its way: that close settled before this
+        // one was sent, and nobody else would wait for its reply.
+        if let (true, Some(conn)) = (last || !listed, &conn) {
             settle(&mut conn.lock());
         }
         match unmap_error {
