@@ -6,15 +6,14 @@
 
 use std::time::Instant;
 
-use super::classes::{self, Class, GENERAL};
-use super::growth;
 use super::thread_records::FrontLive;
-use super::{
-    block_len, request_len, Allocation, DevicePool, DeviceState, Pool, ANY_STREAM, LIMBO_WAIT,
-};
+use super::{Allocation, DevicePool, DeviceState, Pool, ANY_STREAM, LIMBO_WAIT};
 use crate::backend::{DeviceId, StreamId};
 use crate::error::{Error, Result};
 use crate::history::Action;
+use crate::pool::sizes::blocks::{block_len, request_len};
+use crate::pool::sizes::classes::{self, Class, GENERAL};
+use crate::pool::sizes::growth_steps;
 
 impl Pool {
     /// Allocate `bytes` on `device` for use on `stream`.
@@ -100,7 +99,7 @@ impl Pool {
             (growing, if doubling { st.class_bytes(class) } else { 0 })
         };
         let arena_bytes = if growing {
-            growth::first_chunk(class_bytes, len, limits.granularity)
+            growth_steps::first_chunk(class_bytes, len, limits.granularity)
         } else {
             classes::arena_bytes_for(class, len, limits.arena_bytes, limits.granularity)
         }

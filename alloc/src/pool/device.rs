@@ -8,17 +8,19 @@ use rustc_hash::FxHashMap;
 use std::collections::HashMap;
 
 use super::cache_key::cache_key_parts;
-use super::classes::{Class, GENERAL};
 use super::share_tables::ShareTables;
 use super::thread_cache::Front;
 use super::thread_records::FrontLive;
-use super::{Live, PendingFree, ANY_STREAM, FLUSH_FIRST_ABOVE, LIMBO_BASE};
+use super::{Live, PendingFree, ANY_STREAM, LIMBO_BASE};
 use crate::backend::Event;
 use crate::backend::{ArenaMem, Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
 use crate::history::Action;
 use crate::history::History;
 use crate::lifetime::{AllocHold, ArenaLifetime};
+use crate::pool::sizes::blocks::{block_len, FLUSH_FIRST_ABOVE};
+use crate::pool::sizes::classes::{self, Class, GENERAL, SMALL_GROW_FREELY};
+use crate::pool::sizes::growth_steps;
 use crate::pool::Arena;
 use crate::range::RangeAllocator;
 use crate::stats::{DeviceMetrics, PoolStats};
@@ -106,21 +108,45 @@ impl DeviceState {
     /// arenas grow (`classes::NO_HUGE`).
     pub(crate) fn huge_min(&self) -> u64 {
         if self.grow_arenas {
-            super::classes::NO_HUGE
+            classes::NO_HUGE
         } else {
-            super::classes::HUGE_MIN
+            classes::HUGE_MIN
         }
     }
 
     /// Arena `key` left the pool: it is no class's growing arena any more (the class's next
-    /// arena starts at the size of its request, `growth::first_chunk`).
+    /// arena starts at the size of its request, `growth_steps::first_chunk`).
     pub(crate) fn forget_growing(&mut self, key: usize) {
         self.growing.retain(|_, k| *k != key);
     }
 
     /// Whether `class`'s blocks live in growing arenas.
     pub(crate) fn grows(&self, class: Class) -> bool {
-        self.grow_arenas && super::growth::grows(class)
+        self.grow_arenas && growth_steps::grows(class)
+    }
+
+    /// Whether a miss in `class` should grow it at once (a small class holding less than
+    /// [`SMALL_GROW_FREELY`]) rather than flush its cache and settle its streams first.
+    pub(crate) fn grows_freely(&self, class: Class) -> bool {
+        class.small && self.class_bytes(class) < SMALL_GROW_FREELY
+    }
+
+    /// Bytes of the arenas of `class`.
+    pub(crate) fn class_bytes(&self, class: Class) -> u64 {
+        self.arenas
+            .iter()
+            .filter(|(_, a)| a.class() == class)
+            .map(|(_, a)| a.mem.bytes)
+            .sum()
+    }
+
+    /// The sub-allocator of `class`, created on first use.
+    pub(crate) fn ranges_mut(&mut self, class: Class) -> &mut RangeAllocator {
+        let i = class.index();
+        if self.ranges.len() <= i {
+            self.ranges.resize_with(i + 1, RangeAllocator::default);
+        }
+        &mut self.ranges[i]
     }
 
     /// Find a range for `len` bytes usable on `stream`, without creating memory.
@@ -702,7 +728,7 @@ impl DeviceState {
             (used, requested) = (used + l.bytes(), requested + l.requested);
         }
         for (ptr, l) in thread_caches.iter().flat_map(|c| c.records.live()) {
-            let len = super::block_len(l.requested).unwrap_or(0);
+            let len = block_len(l.requested).unwrap_or(0);
             whole(ptr, len, "live in the front")?;
             (used, requested) = (used + len, requested + l.requested);
         }

@@ -6,12 +6,12 @@
 use rustc_hash::FxHashMap;
 
 use super::cache_key::{cache_key_parts, cache_len};
-use super::classes::Class;
 use super::device::DeviceState;
-use super::growth::GROWING_CACHE_MAX;
 use super::Live;
 use crate::backend::{Backend, DeviceId, StreamId};
 use crate::history::Action;
+use crate::pool::sizes::classes::Class;
+use crate::pool::sizes::growth_steps::GROWING_CACHE_MAX;
 
 impl DeviceState {
     /// A block of exactly `len` bytes freed on `stream` with tag `tag`, from the device's

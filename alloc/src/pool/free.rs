@@ -6,13 +6,13 @@
 
 use std::collections::hash_map::Entry;
 
-use super::classes::GENERAL;
 use super::device::DeviceState;
 use super::{live_tag, DevicePool, PendingFree, Pool};
 use crate::backend::{Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
 use crate::history::Action;
 use crate::lifetime::FreeStep;
+use crate::pool::sizes::classes::GENERAL;
 
 impl Pool {
     /// Free an allocation. A range still shared with other processes is kept until its

@@ -4,9 +4,9 @@
 
 use rustc_hash::FxHashMap;
 
-use super::classes::GENERAL;
 use crate::backend::StreamId;
 use crate::error::{Error, Result};
+use crate::pool::sizes::classes::GENERAL;
 
 /// PyTorch's id of a private memory pool (`MempoolId_t`: a pair of 64-bit ids; `(0, 0)`
 /// is torch's default pool and is not a graph pool).

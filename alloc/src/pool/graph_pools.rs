@@ -36,14 +36,15 @@
 
 use rustc_hash::FxHashMap;
 
-use super::classes::Class;
 use super::graph_pool_ids::unknown;
 pub use super::graph_pool_ids::{GraphPoolId, PoolBlock};
-use super::{request_len, Allocation, DevicePool, DeviceState, Live, Pool};
+use super::{Allocation, DevicePool, DeviceState, Live, Pool};
 use crate::backend::{Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
 use crate::history::Action;
 use crate::lifetime::AllocHold;
+use crate::pool::sizes::blocks::request_len;
+use crate::pool::sizes::classes::Class;
 
 impl DeviceState {
     /// The slot of pool `id`, or a clear error.

@@ -67,13 +67,15 @@ impl PoolConfig {
     /// Refuse settings no pool can work with: an `arena_size` below [`MIN_ARENA_SIZE`] or
     /// above the largest request, a zero cap, a fraction outside (0, 1].
     pub fn check(&self) -> Result<()> {
-        if !(MIN_ARENA_SIZE..=super::MAX_REQUEST_BYTES).contains(&self.arena_size) {
+        if !(MIN_ARENA_SIZE..=crate::pool::sizes::blocks::MAX_REQUEST_BYTES)
+            .contains(&self.arena_size)
+        {
             return Err(Error::invalid(format!(
                 "arena_size={} ({} bytes): must be at least {} (requests larger than arena_size get an arena each, so a tiny arena_size means one driver allocation per block) and at most {}",
                 format_size(self.arena_size),
                 self.arena_size,
                 format_size(MIN_ARENA_SIZE),
-                format_size(super::MAX_REQUEST_BYTES)
+                format_size(crate::pool::sizes::blocks::MAX_REQUEST_BYTES)
             )));
         }
         self.max_reserved.map_or(Ok(()), MaxReserved::check)

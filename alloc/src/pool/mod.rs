@@ -74,9 +74,9 @@ use parking_lot::Mutex;
 use crate::backend::{ArenaMem, Backend, DeviceId, Event, Export, StreamId};
 use crate::error::{Error, Result};
 use crate::lifetime::{AllocHold, ArenaLifetime};
-use crate::range;
 use crate::stats::{DeviceMetrics, PoolStats};
 use graph_pools::SyncHold;
+use sizes::classes::Class;
 use thread_cache::Front;
 
 mod addr_table;
@@ -84,7 +84,6 @@ mod alloc;
 mod arena_index;
 mod cache_key;
 mod cached_runs;
-mod classes;
 mod device;
 mod device_cache;
 pub(crate) use device::DeviceState;
@@ -100,6 +99,7 @@ mod orphans;
 mod pin_ahead;
 mod share;
 mod share_tables;
+mod sizes;
 mod sleep;
 mod snapshot;
 mod spin;
@@ -109,9 +109,7 @@ mod trace;
 mod trim;
 mod wake;
 
-pub use classes::{GRAPH_POOL_ARENA, HUGE_MIN, SMALL_ARENA, SMALL_GROW_FREELY};
 pub use graph_pools::{GraphPoolId, PoolBlock};
-pub use growth::GROWING_CACHE_MAX;
 pub use hooks::PoolHook;
 pub use limits::{MaxReserved, MIN_ARENA_SIZE};
 pub use observers::{
@@ -120,6 +118,12 @@ pub use observers::{
 };
 pub use offload::OFFLOAD_PIECE;
 pub use share_tables::{LeaseGrant, ShareInfo};
+pub use sizes::blocks::{
+    block_len, CACHE_MAX_BLOCK, FLUSH_FIRST_ABOVE, LARGE_MIN, LARGE_ROUND, MAX_REQUEST_BYTES,
+    SMALL_EXACT,
+};
+pub use sizes::classes::{GRAPH_POOL_ARENA, HUGE_MIN, SMALL_ARENA, SMALL_GROW_FREELY};
+pub use sizes::growth_steps::GROWING_CACHE_MAX;
 pub use sleep::SleepReport;
 pub use snapshot::{BlockInfo, SegmentInfo};
 pub use trace::DEFAULT_HISTORY_ENTRIES;
@@ -132,65 +136,11 @@ pub const ANY_STREAM: u64 = u64::MAX;
 /// wait for an event. Stream handles are user-space pointers or small constants, far below.
 const LIMBO_BASE: u64 = 0xFFFF_0000_0000_0000;
 
-/// Requests above this many bytes are rejected as absurd (256 TiB).
-pub const MAX_REQUEST_BYTES: u64 = 1 << 48;
-
-const MIB: u64 = 1 << 20;
-
-/// Requests above this many bytes are *large* (PyTorch's small/large pool boundary).
-pub const LARGE_MIN: u64 = MIB;
-
-/// Large requests are rounded up to a multiple of this many bytes.
-pub const LARGE_ROUND: u64 = 2 * MIB;
-
-/// The length of the range serving a request of `bytes`: 512-byte granules, and
-/// [`LARGE_ROUND`] multiples above [`LARGE_MIN`], so that large blocks tile the arenas in
-/// 2 MiB units and every gap they leave fits another large block (odd-sized large blocks
-/// left sub-2 MiB holes between KV blocks that no KV block could use). `None` on overflow.
-pub fn block_len(bytes: u64) -> Option<u64> {
-    let len = range::round_up(bytes)?;
-    if len > LARGE_MIN {
-        range::round_up_to(len, LARGE_ROUND)
-    } else if len > SMALL_EXACT {
-        // Quarter-octave size classes: at most 25% rounding, few distinct sizes, so a freed
-        // block of the class serves the next request of it from the exact-size cache.
-        let step = (1u64 << (63 - len.leading_zeros())) / 4;
-        range::round_up_to(len, step)
-    } else {
-        Some(len)
-    }
-}
-
-/// The block length serving a request of `bytes` on `device`, or a clear error.
-pub(crate) fn request_len(device: DeviceId, bytes: u64) -> Result<u64> {
-    if bytes == 0 || bytes > MAX_REQUEST_BYTES {
-        return Err(Error::invalid(format!(
-            "alloc of {bytes} bytes on device {device}: size must be between 1 and {MAX_REQUEST_BYTES}"
-        )));
-    }
-    block_len(bytes).ok_or_else(|| Error::invalid("size overflows"))
-}
-
-/// Requests up to this many bytes round to 512 only; between it and [`LARGE_MIN`] they
-/// round to quarter-octave classes.
-pub const SMALL_EXACT: u64 = 4096;
-
 /// How long an allocation that would otherwise grow the pool waits for events that
 /// release enough limbo ranges.
 pub const LIMBO_WAIT: Duration = Duration::from_micros(100);
 
-/// Freed blocks up to this size are kept whole for exact-size reuse on their stream.
-pub const CACHE_MAX_BLOCK: u64 = 64 * MIB;
-
-/// On a miss, cached blocks longer than this go back to the sub-allocator first, and the
-/// rest only if that was not enough. Large blocks are few and rarely reused at their exact
-/// size, and held whole they keep the contiguous space a differently sized large request
-/// needs; the many small ones (KV blocks) are the cache's hits. Flushing everything on
-/// every such miss turned the next thousand hits into sub-allocator calls and, on the KV
-/// trace, made a second replay grow an 18th 1 GiB arena; not caching large blocks at all
-/// let small allocations carve up the holes they leave, which with 64 or 256 MiB arenas
-/// cost up to 1.8x reserved/live (`bench/results/sim-2026-11-29.md`).
-pub const FLUSH_FIRST_ABOVE: u64 = 8 * MIB;
+const MIB: u64 = 1 << 20;
 
 /// Pool settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -279,6 +229,18 @@ pub(crate) struct Arena {
     pub(crate) chunks: u16,
 }
 
+impl Arena {
+    /// The class whose blocks it holds.
+    pub(crate) fn class(&self) -> Class {
+        Class {
+            pool: self.graph_pool,
+            tag: self.tag,
+            small: self.small,
+            huge: self.huge,
+        }
+    }
+}
+
 /// The record of a live allocation: one entry of the pool's busiest hash map, so kept small
 /// (40 bytes): the length is recomputed from the request, the rare extra streams are boxed.
 #[derive(Debug, Clone)]
@@ -359,7 +321,9 @@ impl Pool {
         let devices = (0..count)
             .map(|d| {
                 let device = d as DeviceId;
-                let front = Arc::new(Front::new(growth::cache_max(config.grow_arenas)));
+                let front = Arc::new(Front::new(sizes::growth_steps::cache_max(
+                    config.grow_arenas,
+                )));
                 DevicePool {
                     device,
                     limits: OnceLock::new(),

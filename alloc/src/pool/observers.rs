@@ -590,7 +590,7 @@ impl Pool {
         &self,
         dp: &'a DevicePool,
         mem: ArenaMem,
-        class: super::classes::Class,
+        class: crate::pool::sizes::classes::Class,
     ) -> Result<(MutexGuard<'a, DeviceState>, usize)> {
         if READY_DEPTH.with(|d| d.get()) > MAX_NESTED_ARENAS {
             let bytes = mem.bytes;

@@ -61,10 +61,10 @@ use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
 
-use super::classes::Class;
 use super::spin::{SpinGuard, SpinLock};
 use super::thread_records::{FreeOutcome, FrontLive, ThreadRecords};
-use super::{block_len, CACHE_MAX_BLOCK};
+use crate::pool::sizes::blocks::{block_len, CACHE_MAX_BLOCK};
+use crate::pool::sizes::classes::Class;
 use crate::range::Beside;
 
 /// A byte count as one thread sees it (the base plus its cache's changes), which is below

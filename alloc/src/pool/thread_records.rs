@@ -23,7 +23,7 @@ use rustc_hash::FxHashMap;
 use super::addr_table::{AddrTable, NO_KEY};
 use super::cache_key::{cache_key_parts, cache_len};
 use super::cached_runs::fitting_run;
-use super::classes::Class;
+use crate::pool::sizes::classes::Class;
 use crate::range::Beside;
 
 /// A record's list before its block was first freed into the cache.
@@ -486,7 +486,7 @@ mod tests {
         // Stream 0's block freed: the one free block.
         assert!(matches!(free(&mut t, 0x10000), FreeOutcome::Freed(..)));
         let mut out = Vec::new();
-        t.drain_free(0, None, super::super::classes::HUGE_MIN, &mut out);
+        t.drain_free(0, None, crate::pool::sizes::classes::HUGE_MIN, &mut out);
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].1, vec![0x10000]);
         assert_eq!(t.free_bytes(), 0);

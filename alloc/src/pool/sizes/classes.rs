@@ -30,8 +30,8 @@
 //! ranges on each of them changed its placement (one more 1 GiB arena on the KV trace). A
 //! small class below [`SMALL_GROW_FREELY`] grows instead of flushing at all.
 
-use super::{Arena, DeviceState, LARGE_MIN};
-use crate::range::{self, RangeAllocator};
+use super::blocks::LARGE_MIN;
+use crate::range;
 
 const MIB: u64 = 1 << 20;
 
@@ -71,7 +71,7 @@ pub const NO_HUGE: u64 = u64::MAX;
 pub const HUGE_MIN: u64 = 64 * MIB;
 
 impl Class {
-    /// The class serving a block of `len` bytes (a [`super::block_len`]) with tag `tag`,
+    /// The class serving a block of `len` bytes (a [`block_len`](super::blocks::block_len)) with tag `tag`,
     /// blocks above `huge_min` being huge (`DeviceState::huge_min`: [`HUGE_MIN`] with arenas
     /// of fixed size, none when they grow).
     #[inline]
@@ -107,44 +107,6 @@ impl Class {
 
 /// `Class::pool` of the general pool (every allocation outside a graph pool).
 pub(crate) const GENERAL: u16 = 0;
-
-impl Arena {
-    /// The class whose blocks it holds.
-    pub(crate) fn class(&self) -> Class {
-        Class {
-            pool: self.graph_pool,
-            tag: self.tag,
-            small: self.small,
-            huge: self.huge,
-        }
-    }
-}
-
-impl DeviceState {
-    /// Whether a miss in `class` should grow it at once (a small class holding less than
-    /// [`SMALL_GROW_FREELY`]) rather than flush its cache and settle its streams first.
-    pub(crate) fn grows_freely(&self, class: Class) -> bool {
-        class.small && self.class_bytes(class) < SMALL_GROW_FREELY
-    }
-
-    /// Bytes of the arenas of `class`.
-    pub(crate) fn class_bytes(&self, class: Class) -> u64 {
-        self.arenas
-            .iter()
-            .filter(|(_, a)| a.class() == class)
-            .map(|(_, a)| a.mem.bytes)
-            .sum()
-    }
-
-    /// The sub-allocator of `class`, created on first use.
-    pub(crate) fn ranges_mut(&mut self, class: Class) -> &mut RangeAllocator {
-        let i = class.index();
-        if self.ranges.len() <= i {
-            self.ranges.resize_with(i + 1, RangeAllocator::default);
-        }
-        &mut self.ranges[i]
-    }
-}
 
 /// Bytes of a graph pool's arena for large blocks up to half of it (larger blocks get an
 /// arena of their own size). A graph pool holds one capture's (or a few captures')
