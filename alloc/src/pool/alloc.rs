@@ -6,11 +6,11 @@
 
 use std::time::Instant;
 
-use super::thread_records::FrontLive;
 use super::{Allocation, DevicePool, DeviceState, Pool, ANY_STREAM, LIMBO_WAIT};
 use crate::backend::{DeviceId, StreamId};
 use crate::error::{Error, Result};
 use crate::history::Action;
+use crate::pool::front::thread_records::FrontLive;
 use crate::pool::sizes::blocks::{block_len, request_len};
 use crate::pool::sizes::classes::{self, Class, GENERAL};
 use crate::pool::sizes::growth_steps;

@@ -7,10 +7,7 @@
 use rustc_hash::FxHashMap;
 use std::collections::HashMap;
 
-use super::cache_key::cache_key_parts;
 use super::share_tables::ShareTables;
-use super::thread_cache::Front;
-use super::thread_records::FrontLive;
 use super::{Live, PendingFree, ANY_STREAM, LIMBO_BASE};
 use crate::backend::Event;
 use crate::backend::{ArenaMem, Backend, DeviceId, StreamId};
@@ -18,6 +15,9 @@ use crate::error::{Error, Result};
 use crate::history::Action;
 use crate::history::History;
 use crate::lifetime::{AllocHold, ArenaLifetime};
+use crate::pool::front::cache_key::cache_key_parts;
+use crate::pool::front::thread_cache::Front;
+use crate::pool::front::thread_records::FrontLive;
 use crate::pool::sizes::blocks::{block_len, FLUSH_FIRST_ABOVE};
 use crate::pool::sizes::classes::{self, Class, GENERAL, SMALL_GROW_FREELY};
 use crate::pool::sizes::growth_steps;

@@ -5,11 +5,11 @@
 
 use rustc_hash::FxHashMap;
 
-use super::cache_key::{cache_key_parts, cache_len};
 use super::device::DeviceState;
 use super::Live;
 use crate::backend::{Backend, DeviceId, StreamId};
 use crate::history::Action;
+use crate::pool::front::cache_key::{cache_key_parts, cache_len};
 use crate::pool::sizes::classes::Class;
 use crate::pool::sizes::growth_steps::GROWING_CACHE_MAX;
 

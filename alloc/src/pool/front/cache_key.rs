@@ -4,11 +4,11 @@
 /// The exact-size cache's key for a block of `len` bytes (a multiple of 512) of tag `tag`:
 /// the tag in the low bits, so a lookup stays one hash of two words.
 #[inline]
-pub(super) fn cache_len(len: u64, tag: u8) -> u64 {
+pub(crate) fn cache_len(len: u64, tag: u8) -> u64 {
     len | u64::from(tag)
 }
 
 /// The length and tag index of a cache key made by [`cache_len`].
-pub(super) fn cache_key_parts(key: u64) -> (u64, usize) {
+pub(crate) fn cache_key_parts(key: u64) -> (u64, usize) {
     (key & !511, (key & 511) as usize)
 }
