@@ -36,15 +36,17 @@
 
 use rustc_hash::FxHashMap;
 
-use super::graph_pool_ids::unknown;
-pub use super::graph_pool_ids::{GraphPoolId, PoolBlock};
-use super::{Allocation, DevicePool, DeviceState, Live, Pool};
 use crate::backend::{Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
 use crate::history::Action;
 use crate::lifetime::AllocHold;
+use crate::pool::paths::alloc::Allocation;
 use crate::pool::sizes::blocks::request_len;
 use crate::pool::sizes::classes::Class;
+use crate::pool::state::arena::Live;
+use crate::pool::state::device::DeviceState;
+use crate::pool::state::graph_pool_ids::{unknown, GraphPoolId, PoolBlock};
+use crate::pool::state::pool::{DevicePool, Pool};
 
 impl DeviceState {
     /// The slot of pool `id`, or a clear error.
@@ -280,30 +282,6 @@ impl Drop for SyncHold<'_> {
     fn drop(&mut self) {
         self.dp.state.lock().graph_pools.end_sync();
         self.dp.sync_ended.notify_all();
-    }
-}
-
-impl DeviceState {
-    /// Zero the counts of events (allocations and frees served, arenas created and
-    /// destroyed, OOMs, exports made): the thread caches' unfolded counts are subtracted
-    /// from the device's base, so the sums `stats_now` reports start at 0.
-    pub(crate) fn reset_accumulated(&mut self) {
-        let registry = self.front.lock_caches();
-        let caches = registry.lock();
-        let (mut allocs, mut frees) = (0u64, 0u64);
-        for c in &caches {
-            allocs = allocs.wrapping_add(c.counts.alloc_count);
-            frees = frees.wrapping_add(c.counts.free_count);
-        }
-        drop(caches);
-        drop(registry);
-        let s = &mut self.stats;
-        s.alloc_count = 0u64.wrapping_sub(allocs);
-        s.free_count = 0u64.wrapping_sub(frees);
-        s.oom_count = 0;
-        s.backend_creates = 0;
-        s.backend_destroys = 0;
-        s.exports_total = 0;
     }
 }
 

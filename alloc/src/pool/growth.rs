@@ -13,14 +13,16 @@
 //! when its reservation is full; the class then starts a new growing arena. Small blocks and
 //! graph pools keep arenas of fixed size (`pool/classes.rs`).
 
-use super::limits::DeviceLimits;
 use super::trim::Made;
-use super::{DevicePool, DeviceState, Pool, ANY_STREAM};
 use crate::backend::{ArenaMem, StreamId, MAX_ARENA_CHUNKS};
 use crate::error::{Error, Result};
 use crate::history::Action;
+use crate::pool::paths::streams::ANY_STREAM;
 use crate::pool::sizes::classes::Class;
 use crate::pool::sizes::growth_steps::growth_step;
+use crate::pool::state::config::DeviceLimits;
+use crate::pool::state::device::DeviceState;
+use crate::pool::state::pool::{DevicePool, Pool};
 use crate::range;
 
 impl Pool {
@@ -28,7 +30,7 @@ impl Pool {
     /// take it. `Ok(None)` when the class has no arena that may grow by that much (the caller
     /// makes a new one). The driver call runs under the lock: growth is rare, and nothing
     /// else may change the arena meanwhile (an export would miss the new chunk).
-    pub(super) fn grow_in_place(
+    pub(crate) fn grow_in_place(
         &self,
         dp: &DevicePool,
         st: &mut DeviceState,
@@ -130,7 +132,7 @@ impl Pool {
     /// expandable segments unmap their free tail pages the same way). Not an arena that is
     /// exported (its export covers every chunk), asleep, pinned, or seen by an observer
     /// (they are told of arenas, not of their sizes changing). Returns the bytes released.
-    pub(super) fn shrink_free_tails(&self, dp: &DevicePool, st: &mut DeviceState) -> u64 {
+    pub(crate) fn shrink_free_tails(&self, dp: &DevicePool, st: &mut DeviceState) -> u64 {
         let mut released = 0;
         for (key, mem, t) in grown_arenas_to_cut(st) {
             let keep = match st.ranges.get(t).and_then(|r| r.free_tail(mem.base)) {
@@ -187,7 +189,7 @@ impl Pool {
     /// what live blocks touch chunk by chunk without a trim's idle point. Not an arena that is
     /// exported, asleep, pinned, or seen by an observer (as `shrink_free_tails`). Returns the
     /// bytes released.
-    pub(super) fn drop_free_chunks(&self, dp: &DevicePool, st: &mut DeviceState) -> u64 {
+    pub(crate) fn drop_free_chunks(&self, dp: &DevicePool, st: &mut DeviceState) -> u64 {
         let mut released = 0;
         for (key, mem, t) in grown_arenas_to_cut(st) {
             let spans = self.backend.chunk_spans(&mem);

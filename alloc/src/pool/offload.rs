@@ -20,41 +20,15 @@
 
 use crate::backend::{DeviceId, HostBuffer};
 use crate::error::{Error, Result};
-use crate::pool::{DevicePool, DeviceState, Pool};
+use crate::pool::state::asleep::{Offload, OffloadPart};
+use crate::pool::state::device::DeviceState;
+use crate::pool::state::pool::{DevicePool, Pool};
 
 /// Live allocations closer than this are copied as one segment, gap included.
 pub const GAP: u64 = 2 << 20;
 
 /// The most bytes of an arena's segments one host buffer holds.
 pub const OFFLOAD_PIECE: u64 = 1 << 30;
-
-/// An arena's offloaded contents: its pieces, and the live bytes among them (what the
-/// reports count).
-#[derive(Debug)]
-pub(crate) struct Offload {
-    pub(crate) parts: Vec<OffloadPart>,
-    pub(crate) live: u64,
-}
-
-/// One piece of an arena's offload: segments `(address, bytes)`, packed one after another
-/// in `buf`.
-#[derive(Debug)]
-pub(crate) struct OffloadPart {
-    pub(crate) buf: HostBuffer,
-    pub(crate) segments: Vec<(u64, u64)>,
-}
-
-impl Offload {
-    /// Bytes of its host buffers.
-    pub(crate) fn host_bytes(&self) -> u64 {
-        self.parts.iter().map(|p| p.buf.len() as u64).sum()
-    }
-
-    /// Its host buffers, given up.
-    pub(crate) fn into_buffers(self) -> impl Iterator<Item = HostBuffer> {
-        self.parts.into_iter().map(|p| p.buf)
-    }
-}
 
 /// An arena's segments (by address) cut into pieces of at most [`OFFLOAD_PIECE`] bytes, in
 /// order: a segment that does not fit in the rest of a piece is split at the piece's end.
@@ -178,7 +152,7 @@ impl Pool {
     /// A host buffer of at least `total` bytes for `dp`'s offload: a kept one when one is
     /// large enough, else a new one (pinned where the backend has it; pageable memory when
     /// pinning fails, with a warning).
-    pub(super) fn host_buffer_for(&self, dp: &DevicePool, total: u64) -> Result<HostBuffer> {
+    pub(crate) fn host_buffer_for(&self, dp: &DevicePool, total: u64) -> Result<HostBuffer> {
         let device = dp.device;
         if let Some(buf) = dp.state.lock().take_host_buffer(total) {
             return Ok(buf);
@@ -200,7 +174,7 @@ impl Pool {
 
     /// Copy one piece of an arena's segments into `buf` (from [`Pool::host_buffer_for`]). On
     /// failure the buffer is kept for the next sleep.
-    pub(super) fn copy_out(
+    pub(crate) fn copy_out(
         &self,
         dp: &DevicePool,
         mut buf: HostBuffer,
@@ -221,7 +195,7 @@ impl Pool {
 
     /// Copy offloaded contents back to the device (woken at the same addresses), stopping
     /// at the first copy that fails. Returns the live bytes. The buffers stay with `o`.
-    pub(super) fn copy_back(&self, dp: &DevicePool, o: &Offload) -> Result<u64> {
+    pub(crate) fn copy_back(&self, dp: &DevicePool, o: &Offload) -> Result<u64> {
         for part in &o.parts {
             let mut off = 0usize;
             for &(p, len) in &part.segments {
@@ -237,7 +211,7 @@ impl Pool {
     }
 
     /// Keep the buffers of an offload copied back for the next sleep.
-    pub(super) fn keep_offload_buffers(&self, dp: &DevicePool, o: Offload) {
+    pub(crate) fn keep_offload_buffers(&self, dp: &DevicePool, o: Offload) {
         let mut st = dp.state.lock();
         for buf in o.into_buffers() {
             st.keep_host_buffer(buf);
@@ -333,7 +307,7 @@ impl Pool {
     }
 
     /// Free every kept buffer at teardown (the sleeping arenas' go with them).
-    pub(super) fn free_kept_host_buffers(&mut self) {
+    pub(crate) fn free_kept_host_buffers(&mut self) {
         for dp in &mut self.devices {
             for buf in std::mem::take(&mut dp.state.get_mut().host_buffers) {
                 self.backend.free_host(buf);
@@ -344,10 +318,10 @@ impl Pool {
 
 /// Marks `devices` as moving host buffers (a sleep, wake or `prepare_offload`) until
 /// dropped: `DeviceState::check_host_bytes` then checks at most, not equal.
-pub(super) struct HostBuffersMoving<'a>(Vec<&'a DevicePool>);
+pub(crate) struct HostBuffersMoving<'a>(Vec<&'a DevicePool>);
 
 impl<'a> HostBuffersMoving<'a> {
-    pub(super) fn new(devices: impl IntoIterator<Item = &'a DevicePool>) -> Self {
+    pub(crate) fn new(devices: impl IntoIterator<Item = &'a DevicePool>) -> Self {
         let devices: Vec<&DevicePool> = devices.into_iter().collect();
         for dp in &devices {
             dp.state.lock().host_buffers_moving += 1;

@@ -12,7 +12,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::backend::HostBuffer;
 use crate::error::Result;
-use crate::pool::{DevicePool, Pool};
+use crate::pool::state::pool::{DevicePool, Pool};
 
 /// Threads making buffers ahead of the copies.
 const PIN_WORKERS: usize = 2;
@@ -21,7 +21,7 @@ impl Pool {
     /// Call `each(i, buffer)` for every entry of `totals`, in order: `None` for a total of
     /// 0, else the buffer [`Pool::host_buffer_for`] gave (or its error). With two or more
     /// buffers to make, they are made by worker threads ahead of the calls.
-    pub(super) fn with_host_buffers(
+    pub(crate) fn with_host_buffers(
         &self,
         dp: &DevicePool,
         totals: &[u64],

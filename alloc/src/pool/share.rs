@@ -15,11 +15,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use rustc_hash::FxHashMap;
 use slab::Slab;
 
-use super::share_tables::{LeaseEntry, LeaseGrant, ShareEntry, ShareInfo};
-use super::{Arena, DevicePool, DeviceState, Live, Pool};
 use crate::backend::{ArenaMem, Backend, DeviceId, Export, ExportKind, ExportPayload};
 use crate::error::{Error, Result};
 use crate::lifetime::{AllocHold, ArenaLifetime, Ended, ExportStep, LifetimeError};
+use crate::pool::state::arena::{Arena, Live};
+use crate::pool::state::device::DeviceState;
+use crate::pool::state::pool::{DevicePool, Pool};
+use crate::pool::state::share_tables::{LeaseEntry, LeaseGrant, ShareEntry, ShareInfo};
 
 /// An export to close once the lock is released, with the memory it exports.
 type ToClose = Option<(ArenaMem, Export)>;

@@ -14,7 +14,7 @@
 //!   ahead of the copies by `pool/pin_ahead.rs`; `Backend::alloc_host`: pinned memory where
 //!   the backend has it, so the copies run at link speed; a buffer kept from an earlier
 //!   sleep when one is large enough, `pool/offload.rs`), one copy per segment (live
-//!   allocations merged across gaps of at most [`super::offload::GAP`]: copying a small gap is cheaper than
+//!   allocations merged across gaps of at most [`GAP`](super::offload::GAP): copying a small gap is cheaper than
 //!   another call), and `Backend::release_physical` gives the memory back (the other tags'
 //!   contents are gone). After the wake (or a failed sleep) the buffer is kept for the
 //!   next sleep; `Pool::release_host_buffers` frees kept buffers, the pool's drop all.
@@ -27,32 +27,14 @@
 //! while every tag sleeps, naming an asleep tag to offload, or waking an awake tag is an
 //! `InvalidState` error that changes nothing.
 
-use crate::backend::{ArenaMem, Backend, DeviceId};
+use crate::backend::{ArenaMem, DeviceId};
 use crate::error::{Error, Result};
 use crate::pool::graph_pools::SyncHold;
-use crate::pool::offload::{piece_bytes, pieces, HostBuffersMoving, Offload};
-use crate::pool::{DevicePool, DeviceState, Pool};
+use crate::pool::offload::{piece_bytes, pieces, HostBuffersMoving};
+use crate::pool::state::asleep::{Asleep, Offload};
+use crate::pool::state::device::DeviceState;
+use crate::pool::state::pool::{DevicePool, Pool};
 use crate::tags;
-
-/// An arena's sleep: the contents kept on the host (offloaded tags; `pool/offload.rs`).
-#[derive(Debug, Default)]
-pub(crate) struct Asleep {
-    pub(crate) offload: Option<Offload>,
-}
-
-impl Asleep {
-    /// Give the host buffers back (pool teardown of a sleeping arena).
-    pub(crate) fn free(self, backend: &dyn Backend) {
-        for buf in self.offload.into_iter().flat_map(Offload::into_buffers) {
-            backend.free_host(buf);
-        }
-    }
-
-    /// Bytes of its host buffers, if it has any.
-    pub(crate) fn offload_bytes(&self) -> Option<u64> {
-        self.offload.as_ref().map(Offload::host_bytes)
-    }
-}
 
 /// What a sleep or wake did, summed over the devices it touched.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -76,31 +58,11 @@ type SleepWork = (usize, ArenaMem, Vec<(u64, u64)>, u64);
 /// whether it is the arena's last piece.
 type PlannedPiece = (usize, Vec<(u64, u64)>, bool);
 
-impl DeviceState {
-    /// Refuse an allocation of `bytes` with tag `tag` while that tag sleeps.
-    #[inline]
-    pub(crate) fn check_awake(&self, device: DeviceId, tag: u8, bytes: u64) -> Result<()> {
-        if self.asleep_tags & (1 << tag) != 0 {
-            return Err(asleep_error(device, tag, bytes));
-        }
-        Ok(())
-    }
-}
-
-/// The error of an allocation with a tag that sleeps.
-pub(crate) fn asleep_error(device: DeviceId, tag: u8, bytes: u64) -> Error {
-    Error::InvalidState(format!(
-        "alloc of {bytes} bytes with tag {:?} on device {device}: the tag is asleep \
-         (gpu_arena_wake it first)",
-        tags::name(tag)
-    ))
-}
-
-pub(super) fn mask(tags: &[u8]) -> u64 {
+pub(crate) fn mask(tags: &[u8]) -> u64 {
     tags.iter().fold(0, |m, &t| m | (1u64 << t))
 }
 
-pub(super) fn names(mask: u64) -> String {
+pub(crate) fn names(mask: u64) -> String {
     (0..64u8)
         .filter(|t| mask & (1 << t) != 0)
         .map(tags::name)
@@ -109,7 +71,7 @@ pub(super) fn names(mask: u64) -> String {
 }
 
 impl Pool {
-    pub(super) fn sleep_devices(&self, device: Option<DeviceId>) -> Result<Vec<&DevicePool>> {
+    pub(crate) fn sleep_devices(&self, device: Option<DeviceId>) -> Result<Vec<&DevicePool>> {
         match device {
             Some(d) => Ok(vec![self.dev(d)?]),
             None => Ok(self.devices.iter().collect()),
@@ -386,7 +348,7 @@ impl Pool {
 
     /// The end of a sleep or a wake on one device: publish the gauges, validate (when
     /// configured), and return the first error or the report.
-    pub(super) fn settle(
+    pub(crate) fn settle(
         &self,
         dp: &DevicePool,
         st: &DeviceState,

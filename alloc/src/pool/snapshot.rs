@@ -2,7 +2,9 @@
 //! class, sleep state, lifetime) and the ranges in each arena, the arenas whose destroy
 //! failed (orphans, still held), plus the history ring when it records (`pool/trace.rs`).
 
-use super::{trace, Pool};
+use super::trace;
+use crate::pool::state::graph_pool_ids::GraphPoolId;
+use crate::pool::state::pool::Pool;
 
 impl Pool {
     /// A JSON snapshot of every device: stats, arenas, and the ranges in each arena.
@@ -67,7 +69,7 @@ pub struct SegmentInfo {
     /// Whether it holds small blocks (PyTorch's small pool).
     pub small: bool,
     /// The graph pool whose blocks it holds (`None`: the general pool).
-    pub graph_pool: Option<super::GraphPoolId>,
+    pub graph_pool: Option<GraphPoolId>,
     /// Its ranges in address order: allocated ones first met with their request (0 when
     /// not known: a freed-but-shared range), free ones with `requested` 0.
     pub blocks: Vec<BlockInfo>,

@@ -2,7 +2,8 @@
 //! what the JSON snapshot adds for PyTorch-shaped snapshots (each device's live allocations
 //! and its event ring).
 
-use super::{DeviceState, Pool};
+use crate::pool::state::device::DeviceState;
+use crate::pool::state::pool::Pool;
 
 /// Default ring capacity per device (PyTorch's `max_entries` default is also large).
 pub const DEFAULT_HISTORY_ENTRIES: usize = 100_000;
@@ -36,7 +37,7 @@ impl Pool {
 /// range, in address order: `addr, bytes, requested, stream, state`, where state is
 /// `"active_allocated"`, or `"active_pending_free"` for one its owner freed that still waits
 /// for a share or a stream) and `"history"` (`crate::history::History::to_json`).
-pub(super) fn add_to_snapshot(st: &DeviceState, device: &mut serde_json::Value) {
+pub(crate) fn add_to_snapshot(st: &DeviceState, device: &mut serde_json::Value) {
     let mut allocs: Vec<_> = st.allocs.iter().collect();
     allocs.sort_unstable_by_key(|(ptr, _)| **ptr);
     let allocations: Vec<serde_json::Value> = allocs

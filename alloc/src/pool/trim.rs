@@ -32,8 +32,11 @@ use crate::backend::{ArenaMem, DeviceId};
 use crate::error::{Error, Result};
 use crate::history::Action;
 use crate::pool::graph_pools::SyncHold;
-use crate::pool::observers::Call;
-use crate::pool::{Arena, DevicePool, DeviceState, Pool};
+use crate::pool::state::arena::Arena;
+use crate::pool::state::device::DeviceState;
+use crate::pool::state::graph_pool_ids;
+use crate::pool::state::observer_registry::Call;
+use crate::pool::state::pool::{DevicePool, Pool};
 
 /// What a trim did, summed over the devices it touched.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -215,7 +218,7 @@ impl Pool {
             // A graph pool in use: its free ranges hold what its graphs write on replay.
             if a.sleep.is_some()
                 || !self.backend.can_split(&a.mem)
-                || super::graph_pool_ids::keeps_arenas(&st.graph_pools, a.graph_pool)
+                || graph_pool_ids::keeps_arenas(&st.graph_pools, a.graph_pool)
             {
                 report.kept_other_bytes += a.mem.bytes;
                 continue;
@@ -268,7 +271,7 @@ fn windows_of(st: &DeviceState, a: &Arena, granularity: u64) -> Option<Vec<(u64,
 
 /// How the windows of [`DeviceState::replace_by_windows`] were made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Made {
+pub(crate) enum Made {
     /// A trim's: each window a new allocation, the arena's memory released.
     NewMemory,
     /// `empty_cache`'s: a grown arena's chunks kept in place, this many others released.
@@ -280,11 +283,11 @@ impl DeviceState {
     /// number of chunks): new arena records and ids, sub-allocator regions, address lookup,
     /// each allocation's arena, the stats. Returns the windows with their ids, to announce
     /// to observers.
-    pub(super) fn replace_by_windows(
+    pub(crate) fn replace_by_windows(
         &mut self,
         key: usize,
         parts: Vec<(ArenaMem, usize)>,
-        metrics: &crate::pool::DeviceMetrics,
+        metrics: &crate::stats::DeviceMetrics,
         made: Made,
     ) -> Result<Vec<(u64, ArenaMem)>> {
         let old = self.arenas.remove(key);

@@ -19,10 +19,11 @@
 use crate::backend::{ArenaMem, DeviceId};
 use crate::error::{Error, OomCause, Result};
 use crate::pool::graph_pools::SyncHold;
-use crate::pool::observers::ArenaInfo;
-use crate::pool::offload::{HostBuffersMoving, Offload};
+use crate::pool::offload::HostBuffersMoving;
 use crate::pool::sleep::{mask, names, SleepReport};
-use crate::pool::{DevicePool, Pool};
+use crate::pool::state::asleep::Offload;
+use crate::pool::state::observer_registry::ArenaInfo;
+use crate::pool::state::pool::{DevicePool, Pool};
 
 /// A sleeping arena the wake restores: (index of its device in the plan, arena key, arena
 /// id, its memory).
@@ -30,7 +31,7 @@ type WakeWork = (usize, usize, u64, ArenaMem);
 
 impl Pool {
     /// Tell every observer of an arena mapped again (no lock held).
-    pub(super) fn announce(&self, dp: &DevicePool, id: u64, mem: &ArenaMem) {
+    pub(crate) fn announce(&self, dp: &DevicePool, id: u64, mem: &ArenaMem) {
         let calls = self
             .observers
             .announce(ArenaInfo::mapped(dp.device, id, mem));

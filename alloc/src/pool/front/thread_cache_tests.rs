@@ -49,7 +49,7 @@ fn thread_cache_fields_a_fast_operation_touches_fill_two_lines() {
 #[test]
 fn device_pool_fields_a_fast_operation_reads_share_a_line() {
     use std::mem::{align_of, offset_of, size_of};
-    type DevicePool = crate::pool::DevicePool;
+    type DevicePool = crate::pool::state::pool::DevicePool;
     assert_eq!(align_of::<DevicePool>(), 64);
     assert_eq!(offset_of!(DevicePool, front), 0);
     assert!(offset_of!(DevicePool, metrics) + 2 * size_of::<metrics::Gauge>() <= 64);

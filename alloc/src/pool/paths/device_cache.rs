@@ -5,18 +5,18 @@
 
 use rustc_hash::FxHashMap;
 
-use super::device::DeviceState;
-use super::Live;
 use crate::backend::{Backend, DeviceId, StreamId};
 use crate::history::Action;
 use crate::pool::front::cache_key::{cache_key_parts, cache_len};
 use crate::pool::sizes::classes::Class;
 use crate::pool::sizes::growth_steps::GROWING_CACHE_MAX;
+use crate::pool::state::arena::Live;
+use crate::pool::state::device::DeviceState;
 
 impl DeviceState {
     /// A block of exactly `len` bytes freed on `stream` with tag `tag`, from the device's
     /// exact-size cache: its address and arena key.
-    pub(super) fn take_cached(&mut self, stream: u64, len: u64, tag: u8) -> Option<(u64, usize)> {
+    pub(crate) fn take_cached(&mut self, stream: u64, len: u64, tag: u8) -> Option<(u64, usize)> {
         let key = (stream, cache_len(len, tag));
         let (ptr, arena) = self.cache.get_mut(&key).and_then(Vec::pop)?;
         self.cached_bytes -= len;
@@ -25,7 +25,7 @@ impl DeviceState {
 
     /// Put a freed allocation (no shares, no other streams; its record already removed)
     /// into the exact-size cache.
-    pub(super) fn cache_live(&mut self, ptr: u64, live: Live) {
+    pub(crate) fn cache_live(&mut self, ptr: u64, live: Live) {
         if let Some(a) = self.arenas.get_mut(live.arena) {
             a.live_allocs -= 1;
         }
@@ -46,7 +46,7 @@ impl DeviceState {
     }
 
     /// Return every cached block to the sub-allocator, tagged with its stream.
-    pub(super) fn flush_cache(&mut self) {
+    pub(crate) fn flush_cache(&mut self) {
         self.flush_cached_above(0, None, false);
     }
 
@@ -55,7 +55,7 @@ impl DeviceState {
     /// thread caches' (every class; only the calling thread's with `own_only`), to the
     /// sub-allocator of their class, tagged with their streams. Returns whether any block
     /// went back.
-    pub(super) fn flush_cached_above(
+    pub(crate) fn flush_cached_above(
         &mut self,
         min_len: u64,
         class: Option<Class>,
@@ -113,7 +113,7 @@ impl DeviceState {
     /// itself, and each block came back through the device lock on its next allocation
     /// (bench/results/sim-2026-12-03-cached-runs.md). `None` for other classes and sizes,
     /// and when neither made room.
-    pub(super) fn room_without_flushing(
+    pub(crate) fn room_without_flushing(
         &mut self,
         backend: &dyn Backend,
         device: DeviceId,
@@ -165,7 +165,7 @@ impl DeviceState {
     }
 
     /// Return the blocks of thread caches whose thread exited and fold in their counts.
-    pub(super) fn reclaim_gone_caches(&mut self) {
+    pub(crate) fn reclaim_gone_caches(&mut self) {
         if !self.front.any_gone() {
             return;
         }

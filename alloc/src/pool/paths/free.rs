@@ -6,13 +6,14 @@
 
 use std::collections::hash_map::Entry;
 
-use super::device::DeviceState;
-use super::{live_tag, DevicePool, PendingFree, Pool};
 use crate::backend::{Backend, DeviceId, StreamId};
 use crate::error::{Error, Result};
 use crate::history::Action;
 use crate::lifetime::FreeStep;
 use crate::pool::sizes::classes::GENERAL;
+use crate::pool::state::arena::{Live, PendingFree};
+use crate::pool::state::device::DeviceState;
+use crate::pool::state::pool::{DevicePool, Pool};
 
 impl Pool {
     /// Free an allocation. A range still shared with other processes is kept until its
@@ -240,7 +241,7 @@ impl DeviceState {
     /// Queue a freed allocation (counted in `pending_free_bytes` already) until events
     /// recorded now on each of its `record_stream` streams complete; one that cannot be
     /// recorded makes it wait for a device synchronize instead.
-    pub(super) fn pend_on_streams(
+    pub(crate) fn pend_on_streams(
         &mut self,
         ptr: u64,
         stream: StreamId,
@@ -266,4 +267,9 @@ impl DeviceState {
             until_synchronize,
         });
     }
+}
+
+/// The tag a plain free uses: the allocation's own stream.
+fn live_tag(live: &Live) -> u64 {
+    live.stream.0
 }

@@ -6,14 +6,28 @@
 
 use std::time::Instant;
 
-use super::{Allocation, DevicePool, DeviceState, Pool, ANY_STREAM, LIMBO_WAIT};
 use crate::backend::{DeviceId, StreamId};
 use crate::error::{Error, Result};
 use crate::history::Action;
 use crate::pool::front::thread_records::FrontLive;
+use crate::pool::paths::streams::{ANY_STREAM, LIMBO_WAIT};
 use crate::pool::sizes::blocks::{block_len, request_len};
 use crate::pool::sizes::classes::{self, Class, GENERAL};
 use crate::pool::sizes::growth_steps;
+use crate::pool::state::device::DeviceState;
+use crate::pool::state::pool::{DevicePool, Pool};
+use crate::tags;
+
+/// A live allocation, as handed to the caller. Plain data: free it with [`Pool::free`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Allocation {
+    /// Device address of the first byte.
+    pub ptr: u64,
+    /// Usable size in bytes (the request rounded up by [`block_len`]).
+    pub bytes: u64,
+    /// Device.
+    pub device: DeviceId,
+}
 
 impl Pool {
     /// Allocate `bytes` on `device` for use on `stream`.
@@ -41,7 +55,7 @@ impl Pool {
     }
 
     /// The stream an allocation is recorded on (every stream's when streams are ignored).
-    pub(super) fn stream_of(&self, stream: StreamId) -> StreamId {
+    pub(crate) fn stream_of(&self, stream: StreamId) -> StreamId {
         if self.config.unsafe_ignore_streams {
             StreamId(ANY_STREAM)
         } else {
@@ -81,7 +95,7 @@ impl Pool {
 
     /// A range of `class` (retried under the lock), else a new arena for it; on the
     /// driver's out of memory, the cached arenas released and one more try.
-    pub(super) fn alloc_slow(
+    pub(crate) fn alloc_slow(
         &self,
         dp: &DevicePool,
         len: u64,
@@ -196,7 +210,7 @@ impl Pool {
         }
     }
 
-    pub(super) fn finish_alloc(
+    pub(crate) fn finish_alloc(
         &self,
         dp: &DevicePool,
         st: &mut DeviceState,
@@ -261,4 +275,24 @@ impl Pool {
             device: dp.device,
         }
     }
+}
+
+impl DeviceState {
+    /// Refuse an allocation of `bytes` with tag `tag` while that tag sleeps.
+    #[inline]
+    pub(crate) fn check_awake(&self, device: DeviceId, tag: u8, bytes: u64) -> Result<()> {
+        if self.asleep_tags & (1 << tag) != 0 {
+            return Err(asleep_error(device, tag, bytes));
+        }
+        Ok(())
+    }
+}
+
+/// The error of an allocation with a tag that sleeps.
+fn asleep_error(device: DeviceId, tag: u8, bytes: u64) -> Error {
+    Error::InvalidState(format!(
+        "alloc of {bytes} bytes with tag {:?} on device {device}: the tag is asleep \
+         (gpu_arena_wake it first)",
+        tags::name(tag)
+    ))
 }

@@ -41,7 +41,7 @@ pub(crate) struct GraphPools {
     routing: u32,
     /// Frees made while routing whose blocks have `record_stream` streams: their events
     /// are recorded when the last context closes.
-    pub(super) deferred: Vec<u64>,
+    pub(crate) deferred: Vec<u64>,
     /// The threads running a call that synchronizes the device (`graph_pools.rs`,
     /// `SyncHold`): no routing context opens while any does.
     syncing: Vec<std::thread::ThreadId>,
@@ -66,23 +66,23 @@ impl GraphPools {
     }
 
     /// Whether a call that synchronizes the device is under way on the calling thread.
-    pub(super) fn syncing_here(&self) -> bool {
+    pub(crate) fn syncing_here(&self) -> bool {
         self.syncing.contains(&std::thread::current().id())
     }
 
     /// Whether a call that synchronizes the device is under way on any thread.
-    pub(super) fn syncing(&self) -> bool {
+    pub(crate) fn syncing(&self) -> bool {
         !self.syncing.is_empty()
     }
 
     /// A call that synchronizes the device starts on this thread (not while routing: the
     /// caller checked).
-    pub(super) fn start_sync(&mut self) {
+    pub(crate) fn start_sync(&mut self) {
         self.syncing.push(std::thread::current().id());
     }
 
     /// ... and ends.
-    pub(super) fn end_sync(&mut self) {
+    pub(crate) fn end_sync(&mut self) {
         let me = std::thread::current().id();
         if let Some(i) = self.syncing.iter().position(|&t| t == me) {
             self.syncing.swap_remove(i);
@@ -90,7 +90,7 @@ impl GraphPools {
     }
 
     /// The slot of pool `id`, if it exists.
-    pub(super) fn slot(&self, id: GraphPoolId) -> Option<u16> {
+    pub(crate) fn slot(&self, id: GraphPoolId) -> Option<u16> {
         self.by_id.get(&id).copied()
     }
 
@@ -116,14 +116,14 @@ impl GraphPools {
     }
 
     /// The use count of pool `id` (0 when it does not exist).
-    pub(super) fn use_count(&self, id: GraphPoolId) -> u32 {
+    pub(crate) fn use_count(&self, id: GraphPoolId) -> u32 {
         self.slot(id)
             .and_then(|slot| self.slots.get(usize::from(slot) - 1)?.as_ref())
             .map_or(0, |s| s.use_count)
     }
 
     /// Create pool `id` (use count 1) or add a use. Returns the use count after.
-    pub(super) fn retain(&mut self, id: GraphPoolId) -> Result<u32> {
+    pub(crate) fn retain(&mut self, id: GraphPoolId) -> Result<u32> {
         if id == GraphPoolId(0, 0) {
             return Err(Error::invalid(
                 "graph pool (0, 0) is torch's default pool, not a private pool",
@@ -160,7 +160,7 @@ impl GraphPools {
 
     /// Take a use of pool `id`. Returns the use count after; the pool stays known until
     /// [`Self::forget_unused`] finds it without arenas.
-    pub(super) fn release(&mut self, id: GraphPoolId) -> Result<u32> {
+    pub(crate) fn release(&mut self, id: GraphPoolId) -> Result<u32> {
         let slot = self.slot(id).ok_or_else(|| unknown(id))?;
         let s = self.slot_mut(slot).ok_or_else(|| lost(id))?;
         if s.use_count == 0 {
@@ -173,7 +173,7 @@ impl GraphPools {
     }
 
     /// Open a routing context of pool `id` (created, or a use added): the use count after.
-    pub(super) fn begin(&mut self, id: GraphPoolId) -> Result<u32> {
+    pub(crate) fn begin(&mut self, id: GraphPoolId) -> Result<u32> {
         let count = self.retain(id)?;
         let slot = self.slot(id).ok_or_else(|| lost(id))?;
         self.slot_mut(slot).ok_or_else(|| lost(id))?.open += 1;
@@ -182,7 +182,7 @@ impl GraphPools {
     }
 
     /// Close a routing context of pool `id`. Returns whether it was the device's last.
-    pub(super) fn end(&mut self, id: GraphPoolId) -> Result<bool> {
+    pub(crate) fn end(&mut self, id: GraphPoolId) -> Result<bool> {
         let slot = self.slot(id).ok_or_else(|| unknown(id))?;
         let s = self.slot_mut(slot).ok_or_else(|| lost(id))?;
         if s.open == 0 {
@@ -213,14 +213,14 @@ impl GraphPools {
     }
 }
 
-pub(super) fn unknown(id: GraphPoolId) -> Error {
+pub(crate) fn unknown(id: GraphPoolId) -> Error {
     Error::invalid(format!(
         "graph pool {id} does not exist on this device (never retained, or released and \
          emptied since)"
     ))
 }
 
-pub(super) fn lost(id: GraphPoolId) -> Error {
+pub(crate) fn lost(id: GraphPoolId) -> Error {
     Error::Internal(format!("graph pool {id}: its slot is gone"))
 }
 
