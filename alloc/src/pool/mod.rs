@@ -66,12 +66,10 @@
 //! and destruction (the slow driver calls) run with the device lock released; event
 //! record/query run under it, on the miss path only, never under a cache lock.
 
-mod empty_cache;
 mod front;
 mod graph_pools;
 mod growth;
 mod hooks;
-mod limits;
 mod observers;
 mod offload;
 mod paths;
@@ -82,9 +80,9 @@ mod sleep;
 mod snapshot;
 mod state;
 mod trace;
-mod trim;
 mod wake;
 
+pub use growth::trim::TrimReport;
 pub use offload::OFFLOAD_PIECE;
 pub use paths::alloc::Allocation;
 pub use paths::streams::{ANY_STREAM, LIMBO_WAIT};
@@ -106,4 +104,3 @@ pub use state::pool::Pool;
 pub use state::pool_hook::PoolHook;
 pub use state::share_tables::{LeaseGrant, ShareInfo};
 pub use trace::DEFAULT_HISTORY_ENTRIES;
-pub use trim::TrimReport;
