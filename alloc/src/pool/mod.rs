@@ -67,23 +67,18 @@
 //! record/query run under it, on the miss path only, never under a cache lock.
 
 mod front;
-mod graph_pools;
+mod graphs;
 mod growth;
-mod hooks;
-mod observers;
-mod offload;
+mod inspect;
 mod paths;
-mod pin_ahead;
-mod share;
+mod sharing;
 mod sizes;
-mod sleep;
-mod snapshot;
+mod sleep_wake;
 mod state;
-mod trace;
-mod wake;
 
 pub use growth::trim::TrimReport;
-pub use offload::OFFLOAD_PIECE;
+pub use inspect::snapshot::{BlockInfo, SegmentInfo};
+pub use inspect::trace::DEFAULT_HISTORY_ENTRIES;
 pub use paths::alloc::Allocation;
 pub use paths::streams::{ANY_STREAM, LIMBO_WAIT};
 pub use sizes::blocks::{
@@ -92,8 +87,8 @@ pub use sizes::blocks::{
 };
 pub use sizes::classes::{GRAPH_POOL_ARENA, HUGE_MIN, SMALL_ARENA, SMALL_GROW_FREELY};
 pub use sizes::growth_steps::GROWING_CACHE_MAX;
-pub use sleep::SleepReport;
-pub use snapshot::{BlockInfo, SegmentInfo};
+pub use sleep_wake::offload::OFFLOAD_PIECE;
+pub use sleep_wake::sleep::SleepReport;
 pub use state::config::{MaxReserved, PoolConfig, MIN_ARENA_SIZE};
 pub use state::graph_pool_ids::{GraphPoolId, PoolBlock};
 pub use state::observer_registry::{
@@ -103,4 +98,3 @@ pub use state::observer_registry::{
 pub use state::pool::Pool;
 pub use state::pool_hook::PoolHook;
 pub use state::share_tables::{LeaseGrant, ShareInfo};
-pub use trace::DEFAULT_HISTORY_ENTRIES;

@@ -31,7 +31,7 @@
 use crate::backend::{ArenaMem, DeviceId};
 use crate::error::{Error, Result};
 use crate::history::Action;
-use crate::pool::graph_pools::SyncHold;
+use crate::pool::graphs::sync_hold::SyncHold;
 use crate::pool::state::arena::Arena;
 use crate::pool::state::device::DeviceState;
 use crate::pool::state::graph_pool_ids;

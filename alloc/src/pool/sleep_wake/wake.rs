@@ -16,11 +16,11 @@
 //! invalidate it; `InvalidState`). (Should giving memory back fail as well, that arena is
 //! woken after all, contents copied back, and stays awake while its tag sleeps; logged.)
 
+use super::offload::HostBuffersMoving;
+use super::sleep::{mask, names, SleepReport};
 use crate::backend::{ArenaMem, DeviceId};
 use crate::error::{Error, OomCause, Result};
-use crate::pool::graph_pools::SyncHold;
-use crate::pool::offload::HostBuffersMoving;
-use crate::pool::sleep::{mask, names, SleepReport};
+use crate::pool::graphs::sync_hold::SyncHold;
 use crate::pool::state::asleep::Offload;
 use crate::pool::state::observer_registry::ArenaInfo;
 use crate::pool::state::pool::{DevicePool, Pool};

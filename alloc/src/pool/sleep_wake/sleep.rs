@@ -27,10 +27,10 @@
 //! while every tag sleeps, naming an asleep tag to offload, or waking an awake tag is an
 //! `InvalidState` error that changes nothing.
 
+use super::offload::{piece_bytes, pieces, HostBuffersMoving};
 use crate::backend::{ArenaMem, DeviceId};
 use crate::error::{Error, Result};
-use crate::pool::graph_pools::SyncHold;
-use crate::pool::offload::{piece_bytes, pieces, HostBuffersMoving};
+use crate::pool::graphs::sync_hold::SyncHold;
 use crate::pool::state::asleep::{Asleep, Offload};
 use crate::pool::state::device::DeviceState;
 use crate::pool::state::pool::{DevicePool, Pool};
