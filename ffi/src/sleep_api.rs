@@ -1,4 +1,4 @@
-//! The C API's tags, sleep and wake (`gpu_arena::tags`, `alloc/src/pool/sleep.rs`).
+//! The C API's tags, sleep and wake (`gpu_arena::tags`, `alloc/src/pool/sleep_wake/sleep.rs`).
 
 use std::ffi::{c_char, c_int, CStr};
 

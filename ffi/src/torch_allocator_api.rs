@@ -1,6 +1,6 @@
 //! The C API that gpu-arena's PyTorch allocator (`python/gpu_arena/native/`) maps torch's
 //! calls onto: graph pools (PyTorch's private pools for CUDA graphs and `MemPool`,
-//! `alloc/src/pool/graph_pools.rs`), the stats resets, the segments view for snapshots, the
+//! `alloc/src/pool/graphs/graph_pools.rs`), the stats resets, the segments view for snapshots, the
 //! memory fraction, a free by pointer alone and the allocation containing a pointer.
 
 use std::ffi::{c_int, c_void};

@@ -13,13 +13,13 @@
 //! and a request larger than `arena_size` gets an arena of its own, rounded up to the
 //! backend's granularity: small, large and huge blocks never share an arena, so after
 //! `empty_cache` a small survivor keeps at most 2 MiB, and large temporaries do not need
-//! fresh arenas among the holes of KV blocks (`pool/classes.rs`). The default arena
+//! fresh arenas among the holes of KV blocks (`pool/sizes/classes.rs`). The default arena
 //! size is chosen by measurement (see [`PoolConfig::arena_size`]).
 //!
 //! **Streams.** Free ranges are tagged with the stream they were freed on. An allocation on
 //! stream S takes, best fit, a range tagged S (reuse at once is safe: S's later work runs
 //! after S's earlier work), else a range tagged [`ANY_STREAM`] (safe for every stream); in a
-//! growing arena the best fit of both (`pool/growth.rs`), and S's frees there take in the
+//! growing arena the best fit of both (`pool/growth/grow.rs`), and S's frees there take in the
 //! free space beside them that S may use.
 //! When neither fits, the pool records an event on each other stream that holds free ranges
 //! and, once it completed, retags that stream's ranges to `ANY_STREAM`. Recording the event
@@ -29,7 +29,7 @@
 //! only when all of them completed (as PyTorch's caching allocator does).
 //!
 //! **Cache.** A plain free (not shared, no other stream) of a block up to
-//! [`CACHE_MAX_BLOCK`] (with growing arenas one 2 MiB page: `growth::GROWING_CACHE_MAX`;
+//! [`CACHE_MAX_BLOCK`] (with growing arenas one 2 MiB page: `growth_steps::GROWING_CACHE_MAX`;
 //! up to [`CACHE_MAX_BLOCK`] again while the freeing thread finds the device lock contended,
 //! `thread_cache::LARGE_CREDIT`) keeps it whole: in the freeing thread's cache (or the cache that
 //! recorded the allocation), else in the device's exact-size cache (bounded at a quarter of
@@ -51,7 +51,7 @@
 //! returns [`Error::OutOfMemory`](crate::Error::OutOfMemory) and stays valid.
 //!
 //! **Threads and locks.** Each device has one `parking_lot::Mutex` (its `DeviceState`) and
-//! a thread front (`pool/thread_cache.rs`): every thread has its own cache of freed blocks
+//! a thread front (`pool/front/thread_cache.rs`): every thread has its own cache of freed blocks
 //! per device, keyed like the exact-size cache by (stream, length, tag), behind a spin lock
 //! that only that thread takes in the common case. An allocation that hits it, and the free
 //! of a plain allocation (its record kept in the cache that made it), take no device lock
@@ -65,6 +65,13 @@
 //! first. Lock order: device, registry, thread caches. Arena creation
 //! and destruction (the slow driver calls) run with the device lock released; event
 //! record/query run under it, on the miss path only, never under a cache lock.
+//!
+//! **Layout.** One folder a concern, each `mod.rs` only declaring its files: `sizes/` (pure
+//! size rules), `front/` (the thread front), `state/` (what the pool holds), `paths/` (the
+//! allocation and free paths), `graphs/` (graph pools), then `growth/` (growing, limits,
+//! `empty_cache`, trim), `sleep_wake/`, `sharing/` (shares, observers, hooks) and `inspect/`
+//! (snapshot, history). A folder imports only from folders before it in that list; every
+//! file is listed in docs/ARCHITECTURE.md.
 
 mod front;
 mod graphs;

@@ -1,5 +1,5 @@
 //! A hash table from block addresses to small records, for the thread caches' records
-//! (`pool/thread_records.rs`): open addressing with linear probing, each key in its slot.
+//! (`pool/front/thread_records.rs`): open addressing with linear probing, each key in its slot.
 //!
 //! Why not `hashbrown` (std's `HashMap`), which the rest of the pool uses: a lookup there
 //! reads a group of control bytes, then the slot they point to, two dependent memory

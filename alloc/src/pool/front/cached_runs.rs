@@ -1,6 +1,6 @@
 //! Which cached blocks a miss in a growing arena gives back (`DeviceState::take_range`).
 //!
-//! A thread cache keeps freed KV-sized blocks whole (`growth::GROWING_CACHE_MAX`). When a
+//! A thread cache keeps freed KV-sized blocks whole (`growth_steps::GROWING_CACHE_MAX`). When a
 //! larger request finds no free range that fits, giving every cached block back to the
 //! sub-allocator makes room where cached blocks lie next to each other or to free space,
 //! but it also empties the cache: on the second KV trace most blocks a flush gave back lay

@@ -1,4 +1,4 @@
-//! A small spin lock for the thread front's caches (`pool/thread_cache.rs`):
+//! A small spin lock for the thread front's caches (`pool/front/thread_cache.rs`):
 //! each is almost always taken by one thread, for a few hash operations, so the lock's own
 //! cost is what matters. Taking it is one atomic swap, releasing it one plain store (a
 //! `parking_lot` mutex pays a compare-and-swap for each). When it is held (a flusher

@@ -8,11 +8,11 @@
 //!   cache holds freed blocks whole, in free lists keyed like the device's exact-size cache
 //!   by (stream, length, tag): a block freed on stream S is reused from a cache only by an
 //!   allocation on S (whichever thread frees it, the block keeps its stream). A freed block
-//!   keeps its record, marked free (`pool/thread_records.rs`): a warm pair touches one
+//!   keeps its record, marked free (`pool/front/thread_records.rs`): a warm pair touches one
 //!   record, with no insert or remove. Each cache has its own spin
-//!   lock (`pool/spin.rs`), which only its thread takes in the common case; flushers (a miss
+//!   lock (`pool/front/spin.rs`), which only its thread takes in the common case; flushers (a miss
 //!   that would grow the pool, a larger miss taking back a run of blocks:
-//!   `pool/cached_runs.rs`; `empty_cache`, the OOM retry, `sleep`) and readers
+//!   `pool/front/cached_runs.rs`; `empty_cache`, the OOM retry, `sleep`) and readers
 //!   (`validate`, `stats`) take it too, under the device lock.
 //! - **Live records**: a plain allocation (no share, no `record_stream`) is recorded in the
 //!   cache of the thread that allocated it, not in the device state. Its free on that thread
@@ -130,7 +130,7 @@ pub(crate) struct ThreadCache {
     allocated: u64,
     requested: u64,
     /// The plain allocations this cache handed out (or its thread made under the device
-    /// lock) and the blocks freed into it, in one table (`pool/thread_records.rs`).
+    /// lock) and the blocks freed into it, in one table (`pool/front/thread_records.rs`).
     pub(crate) records: ThreadRecords,
     /// Its thread exited: drained and dropped by the next [`Front::take_gone`].
     gone: bool,
@@ -196,7 +196,7 @@ impl Default for Front {
 
 impl Front {
     /// A front whose caches keep freed blocks of up to `cache_max` bytes
-    /// (`pool/growth.rs`'s `cache_max`).
+    /// (`pool/sizes/growth_steps.rs`'s `cache_max`).
     pub(crate) fn new(cache_max: u64) -> Front {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         Front {

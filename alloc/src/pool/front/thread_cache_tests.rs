@@ -1,4 +1,4 @@
-//! Tests of the thread front (`pool/thread_cache.rs`): its layout and its caches through a pool.
+//! Tests of the thread front (`pool/front/thread_cache.rs`): its layout and its caches through a pool.
 
 #![allow(clippy::unwrap_used)]
 use std::sync::Arc;

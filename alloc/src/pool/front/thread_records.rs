@@ -1,9 +1,9 @@
-//! The records of one thread cache (`pool/thread_cache.rs`): every plain allocation it
+//! The records of one thread cache (`pool/front/thread_cache.rs`): every plain allocation it
 //! recorded and every block freed into it, in one map, so that a warm alloc/free pair
 //! touches one record, with no insert or remove.
 //!
 //! - **Records**: block address to its record ([`FrontLive`], packed in 24 bytes), live or
-//!   free, in an [`AddrTable`] (`pool/addr_table.rs`: the address's hash names the slot,
+//!   free, in an [`AddrTable`] (`pool/front/addr_table.rs`: the address's hash names the slot,
 //!   which holds the key and the record, 32 bytes). A freed block keeps its record (marked
 //!   free): its next allocation only marks it live again. A free is one lookup, and the
 //!   lookup is the one cold memory access (a table of slots beside the map cost a second
@@ -100,7 +100,7 @@ pub(crate) enum FreeOutcome {
 
 /// One thread cache's records and free blocks (see the module docs).
 /// `repr(C)`, the fields a warm allocation or free touches first, in the order
-/// `ThreadCache` (`pool/thread_cache.rs`) lays them out on cache lines.
+/// `ThreadCache` (`pool/front/thread_cache.rs`) lays them out on cache lines.
 #[derive(Debug)]
 #[repr(C)]
 pub(crate) struct ThreadRecords {
@@ -306,7 +306,7 @@ impl ThreadRecords {
 
     /// Take out of the cache the run of free blocks freed on `stream` (of `class`) that
     /// [`fitting_run`] picks for a request of `need` bytes, `beside` being the
-    /// sub-allocator's view of a block (`pool/cached_runs.rs`). Returns their addresses, in
+    /// sub-allocator's view of a block (`pool/front/cached_runs.rs`). Returns their addresses, in
     /// address order; nothing when no run fits.
     pub(crate) fn take_run(
         &mut self,

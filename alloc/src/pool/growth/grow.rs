@@ -10,7 +10,7 @@
 //! no chunk may appear behind it), while an observer watches the device (they are told of
 //! arenas, not of growth steps), asleep, at [`crate::backend::MAX_ARENA_CHUNKS`] chunks, or
 //! when its reservation is full; the class then starts a new growing arena. Small blocks and
-//! graph pools keep arenas of fixed size (`pool/classes.rs`).
+//! graph pools keep arenas of fixed size (`pool/sizes/classes.rs`).
 //!
 //! How much a growth maps is `pool/sizes/growth_steps.rs`'s; giving grown arenas' free
 //! chunks back at `empty_cache` is `shrink.rs`'s.

@@ -26,7 +26,7 @@
 //! After a trim, reserved memory is the granularity pages the survivors touch (plus the
 //! arenas left whole): for blocks of the large classes, which are granularity multiples at
 //! granularity offsets in their arenas, exactly their bytes; a small survivor keeps at most
-//! its 2 MiB small arena (`pool/classes.rs`).
+//! its 2 MiB small arena (`pool/sizes/classes.rs`).
 
 use crate::backend::{ArenaMem, DeviceId};
 use crate::error::{Error, Result};

@@ -1,6 +1,6 @@
 //! The pool's JSON snapshot (`Pool::snapshot_json`): every device's stats, arenas (tag, size
 //! class, sleep state, lifetime) and the ranges in each arena, the arenas whose destroy
-//! failed (orphans, still held), plus the history ring when it records (`pool/trace.rs`).
+//! failed (orphans, still held), plus the history ring when it records (`pool/inspect/trace.rs`).
 
 use super::trace;
 use crate::pool::state::graph_pool_ids::GraphPoolId;

@@ -1,7 +1,10 @@
-//! The allocation path: the thread front's hit, the device's exact-size cache and best fit
-//! under the device lock, and growth (a new arena, the OOM retry). The free path is
-//! `pool/free.rs`; the rules both follow are in `pool/mod.rs`'s module docs. Graph pools
-//! (`pool/graph_pools.rs`) enter at [`Pool::alloc_slow`]'s locked half with a class of
+//! The allocation path: the thread front's hit; under the device lock the awake check (here),
+//! the device's exact-size cache (`device_cache.rs`) and a free range the stream may use
+//! (`streams.rs`); then growth: the device's limits and a growing arena mapping more
+//! (`pool/growth/`), else a new arena entering the pool (`new_arena.rs`), and on the
+//! driver's out of memory `empty_cache` and one more try. The free path is `free.rs`; the
+//! rules both follow are in `pool/mod.rs`'s module docs. Graph pools
+//! (`pool/graphs/graph_pools.rs`) enter at [`Pool::alloc_slow`]'s locked half with a class of
 //! their own and skip the caches.
 
 use std::time::Instant;
@@ -124,7 +127,7 @@ impl Pool {
             // wait only for a just-recorded event (limbo) are worth a short wait: an event
             // on an idle stream completes within microseconds, creating an arena costs
             // hundreds and grows the pool for good. Not while a graph pool routes
-            // allocations: no event is queried then (`pool/graph_pools.rs`).
+            // allocations: no event is queried then (`pool/graphs/graph_pools.rs`).
             let deadline = Instant::now() + LIMBO_WAIT;
             let routing = loop {
                 let mut st = dp.state.lock();

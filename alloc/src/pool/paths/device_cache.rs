@@ -107,7 +107,7 @@ impl DeviceState {
 
     /// A growing class's miss for a request larger than any cached block
     /// ([`GROWING_CACHE_MAX`]), before every cached block is given back: the run of the
-    /// calling thread's cached blocks that makes room for it (`pool/cached_runs.rs`), then
+    /// calling thread's cached blocks that makes room for it (`pool/front/cached_runs.rs`), then
     /// the streams' settled ranges and take-ins (`DeviceState::settle_unless_routing`). On
     /// the second KV trace giving back every cached block made room for no such request by
     /// itself, and each block came back through the device lock on its next allocation
@@ -134,7 +134,7 @@ impl DeviceState {
 
     /// Give back only the run of the calling thread's cached blocks, freed on `stream`, of
     /// growing `class`, that makes room for `len` bytes with the free space beside it
-    /// (`pool/cached_runs.rs`). Returns whether any block went back.
+    /// (`pool/front/cached_runs.rs`). Returns whether any block went back.
     fn flush_run_for(&mut self, len: u64, stream: u64, class: Class) -> bool {
         let t = class.index();
         let huge_min = self.huge_min();

@@ -1,4 +1,4 @@
-//! Free and `record_stream`: the thread front's fast free first (`pool/thread_cache.rs`),
+//! Free and `record_stream`: the thread front's fast free first (`pool/front/thread_cache.rs`),
 //! else, under the device lock, the allocation's record promoted from the front and the
 //! stream rules applied (the exact-size cache, pending frees that wait for events on
 //! `record_stream` streams, deferred frees of shared ranges). `DeviceState::release_freed`
@@ -114,7 +114,7 @@ impl Pool {
                 st.history.record(Action::FreeRequested, ptr, bytes, req, s);
             }
             // A graph pool's block goes back to its pool's sub-allocator, never to a cache
-            // (pool/graph_pools.rs, rule 2).
+            // (pool/graphs/graph_pools.rs, rule 2).
             let general = st
                 .arenas
                 .get(live.arena)
@@ -168,13 +168,13 @@ impl Pool {
                 .record(Action::FreeRequested, ptr, len, req, stream.0);
         }
         if step == FreeStep::Deferred {
-            // Still shared: the range waits for its last reference (pool/share.rs releases
+            // Still shared: the range waits for its last reference (pool/sharing/share.rs releases
             // it when the lifetime says so).
             st.stats.deferred_free_bytes += live.bytes();
         } else {
             // At once, or after events on its other streams (an event that cannot be
             // recorded makes it wait for a device synchronize: the free itself is done), or
-            // after the capture (pool/graph_pools.rs, rule 4).
+            // after the capture (pool/graphs/graph_pools.rs, rule 4).
             let backend = self.backend.as_ref();
             st.release_freed(ptr, stream, extra, live.bytes(), backend, dp.device)?;
         }

@@ -113,7 +113,7 @@ impl DeviceState {
 
     /// The last resort of [`Self::take_range`]: settle `class`'s streams and retry; not
     /// while allocations are routed to a graph pool (no event may be recorded or queried:
-    /// `pool/graph_pools.rs`), nor for a small class that grows freely.
+    /// `pool/graphs/graph_pools.rs`), nor for a small class that grows freely.
     pub(crate) fn settle_unless_routing(
         &mut self,
         backend: &dyn Backend,

@@ -13,7 +13,7 @@ use crate::pool::state::pool::Pool;
 impl Pool {
     /// Add an arena observer: its `on_ready` runs now, on this thread, for every arena the
     /// pool holds, then for every new arena before memory of it is handed out; its
-    /// `on_release` before each arena it took goes (module docs of `pool/observers.rs`).
+    /// `on_release` before each arena it took goes (module docs of `pool/state/observer_registry.rs`).
     pub fn observe_arenas(&self, observer: Arc<dyn ArenaObserver>) -> ObserverId {
         let (id, mut calls) = self.observers.add(observer);
         for c in &mut calls {

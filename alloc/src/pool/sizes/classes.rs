@@ -13,7 +13,7 @@
 //! - **large** arenas are `arena_size` bytes (a block larger than that gets its own). A
 //!   large survivor keeps its whole arena after a plain `empty_cache` (safe with work in
 //!   flight): an arena is one physical allocation and one export when shared. `trim`
-//!   (`pool/trim.rs`, at an idle point) cuts such an arena down to the 2 MiB pages its
+//!   (`pool/growth/trim.rs`, at an idle point) cuts such an arena down to the 2 MiB pages its
 //!   survivors touch, each run of pages an arena of its own: large blocks are 2 MiB
 //!   multiples at 2 MiB offsets, so they then keep exactly their bytes. The choices, and
 //!   the bounds they give, are in docs/ARCHITECTURE.md ("Survivors after empty_cache").
@@ -49,7 +49,7 @@ pub const SMALL_GROW_FREELY: u64 = 32 * MIB;
 /// A sub-allocator: a graph pool (or the general pool), a tag and a size class.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Class {
-    /// The graph pool's slot (`pool/graph_pools.rs`), [`GENERAL`] for the general pool.
+    /// The graph pool's slot (`pool/graphs/graph_pools.rs`), [`GENERAL`] for the general pool.
     pub(crate) pool: u16,
     /// The tag index (`crate::tags`); always 0 in a graph pool.
     pub(crate) tag: u8,
@@ -59,7 +59,7 @@ pub(crate) struct Class {
     pub(crate) huge: bool,
 }
 
-/// With arenas that grow (`pool/growth.rs`) no block is huge: one growing arena holds
+/// With arenas that grow (`pool/growth/grow.rs`) no block is huge: one growing arena holds
 /// large and huge blocks alike, and a huge temporary's range coalesces with its neighbours
 /// (the recorded PyTorch loops reserved 1.03 of live that way, 1.08-1.15 with the huge
 /// class apart: `bench/results/sim-2026-12-02-growth.md`).

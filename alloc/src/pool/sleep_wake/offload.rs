@@ -14,7 +14,7 @@
 //! device holds, in use by a sleeping arena or kept.
 //!
 //! An arena's segments go to host buffers of at most [`OFFLOAD_PIECE`] bytes each
-//! ([`pieces`]), so that a sleep pins one piece while it copies the one before (`pool/pin_ahead.rs`): a grown
+//! ([`pieces`]), so that a sleep pins one piece while it copies the one before (`pool/sleep_wake/pin_ahead.rs`): a grown
 //! arena of 69 GiB in one buffer pinned it all before the first byte moved (4.68 s against a
 //! raw copy of 1.34 s on the H200, where 1 GiB arenas took 3.26 s).
 

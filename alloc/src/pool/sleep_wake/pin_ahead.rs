@@ -1,7 +1,7 @@
 //! A sleep's host buffers made ahead of its copies. Making a pinned buffer is the slow part
 //! of a first sleep (faulting and page-locking fresh host memory; `backend/vmm/pinned.rs`),
 //! and it needs the CPU while the copy needs the copy engine: so while the sleep copies one
-//! piece out (an arena's offload comes in pieces of up to 1 GiB, `pool/offload.rs`),
+//! piece out (an arena's offload comes in pieces of up to 1 GiB, `pool/sleep_wake/offload.rs`),
 //! [`PIN_WORKERS`] threads make the next pieces' buffers, each worker a buffer at a time (two
 //! at once keep one faulting while the other registers). Buffers are handed to the copies in
 //! the pieces' order; a failure is the same error the sequential path gives, at that arena.

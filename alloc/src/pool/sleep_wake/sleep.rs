@@ -10,17 +10,17 @@
 //!   ([`SleepReport::kept_shared_bytes`], `PoolStats::sleep_kept_shared_bytes` while the
 //!   tag sleeps) and logged;
 //! - otherwise its observers get `on_release`, the live allocations of a tag in `offload`
-//!   are copied into host buffers of up to 1 GiB each (`pool/offload.rs`'s pieces, made
-//!   ahead of the copies by `pool/pin_ahead.rs`; `Backend::alloc_host`: pinned memory where
+//!   are copied into host buffers of up to 1 GiB each (`pool/sleep_wake/offload.rs`'s pieces, made
+//!   ahead of the copies by `pool/sleep_wake/pin_ahead.rs`; `Backend::alloc_host`: pinned memory where
 //!   the backend has it, so the copies run at link speed; a buffer kept from an earlier
-//!   sleep when one is large enough, `pool/offload.rs`), one copy per segment (live
+//!   sleep when one is large enough, `pool/sleep_wake/offload.rs`), one copy per segment (live
 //!   allocations merged across gaps of at most [`GAP`](super::offload::GAP): copying a small gap is cheaper than
 //!   another call), and `Backend::release_physical` gives the memory back (the other tags'
 //!   contents are gone). After the wake (or a failed sleep) the buffer is kept for the
 //!   next sleep; `Pool::release_host_buffers` frees kept buffers, the pool's drop all.
 //!
 //! While a tag sleeps its allocations are refused (`Error::InvalidState`, "asleep"), frees
-//! work, and new shares of its memory are refused. **Wake** (`Pool::wake`, `pool/wake.rs`)
+//! work, and new shares of its memory are refused. **Wake** (`Pool::wake`, `pool/sleep_wake/wake.rs`)
 //! maps new memory at the same addresses (`Backend::restore_physical`), copies offloaded
 //! runs back, announces the arenas to observers (`on_ready`) and lets the tags allocate
 //! again; tags wake one by one or all at once; a wake that fails midway is undone. Sleeping
@@ -160,7 +160,7 @@ impl Pool {
             .iter()
             .map(|dp| SyncHold::take(dp, "sleep"))
             .collect::<Result<Vec<_>>>()?;
-        // Holders of shares end the ones in these tags first (pool/hooks.rs): a shared
+        // Holders of shares end the ones in these tags first (pool/sharing/hooks.rs): a shared
         // arena would stay awake.
         for dp in &awake {
             let asleep = dp.state.lock().asleep_tags;
@@ -216,7 +216,7 @@ impl Pool {
                 st.stats.sleeping_bytes += a.mem.bytes;
                 work.push((k, a.mem.clone(), Vec::new(), 0));
             }
-            // Segments of the offloaded arenas (pool/offload.rs).
+            // Segments of the offloaded arenas (pool/sleep_wake/offload.rs).
             if offload & sleeping != 0 {
                 let keys: Vec<Option<usize>> = work
                     .iter()
@@ -237,8 +237,8 @@ impl Pool {
         // Observers first: the arenas are still mapped.
         self.count_failures(self.observers.deliver(calls));
         let mut first_err = None;
-        // Host buffers are made ahead of the copies (pool/pin_ahead.rs), piece by piece in
-        // work's order (pool/offload.rs: a grown arena's offload is many pieces); an arena
+        // Host buffers are made ahead of the copies (pool/sleep_wake/pin_ahead.rs), piece by piece in
+        // work's order (pool/sleep_wake/offload.rs: a grown arena's offload is many pieces); an arena
         // with nothing to copy has one empty entry. Its memory goes back after its last.
         let mut plan: Vec<PlannedPiece> = Vec::new();
         for (w, (_, _, segments, _)) in work.iter().enumerate() {

@@ -1,6 +1,6 @@
 //! Wake (`Pool::wake`): sleeping arenas get memory again at the same addresses, their
 //! offloaded contents are copied back, observers are told (`on_ready`), and the tags
-//! allocate again (`pool/sleep.rs` for sleep).
+//! allocate again (`pool/sleep_wake/sleep.rs` for sleep).
 //!
 //! **All or nothing.** First every arena the call wakes, on every device it touches, gets
 //! its memory (`Backend::restore_physical`), then its offloaded contents are copied back;
@@ -163,7 +163,7 @@ impl Pool {
             report.copied_bytes += r.copied_bytes;
             report.arenas += r.arenas;
         }
-        // Holders of shares share these tags' memory again (pool/hooks.rs).
+        // Holders of shares share these tags' memory again (pool/sharing/hooks.rs).
         for &(dp, want) in &plan {
             self.hooks_after_wake(dp.device, want);
         }

@@ -22,16 +22,16 @@ pub(crate) struct Arena {
     pub(crate) lifetime: ArenaLifetime<Export>,
     /// Its allocations' tag index (`crate::tags`).
     pub(crate) tag: u8,
-    /// Whether it holds small blocks (`pool/classes.rs`).
+    /// Whether it holds small blocks (`pool/sizes/classes.rs`).
     pub(crate) small: bool,
-    /// Whether it holds huge blocks (`pool/classes.rs`).
+    /// Whether it holds huge blocks (`pool/sizes/classes.rs`).
     pub(crate) huge: bool,
-    /// The graph pool whose blocks it holds, for life (`pool/graph_pools.rs`; the slot,
+    /// The graph pool whose blocks it holds, for life (`pool/graphs/graph_pools.rs`; the slot,
     /// `classes::GENERAL` for the general pool).
     pub(crate) graph_pool: u16,
-    /// While asleep (`pool/sleep.rs`): the contents kept on the host, if offloaded.
+    /// While asleep (`pool/sleep_wake/sleep.rs`): the contents kept on the host, if offloaded.
     pub(crate) sleep: Option<Asleep>,
-    /// Its physical allocations (1 until it grows, `pool/growth.rs`; 1 again after a wake).
+    /// Its physical allocations (1 until it grows, `pool/growth/grow.rs`; 1 again after a wake).
     pub(crate) chunks: u16,
 }
 

@@ -4,7 +4,7 @@
 
 use crate::backend::{Backend, HostBuffer};
 
-/// An arena's sleep: the contents kept on the host (offloaded tags; `pool/offload.rs`).
+/// An arena's sleep: the contents kept on the host (offloaded tags; `pool/sleep_wake/offload.rs`).
 #[derive(Debug, Default)]
 pub(crate) struct Asleep {
     pub(crate) offload: Option<Offload>,

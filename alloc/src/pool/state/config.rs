@@ -21,7 +21,7 @@ pub struct PoolConfig {
     pub arena_size: u64,
     /// Cap on reserved bytes per device, in bytes or as a fraction of the device's memory
     /// (PyTorch's memory fraction); `None` for no cap. A fraction is resolved on the
-    /// device's first growth (`pool/limits.rs`).
+    /// device's first growth (`pool/growth/limits.rs`).
     pub max_reserved: Option<MaxReserved>,
     /// Run `validate()` after every operation (default: on in debug builds).
     pub validate: bool,
@@ -29,12 +29,12 @@ pub struct PoolConfig {
     /// every stream at once, `record_stream` is ignored). Shows what the stream rules
     /// prevent; never enable it for real work.
     pub unsafe_ignore_streams: bool,
-    /// Make every `empty_cache` a [`Pool::trim`](crate::Pool::trim) (`pool/trim.rs`): arenas with survivors are
+    /// Make every `empty_cache` a [`Pool::trim`](crate::Pool::trim) (`pool/growth/trim.rs`): arenas with survivors are
     /// cut down to the pages the survivors use. Only for programs whose `empty_cache` runs
     /// at idle points (no other thread using gpu-arena memory on the device meanwhile: the
     /// cut arenas' addresses are briefly unmapped). Default off.
     pub trim_on_empty_cache: bool,
-    /// Large blocks live in arenas that grow with the work (`pool/growth.rs`): each reserves
+    /// Large blocks live in arenas that grow with the work (`pool/growth/grow.rs`): each reserves
     /// the device's address range and maps memory chunk by chunk. Off: every arena is
     /// `arena_size` bytes, mapped whole: the fastest per operation, but a class's last arena
     /// is partly empty (default on since issue #24).

@@ -30,7 +30,7 @@ use crate::stats::PoolStats;
 /// Everything behind one device's lock.
 #[derive(Debug, Default)]
 pub(crate) struct DeviceState {
-    /// One sub-allocator per tag and size class (`pool/classes.rs`, by `Class::index`):
+    /// One sub-allocator per tag and size class (`pool/sizes/classes.rs`, by `Class::index`):
     /// arenas of different tags or classes never share free ranges.
     pub(crate) ranges: Vec<RangeAllocator>,
     /// Tags asleep on this device (bit = tag index): their allocations are refused.
@@ -55,22 +55,22 @@ pub(crate) struct DeviceState {
     pub(crate) next_arena_id: u64,
     /// Arenas out of the pool whose destroy failed: retried by `empty_cache` and teardown.
     pub(crate) orphans: Orphans,
-    /// Shares and leases (`share_tables.rs`, `share.rs`).
+    /// Shares and leases (`pool/state/share_tables.rs`, `pool/sharing/share.rs`).
     pub(crate) shares: ShareTables,
     /// The event ring (`crate::history`); off unless `record_history` turned it on.
     pub(crate) history: History,
-    /// The thread front (`pool/thread_cache.rs`): thread caches and the plain allocations'
+    /// The thread front (`pool/front/thread_cache.rs`): thread caches and the plain allocations'
     /// records, outside this lock (the same one as `DevicePool::front`).
     pub(crate) front: Arc<Front>,
-    /// Host buffers kept for the next sleep's offload (`pool/offload.rs`).
+    /// Host buffers kept for the next sleep's offload (`pool/sleep_wake/offload.rs`).
     pub(crate) host_buffers: Vec<HostBuffer>,
-    /// Sleeps, wakes and `prepare_offload`s moving host buffers now (`pool/offload.rs`).
+    /// Sleeps, wakes and `prepare_offload`s moving host buffers now (`pool/sleep_wake/offload.rs`).
     pub(crate) host_buffers_moving: u32,
-    /// Graph pools, their use counts and the routing contexts open (`pool/graph_pools.rs`).
+    /// Graph pools, their use counts and the routing contexts open (`pool/graphs/graph_pools.rs`).
     pub(crate) graph_pools: GraphPools,
-    /// Per class (by `Class::index`): its growing arena's key (`pool/growth.rs`).
+    /// Per class (by `Class::index`): its growing arena's key (`pool/growth/grow.rs`).
     pub(crate) growing: FxHashMap<usize, usize>,
-    /// The pool grows its arenas (`PoolConfig::grow_arenas`, `pool/growth.rs`).
+    /// The pool grows its arenas (`PoolConfig::grow_arenas`, `pool/growth/grow.rs`).
     pub(crate) grow_arenas: bool,
 }
 

@@ -1,6 +1,6 @@
 //! Graph pools' bookkeeping, pure: PyTorch's pool ids ([`GraphPoolId`]), their slots and
 //! use counts, and the routing contexts open on a device ([`GraphPools`], behind the device
-//! lock). The rules the pool follows with them are `pool/graph_pools.rs`'s module docs.
+//! lock). The rules the pool follows with them are `pool/graphs/graph_pools.rs`'s module docs.
 
 use rustc_hash::FxHashMap;
 
@@ -42,7 +42,7 @@ pub(crate) struct GraphPools {
     /// Frees made while routing whose blocks have `record_stream` streams: their events
     /// are recorded when the last context closes.
     pub(crate) deferred: Vec<u64>,
-    /// The threads running a call that synchronizes the device (`graph_pools.rs`,
+    /// The threads running a call that synchronizes the device (`pool/graphs/graph_pools.rs`,
     /// `SyncHold`): no routing context opens while any does.
     syncing: Vec<std::thread::ThreadId>,
 }

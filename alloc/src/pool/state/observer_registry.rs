@@ -309,7 +309,7 @@ impl Observers {
         calls
     }
 
-    /// Sleep (`pool/sleep.rs`), under the device lock: unless an `on_ready` of the arena at
+    /// Sleep (`pool/sleep_wake/sleep.rs`), under the device lock: unless an `on_ready` of the arena at
     /// `key` runs now (then `None`: the arena stays awake), remove it from the registry and
     /// claim its observers' `on_release`, delivered after unlocking.
     pub(crate) fn claim_sleep(&self, key: ArenaKey) -> Option<Vec<Call>> {
@@ -320,13 +320,13 @@ impl Observers {
         Some(Self::claim_release_in(&mut reg, key, 0))
     }
 
-    /// Wake (`pool/sleep.rs`): register an arena mapped again and claim `on_ready` of
+    /// Wake (`pool/sleep_wake/sleep.rs`): register an arena mapped again and claim `on_ready` of
     /// every observer.
     pub(crate) fn announce(&self, info: ArenaInfo) -> Vec<Call> {
         self.register_arena(info)
     }
 
-    /// A growth step, or a shrink, of the arena at `key` (`pool/growth.rs`, under the device
+    /// A growth step, or a shrink, of the arena at `key` (`pool/growth/grow.rs`, `shrink.rs`, under the device
     /// lock): made by `resize` with the registry locked, so no observer can come and be told
     /// of the arena meanwhile; `None` (nothing done) while any observer is registered (they
     /// are told of arenas, not of size changes) or a call about the arena is under way. On
@@ -347,7 +347,7 @@ impl Observers {
         Some(resized)
     }
 
-    /// An arena at `key` replaced by arenas of its own memory (`pool/growth.rs`: a grown
+    /// An arena at `key` replaced by arenas of its own memory (`pool/growth/shrink.rs`: a grown
     /// arena's free chunks dropped, under the device lock): made by `replace` with the
     /// registry locked, so no observer can come meanwhile; `None` (nothing done) while any
     /// observer is registered (they would be owed an `on_release` of the arena and an

@@ -29,12 +29,12 @@ pub(crate) struct DevicePool {
     /// Resolved on its first growth (`pool/growth/limits.rs`).
     pub(crate) limits: OnceLock<DeviceLimits>,
     pub(crate) state: Mutex<DeviceState>,
-    /// Serialises the export self-test (`pool/share.rs`), run with the device lock released.
+    /// Serialises the export self-test (`pool/sharing/share.rs`), run with the device lock released.
     pub(crate) export_probe: Mutex<Option<crate::backend::ExportKind>>,
     /// The cap set at run time (`Pool::set_max_reserved`; `None`: the configuration's).
     pub(crate) max_reserved: Mutex<Option<Option<MaxReserved>>>,
     /// Signalled (with `state`) when a call that synchronizes the device ends: a
-    /// `graph_pool_begin` waits on it (`pool/graph_pools.rs`, `SyncHold`).
+    /// `graph_pool_begin` waits on it (`pool/graphs/graph_pools.rs`, `SyncHold`).
     pub(crate) sync_ended: parking_lot::Condvar,
 }
 
@@ -45,11 +45,11 @@ pub struct Pool {
     pub(crate) backend: Arc<dyn Backend>,
     pub(crate) config: PoolConfig,
     pub(crate) devices: Vec<DevicePool>,
-    /// Arena observers and the arenas they are told about (`pool/observers.rs`).
+    /// Arena observers and the arenas they are told about (`pool/state/observer_registry.rs`).
     pub(crate) observers: Observers,
-    /// Serialises sleeps and wakes (`pool/sleep.rs`).
+    /// Serialises sleeps and wakes (`pool/sleep_wake/sleep.rs`).
     pub(crate) sleep_lock: Mutex<()>,
-    /// Told around sleep, wake and release of cached memory (`pool/hooks.rs`).
+    /// Told around sleep, wake and release of cached memory (`pool/state/pool_hook.rs`).
     pub(crate) hooks: Hooks,
 }
 

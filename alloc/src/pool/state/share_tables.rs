@@ -1,6 +1,6 @@
 //! The share and lease tables of one device, and what the producer hands out for a share
 //! ([`ShareInfo`]) or a lease ([`LeaseGrant`]). The decisions about them are
-//! [`crate::lifetime`]'s; `pool/share.rs` performs them.
+//! [`crate::lifetime`]'s; `pool/sharing/share.rs` performs them.
 
 use std::os::fd::OwnedFd;
 use std::sync::OnceLock;
