@@ -17,7 +17,8 @@ use gpu_arena::pool::{
 };
 use gpu_arena::Error;
 
-use crate::{existing_pool, fail, guard, pool, status, GPU_ARENA_OK};
+use crate::errors::{fail, guard, status, GPU_ARENA_OK};
+use crate::init::{existing_pool, pool};
 
 /// `gpu_arena_arena_info_t.flags` bit: the arena has a driver export at the time of the call.
 pub const GPU_ARENA_ARENA_EXPORTED: u32 = 1;

@@ -8,7 +8,8 @@ use std::ffi::{c_int, c_void};
 use gpu_arena::pool::MaxReserved;
 use gpu_arena::{Error, GraphPoolId, PoolBlock, StreamId};
 
-use crate::{existing_pool, fail, guard, pool, status, with_pool, GPU_ARENA_OK};
+use crate::errors::{fail, guard, status, GPU_ARENA_OK};
+use crate::init::{existing_pool, pool, with_pool};
 
 /// A live block of a graph pool (`gpu_arena_graph_pool_blocks`,
 /// `gpu_arena_graph_pool_restore`). Sizes in bytes.
