@@ -11,8 +11,8 @@
 //! | `sim_capacity` | simulated memory per device | `16GiB` |
 //! | `sim_granularity` | simulated granularity | `2MiB` |
 //! | `legacy_pin` | `0`/`1`: sim exports pin for the process's life (ROCm 7.2) | `0` |
-//! | `grow_arenas` | `0`/`1`: large blocks in arenas that grow with the work (`pool/growth.rs`: the device's address range reserved, memory mapped chunk by chunk as they fill), reserving about what is live; `0`: fixed arenas of `arena_size`, mapped whole (the fastest per operation, more reserved) | `1` |
-//! | `trim_on_empty_cache` | `0`/`1`: every `empty_cache` is a trim (`pool/trim.rs`: arenas with survivors cut down to their pages); only where `empty_cache` runs at idle points | `0` |
+//! | `grow_arenas` | `0`/`1`: large blocks in arenas that grow with the work (`pool/growth/grow.rs`: the device's address range reserved, memory mapped chunk by chunk as they fill), reserving about what is live; `0`: fixed arenas of `arena_size`, mapped whole (the fastest per operation, more reserved) | `1` |
+//! | `trim_on_empty_cache` | `0`/`1`: every `empty_cache` is a trim (`pool/growth/trim.rs`: arenas with survivors cut down to their pages); only where `empty_cache` runs at idle points | `0` |
 //! | `unsafe_ignore_streams` | `0`/`1`: demonstration only, disables the stream rules | `0` |
 //! | `allowed_uids` | `:`-separated uids allowed to import, besides our own | (none) |
 //! | `legacy_ipc` | `0`/`1` (cuda, hip): arenas from `cuMemAlloc`/`hipMalloc`, shared with `cuIpc`/`hipIpc` handles: what UCX's cuda_ipc opens on hosts without fabric handles; sleep/wake unavailable | `0` |

@@ -3,7 +3,7 @@
 //!
 //! **Cost when off.** Each device's ring lives in its `DeviceState`, behind the device lock.
 //! The path under that lock checks one `bool` field of that state ([`History::recording`]);
-//! the thread caches' path (`pool/thread_cache.rs`), which takes no device lock, reads a
+//! the thread caches' path (`pool/front/thread_cache.rs`), which takes no device lock, reads a
 //! relaxed atomic mirror of it and, while recording is on, leaves every operation to the
 //! device lock's path (so every event is recorded). No allocation when off. When on, an
 //! event is one coarse clock read, one thread-local read and a 48-byte copy into the ring

@@ -64,7 +64,7 @@ pub struct PoolStats {
     /// Highest `requested_bytes` seen.
     pub peak_requested_bytes: u64,
     /// Arena observer callbacks that failed: an `on_ready` that returned an error (nonzero
-    /// in C) or panicked, or an `on_release` that panicked (`pool/observers.rs`).
+    /// in C) or panicked, or an `on_release` that panicked (`pool/state/observer_registry.rs`).
     pub observer_errors: u64,
     /// Bytes of arenas asleep (`gpu_arena_sleep`): their addresses stay reserved, their
     /// memory went back to the driver (not in `reserved_bytes`).
@@ -77,7 +77,7 @@ pub struct PoolStats {
     /// exported or pinned (a consumer may map them: sleep never breaks one); counted in
     /// `reserved_bytes` too.
     pub sleep_kept_shared_bytes: u64,
-    /// Growth steps of growing arenas, ever (`pool/growth.rs`): each mapped one more chunk
+    /// Growth steps of growing arenas, ever (`pool/growth/grow.rs`): each mapped one more chunk
     /// (a driver allocation, counted in `backend_creates` too).
     pub arena_growths: u64,
 }

@@ -1,5 +1,5 @@
 //! A growing arena's miss for a request larger than any cached block gives back only the
-//! run of cached blocks that makes room for it (`pool/cached_runs.rs`); the other cached
+//! run of cached blocks that makes room for it (`pool/front/cached_runs.rs`); the other cached
 //! blocks stay cached. When no run makes room, every cached block goes back before the arena
 //! grows, as before.
 #![allow(clippy::unwrap_used)]

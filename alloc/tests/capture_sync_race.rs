@@ -146,7 +146,7 @@ fn a_begin_on_the_synchronizing_thread_is_refused_not_deadlocked() {
 /// and freeing while routing), the others run `empty_cache`, `trim`, and sleep / wake of a
 /// tag of their own beside general allocations on three streams. While a context is open
 /// the device gets no synchronize, no event record and no event query (rule 4 of
-/// `pool/graph_pools.rs`); a synchronizing call is refused while routing, or makes the begin
+/// `pool/graphs/graph_pools.rs`); a synchronizing call is refused while routing, or makes the begin
 /// wait; nothing deadlocks, and everything comes back at the end.
 #[test]
 fn captures_beside_synchronizing_calls_on_other_threads() {

@@ -1,4 +1,4 @@
-//! Arenas that grow with the work (`grow_arenas=1`, `pool/growth.rs`) on the sim backend:
+//! Arenas that grow with the work (`grow_arenas=1`, `pool/growth/grow.rs`) on the sim backend:
 //! reserved follows live (a small program, the recorded PyTorch training loop), contents
 //! survive growth, a grown arena is shared with one fd per chunk and read by another
 //! process's importer, it sleeps and wakes as one allocation, `empty_cache` gives it back
@@ -191,7 +191,7 @@ fn a_grown_arena_sleeps_and_wakes_with_its_contents() {
     assert_eq!(s.backend_creates, s.backend_destroys, "{s:?}");
 }
 
-/// A grown arena holding more than one offload piece (`pool/offload.rs`, 1 GiB) sleeps into
+/// A grown arena holding more than one offload piece (`pool/sleep_wake/offload.rs`, 1 GiB) sleeps into
 /// several host buffers, made one per piece so that pinning overlaps the copies, wakes with
 /// every byte back (a block split across two pieces included), and its next sleep reuses
 /// them all; a sleep whose second piece fails to copy leaves it awake and whole.

@@ -1,4 +1,4 @@
-//! A **loom test** of graph pools' sequencing (`pool/graph_pools.rs`) against another
+//! A **loom test** of graph pools' sequencing (`pool/graphs/graph_pools.rs`) against another
 //! thread's allocations: a capture thread opens a routing context, allocates and frees in
 //! its pool and frees a `record_stream` block, while another thread allocates and frees in
 //! the general pool (its thread cache, then the device lock), frees its own `record_stream`

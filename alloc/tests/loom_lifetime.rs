@@ -6,7 +6,7 @@
 //! `parking_lot` and syscalls, so the pool's *sequencing* is reproduced here: one device,
 //! one arena, one allocation, a releasable (non-pinning) export; each step takes the same
 //! lock, asks the real lifetime the same question, and releases the lock at the same points
-//! as `pool/share.rs` (export and close with the lock released, the self-test unlocking on a
+//! as `pool/sharing/share.rs` (export and close with the lock released, the self-test unlocking on a
 //! device's first share). Every decision (take or drop a reference, export or wait, close,
 //! release a deferred free, destroyable) is the lifetime's own. Loom runs each scenario in
 //! every interleaving (no preemption bound: [`PREEMPTIONS`] is `None`, the search is
@@ -75,7 +75,7 @@ const PREEMPTIONS: Option<usize> = None;
 enum Order {
     /// The old order: look at the state (`Private`), probe (lock released), then begin.
     AsIs,
-    /// As `pool/share.rs` does: probe before asking the lifetime.
+    /// As `pool/sharing/share.rs` does: probe before asking the lifetime.
     ProbeFirst,
     /// A broken caller: exports even when the lifetime says `Wait`.
     IgnoreWait,

@@ -1,4 +1,4 @@
-//! A **loom test** of the thread front's handoffs (`pool/thread_cache.rs`): a thread's
+//! A **loom test** of the thread front's handoffs (`pool/front/thread_cache.rs`): a thread's
 //! cache, the live records in it, a free on another thread into that cache, and a sleep
 //! (or any flush) that drains the caches under the device lock.
 //!
@@ -11,7 +11,7 @@
 //!
 //! | step here | real code |
 //! |---|---|
-//! | [`Model::fast_alloc`] | `Front::try_alloc`: under the cache lock, the gate, then pop a block and mark its record live (`pool/thread_records.rs`: a freed block keeps its record's slot) |
+//! | [`Model::fast_alloc`] | `Front::try_alloc`: under the cache lock, the gate, then pop a block and mark its record live (`pool/front/thread_records.rs`: a freed block keeps its record's slot) |
 //! | [`Model::slow_alloc`] | `Pool::alloc` under the device lock: the asleep check, a block from the device, recorded in the calling thread's cache (`Front::record_alloc`) |
 //! | [`Model::fast_free`] | `Front::try_free` / `free_into`: under the lock of the cache holding the record, the gate, then the block into that cache |
 //! | [`Model::slow_free`] | `free_on` under the device lock: `promote` (record out of the cache), the block back to the device |

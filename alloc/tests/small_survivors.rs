@@ -1,4 +1,4 @@
-//! What survivors keep after `empty_cache` (`alloc/src/pool/classes.rs`): small blocks
+//! What survivors keep after `empty_cache` (`alloc/src/pool/sizes/classes.rs`): small blocks
 //! (up to 1 MiB) live in 2 MiB arenas of their own, so a few small tensors no longer pin a
 //! 1 GiB arena; a large survivor keeps its arena (docs/ARCHITECTURE.md, "Survivors after
 //! empty_cache") until `trim` cuts it down to the survivor's own pages.
@@ -206,7 +206,7 @@ proptest! {
         let s = pool.stats(0).unwrap();
         prop_assert!(s.reserved_bytes <= bound, "{} reserved, bound {}", s.reserved_bytes, bound);
         prop_assert_eq!(s.reserved_bytes, left.iter().map(|a| a.1).sum::<u64>());
-        // trim (pool/trim.rs) then gives the exact bound: a large survivor keeps its own
+        // trim (pool/growth/trim.rs) then gives the exact bound: a large survivor keeps its own
         // bytes (2 MiB multiples at 2 MiB offsets), a small one its 2 MiB small arena.
         let small_arenas: HashSet<u64> = left.iter().filter(|a| a.2).map(|a| a.0).collect();
         let large_live: u64 = survivors.iter().filter(|a| a.bytes > LARGE_MIN).map(|a| a.bytes).sum();

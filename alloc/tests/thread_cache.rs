@@ -1,4 +1,4 @@
-//! The pool's thread front (`pool/thread_cache.rs`) on the sim backend: per-thread caches
+//! The pool's thread front (`pool/front/thread_cache.rs`) on the sim backend: per-thread caches
 //! and the live records they keep.
 //!
 //! - a multi-thread stress: threads on their own and on a shared stream allocate, free

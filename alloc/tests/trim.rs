@@ -1,4 +1,4 @@
-//! Trim (`alloc/src/pool/trim.rs`): after `empty_cache`, arenas with survivors are split
+//! Trim (`alloc/src/pool/growth/trim.rs`): after `empty_cache`, arenas with survivors are split
 //! down to the granularity pages the survivors use; addresses and contents are unchanged,
 //! shared and asleep arenas are left whole, a failed split changes nothing.
 #![allow(clippy::unwrap_used)]

@@ -1,4 +1,4 @@
-//! A wake that fails midway is undone (`alloc/src/pool/wake.rs`): the arenas it had already
+//! A wake that fails midway is undone (`alloc/src/pool/sleep_wake/wake.rs`): the arenas it had already
 //! woken go back to sleep with their offloaded contents, nothing changes, and the error says
 //! what the wake needed; a later wake, with memory free, restores everything bitwise.
 #![allow(clippy::unwrap_used)]

@@ -220,7 +220,7 @@ typedef struct gpu_arena_stats_t {
     uint64_t peak_requested_bytes;
     /**
      * Arena observer callbacks that failed: an `on_ready` that returned an error (nonzero
-     * in C) or panicked, or an `on_release` that panicked (`pool/observers.rs`).
+     * in C) or panicked, or an `on_release` that panicked (`pool/state/observer_registry.rs`).
      */
     uint64_t observer_errors;
     /**
@@ -241,7 +241,7 @@ typedef struct gpu_arena_stats_t {
      */
     uint64_t sleep_kept_shared_bytes;
     /**
-     * Growth steps of growing arenas, ever (`pool/growth.rs`): each mapped one more chunk
+     * Growth steps of growing arenas, ever (`pool/growth/grow.rs`): each mapped one more chunk
      * (a driver allocation, counted in `backend_creates` too).
      */
     uint64_t arena_growths;

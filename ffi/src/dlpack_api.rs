@@ -21,19 +21,10 @@ use gpu_arena::ipc::ShareHandle;
 use gpu_arena::Error;
 use parking_lot::Mutex;
 
-use crate::ipc_api::{batch_len, importer, read_handle};
-use crate::{
-    existing_pool, fail, gpu_arena_share_t, guard, restore_last_error, saved_last_error,
-    GPU_ARENA_OK,
-};
-
-// The view array's reading and checks (a child module: it builds the private DlDataType).
-#[path = "dlpack_view.rs"]
-mod view;
-use view::{read_view, spans_whole};
-
-/// Entries of the view array `gpu_arena_import_dlpack` reads before the shape and strides.
-pub const GPU_ARENA_DLPACK_VIEW_HEAD: usize = 8;
+use crate::dlpack_view::{read_view, spans_whole, DlDataType};
+use crate::errors::{fail, guard, restore_last_error, saved_last_error, GPU_ARENA_OK};
+use crate::init::existing_pool;
+use crate::ipc_api::{batch_len, gpu_arena_share_t, importer, read_handle};
 
 /// What `gpu_arena_import_dlpack` hands back.
 #[repr(C)]
@@ -81,13 +72,6 @@ struct DlDevice {
 }
 
 #[repr(C)]
-struct DlDataType {
-    code: u8,
-    bits: u8,
-    lanes: u16,
-}
-
-#[repr(C)]
 struct DlTensor {
     data: *mut c_void,
     device: DlDevice,
@@ -122,7 +106,7 @@ struct Entry {
     nbytes: u64,
     device: i32,
     closed: bool,
-    share: [u8; crate::GPU_ARENA_SHARE_BYTES],
+    share: [u8; crate::ipc_api::GPU_ARENA_SHARE_BYTES],
 }
 
 /// id -> open import, in the order they were made. An entry leaves when its deleter runs.
@@ -533,13 +517,13 @@ mod tests {
     use std::process::{Command, Stdio};
     use std::time::{Duration, Instant};
 
-    use super::view::tests::view;
     use super::*;
-    use crate::{
-        gpu_arena_close, gpu_arena_configure as configure, gpu_arena_import,
-        gpu_arena_imports_live as live, gpu_arena_last_error,
-        GPU_ARENA_ERR_INVALID_ARGUMENT as INVALID, GPU_ARENA_ERR_IPC,
+    use crate::dlpack_view::tests::view;
+    use crate::errors::{
+        gpu_arena_last_error, GPU_ARENA_ERR_INVALID_ARGUMENT as INVALID, GPU_ARENA_ERR_IPC,
     };
+    use crate::init::gpu_arena_configure as configure;
+    use crate::ipc_api::{gpu_arena_close, gpu_arena_import, gpu_arena_imports_live as live};
 
     /// The share handles, hex, from the producer to the consumer.
     const SHARES_ENV: &str = "GPU_ARENA_TEST_DLPACK_MANY_SHARES";
@@ -595,7 +579,7 @@ mod tests {
     fn import_dlpack_many_in_another_process() {
         assert_eq!(configure(c"backend=sim".as_ptr()), GPU_ARENA_OK);
         let bytes = (N * ELEMS * 4) as libc::ssize_t;
-        let base = crate::gpu_arena_malloc(bytes, 0, std::ptr::null_mut()).cast::<f32>();
+        let base = crate::alloc_api::gpu_arena_malloc(bytes, 0, std::ptr::null_mut()).cast::<f32>();
         assert!(!base.is_null(), "{}", last_error());
         let (mut shares, mut hex) = (Vec::new(), String::new());
         for i in 0..N * ELEMS {
@@ -606,7 +590,7 @@ mod tests {
             let mut s = gpu_arena_share_t { bytes: [0; 128] };
             // SAFETY: in bounds: share i is elements i * ELEMS .. (i + 1) * ELEMS.
             let at = unsafe { base.add(i * ELEMS) };
-            let rc = crate::gpu_arena_share(at.cast(), NBYTES as usize, &mut s);
+            let rc = crate::ipc_api::gpu_arena_share(at.cast(), NBYTES as usize, &mut s);
             assert_eq!(rc, GPU_ARENA_OK, "{}", last_error());
             hex.extend(s.bytes.iter().map(|b| format!("{b:02x}")));
             shares.push(s);
@@ -628,9 +612,11 @@ mod tests {
         let text = String::from_utf8_lossy(&[out.stdout, out.stderr].concat()).into_owned();
         assert!(out.status.success(), "the consumer failed:\n{text}");
         assert!(text.contains("consumer done"), "it did not run:\n{text}");
-        let unshared = shares.iter().all(|s| crate::gpu_arena_unshare(s) == 0);
+        let unshared = shares
+            .iter()
+            .all(|s| crate::ipc_api::gpu_arena_unshare(s) == 0);
         assert!(unshared, "{}", last_error());
-        let rc = crate::gpu_arena_free_checked(base.cast(), bytes, 0);
+        let rc = crate::alloc_api::gpu_arena_free_checked(base.cast(), bytes, 0);
         assert_eq!(rc, GPU_ARENA_OK, "{}", last_error());
     }
 
@@ -701,7 +687,7 @@ mod tests {
             gpu_arena_import_dlpack_many(s, 1, std::ptr::null(), l, o),
             gpu_arena_import_dlpack_many(s, 1, v, std::ptr::null(), o),
             gpu_arena_import_dlpack_many(s, 1, v, l, std::ptr::null_mut()),
-            gpu_arena_import_dlpack_many(s, crate::GPU_ARENA_BATCH_MAX + 1, v, l, o),
+            gpu_arena_import_dlpack_many(s, crate::ipc_api::GPU_ARENA_BATCH_MAX + 1, v, l, o),
         ] {
             assert_eq!(rc, INVALID, "{}", last_error());
         }

@@ -1,38 +1,48 @@
 //! The caller's view of `gpu_arena_import_dlpack` (and of each entry of
 //! `gpu_arena_import_dlpack_many`): read from its `int64_t` array and checked, before
-//! anything is imported. A child module of `dlpack_api` (declared there with `#[path]`):
-//! it builds that module's private DLPack dtype.
+//! anything is imported, into DLPack's dtype and the shape and strides `dlpack_api.rs`
+//! builds the tensor from.
 
 use gpu_arena::Error;
 
-use super::{DlDataType, GPU_ARENA_DLPACK_VIEW_HEAD};
+/// Entries of the view array `gpu_arena_import_dlpack` reads before the shape and strides.
+pub const GPU_ARENA_DLPACK_VIEW_HEAD: usize = 8;
+
+// DLPack's dtype (dlpack.h, v0.x), read from the view; the rest of DLPack's ABI is
+// `dlpack_api.rs`'s. Private: the header hands the managed tensor out as `void*`.
+#[repr(C)]
+pub(crate) struct DlDataType {
+    pub(crate) code: u8,
+    pub(crate) bits: u8,
+    pub(crate) lanes: u16,
+}
 
 /// The caller's view, read from the `int64_t` array (layout in `gpu_arena_import_dlpack`).
-pub(super) struct View {
-    pub(super) nbytes: u64,
-    pub(super) dtype: DlDataType,
-    pub(super) itemsize: u64,
-    pub(super) device_type: i32,
-    pub(super) device_id: i32,
-    pub(super) flat: bool,
-    pub(super) storage_offset: i64,
+pub(crate) struct View {
+    pub(crate) nbytes: u64,
+    pub(crate) dtype: DlDataType,
+    pub(crate) itemsize: u64,
+    pub(crate) device_type: i32,
+    pub(crate) device_id: i32,
+    pub(crate) flat: bool,
+    pub(crate) storage_offset: i64,
     /// The `ndim` sizes, then the `ndim` strides: the layout of `Managed::dims` (a view
     /// kept as it is becomes the tensor's dims without another copy).
-    pub(super) dims: Vec<i64>,
+    pub(crate) dims: Vec<i64>,
 }
 
 impl View {
-    pub(super) fn shape(&self) -> &[i64] {
+    pub(crate) fn shape(&self) -> &[i64] {
         &self.dims[..self.dims.len() / 2]
     }
 
-    pub(super) fn strides(&self) -> &[i64] {
+    pub(crate) fn strides(&self) -> &[i64] {
         &self.dims[self.dims.len() / 2..]
     }
 }
 
 /// The view of `len` entries at `view` (NULL refused), every check of the view alone done.
-pub(super) fn read_view(view: *const i64, len: usize) -> Result<View, Error> {
+pub(crate) fn read_view(view: *const i64, len: usize) -> Result<View, Error> {
     if view.is_null() {
         return Err(Error::invalid("view is NULL"));
     }
@@ -136,7 +146,7 @@ fn fits(v: &View) -> bool {
 /// Whether the view, at storage offset 0, spans exactly `nbytes`: then a tensor built from
 /// its shape and strides has the whole share as its storage (what PyTorch's `from_dlpack`
 /// gives a storage: the bytes its sizes and strides reach).
-pub(super) fn spans_whole(v: &View) -> bool {
+pub(crate) fn spans_whole(v: &View) -> bool {
     if v.storage_offset != 0 || v.shape().contains(&0) {
         return false;
     }
@@ -156,11 +166,11 @@ pub(super) fn spans_whole(v: &View) -> bool {
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
-pub(super) mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A float view array (`itemsize` bytes per element, device CPU 0, not flat).
-    pub(in super::super) fn view(
+    pub(crate) fn view(
         nbytes: i64,
         itemsize: i64,
         offset: i64,

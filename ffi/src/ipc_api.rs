@@ -9,7 +9,8 @@ use std::sync::{Arc, OnceLock};
 use gpu_arena::ipc::{Broker, BrokerConfig, Importer, ShareHandle};
 use gpu_arena::Error;
 
-use crate::{existing_pool, fail, guard, pool, status, GPU_ARENA_OK};
+use crate::errors::{fail, guard, status, GPU_ARENA_OK};
+use crate::init::{existing_pool, pool};
 
 /// Size of a share handle in bytes.
 pub const GPU_ARENA_SHARE_BYTES: usize = 128;
@@ -30,7 +31,7 @@ pub(crate) fn broker(call: &str) -> std::result::Result<&'static Arc<Broker>, c_
     let p = pool(call)?;
     let b = BROKER.get_or_init(|| {
         let config = BrokerConfig {
-            allowed_uids: crate::CONFIG
+            allowed_uids: crate::init::CONFIG
                 .get()
                 .map(|c| c.allowed_uids.clone())
                 .unwrap_or_default(),

@@ -13,7 +13,7 @@ use tracing_subscriber::filter::LevelFilter;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::{fmt, reload, Registry};
 
-use crate::{fail, guard, GPU_ARENA_OK};
+use crate::errors::{fail, guard, GPU_ARENA_OK};
 
 /// The level of the installed subscriber, `None` when the process had its own.
 static LEVEL: OnceLock<Option<reload::Handle<LevelFilter, Registry>>> = OnceLock::new();

@@ -1,7 +1,7 @@
 //! Arena observers in the C API: register each arena once with a transport (UCX, NIXL) in
 //! `on_ready` and deregister it in `on_release`, before its memory goes.
 //!
-//! The rules are the core crate's (`alloc/src/pool/observers.rs`): `on_ready` once per
+//! The rules are the core crate's (`alloc/src/pool/state/observer_registry.rs`): `on_ready` once per
 //! (observer, arena), for every arena that exists when the observer is added (on the
 //! calling thread, before `gpu_arena_observe_arenas` returns) and for each new arena after
 //! it is mapped and before any memory of it is handed out; `on_release` once, while the
@@ -17,7 +17,8 @@ use gpu_arena::pool::{
 };
 use gpu_arena::Error;
 
-use crate::{existing_pool, fail, guard, pool, status, GPU_ARENA_OK};
+use crate::errors::{fail, guard, status, GPU_ARENA_OK};
+use crate::init::{existing_pool, pool};
 
 /// `gpu_arena_arena_info_t.flags` bit: the arena has a driver export at the time of the call.
 pub const GPU_ARENA_ARENA_EXPORTED: u32 = 1;

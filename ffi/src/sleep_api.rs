@@ -1,10 +1,11 @@
-//! The C API's tags, sleep and wake (`gpu_arena::tags`, `alloc/src/pool/sleep.rs`).
+//! The C API's tags, sleep and wake (`gpu_arena::tags`, `alloc/src/pool/sleep_wake/sleep.rs`).
 
 use std::ffi::{c_char, c_int, CStr};
 
 use gpu_arena::{tags, Error};
 
-use crate::{fail, guard, with_pool, GPU_ARENA_OK};
+use crate::errors::{fail, guard, GPU_ARENA_OK};
+use crate::init::with_pool;
 
 /// `None` for NULL; the string, or an error naming `what`, otherwise.
 fn opt_str<'a>(call: &str, what: &str, s: *const c_char) -> Result<Option<&'a str>, c_int> {

@@ -1,6 +1,6 @@
 //! The C API that gpu-arena's PyTorch allocator (`python/gpu_arena/native/`) maps torch's
 //! calls onto: graph pools (PyTorch's private pools for CUDA graphs and `MemPool`,
-//! `alloc/src/pool/graph_pools.rs`), the stats resets, the segments view for snapshots, the
+//! `alloc/src/pool/graphs/graph_pools.rs`), the stats resets, the segments view for snapshots, the
 //! memory fraction, a free by pointer alone and the allocation containing a pointer.
 
 use std::ffi::{c_int, c_void};
@@ -8,7 +8,8 @@ use std::ffi::{c_int, c_void};
 use gpu_arena::pool::MaxReserved;
 use gpu_arena::{Error, GraphPoolId, PoolBlock, StreamId};
 
-use crate::{existing_pool, fail, guard, pool, status, with_pool, GPU_ARENA_OK};
+use crate::errors::{fail, guard, status, GPU_ARENA_OK};
+use crate::init::{existing_pool, pool, with_pool};
 
 /// A live block of a graph pool (`gpu_arena_graph_pool_blocks`,
 /// `gpu_arena_graph_pool_restore`). Sizes in bytes.

@@ -23,9 +23,8 @@ use std::ffi::{c_char, c_int, c_void, CString};
 use gpu_arena::history;
 use gpu_arena::units::format_size;
 
-use crate::{
-    guard, with_pool, GPU_ARENA_ERR_OUT_OF_MEMORY, GPU_ARENA_OK, LAST_CODE, LAST_ERROR, POOL,
-};
+use crate::errors::{guard, GPU_ARENA_ERR_OUT_OF_MEMORY, GPU_ARENA_OK, LAST_CODE, LAST_ERROR};
+use crate::init::{with_pool, POOL};
 
 extern "C-unwind" {
     /// `src/oom_shim.cpp`: `gpu_arena_malloc`, throwing `std::runtime_error` on failure.

@@ -12,8 +12,8 @@ use gpu_arena::transfer::{Desc, EngineConfig, EngineStats, Op, TransferEngine, X
 use gpu_arena::Error;
 use parking_lot::Mutex;
 
+use crate::errors::{fail, guard, status, Outcome, GPU_ARENA_OK};
 use crate::ipc_api::{broker, importer};
-use crate::{fail, guard, status, Outcome, GPU_ARENA_OK};
 
 /// One descriptor of a transfer: a range and the metadata id of the registration it lies in.
 #[repr(C)]
@@ -151,7 +151,7 @@ pub extern "C" fn gpu_arena_xfer_engine_new(agent: *const c_char, out: *mut u64)
         let b = broker(CALL)?.clone();
         let i = importer(CALL)?.clone();
         let mut config = EngineConfig::new(agent);
-        config.allowed_uids = crate::CONFIG
+        config.allowed_uids = crate::init::CONFIG
             .get()
             .map(|c| c.allowed_uids.clone())
             .unwrap_or_default();

@@ -147,7 +147,7 @@ def _segment(device: int, arena: Dict[str, Any], allocs: Dict[int, Dict[str, Any
         "active_size": sum(b["size"] for b in active),
         "requested_size": sum(b["requested_size"] for b in active),
         "stream": 0,  # arenas serve every stream
-        # Blocks up to 1 MiB have 2 MiB arenas of their own (alloc/src/pool/classes.rs).
+        # Blocks up to 1 MiB have 2 MiB arenas of their own (alloc/src/pool/sizes/classes.rs).
         "segment_type": "small" if arena.get("small") else "large",
         "segment_pool_id": (0, 0),
         "is_expandable": False,

@@ -1,5 +1,5 @@
 //! [`RangeAllocator::beside`]: what lies on either side of an allocation in its region (the
-//! pool's flush looks for cached blocks that would join free space: `pool/cached_runs.rs`).
+//! pool's flush looks for cached blocks that would join free space: `pool/front/cached_runs.rs`).
 
 use super::{RangeAllocator, State, NIL};
 

@@ -1,5 +1,5 @@
 //! [`RangeAllocator::alloc_at`]: allocate a given range (a graph pool's checkpoint puts its
-//! blocks back at their own addresses, `pool/graph_pools.rs`).
+//! blocks back at their own addresses, `pool/graphs/graph_pools.rs`).
 
 use super::{check_granule, Block, RangeAllocator, RangeError, Slot, State, NIL};
 

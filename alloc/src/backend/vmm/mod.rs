@@ -41,7 +41,7 @@
 //!   both vendors document freeing exported memory before every importer closed it as
 //!   undefined behaviour, and ROCm 7.2.x keeps such memory for the life of the exporting
 //!   process; so the pool recycles these arenas and never frees them while the process
-//!   lives (its start-up probe, `pool/share.rs`, checks the kind at run time anyway). Used
+//!   lives (its start-up probe, `pool/sharing/share.rs`, checks the kind at run time anyway). Used
 //!   when asked for ([`VmmBackend::with_legacy_ipc`], config key `legacy_ipc=1`: what UCX's
 //!   cuda_ipc transport opens on hosts without FABRIC handles), or, where the driver falls
 //!   back on its own ([`LegacyIpc::fallback`]: HIP), when the device lacks VMM (the driver
