@@ -1,42 +1,17 @@
-//! The `metrics` facade's names are docs/metrics.md's table (the one table shared with the
-//! Python collector, gpu_arena.prometheus): a pool registers exactly the rows marked "yes"
-//! under "Rust", with their types and the label `device`, and every row names a `PoolStats`
-//! field.
+//! The `metrics` facade's names are `STAT_FIELDS`' (alloc/src/stats.rs, the one table of the
+//! metrics, from which docs/metrics.md is generated and which the library serves to the Python
+//! collector, gpu_arena.prometheus): a pool registers exactly the rows marked for the facade,
+//! with their types and the label `device`, and every row names a `PoolStats` field.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use gpu_arena::backend::sim::{SimBackend, SimCall, SimConfig};
+use gpu_arena::stats::STAT_FIELDS;
 use gpu_arena::{Pool, PoolConfig, PoolStats, StreamId};
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
-
-/// A row of the table: (name, type, field, rust).
-type Row = (String, String, String, bool);
-
-fn table() -> Vec<Row> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/metrics.md");
-    let text = std::fs::read_to_string(&path).unwrap();
-    let rows: Vec<Row> = text
-        .lines()
-        .filter(|l| l.starts_with("| `gpu_arena_"))
-        .map(|l| {
-            let cells: Vec<&str> = l.trim_matches('|').split(" | ").map(str::trim).collect();
-            assert_eq!(cells.len(), 5, "{l}");
-            let unquote = |s: &str| s.trim_matches('`').to_string();
-            (
-                unquote(cells[0]),
-                cells[1].to_string(),
-                unquote(cells[2]),
-                cells[3] == "yes",
-            )
-        })
-        .collect();
-    assert!(!rows.is_empty(), "no rows in {}", path.display());
-    rows
-}
 
 /// One registration: (name, type, labels).
 type Registration = (String, &'static str, Vec<(String, String)>);
@@ -83,16 +58,12 @@ fn pool_registers_the_tables_rust_rows() {
     let pool =
         metrics::with_local_recorder(&rec, || Pool::new(backend, PoolConfig::default()).unwrap());
     let registered = rec.0.lock().unwrap().clone();
-    let expected: BTreeSet<_> = table()
-        .into_iter()
-        .filter(|r| r.3)
-        .map(|(name, kind, _, _)| {
-            let kind: &'static str = match kind.as_str() {
-                "gauge" => "gauge",
-                "counter" => "counter",
-                other => panic!("{name}: type {other}"),
-            };
-            (name, kind, vec![("device".to_string(), "0".to_string())])
+    let expected: BTreeSet<_> = STAT_FIELDS
+        .iter()
+        .filter(|f| f.facade)
+        .map(|f| {
+            let device = vec![("device".to_string(), "0".to_string())];
+            (f.metric.to_string(), f.kind.as_str(), device)
         })
         .collect();
     assert_eq!(registered, expected);
@@ -101,15 +72,25 @@ fn pool_registers_the_tables_rust_rows() {
 
 #[test]
 fn every_row_is_a_pool_stats_field_and_every_field_a_row() {
+    // The serialized struct's fields (serde_json sorts them), against the table's.
     let value = serde_json::to_value(PoolStats::default()).unwrap();
     let fields: BTreeSet<String> = value.as_object().unwrap().keys().cloned().collect();
-    let rows: Vec<Row> = table();
-    let named: BTreeSet<String> = rows.iter().map(|r| r.2.clone()).collect();
-    assert_eq!(named.len(), rows.len(), "a field named twice");
+    let named: BTreeSet<String> = STAT_FIELDS.iter().map(|f| f.name.to_string()).collect();
+    assert_eq!(named.len(), STAT_FIELDS.len(), "a field named twice");
     assert_eq!(named, fields);
-    for (name, kind, _, _) in &rows {
-        assert_eq!(name.ends_with("_total"), kind == "counter", "{name}");
+    let metrics: BTreeSet<&str> = STAT_FIELDS.iter().map(|f| f.metric).collect();
+    assert_eq!(metrics.len(), STAT_FIELDS.len(), "a metric named twice");
+    for f in STAT_FIELDS {
+        assert!(f.metric.starts_with("gpu_arena_"), "{}", f.metric);
+        assert_eq!(
+            f.name.ends_with("_bytes"),
+            f.metric.ends_with("_bytes"),
+            "{}",
+            f.metric
+        );
     }
+    // (The offsets are `offset_of!` of the named field, and stats.rs checks at compile time
+    // that the rows follow the struct's order and cover it.)
 }
 
 /// Keeps every counter's value, by name.

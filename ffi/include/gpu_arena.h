@@ -580,6 +580,38 @@ typedef struct gpu_arena_xfer_stats_t {
     uint64_t reloaded;
 } gpu_arena_xfer_stats_t;
 
+/**
+ * One field of `gpu_arena_stats_t` and the metric that exposes it
+ * (`gpu_arena_stats_fields`). The strings are static: never free them.
+ */
+typedef struct gpu_arena_stats_field_t {
+    /**
+     * The field's name, as in `gpu_arena_stats_t` (and the key of Python's
+     * `gpu_arena.stats()`).
+     */
+    const char *name;
+    /**
+     * Its first byte in `gpu_arena_stats_t`; every field is a `uint64_t`.
+     */
+    uint32_t offset;
+    /**
+     * Its length in bytes: 8.
+     */
+    uint32_t len;
+    /**
+     * The metric that exposes it, e.g. `gpu_arena_reserved_bytes`.
+     */
+    const char *metric;
+    /**
+     * The metric's Prometheus type: `gauge` or `counter` (a counter's name ends in `_total`).
+     */
+    const char *kind;
+    /**
+     * What it counts, one sentence (the metric's help text).
+     */
+    const char *help;
+} gpu_arena_stats_field_t;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -1227,6 +1259,13 @@ int gpu_arena_xfer_take_notifs(uint64_t engine_id, gpu_arena_xfer_notif_cb cb, v
  * The engine's counters into `*out`.
  */
 int gpu_arena_xfer_stats(uint64_t engine_id, struct gpu_arena_xfer_stats_t *out);
+
+/**
+ * The fields of `gpu_arena_stats_t`, in order, each with the metric that exposes it: the
+ * first `min(cap, n)` go to `out` (NULL when `cap` is 0); returns `n`, the number of fields
+ * (`sizeof(gpu_arena_stats_t)` is `8 * n`). Needs no init.
+ */
+int gpu_arena_stats_fields(struct gpu_arena_stats_field_t *out, size_t cap);
 
 /**
  * Set the level of gpu-arena's stderr log: `"off"`, `"error"`, `"warn"`, `"info"`,

@@ -34,7 +34,8 @@
 //! the process-wide pool and its initialization, `alloc_api.rs` the allocator's calls,
 //! `errors.rs` the error codes, the last error and `guard` / `fail` / `status`; each
 //! `*_api.rs` (and `observers.rs`, `logging.rs`) one part of the API, `dlpack_view.rs` the
-//! reading of a DLPack view. cbindgen lists their items in the order the modules are
+//! reading of a DLPack view, `tables.rs` the tables other languages read at run time (the
+//! stats fields and their metrics). cbindgen lists their items in the order the modules are
 //! declared here: that order is the header's.
 
 // The exported functions check their pointer arguments themselves and are documented in the
@@ -73,5 +74,8 @@ pub use torch_allocator_api::*;
 mod transfer_api;
 #[allow(unused_imports)]
 pub use transfer_api::*;
+mod tables;
+#[allow(unused_imports)]
+pub use tables::*;
 mod logging;
 pub use logging::gpu_arena_set_log_level;

@@ -119,13 +119,18 @@ fn first_differences(want: &str, got: &str) -> String {
     out
 }
 
+/// Items of the parsed sources that are Rust only (cbindgen warns that it skips them).
+const NOT_C: &[&str] = &["Skip stats::STAT_FIELDS - (Unsupported type"];
+
 #[test]
 fn header_is_current() {
     let (text, log) = generated();
-    // Private statics (`POOL`, ...) are skipped by design; anything else is a finding.
+    // Private statics (`POOL`, ...) are skipped by design, and so are the Rust tables of
+    // alloc/src/stats.rs that the library serves as data (`gpu_arena_stats_fields`);
+    // anything else is a finding.
     let log: Vec<&String> = log
         .iter()
-        .filter(|l| !l.contains("(not `no_mangle`)"))
+        .filter(|l| !l.contains("(not `no_mangle`)") && !NOT_C.iter().any(|s| l.contains(s)))
         .collect();
     assert!(
         log.is_empty(),

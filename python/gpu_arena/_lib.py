@@ -25,7 +25,7 @@ import operator
 import os
 import threading
 from pathlib import Path
-from typing import List, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 LIB_NAME = "libgpu_arena.so"
 # Where the wheel puts the library, relative to the package (python/pyproject.toml's
@@ -175,41 +175,83 @@ _CLASS_OF_CODE = {
 # --------------------------------------------------------------------------------------
 
 
-class GpuArenaStats(ctypes.Structure):
-    """``gpu_arena_stats_t``: counters of one device's pool, all ``uint64_t``, all sizes in
-    bytes. Field for field as in ffi/include/gpu_arena.h, which is generated from ``PoolStats``
-    (alloc/src/stats.rs); a test checks the names, the types and the order."""
+class GpuArenaStatsField(ctypes.Structure):
+    """``gpu_arena_stats_field_t``: one field of ``gpu_arena_stats_t`` and its metric
+    (``gpu_arena_stats_fields``); the strings are the library's, static."""
 
-    _fields_ = [
-        ("reserved_bytes", ctypes.c_uint64),
-        ("allocated_bytes", ctypes.c_uint64),
-        ("peak_reserved_bytes", ctypes.c_uint64),
-        ("peak_allocated_bytes", ctypes.c_uint64),
-        ("arenas", ctypes.c_uint64),
-        ("backend_creates", ctypes.c_uint64),
-        ("backend_destroys", ctypes.c_uint64),
-        ("exports_live", ctypes.c_uint64),
-        ("exports_total", ctypes.c_uint64),
-        ("shares_live", ctypes.c_uint64),
-        ("imports_live", ctypes.c_uint64),
-        ("pinned_bytes", ctypes.c_uint64),
-        ("allocations", ctypes.c_uint64),
-        ("alloc_count", ctypes.c_uint64),
-        ("free_count", ctypes.c_uint64),
-        ("oom_count", ctypes.c_uint64),
-        ("deferred_free_bytes", ctypes.c_uint64),
-        ("pending_free_bytes", ctypes.c_uint64),
-        ("requested_bytes", ctypes.c_uint64),
-        ("peak_requested_bytes", ctypes.c_uint64),
-        ("observer_errors", ctypes.c_uint64),
-        ("sleeping_bytes", ctypes.c_uint64),
-        ("offload_host_bytes", ctypes.c_uint64),
-        ("sleep_kept_shared_bytes", ctypes.c_uint64),
-        ("arena_growths", ctypes.c_uint64),
-    ]
+    _fields_ = [("name", ctypes.c_char_p), ("offset", ctypes.c_uint32),
+                ("len", ctypes.c_uint32), ("metric", ctypes.c_char_p), ("kind", ctypes.c_char_p),
+                ("help", ctypes.c_char_p)]
+
+
+class StatField(NamedTuple):
+    """One field of ``gpu_arena_stats_t`` as the library serves it: its name (the key of
+    ``gpu_arena.stats()``), its first byte, and the metric that exposes it (name,
+    ``"gauge"`` or ``"counter"``, help text). The table is Rust's ``STAT_FIELDS``
+    (alloc/src/stats.rs), beside ``PoolStats``."""
+
+    name: str
+    offset: int
+    metric: str
+    kind: str
+    help: str
+
+
+_stat_fields: Optional[Tuple[StatField, ...]] = None
+
+
+def stat_fields() -> Tuple[StatField, ...]:
+    """Every field of ``gpu_arena_stats_t``, in order, read from the library
+    (``gpu_arena_stats_fields``: loads it, does not initialize gpu-arena) once."""
+    global _stat_fields
+    if _stat_fields is None:
+        fn = lib().gpu_arena_stats_fields
+        n = check(fn(None, 0), "gpu_arena_stats_fields")
+        out = (GpuArenaStatsField * n)()
+        check(fn(out, n), "gpu_arena_stats_fields")
+        fields = tuple(StatField(f.name.decode(), f.offset, f.metric.decode(), f.kind.decode(),
+                                 f.help.decode()) for f in out)
+        if [f.offset for f in fields] != [8 * i for i in range(n)] or any(f.len != 8 for f in out):
+            raise LibraryNotFoundError(f"{_path}: gpu_arena_stats_fields serves a layout this "
+                                       "package cannot read (not consecutive uint64_t fields)")
+        _stat_fields = fields
+    return _stat_fields
+
+
+class _ServedFields(type(ctypes.Structure)):
+    """The metaclass of :class:`GpuArenaStats`: its ``_fields_`` are the library's, set on
+    first use (an instance, or reading ``_fields_``), so importing gpu_arena loads nothing."""
+
+    def _complete(cls) -> None:
+        with _lock_fields:
+            if "_fields_" not in vars(cls):
+                cls._fields_ = [(f.name, ctypes.c_uint64) for f in stat_fields()]
+
+    def __call__(cls, *args, **kwargs):
+        cls._complete()
+        return super().__call__(*args, **kwargs)
+
+    def __getattr__(cls, name):
+        if name == "_fields_" and vars(cls).get("_served"):
+            cls._complete()
+            return vars(cls)["_fields_"]
+        raise AttributeError(name)
+
+
+_lock_fields = threading.Lock()
+
+
+class GpuArenaStats(ctypes.Structure, metaclass=_ServedFields):
+    """``gpu_arena_stats_t``: counters of one device's pool, all ``uint64_t``, all sizes in
+    bytes. Its fields are the ones the library serves (``gpu_arena_stats_fields``, the table
+    beside ``PoolStats`` in alloc/src/stats.rs), set on first use: ``ctypes.sizeof`` is 0
+    before the first instance."""
 
     def to_dict(self) -> dict:
-        return {name: int(getattr(self, name)) for name, _ in self._fields_}
+        return {name: int(getattr(self, name)) for name, _ in type(self)._fields_}
+
+
+GpuArenaStats._served = True  # from now on, reading _fields_ completes the class
 
 
 SHARE_BYTES = 128
@@ -441,7 +483,9 @@ _SIGNATURES = {
     "gpu_arena_record_stream_checked": (c_int, [c_void_p, c_void_p]),
     "gpu_arena_configure": (c_int, [c_char_p]),
     "gpu_arena_empty_cache": (c_int, [c_int]),
-    "gpu_arena_stats": (c_int, [c_int, ctypes.POINTER(GpuArenaStats)]),
+    # The out-parameter is a GpuArenaStats (byref), whose fields are the library's own.
+    "gpu_arena_stats": (c_int, [c_int, c_void_p]),
+    "gpu_arena_stats_fields": (c_int, [ctypes.POINTER(GpuArenaStatsField), ctypes.c_size_t]),
     "gpu_arena_validate": (c_int, [c_int]),
     "gpu_arena_device_count": (c_int, []),
     "gpu_arena_backend_name": (c_char_p, []),

@@ -11,10 +11,12 @@ or add the collector to the registry a serving engine already exposes::
     gpu_arena.prometheus.register()                    # prometheus_client.REGISTRY
 
 Every metric has the label ``device`` (the device index) and is one field of
-``gpu_arena.stats(device)``, read at each scrape. Names, types and help texts are those of
-the one table in docs/metrics.md (``METRICS`` below; a test checks they agree), which the Rust
-crate's ``metrics`` facade shares. Before gpu-arena is initialized a scrape shows the metrics
-without samples (the collector never initializes gpu-arena itself).
+``gpu_arena.stats(device)``, read at each scrape. Names, types and help texts are those the
+library serves with the stats fields (``gpu_arena_stats_fields``: the one table, Rust's
+``STAT_FIELDS`` beside ``PoolStats``, from which docs/metrics.md is generated and which the
+Rust crate's ``metrics`` facade shares); ``METRICS`` holds them, read from the library on
+first use. Describing or collecting loads the library (registering a collector does), never
+initializes gpu-arena: before init a scrape shows the metrics without samples.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from prometheus_client import start_http_server as _start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from . import _lib
 from .runtime import device_count, is_initialized, stats
 
 
 class MetricDef(NamedTuple):
-    """One row of docs/metrics.md."""
+    """One row of the metric table (docs/metrics.md)."""
 
     name: str  # as exposed: counters end in _total
     type: str  # "gauge" or "counter"
@@ -40,38 +43,17 @@ class MetricDef(NamedTuple):
     help: str
 
 
-# The rows of docs/metrics.md, in its order (tests/python/test_prometheus.py compares them):
-# name | type | gpu_arena.stats() key | help.
-_TABLE = """\
-gpu_arena_reserved_bytes | gauge | reserved_bytes | Bytes in arenas held from the backend.
-gpu_arena_allocated_bytes | gauge | allocated_bytes | Bytes in live allocations as served, each request rounded up to its block size (freed-but-shared ranges included).
-gpu_arena_peak_reserved_bytes | gauge | peak_reserved_bytes | Highest reserved bytes seen.
-gpu_arena_peak_allocated_bytes | gauge | peak_allocated_bytes | Highest allocated bytes seen.
-gpu_arena_arenas | gauge | arenas | Arenas held.
-gpu_arena_backend_creates_total | counter | backend_creates | Driver allocations created through the backend (arenas, a grown arena's chunks, a wake's memory).
-gpu_arena_backend_destroys_total | counter | backend_destroys | Driver allocations handed back to the backend (arenas, a grown arena's chunks, a sleep's memory).
-gpu_arena_exports_live | gauge | exports_live | Arenas exported right now.
-gpu_arena_exports_total | counter | exports_total | Driver exports made.
-gpu_arena_shares_live | gauge | shares_live | Shares handed out and not yet unshared.
-gpu_arena_imports_live | gauge | imports_live | Consumer leases (imports by other processes) on this pool's memory, live now.
-gpu_arena_pinned_bytes | gauge | pinned_bytes | Bytes in arenas pinned by a non-releasable export (recycled, never destroyed).
-gpu_arena_allocations_live | gauge | allocations | Live allocations.
-gpu_arena_allocations_total | counter | alloc_count | Allocations served.
-gpu_arena_frees_total | counter | free_count | Frees.
-gpu_arena_oom_total | counter | oom_count | Allocations that failed for lack of memory.
-gpu_arena_deferred_free_bytes | gauge | deferred_free_bytes | Bytes freed by the producer but still shared (reused once the shares end).
-gpu_arena_pending_free_bytes | gauge | pending_free_bytes | Bytes freed with record_stream streams, waiting for their events.
-gpu_arena_requested_bytes | gauge | requested_bytes | Bytes callers asked for in live allocations, before rounding.
-gpu_arena_peak_requested_bytes | gauge | peak_requested_bytes | Highest requested bytes seen.
-gpu_arena_observer_errors_total | counter | observer_errors | Arena observer callbacks that failed (an on_ready that refused or panicked, an on_release that panicked).
-gpu_arena_sleeping_bytes | gauge | sleeping_bytes | Bytes of arenas asleep (`gpu_arena_sleep`): addresses reserved, memory given back to the driver.
-gpu_arena_offload_host_bytes | gauge | offload_host_bytes | Bytes of host memory held for sleep offloads: sleeping arenas' contents and buffers kept for the next sleep (`gpu_arena_sleep_release_host` frees those).
-gpu_arena_sleep_kept_shared_bytes | gauge | sleep_kept_shared_bytes | Bytes of arenas whose tag sleeps but which kept their memory because another process may map them (shared, exported or pinned).
-gpu_arena_arena_growths_total | counter | arena_growths | Growth steps of growing arenas (`grow_arenas=1`): each mapped one more chunk.
-"""
-METRICS: Tuple[MetricDef, ...] = tuple(
-    MetricDef(*(cell.strip() for cell in line.split(" | "))) for line in _TABLE.splitlines()
-)
+def metrics() -> Tuple[MetricDef, ...]:
+    """Every metric, in the stats struct's order, as the library serves them (loads the
+    library, does not initialize gpu-arena)."""
+    return tuple(MetricDef(f.metric, f.kind, f.name, f.help) for f in _lib.stat_fields())
+
+
+def __getattr__(name: str):
+    # ``METRICS``: the rows, read from the library when first asked for.
+    if name == "METRICS":
+        return metrics()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _family(m: MetricDef) -> Metric:
@@ -82,7 +64,7 @@ def _family(m: MetricDef) -> Metric:
 
 
 class GpuArenaCollector(Collector):
-    """A ``prometheus_client`` collector of every ``METRICS`` row, per device.
+    """A ``prometheus_client`` collector of every metric (``METRICS``), per device.
 
     ``devices``: the device indices to report (default: every device of the backend)."""
 
@@ -90,16 +72,17 @@ class GpuArenaCollector(Collector):
         self.devices = None if devices is None else [int(d) for d in devices]
 
     def describe(self) -> Iterator[Metric]:
-        # Lets registering check names without loading the library.
-        return (_family(m) for m in METRICS)
+        # Lets registering check names (loads the library, initializes nothing).
+        return (_family(m) for m in metrics())
 
     def collect(self) -> Iterator[Metric]:
-        families = [_family(m) for m in METRICS]
+        rows = metrics()
+        families = [_family(m) for m in rows]
         if is_initialized():
             devices = self.devices if self.devices is not None else range(device_count())
             for d in devices:
                 s = stats(d)
-                for m, fam in zip(METRICS, families):
+                for m, fam in zip(rows, families):
                     fam.add_metric([str(d)], s[m.field])
         return iter(families)
 

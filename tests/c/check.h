@@ -114,25 +114,22 @@ static inline char *xstrdup(const char *s) {
 
 /* ------------------------------------------------------------------ stats */
 
-static const char *const STAT_NAMES[] = {
-    "reserved_bytes", "allocated_bytes", "peak_reserved_bytes", "peak_allocated_bytes",
-    "arenas", "backend_creates", "backend_destroys", "exports_live", "exports_total",
-    "shares_live", "imports_live", "pinned_bytes", "allocations", "alloc_count", "free_count",
-    "oom_count", "deferred_free_bytes", "pending_free_bytes", "requested_bytes",
-    "peak_requested_bytes", "observer_errors", "sleeping_bytes", "offload_host_bytes",
-};
-
 /* The first field of gpu_arena_stats_t that differs between a and b ("name a -> b"), or
- * NULL. */
+ * NULL. The fields' names and offsets are the library's (gpu_arena_stats_fields). */
 static inline const char *stats_diff(const gpu_arena_stats_t *a, const gpu_arena_stats_t *b,
                               char *buf, size_t len) {
-    const uint64_t *x = (const uint64_t *)a, *y = (const uint64_t *)b;
-    size_t n = sizeof *a / sizeof(uint64_t);
-    for (size_t i = 0; i < n; i++) {
-        if (x[i] != y[i]) {
-            snprintf(buf, len, "%s %" PRIu64 " -> %" PRIu64,
-                     i < sizeof STAT_NAMES / sizeof *STAT_NAMES ? STAT_NAMES[i] : "(new field)",
-                     x[i], y[i]);
+    gpu_arena_stats_field_t fields[sizeof(gpu_arena_stats_t) / sizeof(uint64_t)];
+    int n = gpu_arena_stats_fields(fields, sizeof fields / sizeof *fields);
+    if (n != (int)(sizeof fields / sizeof *fields)) {
+        check_at(__LINE__, 0, "gpu_arena_stats_fields serves %d fields, one per uint64_t of "
+                 "gpu_arena_stats_t", n);
+    }
+    for (int i = 0; i < n; i++) {
+        uint64_t x, y;
+        memcpy(&x, (const char *)a + fields[i].offset, sizeof x);
+        memcpy(&y, (const char *)b + fields[i].offset, sizeof y);
+        if (x != y) {
+            snprintf(buf, len, "%s %" PRIu64 " -> %" PRIu64, fields[i].name, x, y);
             return buf;
         }
     }

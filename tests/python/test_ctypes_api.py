@@ -58,7 +58,7 @@ def _header_text() -> str:
 # The C types of the header, as ctypes.
 _CTYPES = {"uint64_t": ctypes.c_uint64, "uint8_t": ctypes.c_uint8, "int32_t": ctypes.c_int32,
            "uint32_t": ctypes.c_uint32, "size_t": ctypes.c_size_t, "void*": ctypes.c_void_p,
-           "char": ctypes.c_char,
+           "char": ctypes.c_char, "char*": ctypes.c_char_p,
            # A struct of the header inside another (checked on its own below).
            "gpu_arena_share_t": _lib.GpuArenaShare}
 
@@ -91,7 +91,9 @@ def _same_type(a, b) -> bool:
 
 
 @pytest.mark.parametrize("c_name, py_struct", [
+    # Built from what the library serves (gpu_arena_stats_fields): the header's is cbindgen's.
     ("gpu_arena_stats_t", gpu_arena.GpuArenaStats),
+    ("gpu_arena_stats_field_t", _lib.GpuArenaStatsField),
     ("gpu_arena_share_t", _lib.GpuArenaShare),
     ("gpu_arena_share_field_t", _lib.GpuArenaShareField),
     ("gpu_arena_share_fields_t", _lib.GpuArenaShareFields),
@@ -123,6 +125,18 @@ def test_constants_match_the_header():
     errors = {v for n, v in consts.items() if n.startswith("GPU_ARENA_ERR_")}
     assert set(_lib.ERROR_NAMES) == errors
     assert set(_lib._CLASS_OF_CODE) == errors, "every error code has its exception class"
+
+
+def test_served_tables_are_the_generated_docs():
+    """The library's table (gpu_arena_stats_fields) is the rows of the doc generated from
+    the same Rust table (alloc/tests/generated_docs.rs)."""
+    def rows(doc, n):
+        return [tuple(c.strip() for c in line.strip().strip("|").split(" | "))
+                for line in (REPO_DIR / "docs" / doc).read_text().splitlines()
+                if line.startswith("| `") and line.count(" | ") == n - 1]
+    fields = [(f"`{f.metric}`", f.kind, f"`{f.name}`", f.help) for f in _lib.stat_fields()]
+    assert fields == [(m, k, f, h) for m, k, f, _rust, h in rows("metrics.md", 5)]
+    assert [f.name for f in _lib.stat_fields()] == [n for n, _ in gpu_arena.GpuArenaStats._fields_]
 
 
 def test_every_function_declared():

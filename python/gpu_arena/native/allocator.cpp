@@ -58,8 +58,26 @@
 #define GA_SAME_FIELD(f)                                                            \
   static_assert(offsetof(gpu_arena_native::Stats, f) == offsetof(gpu_arena_stats_t, f), \
                 "gpu_arena_stats_t." #f " moved");
+// Every field of Stats (the leading fields of gpu_arena_stats_t, up to the last one read).
 GA_SAME_FIELD(reserved_bytes)
+GA_SAME_FIELD(allocated_bytes)
+GA_SAME_FIELD(peak_reserved_bytes)
+GA_SAME_FIELD(peak_allocated_bytes)
+GA_SAME_FIELD(arenas)
+GA_SAME_FIELD(backend_creates)
+GA_SAME_FIELD(backend_destroys)
+GA_SAME_FIELD(exports_live)
+GA_SAME_FIELD(exports_total)
+GA_SAME_FIELD(shares_live)
+GA_SAME_FIELD(imports_live)
+GA_SAME_FIELD(pinned_bytes)
+GA_SAME_FIELD(allocations)
+GA_SAME_FIELD(alloc_count)
+GA_SAME_FIELD(free_count)
 GA_SAME_FIELD(oom_count)
+GA_SAME_FIELD(deferred_free_bytes)
+GA_SAME_FIELD(pending_free_bytes)
+GA_SAME_FIELD(requested_bytes)
 GA_SAME_FIELD(peak_requested_bytes)
 static_assert(sizeof(gpu_arena_native::Share) == sizeof(gpu_arena_share_t), "share size");
 static_assert(sizeof(gpu_arena_native::PoolBlock) == sizeof(gpu_arena_pool_block_t), "block");

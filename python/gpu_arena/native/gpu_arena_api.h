@@ -6,10 +6,13 @@
 // Python already loaded (RTLD_NOW alone if it is not loaded yet): the allocator never links
 // libgpu_arena, so it uses the same instance, with the same pools, as the rest of the process.
 //
-// The structs repeat the layouts of ffi/include/gpu_arena.h. gpu_arena_stats_t grows at its
-// end (its doc says new fields go last), so the allocator hands gpu_arena_stats a StatsBuffer
+// The structs repeat the layouts of ffi/include/gpu_arena.h. Stats holds only the leading
+// fields of gpu_arena_stats_t, up to the last one the allocator reads: the struct grows at its
+// end (its doc says new fields go last; the full list is served by gpu_arena_stats_fields), so
+// a new counter changes nothing here, and the allocator hands gpu_arena_stats a StatsBuffer
 // with room to spare. torch_native.check_headers(gpu_arena_header=...) compiles allocator.cpp
-// with -DGPU_ARENA_CHECK_LAYOUT and the real header to check these layouts against it.
+// with -DGPU_ARENA_CHECK_LAYOUT and the real header to check these layouts against it (every
+// field of Stats by name and offset).
 #pragma once
 
 #include <dlfcn.h>
