@@ -1,22 +1,8 @@
 //! Configuration: a `key=value,key=value` string (the C API's `gpu_arena_configure`, the
 //! `GPU_ARENA_CONF` environment variable) and backend selection.
 //!
-//! | key | value | default |
-//! |---|---|---|
-//! | `backend` | `auto`, `sim`, `cuda`, `hip` | `auto` (also `GPU_ARENA_BACKEND`) |
-//! | `arena_size` | size of a regular arena, at least `2MiB`, e.g. `1GiB`, `256MiB` | `1GiB` |
-//! | `max_reserved` | cap on reserved bytes per device: a size (`40GiB`), a fraction of the device's total memory (`0.9`, `90%`; above 0, at most 1), or `none` | `none` |
-//! | `validate` | `0`/`1`: check every invariant after each operation | `1` in debug builds |
-//! | `sim_devices` | number of simulated devices | `1` |
-//! | `sim_capacity` | simulated memory per device | `16GiB` |
-//! | `sim_granularity` | simulated granularity | `2MiB` |
-//! | `legacy_pin` | `0`/`1`: sim exports pin for the process's life (ROCm 7.2) | `0` |
-//! | `grow_arenas` | `0`/`1`: large blocks in arenas that grow with the work (`pool/growth/grow.rs`: the device's address range reserved, memory mapped chunk by chunk as they fill), reserving about what is live; `0`: fixed arenas of `arena_size`, mapped whole (the fastest per operation, more reserved) | `1` |
-//! | `trim_on_empty_cache` | `0`/`1`: every `empty_cache` is a trim (`pool/growth/trim.rs`: arenas with survivors cut down to their pages); only where `empty_cache` runs at idle points | `0` |
-//! | `unsafe_ignore_streams` | `0`/`1`: demonstration only, disables the stream rules | `0` |
-//! | `allowed_uids` | `:`-separated uids allowed to import, besides our own | (none) |
-//! | `legacy_ipc` | `0`/`1` (cuda, hip): arenas from `cuMemAlloc`/`hipMalloc`, shared with `cuIpc`/`hipIpc` handles: what UCX's cuda_ipc opens on hosts without fabric handles; sleep/wake unavailable | `0` |
-//! | `fabric_handles` | `auto`/`0`/`1` (cuda): VMM arenas also exportable as FABRIC handles (what UCX's cuda_ipc opens) where the device supports them; `auto` falls back to POSIX fds for good on a device whose driver refuses them (no IMEX channel), `1` fails instead | `auto` |
+//! The keys, their values, defaults and meaning: [`KEY_TABLE`], the one table
+//! (docs/configuration.md's Keys table is generated from it).
 //!
 //! Sizes: bytes (`4096`), or a number (fractions too: `1.5GiB`) with a unit: `KiB`, `MiB`,
 //! `GiB`, `TiB` and `K`, `M`, `G`, `T` alone are binary (2^10...), `KB`, `MB`, `GB`, `TB`
@@ -36,25 +22,122 @@ use crate::error::{Error, Result};
 use crate::pool::{MaxReserved, Pool, PoolConfig};
 use crate::units::{parse_fraction, SIZE_FORMS};
 
-/// Every configuration key, as [`Config::apply`] accepts them (the table above lists the
-/// same keys; docs/configuration.md's Keys table, python/README.md and the Python
-/// `gpu_arena.configure` docstring are checked against this list by `alloc/tests/config_keys.rs`).
-pub const KEYS: &[&str] = &[
-    "backend",
-    "arena_size",
-    "max_reserved",
-    "validate",
-    "sim_devices",
-    "sim_capacity",
-    "sim_granularity",
-    "legacy_pin",
-    "legacy_ipc",
-    "fabric_handles",
-    "allowed_uids",
-    "unsafe_ignore_streams",
-    "trim_on_empty_cache",
-    "grow_arenas",
+/// One configuration key: a row of [`KEY_TABLE`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConfigKey {
+    /// The key, as `key=value` names it.
+    pub name: &'static str,
+    /// The values it takes (Markdown).
+    pub values: &'static str,
+    /// Its default (Markdown; a value in backticks is one `key=value` accepts).
+    pub default: &'static str,
+    /// What it does (Markdown).
+    pub help: &'static str,
+}
+
+/// Every configuration key, as [`Config::apply`] accepts them: the one table, from which
+/// [`KEYS`] and docs/configuration.md's Keys table are generated
+/// (`alloc/tests/generated_docs.rs` checks the doc; this module's tests check the table
+/// against `apply` and each default against [`Config::default`]).
+pub const KEY_TABLE: [ConfigKey; 14] = [
+    ConfigKey {
+        name: "backend",
+        values: "`auto`, `sim`, `cuda`, `hip`",
+        default: "`auto`",
+        help: "the driver: `auto` picks cuda if libcuda loads and has a device, else hip if built in and a device exists, else sim (`GPU_ARENA_LOG=info` says why). `GPU_ARENA_BACKEND` sets it too",
+    },
+    ConfigKey {
+        name: "arena_size",
+        values: "a size, at least `2MiB`",
+        default: "`1GiB`",
+        help: "regular arena size with fixed arenas (`grow_arenas=0`); smaller is refused: every request above `arena_size` gets an arena of its own; rounded up to the device's granularity. With growing arenas (the default) it only caps the arenas of CUDA-graph pools. Larger than the device: allocations fail with an error naming `arena_size`",
+    },
+    ConfigKey {
+        name: "max_reserved",
+        values: "a size (`40GiB`), a fraction of the device (`0.9`, `90%`; above 0, at most 1), or `none`",
+        default: "`none`",
+        help: "cap on the bytes gpu-arena reserves per device. A fraction is of each device's total memory as its driver reports it (PyTorch's `set_per_process_memory_fraction`), resolved per device when gpu-arena first grows on it. A plain number up to 1 is a fraction, a larger whole number bytes",
+    },
+    ConfigKey {
+        name: "validate",
+        values: "`0`/`1`",
+        default: "`1` in debug builds, `0` in release builds",
+        help: "check every invariant after each operation",
+    },
+    ConfigKey {
+        name: "sim_devices",
+        values: "1 to 64",
+        default: "`1`",
+        help: "the sim backend's number of devices",
+    },
+    ConfigKey {
+        name: "sim_capacity",
+        values: "a size (a multiple of the granularity)",
+        default: "`16GiB`",
+        help: "the memory of each sim device",
+    },
+    ConfigKey {
+        name: "sim_granularity",
+        values: "a size (a power of two, at least 4 KiB)",
+        default: "`2MiB`",
+        help: "the sim devices' allocation granularity",
+    },
+    ConfigKey {
+        name: "legacy_pin",
+        values: "`0`/`1`",
+        default: "`0`",
+        help: "sim exports pin their memory for the process's life, as ROCm 7.2's legacy IPC does (the start-up self-test detects it; pinned arenas are recycled)",
+    },
+    ConfigKey {
+        name: "legacy_ipc",
+        values: "`0`/`1`",
+        default: "`0`",
+        help: "cuda, hip: arenas from `cuMemAlloc`/`hipMalloc`, shared with `cuIpc`/`hipIpc` handles: what UCX's cuda_ipc opens on hosts without fabric handles; sleep/wake unavailable",
+    },
+    ConfigKey {
+        name: "fabric_handles",
+        values: "`auto`/`0`/`1`",
+        default: "`auto`",
+        help: "cuda: VMM arenas also exportable as FABRIC handles (what UCX's cuda_ipc opens) where the device supports them; `auto` stays on POSIX fds for good on a device whose driver refuses them (no IMEX channel), `1` fails instead",
+    },
+    ConfigKey {
+        name: "allowed_uids",
+        values: "`:`-separated uids",
+        default: "none",
+        help: "uids whose processes may import our shares, besides our own",
+    },
+    ConfigKey {
+        name: "unsafe_ignore_streams",
+        values: "`0`/`1`",
+        default: "`0`",
+        help: "demonstration only: disables the stream rules (cross-stream reuse races are not prevented)",
+    },
+    ConfigKey {
+        name: "trim_on_empty_cache",
+        values: "`0`/`1`",
+        default: "`0`",
+        help: "every `empty_cache` is a trim (`pool/growth/trim.rs`: arenas with survivors cut down to their 2 MiB pages); only where `empty_cache` runs at idle points (no other thread using gpu-arena memory on the device meanwhile)",
+    },
+    ConfigKey {
+        name: "grow_arenas",
+        values: "`0`/`1`",
+        default: "`1`",
+        help: "large blocks (above 1 MiB) live in arenas that grow with the work (`pool/growth/grow.rs`): each reserves the device's address range and maps memory chunk by chunk as it fills (exactly the shortfall for requests of 8 MiB and more; for smaller ones up to 8 MiB more while it holds under 64 MiB, then at least a quarter of the arena), so reserved follows live; only blocks up to 2 MiB are cached (larger ones too while a thread finds the device lock contended); `empty_cache` gives back every chunk no live block touches (past the last one and between them, nothing moved) and `trim` splits grown arenas down to their survivors' pages; a shared arena stops growing (its export is one fd per chunk), as does one while an arena observer is registered. `0`: fixed arenas of `arena_size`, mapped whole: the fastest per operation, reserving whole arenas (a class's last one partly empty, a small program 1 GiB for its large blocks)",
+    },
 ];
+
+/// Every configuration key's name, in [`KEY_TABLE`]'s order.
+pub const KEYS: &[&str] = &key_names();
+
+const fn key_names() -> [&'static str; KEY_TABLE.len()] {
+    let mut names = [""; KEY_TABLE.len()];
+    let mut i = 0;
+    while i < names.len() {
+        names[i] = KEY_TABLE[i].name;
+        i += 1;
+    }
+    names
+}
 
 /// Which backend to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -401,7 +484,7 @@ mod tests {
     }
 
     #[test]
-    fn keys_are_the_ones_apply_accepts_and_the_table_lists() {
+    fn keys_are_the_ones_apply_accepts() {
         for key in KEYS {
             let c = Config::parse(&format!("{key}={}", sample(key)))
                 .unwrap_or_else(|e| panic!("{key}: {e}"));
@@ -412,7 +495,7 @@ mod tests {
             KEYS.iter().all(|k| e.contains(k)),
             "the refusal names every key: {e}"
         );
-        // The keys `apply` matches on, read from this file's source, and the module table's.
+        // The keys `apply` matches on, read from this file's source.
         let source = include_str!("config.rs");
         let body = &source[source.find("match key {").unwrap()..];
         let body = &body[..body.find("_ => {").unwrap()];
@@ -429,13 +512,44 @@ mod tests {
                     .map(|(k, _)| k)
             })
             .collect();
-        let keys = sorted(KEYS.to_vec());
-        assert_eq!(sorted(matched), keys, "apply's match arms");
-        let table = source
-            .lines()
-            .filter_map(|l| l.strip_prefix("//! | `")?.split_once('`').map(|(k, _)| k))
-            .collect();
-        assert_eq!(sorted(table), keys, "the module docs' table");
+        assert_eq!(sorted(matched), sorted(KEYS.to_vec()), "apply's match arms");
+    }
+
+    /// Each default the table writes as one value (`` `1GiB` ``) is the default: setting it
+    /// changes nothing.
+    #[test]
+    fn the_tables_defaults_are_the_defaults() {
+        let mut checked = 0;
+        for k in &KEY_TABLE {
+            let Some(value) = k
+                .default
+                .strip_prefix('`')
+                .and_then(|d| d.strip_suffix('`'))
+                .filter(|v| !v.contains('`'))
+            else {
+                continue;
+            };
+            let c = Config::parse(&format!("{}={value}", k.name))
+                .unwrap_or_else(|e| panic!("{}: {e}", k.name));
+            assert_eq!(
+                c,
+                Config::default(),
+                "{}={value} is not the default",
+                k.name
+            );
+            checked += 1;
+        }
+        assert_eq!(
+            checked,
+            KEY_TABLE.len() - 2,
+            "all but validate and allowed_uids"
+        );
+        let validate = if cfg!(debug_assertions) { "1" } else { "0" };
+        assert_eq!(
+            Config::parse(&format!("validate={validate}")).unwrap(),
+            Config::default()
+        );
+        assert_eq!(Config::parse("allowed_uids=").unwrap(), Config::default());
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //!
 //! # Main types
 //!
-//! - [`Config`]: the `key=value,...` configuration (the keys: [`config::KEYS`]) and the
+//! - [`Config`]: the `key=value,...` configuration (the keys: [`config::KEY_TABLE`]) and the
 //!   backend choice; [`Config::build_pool`] opens the backend and builds the pool.
 //! - [`Pool`]: per-device pools. [`Pool::alloc`] / [`Pool::free`] (an [`Allocation`] on a
 //!   [`StreamId`]), [`Pool::record_stream`], [`Pool::empty_cache`], [`Pool::stats`]

@@ -1,6 +1,8 @@
 //! Tables of the docs generated from the crate's own tables, and checked in:
 //!
 //! - docs/metrics.md's metric table, from `gpu_arena::stats::STAT_FIELDS` (alloc/src/stats.rs);
+//! - docs/configuration.md's Keys table, from `gpu_arena::config::KEY_TABLE`
+//!   (alloc/src/config.rs).
 //!
 //! Each generated table sits between a `<!-- generated ... -->` line and
 //! `<!-- end of generated table -->`; the prose around it is written by hand. A test fails
@@ -10,6 +12,7 @@
 
 use std::path::PathBuf;
 
+use gpu_arena::config::KEY_TABLE;
 use gpu_arena::stats::STAT_FIELDS;
 
 const END: &str = "<!-- end of generated table -->";
@@ -94,5 +97,29 @@ fn metrics_doc_table_is_generated_from_stat_fields() {
         "docs/metrics.md",
         "<!-- generated from STAT_FIELDS (alloc/src/stats.rs) by alloc/tests/generated_docs.rs -->",
         &metrics_table(),
+    );
+}
+
+/// docs/configuration.md's Keys table: one row per key, in the table's order.
+fn keys_table() -> String {
+    let mut out = String::from("| key | values | default | meaning |\n|---|---|---|---|\n");
+    for k in &KEY_TABLE {
+        out += &format!(
+            "| `{}` | {} | {} | {} |\n",
+            cell(k.name),
+            cell(k.values),
+            cell(k.default),
+            cell(k.help)
+        );
+    }
+    out
+}
+
+#[test]
+fn configuration_doc_table_is_generated_from_key_table() {
+    check_region(
+        "docs/configuration.md",
+        "<!-- generated from KEY_TABLE (alloc/src/config.rs) by alloc/tests/generated_docs.rs -->",
+        &keys_table(),
     );
 }

@@ -612,6 +612,29 @@ typedef struct gpu_arena_stats_field_t {
     const char *help;
 } gpu_arena_stats_field_t;
 
+/**
+ * One configuration key (`gpu_arena_config_keys`), as `gpu_arena_configure` and
+ * `GPU_ARENA_CONF` take it. The strings are static (Markdown): never free them.
+ */
+typedef struct gpu_arena_config_key_t {
+    /**
+     * The key, e.g. `arena_size`.
+     */
+    const char *name;
+    /**
+     * The values it takes.
+     */
+    const char *values;
+    /**
+     * Its default.
+     */
+    const char *default_value;
+    /**
+     * What it does.
+     */
+    const char *help;
+} gpu_arena_config_key_t;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -1266,6 +1289,12 @@ int gpu_arena_xfer_stats(uint64_t engine_id, struct gpu_arena_xfer_stats_t *out)
  * (`sizeof(gpu_arena_stats_t)` is `8 * n`). Needs no init.
  */
 int gpu_arena_stats_fields(struct gpu_arena_stats_field_t *out, size_t cap);
+
+/**
+ * The configuration keys `gpu_arena_configure` takes, in order: the first `min(cap, n)` go
+ * to `out` (NULL when `cap` is 0); returns `n`, the number of keys. Needs no init.
+ */
+int gpu_arena_config_keys(struct gpu_arena_config_key_t *out, size_t cap);
 
 /**
  * Set the level of gpu-arena's stderr log: `"off"`, `"error"`, `"warn"`, `"info"`,

@@ -35,7 +35,7 @@
 //! `errors.rs` the error codes, the last error and `guard` / `fail` / `status`; each
 //! `*_api.rs` (and `observers.rs`, `logging.rs`) one part of the API, `dlpack_view.rs` the
 //! reading of a DLPack view, `tables.rs` the tables other languages read at run time (the
-//! stats fields and their metrics). cbindgen lists their items in the order the modules are
+//! stats fields and their metrics, the configuration keys). cbindgen lists their items in the order the modules are
 //! declared here: that order is the header's.
 
 // The exported functions check their pointer arguments themselves and are documented in the

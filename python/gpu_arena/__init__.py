@@ -65,7 +65,9 @@ from ._lib import (  # noqa: F401  (re-exported)
 
 # The runtime calls (gpu_arena/runtime.py), re-exported.
 from .runtime import (  # noqa: F401
+    ConfigKey,
     backend_name,
+    config_keys,
     configure,
     current_tag,
     device_count,
@@ -115,6 +117,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "configure",
+    "config_keys",
+    "ConfigKey",
     "init",
     "is_initialized",
     "set_log_level",

@@ -254,6 +254,14 @@ class GpuArenaStats(ctypes.Structure, metaclass=_ServedFields):
 GpuArenaStats._served = True  # from now on, reading _fields_ completes the class
 
 
+class GpuArenaConfigKey(ctypes.Structure):
+    """``gpu_arena_config_key_t``: one configuration key (``gpu_arena_config_keys``); the
+    strings are the library's, static."""
+
+    _fields_ = [("name", ctypes.c_char_p), ("values", ctypes.c_char_p),
+                ("default_value", ctypes.c_char_p), ("help", ctypes.c_char_p)]
+
+
 SHARE_BYTES = 128
 GPU_ARENA_BATCH_MAX = 1048576  # most entries of one batch call (gpu_arena_share_many, ...)
 
@@ -486,6 +494,7 @@ _SIGNATURES = {
     # The out-parameter is a GpuArenaStats (byref), whose fields are the library's own.
     "gpu_arena_stats": (c_int, [c_int, c_void_p]),
     "gpu_arena_stats_fields": (c_int, [ctypes.POINTER(GpuArenaStatsField), ctypes.c_size_t]),
+    "gpu_arena_config_keys": (c_int, [ctypes.POINTER(GpuArenaConfigKey), ctypes.c_size_t]),
     "gpu_arena_validate": (c_int, [c_int]),
     "gpu_arena_device_count": (c_int, []),
     "gpu_arena_backend_name": (c_char_p, []),

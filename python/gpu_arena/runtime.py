@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 import json
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from . import _lib
 from ._lib import GPU_ARENA_OK, GpuArenaStats
@@ -16,6 +16,8 @@ from ._lib import as_int as _int
 
 __all__ = [
     "configure",
+    "config_keys",
+    "ConfigKey",
     "init",
     "is_initialized",
     "set_log_level",
@@ -38,17 +40,44 @@ __all__ = [
 
 
 def configure(conf: str) -> None:
-    """Configure before first use, e.g. ``"backend=sim,arena_size=1GiB"`` (keys: backend,
-    arena_size, max_reserved, validate, sim_devices, sim_capacity, sim_granularity,
-    legacy_pin, legacy_ipc, fabric_handles, allowed_uids, unsafe_ignore_streams,
-    trim_on_empty_cache, grow_arenas; docs/configuration.md says what each does). Several
-    calls accumulate. Once initialized (by :func:`init` or the first call that needs the
-    pool): ``InvalidStateError``."""
+    """Configure before first use, e.g. ``"backend=sim,arena_size=1GiB"``: comma-separated
+    ``key=value`` pairs. The keys, their values, defaults and meaning: :func:`config_keys`
+    (the library's table; docs/configuration.md is generated from it). Several calls
+    accumulate. Once initialized (by :func:`init` or the first call that needs the pool):
+    ``InvalidStateError``; an unknown key or a bad value: ``InvalidArgumentError`` naming
+    the key, the value and the accepted forms."""
     if not isinstance(conf, str):
         raise TypeError(f"conf must be a str, not {type(conf).__name__}")
     if "\0" in conf:
         raise ValueError("conf must not contain NUL characters")
     _lib.check(_lib.lib().gpu_arena_configure(conf.encode("utf-8")), "gpu_arena_configure")
+
+
+class ConfigKey(NamedTuple):
+    """One configuration key, as the library serves it (Markdown text)."""
+
+    name: str
+    values: str
+    default: str
+    help: str
+
+
+_config_keys: Optional[Tuple[ConfigKey, ...]] = None
+
+
+def config_keys() -> Tuple[ConfigKey, ...]:
+    """Every key :func:`configure` (and ``GPU_ARENA_CONF``) takes, with its values, default
+    and meaning: the library's table (``gpu_arena_config_keys``; Rust's ``KEY_TABLE``, from
+    which docs/configuration.md is generated). Loads the library, does not initialize it."""
+    global _config_keys
+    if _config_keys is None:
+        fn = _lib.lib().gpu_arena_config_keys
+        n = _lib.check(fn(None, 0), "gpu_arena_config_keys")
+        out = (_lib.GpuArenaConfigKey * n)()
+        _lib.check(fn(out, n), "gpu_arena_config_keys")
+        _config_keys = tuple(ConfigKey(k.name.decode(), k.values.decode(),
+                                       k.default_value.decode(), k.help.decode()) for k in out)
+    return _config_keys
 
 
 def init(device_count: int = -1) -> None:

@@ -94,6 +94,7 @@ def _same_type(a, b) -> bool:
     # Built from what the library serves (gpu_arena_stats_fields): the header's is cbindgen's.
     ("gpu_arena_stats_t", gpu_arena.GpuArenaStats),
     ("gpu_arena_stats_field_t", _lib.GpuArenaStatsField),
+    ("gpu_arena_config_key_t", _lib.GpuArenaConfigKey),
     ("gpu_arena_share_t", _lib.GpuArenaShare),
     ("gpu_arena_share_field_t", _lib.GpuArenaShareField),
     ("gpu_arena_share_fields_t", _lib.GpuArenaShareFields),
@@ -128,12 +129,15 @@ def test_constants_match_the_header():
 
 
 def test_served_tables_are_the_generated_docs():
-    """The library's table (gpu_arena_stats_fields) is the rows of the doc generated from
-    the same Rust table (alloc/tests/generated_docs.rs)."""
+    """The library's tables (gpu_arena_config_keys, gpu_arena_stats_fields) are the rows of
+    the docs generated from the same Rust tables (alloc/tests/generated_docs.rs)."""
     def rows(doc, n):
         return [tuple(c.strip() for c in line.strip().strip("|").split(" | "))
                 for line in (REPO_DIR / "docs" / doc).read_text().splitlines()
                 if line.startswith("| `") and line.count(" | ") == n - 1]
+    keys = [(f"`{k.name}`", k.values, k.default, k.help) for k in gpu_arena.config_keys()]
+    assert keys == rows("configuration.md", 4)
+    assert "backend" in [k.name for k in gpu_arena.config_keys()]
     fields = [(f"`{f.metric}`", f.kind, f"`{f.name}`", f.help) for f in _lib.stat_fields()]
     assert fields == [(m, k, f, h) for m, k, f, _rust, h in rows("metrics.md", 5)]
     assert [f.name for f in _lib.stat_fields()] == [n for n, _ in gpu_arena.GpuArenaStats._fields_]
