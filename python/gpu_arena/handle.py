@@ -1,51 +1,62 @@
 """The share handle: 128 plain bytes (C: ``gpu_arena_share_t``; layout in
-alloc/src/ipc/handle.rs). No pointer, no fd: it travels any way bytes travel."""
+alloc/src/ipc/handle.rs, served by the library). No pointer, no fd: it travels any way bytes
+travel."""
 
 from __future__ import annotations
 
 import ctypes
 import struct
-from typing import Any, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
+from . import _lib
 from ._lib import SHARE_BYTES, GpuArenaShare
 
 __all__ = ["ShareHandle", "as_handle"]
 
 _MAGIC = b"GPUARENA"
 
-# The layout: field -> (first byte, length); integers little-endian. Its definition is
-# Rust's (alloc/src/ipc/handle.rs, `layout::FIELDS`), which the library hands out
-# (``gpu_arena_share_layout``); tests/python/test_handle_layout.py checks this copy against
-# it and every field of a handle the library made.
-_LAYOUT = {
-    "magic": (0, 8),
-    "version": (8, 2),
-    "reserved0": (10, 2),
-    "device": (12, 4),
-    "producer_pid": (16, 4),
-    "share_key": (20, 4),
-    "arena_id": (24, 8),
-    "generation": (32, 4),
-    "reserved1": (36, 4),
-    "offset": (40, 8),
-    "len": (48, 8),
-    "arena_bytes": (56, 8),
-    "token": (64, 16),
-    "socket_name": (80, 48),
-}
+# The layout (field -> (first byte, length); integers little-endian) is Rust's
+# (alloc/src/ipc/handle.rs, `layout::FIELDS`), read from the library (`gpu_arena_share_layout`:
+# loads it, initializes nothing) the first time a field is decoded.
+_layout_cache: Optional[Dict[str, Tuple[int, int]]] = None
 # The unsigned integer of each length; the device is signed.
 _UINT = {2: "H", 4: "I", 8: "Q"}
-# The producer's device, an int32: `_device_of(handle, 0)[0]` (tensors.share() reads it per
-# call without the property).
-_device_of = struct.Struct("<%dxi" % _LAYOUT["device"][0]).unpack_from
+_device_unpack = None
+
+
+def _layout() -> Dict[str, Tuple[int, int]]:
+    """The handle's fields in byte order, reserved bytes included: name -> (first byte,
+    length), as the library serves them."""
+    global _layout_cache
+    if _layout_cache is None:
+        lib = _lib.lib()
+        if not _lib.has_ipc():
+            raise _lib.LibraryNotFoundError(
+                f"{_lib.lib_path()} has no gpu_arena_share_layout (built without IPC?)")
+        n = _lib.check(lib.gpu_arena_share_layout(None, 0), "gpu_arena_share_layout")
+        fields = (_lib.GpuArenaShareField * n)()
+        _lib.check(lib.gpu_arena_share_layout(fields, n), "gpu_arena_share_layout")
+        _layout_cache = {f.name.decode(): (f.offset, f.len) for f in fields}
+    return _layout_cache
+
+
+def _device_of(buf, offset: int = 0) -> Tuple[int]:
+    """The producer's device (an int32) of the handle at ``offset`` of ``buf``, as
+    ``struct.unpack_from`` gives it: ``_device_of(handle, 0)[0]`` (tensors.share() reads it
+    per call without the property)."""
+    global _device_unpack
+    if _device_unpack is None:
+        _device_unpack = struct.Struct("<%dxi" % _layout()["device"][0]).unpack_from
+    return _device_unpack(buf, offset)
 
 
 class ShareHandle(bytes):
     """A share handle: exactly 128 bytes (``gpu_arena_share_t``). It is ``bytes``: send it,
     store it, ``.hex()`` it; ``ShareHandle(b)`` / ``ShareHandle.from_hex(s)`` bring it back.
 
-    The properties decode the fields for display and routing (layout in
-    alloc/src/ipc/handle.rs); the library validates the handle on every use."""
+    The properties decode the fields for display and routing (the layout is the library's,
+    ``gpu_arena_share_layout``, read on first use); the library validates the handle on every
+    use."""
 
     __slots__ = ()
 
@@ -77,11 +88,11 @@ class ShareHandle(bytes):
 
     def _field(self, name: str) -> bytes:
         """The raw bytes of field ``name`` (a key of the layout)."""
-        at, n = _LAYOUT[name]
+        at, n = _layout()[name]
         return bytes(self[at:at + n])
 
     def _u(self, name: str) -> int:
-        at, n = _LAYOUT[name]
+        at, n = _layout()[name]
         return struct.unpack_from("<" + _UINT[n], self, at)[0]
 
     @property

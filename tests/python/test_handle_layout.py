@@ -1,9 +1,11 @@
 """The share handle's layout has one home, Rust's ``layout::FIELDS`` (alloc/src/ipc/handle.rs),
 which the library hands out (``gpu_arena_share_layout``) with its own decoder
-(``gpu_arena_share_fields``). Python's decoder (gpu_arena/handle.py, ``ShareHandle``) is
-checked against both: its table against the library's, and every field of a handle the
-library made (on the sim backend, in a fresh process) against what the library decodes and
-against the pool's own view (pid, device, arena id and size, offset, length)."""
+(``gpu_arena_share_fields``). Python's decoder (gpu_arena/handle.py, ``ShareHandle``) reads
+the layout from the library at run time; it is checked against the library: the layout it
+uses is the one served (covering the handle, a property for every field that carries a
+value), and every field of a handle the library made (on the sim backend, in a fresh
+process) decodes as the library decodes it and as the pool sees it (pid, device, arena id
+and size, offset, length)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from conftest import result_of, run_python
 
 import gpu_arena
 from gpu_arena import _lib
-from gpu_arena.handle import _LAYOUT
+from gpu_arena.handle import _layout
 
 MiB = 1 << 20
 
@@ -60,9 +62,19 @@ def made():
 
 
 def test_python_layout_is_the_library_layout(made):
-    assert {k: tuple(v) for k, v in made["layout"].items()} == _LAYOUT
-    assert list(made["layout"]) == list(_LAYOUT), "in byte order"
-    assert sum(n for _, n in _LAYOUT.values()) == gpu_arena.ShareHandle.SIZE
+    layout = _layout()
+    assert {k: tuple(v) for k, v in made["layout"].items()} == layout
+    assert list(made["layout"]) == list(layout), "in byte order"
+    # The fields follow each other and cover the handle.
+    at = 0
+    for name, (offset, n) in layout.items():
+        assert offset == at, name
+        at += n
+    assert at == gpu_arena.ShareHandle.SIZE
+    # Every field that carries a value has its property (the rest: magic and reserved bytes).
+    valued = set(layout) - {"magic", "reserved0", "reserved1", "token"}
+    missing = [f for f in valued if not hasattr(gpu_arena.ShareHandle, PROPERTY.get(f, f))]
+    assert not missing, f"fields of the served layout without a ShareHandle property: {missing}"
 
 
 def test_every_field_of_a_library_made_handle(made):

@@ -28,7 +28,7 @@ from result_channel import ReplyPipe  # noqa: E402
 
 import gpu_arena  # noqa: E402
 from gpu_arena import _lib  # noqa: E402
-from gpu_arena.handle import _LAYOUT  # noqa: E402
+from gpu_arena.handle import _layout  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "ipc_worker.py"
 CONF = "backend=sim,arena_size=64MiB,sim_capacity=4GiB"
@@ -242,15 +242,16 @@ def test_bad_handles_and_misuse_give_the_right_codes(pair):
     h = producer("share", ptr=p, n=MiB)
 
     # A forged token: the broker refuses it.
-    token_at, token_len = _LAYOUT["token"]
+    layout = _layout()  # the library's (gpu_arena_share_layout)
+    token_at, token_len = layout["token"]
     for at in (token_at, token_at + 7, token_at + token_len - 1):
         e = consumer.error_of("import", handle=flip(h, at))
         assert e.code == ERR_IPC, e
     # A handle of another version: refused before any connection.
-    e = consumer.error_of("import", handle=flip(h, _LAYOUT["version"][0]))
+    e = consumer.error_of("import", handle=flip(h, layout["version"][0]))
     assert e.code == ERR_IPC and "version" in e.message, e
     # Bad magic, truncated handle.
-    assert consumer.error_of("import", handle=flip(h, _LAYOUT["magic"][0])).code == ERR_IPC
+    assert consumer.error_of("import", handle=flip(h, layout["magic"][0])).code == ERR_IPC
     assert consumer.error_of("import", handle=h[:200]).code == "python"  # ValueError: 100 bytes
 
     # Out-of-bounds and foreign shares in the producer.
