@@ -80,6 +80,8 @@ GA_SAME_FIELD(pending_free_bytes)
 GA_SAME_FIELD(requested_bytes)
 GA_SAME_FIELD(peak_requested_bytes)
 static_assert(sizeof(gpu_arena_native::Share) == sizeof(gpu_arena_share_t), "share size");
+static_assert(gpu_arena_native::kShareBytes == GPU_ARENA_SHARE_BYTES, "share bytes");
+static_assert(gpu_arena_native::kErrOutOfMemory == GPU_ARENA_ERR_OUT_OF_MEMORY, "OOM code");
 static_assert(sizeof(gpu_arena_native::PoolBlock) == sizeof(gpu_arena_pool_block_t), "block");
 static_assert(offsetof(gpu_arena_native::Segment, in_graph_pool) ==
                   offsetof(gpu_arena_segment_t, in_graph_pool) &&
