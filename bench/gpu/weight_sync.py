@@ -232,6 +232,17 @@ def device_used(torch) -> int:
     return total - free
 
 
+def held(torch, baseline: int, alloc: str) -> dict:
+    """The trainer's memory now: device bytes in use over the baseline, torch's reserved and
+    allocated bytes, and gpu-arena's shares, exports and imports."""
+    m = {"device_used_mib": (device_used(torch) - baseline) / MIB,
+         "reserved_mib": torch.cuda.memory_reserved(0) / MIB,
+         "allocated_mib": torch.cuda.memory_allocated(0) / MIB}
+    if alloc.startswith("gpu_arena"):
+        m.update(arena_stats())
+    return m
+
+
 def trainer(args) -> dict:
     torch = install(args.alloc)
     import torch.multiprocessing as tmp
@@ -296,12 +307,7 @@ def trainer(args) -> dict:
         dumps_s.append(timer.take("dumps_s"))
         if args.alloc == "torch_collect":
             torch.cuda.ipc_collect()
-        m = {"device_used_mib": (device_used(torch) - baseline) / MIB,
-             "reserved_mib": torch.cuda.memory_reserved(0) / MIB,
-             "allocated_mib": torch.cuda.memory_allocated(0) / MIB}
-        if args.alloc.startswith("gpu_arena"):
-            m.update(arena_stats())
-        mem.append(m)
+        mem.append(held(torch, baseline, args.alloc))
     q.put(None)
     child.join(300)
     receiver = json.load(open(recv_result)) if os.path.exists(recv_result) else {}
@@ -309,19 +315,11 @@ def trainer(args) -> dict:
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    teardown = {"device_used_mib": (device_used(torch) - baseline) / MIB,
-                "reserved_mib": torch.cuda.memory_reserved(0) / MIB,
-                "allocated_mib": torch.cuda.memory_allocated(0) / MIB}
-    if args.alloc.startswith("gpu_arena"):
-        teardown.update(arena_stats())
+    teardown = held(torch, baseline, args.alloc)
     # What torch's IPC limbo held: the same figures after torch.cuda.ipc_collect().
     torch.cuda.ipc_collect()
     torch.cuda.empty_cache()
-    collected = {"device_used_mib": (device_used(torch) - baseline) / MIB,
-                 "reserved_mib": torch.cuda.memory_reserved(0) / MIB,
-                 "allocated_mib": torch.cuda.memory_allocated(0) / MIB}
-    if args.alloc.startswith("gpu_arena"):
-        collected.update(arena_stats())
+    collected = held(torch, baseline, args.alloc)
     return {"alloc": args.alloc, "mode": args.mode, "path": args.path, "shape": args.shape,
             "tensors": len(numels), "bytes": 2 * sum(numels), "syncs": args.syncs,
             "messages": len(messages),

@@ -50,14 +50,14 @@ def arena_left() -> dict:
 # --- children ----------------------------------------------------------------------------
 
 
-def child_sender(role_args):
-    """Sender of receiver_killed: two buckets, the receiver killed after the first."""
+def with_receiver(target, *args):
+    """Install gpu-arena, take the device's baseline (this process's CUDA context only), then
+    spawn `target(q, back, *args)`: (torch, baseline, q, back, the receiver's Process)."""
     import gpu_arena.torch
 
     gpu_arena.torch.install()
     import torch
     import torch.multiprocessing as tmp
-    from gpu_arena import weight_sync
 
     torch.zeros(1, device="cuda")
     torch.cuda.synchronize()
@@ -65,8 +65,16 @@ def child_sender(role_args):
     base = used(torch)
     ctx = tmp.get_context("spawn")
     q, back = ctx.Queue(), ctx.Queue()
-    r = ctx.Process(target=receiver_loop, args=(q, back, "hold"))
+    r = ctx.Process(target=target, args=(q, back, *args))
     r.start()
+    return torch, base, q, back, r
+
+
+def child_sender(role_args):
+    """Sender of receiver_killed: two buckets, the receiver killed after the first."""
+    torch, base, q, back, r = with_receiver(receiver_loop, "hold")
+    from gpu_arena import weight_sync
+
     pid = back.get(timeout=120)
     a = [torch.full((SIZE // 2,), float(i), dtype=torch.bfloat16, device="cuda") for i in range(N)]
     b = [torch.full((SIZE // 2,), float(i + 50), dtype=torch.bfloat16, device="cuda") for i in range(N)]
@@ -152,20 +160,7 @@ def child_consumer_of_dead(role_args):
 
 def child_queue(role_args):
     """The torch.multiprocessing path: data, no limbo, and an early drop's error."""
-    import gpu_arena.torch
-
-    gpu_arena.torch.install()
-    import torch
-    import torch.multiprocessing as tmp
-
-    torch.zeros(1, device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = used(torch)
-    ctx = tmp.get_context("spawn")
-    q, back = ctx.Queue(), ctx.Queue()
-    r = ctx.Process(target=queue_receiver, args=(q, back))
-    r.start()
+    torch, base, q, back, r = with_receiver(queue_receiver)
     ts = [torch.full((SIZE // 2,), float(i), dtype=torch.bfloat16, device="cuda") for i in range(N)]
     q.put(ts)
     bad = back.get(timeout=120)
