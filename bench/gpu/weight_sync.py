@@ -77,16 +77,9 @@ def install(alloc: str):
     if alloc == "gpu_arena_torch_ipc":
         # gpu-arena's allocator with torch's own CUDA IPC reductions put back (what
         # install() did before it registered its own): the "before".
-        from multiprocessing.reduction import ForkingPickler
-
-        import torch.multiprocessing.reductions as reductions
         from gpu_arena import torch_ipc
 
-        reductions.reduce_tensor = torch_ipc._torch_reduce_tensor
-        reductions.reduce_storage = torch_ipc._torch_reduce_storage
-        for cls in (*torch._tensor_classes, torch.Tensor, torch.nn.parameter.Parameter):
-            ForkingPickler.register(cls, reductions.reduce_tensor)
-        ForkingPickler.register(torch.UntypedStorage, reductions.reduce_storage)
+        torch_ipc.unregister(torch)
     return torch
 
 

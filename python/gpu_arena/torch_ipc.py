@@ -47,7 +47,7 @@ from ._lib import SHARE_BYTES
 from .handle import ShareHandle
 from .tensors import Share, open as _open
 
-__all__ = ["register", "registered", "reduce_tensor", "reduce_storage", "rebuild_tensor",
+__all__ = ["register", "unregister", "registered", "reduce_tensor", "reduce_storage", "rebuild_tensor",
            "rebuild_storage", "share_blocks"]
 
 _torch_reduce_tensor = None  # torch's own reductions, for everything that is not ours
@@ -77,6 +77,25 @@ def register(torch, native: ctypes.CDLL) -> None:
     for cls in (*torch._tensor_classes, torch.Tensor, torch.nn.parameter.Parameter):
         ForkingPickler.register(cls, reduce_tensor)
     ForkingPickler.register(torch.UntypedStorage, reduce_storage)
+
+
+def unregister(torch) -> None:
+    """Put torch's own CUDA IPC reductions back (gpu-arena's allocator stays): sent tensors
+    then go through torch's reference counting and limbo again, as before :func:`register`
+    (benchmarks compare the two). Does nothing if :func:`register` did not run."""
+    global _share_blocks_fn
+    if _torch_reduce_tensor is None:
+        return
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing.reductions as reductions
+
+    reductions.reduce_tensor = _torch_reduce_tensor
+    reductions.reduce_storage = _torch_reduce_storage
+    for cls in (*torch._tensor_classes, torch.Tensor, torch.nn.parameter.Parameter):
+        ForkingPickler.register(cls, _torch_reduce_tensor)
+    ForkingPickler.register(torch.UntypedStorage, _torch_reduce_storage)
+    _share_blocks_fn = None
 
 
 def registered() -> bool:
