@@ -189,7 +189,7 @@ def rebuild_tensor(cls, handle: bytes, offset: int, nbytes: int, dtype: str, sha
         t = _open(Share(h, dtype, shape, stride, storage_offset, h.device, nbytes))
     else:
         dt = getattr(torch, dtype)
-        item = torch.empty(0, dtype=dt).element_size()
+        item = dt.itemsize
         if offset % item:
             raise ValueError(f"storage offset {offset} B is not a multiple of {dt}'s {item} B")
         t = _import_whole(h).view(dt).as_strided(

@@ -194,7 +194,7 @@ def _views(torch, bucket: WeightBucket, wholes: List[Any], named: bool):
     out = []
     for j, offset, dtype, shape, stride, so in bucket.entries:
         dt = _dtype(torch, dtype)
-        item = _itemsize(torch, dt)
+        item = dt.itemsize  # torch >= 2.1 (the native allocator needs 2.8)
         if offset % item:
             raise ValueError(f"a {dtype} tensor at byte {offset} of its allocation: not "
                              f"aligned to its {item}-byte elements")
@@ -231,7 +231,6 @@ def buckets(named_tensors: Iterable[Tuple[str, Any]],
 # --- the imports ------------------------------------------------------------------------
 
 _dtypes: Dict[str, Any] = {}
-_itemsizes: Dict[Any, int] = {}
 
 
 def _dtype(torch, name: str):
@@ -243,12 +242,6 @@ def _dtype(torch, name: str):
         _dtypes[name] = dt
     return dt
 
-
-def _itemsize(torch, dt) -> int:
-    n = _itemsizes.get(dt)
-    if n is None:
-        n = _itemsizes[dt] = torch.empty(0, dtype=dt).element_size()
-    return n
 
 
 def _typed(whole, dt, item: int):

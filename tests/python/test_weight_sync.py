@@ -73,23 +73,16 @@ def test_a_receiver_starts_empty_and_prunes_nothing():
 
 
 class FakeDtype:
-    pass
+    def __init__(self, itemsize):
+        self.itemsize = itemsize
 
 
 class FakeTorch:
-    """The part of torch weight_sync's views use: dtypes, their item sizes, and tensors that
-    remember how they were viewed."""
+    """The part of torch weight_sync's views use: dtypes and their item sizes."""
 
     dtype = FakeDtype
-    uint8 = FakeDtype()
-    bfloat16 = FakeDtype()
-
-    @staticmethod
-    def empty(n, dtype):
-        class E:
-            def element_size(self):
-                return 1 if dtype is FakeTorch.uint8 else 2
-        return E()
+    uint8 = FakeDtype(1)
+    bfloat16 = FakeDtype(2)
 
 
 class FakeWhole:
